@@ -1,0 +1,153 @@
+"""Input validation and broadcast normalization shared by the kernels and the reference.
+
+Every user mistake is reported as ``TypeError`` (wrong kind of object or dtype) or ``ValueError``
+(wrong shape or value) with a message that names the argument and says what was expected.
+Plain ``if ... raise`` is used throughout: ``assert`` vanishes under ``python -O``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """Problem sizes. Query is (batch, seqlen_q, heads_q, head_dim); key/value use heads_kv."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA, heads_q for MQA)."""
+        return self.heads_q // self.heads_kv
+
+
+@dataclass(frozen=True)
+class BroadcastOperand:
+    """A mask or bias seen as a 4-D (batch, heads, seqlen_q, seqlen_k) view without copies.
+
+    Batch and sequence axes of size 1 are expanded to stride 0. The head axis keeps its own size
+    (1, heads_kv or heads_q); query head ``h`` reads head ``h // head_div`` of it, which is the
+    same formula for all three sizes.
+    """
+
+    view: torch.Tensor
+    head_div: int
+    original_shape: tuple[int, ...]
+
+
+def _check_qkv(query, key, value) -> AttnShape:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+        if t.numel() == 0:
+            raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} dtype must match query dtype {query.dtype}, got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} must be on query's device {query.device}, got {t.device}")
+    b, lq, hq, d = query.shape
+    bk, lk, hk, dk = key.shape
+    if bk != b:
+        raise ValueError(f"key batch must equal query batch {b}, got {bk}")
+    if dk != d:
+        raise ValueError(f"key head_dim must equal query head_dim {d}, got {dk}")
+    if tuple(value.shape) != tuple(key.shape):
+        raise ValueError(
+            f"value shape must equal key shape {tuple(key.shape)}, got {tuple(value.shape)}"
+        )
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {d}")
+    if hq % hk != 0:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for MHA/GQA/MQA"
+        )
+    return AttnShape(b, lq, lk, hq, hk, d)
+
+
+def _check_broadcast(name: str, t: torch.Tensor, shape: AttnShape, device) -> BroadcastOperand:
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name} must be 4-D (batch, heads, seqlen_q, seqlen_k), got shape {tuple(t.shape)}"
+        )
+    if t.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on query's device {device}, got {t.device}")
+    allowed = (
+        ("batch", {1, shape.batch}),
+        ("heads", {1, shape.heads_kv, shape.heads_q}),
+        ("seqlen_q", {1, shape.seqlen_q}),
+        ("seqlen_k", {1, shape.seqlen_k}),
+    )
+    for axis, (axis_name, sizes) in enumerate(allowed):
+        if t.shape[axis] not in sizes:
+            raise ValueError(
+                f"{name} dimension {axis} ({axis_name}) must be one of {sorted(sizes)}, "
+                f"got shape {tuple(t.shape)}"
+            )
+    heads = t.shape[1]
+    view = t.expand(shape.batch, heads, shape.seqlen_q, shape.seqlen_k)
+    return BroadcastOperand(view, shape.heads_q // heads, tuple(t.shape))
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    shape: AttnShape
+    mask: BroadcastOperand | None
+    bias: BroadcastOperand | None
+    softmax_scale: float
+
+
+def check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale) -> CheckedInputs:
+    """Validate everything and return the normalized views. Raises TypeError/ValueError."""
+    shape = _check_qkv(query, key, value)
+    mask = bias = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool:
+            raise TypeError(f"attn_mask dtype must be torch.bool (True = keep), got {attn_mask.dtype}")
+        mask = _check_broadcast("attn_mask", attn_mask, shape, query.device)
+    if attn_bias is not None:
+        if not isinstance(attn_bias, torch.Tensor):
+            raise TypeError(f"attn_bias must be a torch.Tensor or None, got {type(attn_bias).__name__}")
+        if attn_bias.dtype != query.dtype:
+            raise TypeError(
+                f"attn_bias dtype must equal query dtype {query.dtype}, got {attn_bias.dtype}"
+            )
+        bias = _check_broadcast("attn_bias", attn_bias, shape, query.device)
+    return CheckedInputs(shape, mask, bias, resolve_scale(softmax_scale, shape.head_dim))
+
+
+def resolve_scale(softmax_scale, head_dim: int) -> float:
+    """None means 1/sqrt(head_dim); any finite real number (0.0 included) is used as given."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, Real):
+        raise TypeError(
+            f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
+        )
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    return scale

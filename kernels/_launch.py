@@ -1,0 +1,60 @@
+"""Host-side helpers shared by the forward and backward launchers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._checks import BroadcastOperand
+
+
+def is_interpreted(kernel) -> bool:
+    # triton.jit returns an InterpretedFunction instead of a JITFunction when TRITON_INTERPRET=1
+    # was set before the decorator ran (true for triton 3.2 through 3.9).
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def ensure_runnable(kernel, device: torch.device) -> None:
+    """CPU tensors only work under Triton's interpreter; say how to turn it on."""
+    if device.type == "cpu" and not is_interpreted(kernel):
+        raise RuntimeError(
+            "dmattn on CPU tensors needs Triton's interpreter: set the environment variable "
+            "TRITON_INTERPRET=1 before importing kernels (or triton), e.g. "
+            "`TRITON_INTERPRET=1 python your_script.py`, or move the tensors to a CUDA device"
+        )
+
+
+def padded_head_dim(head_dim: int) -> int:
+    # tl.dot needs every dimension >= 16 and power-of-two tiles; loads mask the padding.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@dataclass(frozen=True)
+class OperandArgs:
+    """Pointer, four strides and head divisor of an optional mask or bias, as kernel args."""
+
+    tensor: torch.Tensor
+    stride_b: int
+    stride_h: int
+    stride_m: int
+    stride_n: int
+    head_div: int
+
+    def as_args(self) -> tuple:
+        return (self.tensor, self.stride_b, self.stride_h, self.stride_m, self.stride_n,
+                self.head_div)
+
+
+def operand_args(op: BroadcastOperand | None, placeholder: torch.Tensor) -> OperandArgs:
+    """Kernel arguments for a broadcast view. Absent operands pass a placeholder pointer that
+    the kernel never dereferences (HAS_MASK / HAS_BIAS are compile-time False)."""
+    if op is None:
+        return OperandArgs(placeholder, 0, 0, 0, 0, 1)
+    view = op.view
+    if view.dtype == torch.bool:
+        # Same bytes, viewed as uint8: no copy, and a plain integer load in every Triton version.
+        view = view.view(torch.uint8)
+    sb, sh, sm, sn = view.stride()
+    return OperandArgs(view, sb, sh, sm, sn, op.head_div)

@@ -1,0 +1,63 @@
+"""Score construction shared by the forward and both backward kernels.
+
+Axis letters used in every kernel module: b batch, h head, m query position, n key position,
+d head dim. Strides are named ``stride_<tensor>_<axis>``.
+
+All scores are kept in the log2 domain: ``s2 = (scale * q.k + bias) * log2(e)``, so that the
+softmax uses ``exp2`` (one MUFU instruction) and the scale costs one multiply folded into
+``qk_scale = scale * log2(e)``. The stored LSE is natural-log; kernels convert at the edges.
+"""
+
+import triton
+import triton.language as tl
+
+# log2(e): converts natural-log quantities to the exp2 domain.
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def operand_base(ptr, b, h, head_div, stride_b, stride_h):
+    """Base pointer of (b, head) in a tensor whose head axis is read as h // head_div.
+
+    The products are 64-bit: a bias of (1, 32, 8192, 65536) has head offsets past 2**31.
+    """
+    return ptr + b.to(tl.int64) * stride_b + (h // head_div).to(tl.int64) * stride_h
+
+
+@triton.jit
+def tile_offsets(offs_m, offs_n, stride_m, stride_n):
+    """64-bit element offsets of an (m, n) tile; broadcast axes simply have stride 0."""
+    return offs_m.to(tl.int64)[:, None] * stride_m + offs_n.to(tl.int64)[None, :] * stride_n
+
+
+@triton.jit
+def visible_keys(offs_m, offs_n, seqlen_q, seqlen_k, mask_ptrs,
+                 HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Which (query, key) pairs of the tile take part: in range, kept by the mask, causal.
+
+    Causal is bottom-right aligned: query i sees key j iff j <= i + (seqlen_k - seqlen_q).
+    The mask is read with the range predicate, so odd lengths never read out of bounds.
+    """
+    keep = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+    if HAS_MASK:
+        keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
+    if IS_CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+    return keep
+
+
+@triton.jit
+def any_visible(keep):
+    """True when at least one pair of the tile is kept; inactive tiles skip K/V and the dots."""
+    return tl.max(keep.to(tl.int32)) > 0
+
+
+@triton.jit
+def scores_log2(qk, keep, bias_ptrs, qk_scale, HAS_BIAS: tl.constexpr):
+    """Scaled, biased scores in the log2 domain; pairs not kept are -inf."""
+    s = qk * qk_scale
+    if HAS_BIAS:
+        # The bias is added after scaling, so it gets log2(e) alone.
+        s += tl.load(bias_ptrs, mask=keep, other=0.0).to(tl.float32) * LOG2E
+    return tl.where(keep, s, float("-inf"))

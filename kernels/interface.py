@@ -1,0 +1,72 @@
+"""Public entry points: one autograd.Function and the functions users call."""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_inputs
+from .backward import attention_backward
+from .forward import attention_forward
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # The kernels need unit stride only on head_dim; any other strides are used as they are.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _DMAttnFunction(torch.autograd.Function):
+    """Saves what the backward needs and calls the launchers; nothing else lives here."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
+                deterministic):
+        query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
+        checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
+        out, lse = attention_forward(query, key, value, checked, is_causal)
+        ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias)
+        ctx.checked = checked
+        ctx.is_causal = is_causal
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, _, attn_bias = ctx.saved_tensors
+        dq, dk, dv, dbias = attention_backward(
+            grad_out, query, key, value, out, lse, ctx.checked, ctx.is_causal,
+            ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
+        )
+        return dq, dk, dv, None, dbias, None, None, None
+
+
+def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
+                softmax_scale=None, return_lse=False, deterministic=False):
+    """Flash dynamic-mask attention.
+
+    Args:
+        query: (batch, seqlen_q, heads_q, head_dim), float16 / bfloat16 / float32.
+        key, value: (batch, seqlen_k, heads_kv, head_dim) with heads_q % heads_kv == 0
+            (MHA, GQA, MQA). Query head h reads KV head h // (heads_q // heads_kv).
+        attn_mask: optional bool, True = keep. 4-D, each axis broadcastable: batch {1, B},
+            heads {1, heads_kv, heads_q}, query {1, seqlen_q}, key {1, seqlen_k}. Never copied.
+        attn_bias: optional additive bias, query's dtype, same broadcast rule as the mask.
+            Trainable: it receives a gradient in its own (broadcast) shape.
+        is_causal: bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+        softmax_scale: None means 1/sqrt(head_dim); any finite float, 0.0 included, is used.
+        return_lse: also return the float32 natural-log LSE of shape (batch, heads_q, seqlen_q).
+        deterministic: make the gradients bitwise reproducible from run to run.
+
+    Scores are ``softmax_scale * q.k + bias``, masked pairs are -inf. Rows that see no key give
+    output 0, LSE -inf and zero gradients.
+    """
+    out, lse = _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, bool(is_causal),
+                                     softmax_scale, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
+                       softmax_scale=None, return_lse=False, deterministic=False):
+    """flash-dmattn's name and parameter order, so switching is a change of import."""
+    return dmattn_func(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
+                       return_lse, deterministic)

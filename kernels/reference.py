@@ -1,0 +1,78 @@
+"""The eager reference: the ground truth for the tests and for ``dmbench equiv``.
+
+Same signature and semantics as :func:`kernels.dmattn_func`. It materializes the full score
+matrix, so it is for checking, never for speed. With ``upcast=True`` it computes in float64 and
+returns float64 tensors (the ground truth is not rounded back). With ``upcast=False`` it computes
+in the inputs' dtype, which is the "eager low-precision run" of the accuracy rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_inputs
+
+
+def _per_query_head(view: torch.Tensor, head_div: int, heads_q: int) -> torch.Tensor:
+    """(B, Hm, Lq, Lk) view -> (B, Hq, Lq, Lk), query head h reading head h // head_div."""
+    index = torch.arange(heads_q, device=view.device) // head_div
+    return view.index_select(1, index)
+
+
+def causal_keep(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
+    """Bottom-right aligned causal pattern: row i sees key j iff j <= i + (Lk - Lq)."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def attention_reference(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    attn_bias=None,
+    is_causal=False,
+    softmax_scale=None,
+    return_lse=False,
+    upcast=True,
+):
+    """Eager dynamic-mask attention in (batch, seqlen, heads, head_dim) layout.
+
+    Returns ``out`` (B, Lq, Hq, D) and, with ``return_lse``, the natural-log LSE (B, Hq, Lq) in
+    float32 (float64 when upcast). Rows that see no key give output 0 and LSE -inf, and their
+    gradients are 0. Differentiable with respect to query, key, value and attn_bias.
+    """
+    checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
+    shape = checked.shape
+    compute = torch.float64 if upcast else query.dtype
+    q = query.to(compute).transpose(1, 2)  # (B, Hq, Lq, D)
+    group = shape.group_size
+    k = key.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
+    v = value.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
+
+    scores = torch.matmul(q, k.transpose(-1, -2)) * checked.softmax_scale
+    if checked.bias is not None:
+        # Bias is added after scaling. attn_bias itself stays in the graph so it gets a gradient.
+        bias = attn_bias.to(compute).expand_as(checked.bias.view)
+        scores = scores + _per_query_head(bias, checked.bias.head_div, shape.heads_q)
+    keep = torch.ones(shape.seqlen_q, shape.seqlen_k, dtype=torch.bool, device=query.device)
+    if is_causal:
+        keep = causal_keep(shape.seqlen_q, shape.seqlen_k, query.device)
+    keep = keep.expand(shape.batch, shape.heads_q, shape.seqlen_q, shape.seqlen_k)
+    if checked.mask is not None:
+        keep = keep & _per_query_head(checked.mask.view, checked.mask.head_div, shape.heads_q)
+
+    scores = scores.masked_fill(~keep, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    # -inf guard: an empty row would give (-inf) - (-inf) = NaN; shifting by 0 keeps exp() at 0.
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    probs = torch.exp(scores - row_max)
+    denom = probs.sum(dim=-1, keepdim=True)
+    probs = probs / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+    if not return_lse:
+        return out
+    lse_dtype = torch.float64 if upcast else torch.float32
+    lse = torch.logsumexp(scores.detach().to(lse_dtype), dim=-1)
+    return out, lse
