@@ -26,24 +26,29 @@ def operand_base(ptr, b, h, head_div, stride_b, stride_h):
 
 
 @triton.jit
-def tile_offsets(offs_m, offs_n, stride_m, stride_n):
-    """64-bit element offsets of an (m, n) tile; broadcast axes simply have stride 0."""
-    return offs_m.to(tl.int64)[:, None] * stride_m + offs_n.to(tl.int64)[None, :] * stride_n
+def tile_offsets(rows, cols, stride_rows, stride_cols):
+    """64-bit element offsets of a 2-D tile; broadcast axes simply have stride 0.
+
+    ``rows`` and ``cols`` arrive already shaped for broadcasting ([:, None] and [None, :], or
+    the transpose), so one helper serves (m, n) tiles and the backward's (n, m) tiles alike.
+    """
+    return rows.to(tl.int64) * stride_rows + cols.to(tl.int64) * stride_cols
 
 
 @triton.jit
-def visible_keys(offs_m, offs_n, seqlen_q, seqlen_k, mask_ptrs,
+def visible_keys(m_idx, n_idx, seqlen_q, seqlen_k, mask_ptrs,
                  HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """Which (query, key) pairs of the tile take part: in range, kept by the mask, causal.
 
+    ``m_idx`` / ``n_idx`` are broadcast-shaped query and key positions (either orientation).
     Causal is bottom-right aligned: query i sees key j iff j <= i + (seqlen_k - seqlen_q).
     The mask is read with the range predicate, so odd lengths never read out of bounds.
     """
-    keep = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+    keep = (m_idx < seqlen_q) & (n_idx < seqlen_k)
     if HAS_MASK:
         keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
     if IS_CAUSAL:
-        keep = keep & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+        keep = keep & (n_idx <= m_idx + (seqlen_k - seqlen_q))
     return keep
 
 
@@ -61,3 +66,24 @@ def scores_log2(qk, keep, bias_ptrs, qk_scale, HAS_BIAS: tl.constexpr):
         # The bias is added after scaling, so it gets log2(e) alone.
         s += tl.load(bias_ptrs, mask=keep, other=0.0).to(tl.float32) * LOG2E
     return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def probs_from_lse(s, lse):
+    """Recompute softmax probabilities from log2 scores and the saved natural-log LSE.
+
+    Empty rows have LSE -inf and all scores -inf; shifting by 0 there keeps exp2 at 0, not NaN.
+    """
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    return tl.math.exp2(s - lse2)
+
+
+@triton.jit
+def write_tile(ptrs, values, in_range, ACCUMULATE: tl.constexpr, ATOMIC: tl.constexpr):
+    """Store a gradient tile: plain store, add into an fp32 accumulator, or atomic add."""
+    if ATOMIC:
+        tl.atomic_add(ptrs, values, mask=in_range)
+    elif ACCUMULATE:
+        tl.store(ptrs, tl.load(ptrs, mask=in_range, other=0.0) + values, mask=in_range)
+    else:
+        tl.store(ptrs, values.to(ptrs.dtype.element_ty), mask=in_range)

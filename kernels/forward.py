@@ -46,15 +46,15 @@ def _attn_fwd_kernel(
     q_base = operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h)
     k_base = operand_base(k_ptr, b, h, group_size, stride_k_b, stride_k_h)
     v_base = operand_base(v_ptr, b, h, group_size, stride_v_b, stride_v_h)
-    q = tl.load(q_base + tile_offsets(offs_m, offs_d, stride_q_m, 1),
+    q = tl.load(q_base + tile_offsets(offs_m[:, None], offs_d[None, :], stride_q_m, 1),
                 mask=(offs_m[:, None] < seqlen_q) & d_ok[None, :], other=0.0)
 
     mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
-        + tile_offsets(offs_m, offs_n0, stride_mask_m, stride_mask_n)
+        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
     bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-        + tile_offsets(offs_m, offs_n0, stride_bias_m, stride_bias_n)
-    k_ptrs = k_base + tile_offsets(offs_n0, offs_d, stride_k_n, 1)
-    v_ptrs = v_base + tile_offsets(offs_n0, offs_d, stride_v_n, 1)
+        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_bias_m, stride_bias_n)
+    k_ptrs = k_base + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
+    v_ptrs = v_base + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -66,7 +66,8 @@ def _attn_fwd_kernel(
         hi = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0))
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        keep = visible_keys(offs_m, offs_n, seqlen_q, seqlen_k, mask_ptrs, HAS_MASK, IS_CAUSAL)
+        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, mask_ptrs,
+                            HAS_MASK, IS_CAUSAL)
         active = True
         if HAS_MASK:
             active = any_visible(keep)
@@ -94,7 +95,8 @@ def _attn_fwd_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     out_base = operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
-    tl.store(out_base + tile_offsets(offs_m, offs_d, stride_o_m, 1), out.to(out_ptr.dtype.element_ty),
+    tl.store(out_base + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
+             out.to(out_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen_q) & d_ok[None, :])
     # LSE is (B, Hq, Lq) contiguous. The row predicate keeps a partial last block from writing
     # into the next head's rows (the LSE race seen in other Triton attention ports).
