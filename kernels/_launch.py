@@ -26,6 +26,18 @@ def ensure_runnable(kernel, device: torch.device) -> None:
         )
 
 
+def dot_options(dtype: torch.dtype, interpreted: bool) -> dict:
+    """Compile-time dot settings shared by every kernel (see ``_score.mma``)."""
+    return dict(
+        # fp32 inputs are for tight gradient checks: keep the dots in true fp32, not tf32.
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        WIDEN_DOTS=interpreted and dtype == torch.bfloat16,
+    )
+
+
+LOG2E = 1.4426950408889634
+
+
 def padded_head_dim(head_dim: int) -> int:
     # tl.dot needs every dimension >= 16 and power-of-two tiles; loads mask the padding.
     return max(16, triton.next_power_of_2(head_dim))

@@ -87,3 +87,28 @@ def write_tile(ptrs, values, in_range, ACCUMULATE: tl.constexpr, ATOMIC: tl.cons
         tl.store(ptrs, tl.load(ptrs, mask=in_range, other=0.0) + values, mask=in_range)
     else:
         tl.store(ptrs, values.to(ptrs.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def causal_key_end(start_m, BLOCK_M: tl.constexpr, seqlen_q, seqlen_k):
+    """One past the last key any row of the query block [start_m, start_m + BLOCK_M) can see."""
+    return tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0))
+
+
+@triton.jit
+def causal_query_start(start_n, BLOCK_M: tl.constexpr, seqlen_q, seqlen_k):
+    """First query block (aligned to BLOCK_M) with a row that can see key ``start_n``."""
+    return (tl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M) * BLOCK_M
+
+
+@triton.jit
+def mma(a, b, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+    """tl.dot with the kernels' precision policy.
+
+    WIDEN_DOTS is set only under Triton's CPU interpreter for bfloat16 inputs: the interpreter
+    (seen in triton 3.9) multiplies bf16 operands as their raw uint16 storage. bf16 products are
+    exact in fp32, so widening first gives the tensor cores' result. Compiled code never widens.
+    """
+    if WIDEN_DOTS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)

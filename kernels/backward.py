@@ -1,2 +1,344 @@
-def attention_backward(*args, **kwargs):
-    raise NotImplementedError("backward kernel not written yet")
+"""Backward kernels and their launcher.
+
+Three launches, FlashAttention-2 style:
+1. ``_attn_bwd_preprocess_kernel``: delta = rowsum(dO * O), one fp32 per (b, hq, m).
+2. ``_attn_bwd_dkdv_kernel``: one program per (key block, b, kv head). It loops over the query
+   heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
+   atomics and no (B, Lk, Hq, D) temporary. It also produces the bias gradient for biases that
+   span the key axis (see ``_dbias``).
+3. ``_attn_bwd_dq_kernel``: one program per (query block, b, q head), looping over keys. It
+   produces the bias gradient for biases broadcast along the key axis.
+
+Scores and probabilities are rebuilt with the forward's helpers from the saved LSE. dkdv works
+in the transposed (n, m) orientation so that its dots need no extra transposes of dS and P.
+Axis letters: b batch, h head, m query position, n key position, d head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import CheckedInputs
+from ._dbias import DbiasPlan, plan_dbias
+from ._launch import (LOG2E, dot_options, ensure_runnable, is_interpreted, operand_args,
+                      padded_head_dim)
+from ._score import (any_visible, causal_key_end, causal_query_start, mma, operand_base,
+                     probs_from_lse, scores_log2, tile_offsets, visible_keys, write_tile)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    out_ptr, do_ptr, delta_ptr,
+    stride_o_b, stride_o_m, stride_o_h,
+    stride_do_b, stride_do_m, stride_do_h,
+    heads_q, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    offs_d = tl.arange(0, BLOCK_D)
+    in_range = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
+                + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
+                mask=in_range, other=0.0).to(tl.float32)
+    do = tl.load(operand_base(do_ptr, b, h, 1, stride_do_b, stride_do_h)
+                 + tile_offsets(offs_m[:, None], offs_d[None, :], stride_do_m, 1),
+                 mask=in_range, other=0.0).to(tl.float32)
+    # Row predicate: a partial last block must not write into the next head's rows.
+    tl.store(delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m, tl.sum(o * do, 1),
+             mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    dbias_ptr, stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+    stride_q_b, stride_q_m, stride_q_h,
+    stride_k_b, stride_k_n, stride_k_h,
+    stride_v_b, stride_v_n, stride_v_h,
+    stride_do_b, stride_do_m, stride_do_h,
+    stride_dk_b, stride_dk_n, stride_dk_h,
+    stride_dv_b, stride_dv_n, stride_dv_h,
+    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    batch_start, head_start, heads_per_launch,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    # Axis 1 enumerates (batch, kv head) pairs of this launch; deterministic dbias for a shared
+    # bias launches one slice at a time (batch_start / head_start) in a fixed order.
+    b = batch_start + tl.program_id(1) // heads_per_launch
+    hk = head_start + tl.program_id(1) % heads_per_launch
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    n_ok = offs_n < seqlen_k
+    kv_in_range = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(operand_base(k_ptr, b, hk, 1, stride_k_b, stride_k_h)
+                + tile_offsets(offs_n[:, None], offs_d[None, :], stride_k_n, 1),
+                mask=kv_in_range, other=0.0)
+    v = tl.load(operand_base(v_ptr, b, hk, 1, stride_v_b, stride_v_h)
+                + tile_offsets(offs_n[:, None], offs_d[None, :], stride_v_n, 1),
+                mask=kv_in_range, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    lo = 0
+    if IS_CAUSAL:
+        lo = causal_query_start(start_n, BLOCK_M, seqlen_q, seqlen_k)
+    offs_m_lo = lo + offs_m0
+    for g in range(group_size):
+        h = hk * group_size + g
+        bh = b * heads_q + h
+        q_ptrs = operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h) \
+            + tile_offsets(offs_m_lo[:, None], offs_d[None, :], stride_q_m, 1)
+        do_ptrs = operand_base(do_ptr, b, h, 1, stride_do_b, stride_do_h) \
+            + tile_offsets(offs_m_lo[:, None], offs_d[None, :], stride_do_m, 1)
+        mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
+            + tile_offsets(offs_n[:, None], offs_m_lo[None, :], stride_mask_n, stride_mask_m)
+        bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
+            + tile_offsets(offs_n[:, None], offs_m_lo[None, :], stride_bias_n, stride_bias_m)
+        dbias_ptrs = operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h) \
+            + tile_offsets(offs_n[:, None], offs_m_lo[None, :], stride_db_n, stride_db_m)
+        lse_ptrs = lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m_lo
+        delta_ptrs = delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m_lo
+        dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start_m in range(lo, seqlen_q, BLOCK_M):
+            offs_m = start_m + offs_m0
+            keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, mask_ptrs,
+                                HAS_MASK, IS_CAUSAL)
+            active = True
+            if HAS_MASK:
+                active = any_visible(keep)
+            if active:
+                m_ok = offs_m < seqlen_q
+                q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                qk_t = mma(k, tl.trans(q), DOT_PRECISION, WIDEN_DOTS)
+                s_t = scores_log2(qk_t, keep, bias_ptrs, qk_scale, HAS_BIAS)
+                p_t = probs_from_lse(s_t, tl.load(lse_ptrs, mask=m_ok, other=0.0)[None, :])
+                do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                dv += mma(p_t.to(do.dtype), do, DOT_PRECISION, WIDEN_DOTS)
+                dp_t = mma(v, tl.trans(do), DOT_PRECISION, WIDEN_DOTS)
+                delta = tl.load(delta_ptrs, mask=m_ok, other=0.0)
+                # dS = P * (dP - delta): the gradient of the (natural) score, bias included.
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION, WIDEN_DOTS)
+                if HAS_DBIAS:
+                    if DBIAS_REDUCE_M:
+                        dbias_col += tl.sum(ds_t, 1)
+                    else:
+                        write_tile(dbias_ptrs, ds_t, n_ok[:, None] & m_ok[None, :],
+                                   DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            q_ptrs += BLOCK_M * stride_q_m
+            do_ptrs += BLOCK_M * stride_do_m
+            mask_ptrs += BLOCK_M * stride_mask_m
+            bias_ptrs += BLOCK_M * stride_bias_m
+            dbias_ptrs += BLOCK_M * stride_db_m
+            lse_ptrs += BLOCK_M
+            delta_ptrs += BLOCK_M
+        if HAS_DBIAS and DBIAS_REDUCE_M:
+            # One (b, hq) row of the (B, Hq, 1, Lk) partial: a single writer, no atomics.
+            tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
+                     + offs_n.to(tl.int64) * stride_db_n, dbias_col, mask=n_ok)
+
+    # q.k was scaled in the forward, so dK picks up the scale once here.
+    dk *= sm_scale
+    tl.store(operand_base(dk_ptr, b, hk, 1, stride_dk_b, stride_dk_h)
+             + tile_offsets(offs_n[:, None], offs_d[None, :], stride_dk_n, 1),
+             dk.to(dk_ptr.dtype.element_ty), mask=kv_in_range)
+    tl.store(operand_base(dv_ptr, b, hk, 1, stride_dv_b, stride_dv_h)
+             + tile_offsets(offs_n[:, None], offs_d[None, :], stride_dv_n, 1),
+             dv.to(dv_ptr.dtype.element_ty), mask=kv_in_range)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    dbias_ptr, stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+    stride_q_b, stride_q_m, stride_q_h,
+    stride_k_b, stride_k_n, stride_k_h,
+    stride_v_b, stride_v_n, stride_v_h,
+    stride_do_b, stride_do_m, stride_do_h,
+    stride_dq_b, stride_dq_m, stride_dq_h,
+    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr, HAS_DBIAS: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < seqlen_q
+    q_in_range = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h)
+                + tile_offsets(offs_m[:, None], offs_d[None, :], stride_q_m, 1),
+                mask=q_in_range, other=0.0)
+    do = tl.load(operand_base(do_ptr, b, h, 1, stride_do_b, stride_do_h)
+                 + tile_offsets(offs_m[:, None], offs_d[None, :], stride_do_m, 1),
+                 mask=q_in_range, other=0.0)
+    lse = tl.load(lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
+
+    k_ptrs = operand_base(k_ptr, b, h, group_size, stride_k_b, stride_k_h) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
+    v_ptrs = operand_base(v_ptr, b, h, group_size, stride_v_b, stride_v_h) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
+    mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
+        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
+    bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
+        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_bias_m, stride_bias_n)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dbias_row = tl.zeros([BLOCK_M], dtype=tl.float32)
+    hi = seqlen_k
+    if IS_CAUSAL:
+        hi = causal_key_end(start_m, BLOCK_M, seqlen_q, seqlen_k)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, mask_ptrs,
+                            HAS_MASK, IS_CAUSAL)
+        active = True
+        if HAS_MASK:
+            active = any_visible(keep)
+        if active:
+            kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_in_range, other=0.0)
+            qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
+            p = probs_from_lse(scores_log2(qk, keep, bias_ptrs, qk_scale, HAS_BIAS), lse[:, None])
+            v = tl.load(v_ptrs, mask=kv_in_range, other=0.0)
+            dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
+            ds = p * (dp - delta[:, None])
+            dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
+            if HAS_DBIAS:
+                dbias_row += tl.sum(ds, 1)
+        k_ptrs += BLOCK_N * stride_k_n
+        v_ptrs += BLOCK_N * stride_v_n
+        mask_ptrs += BLOCK_N * stride_mask_n
+        bias_ptrs += BLOCK_N * stride_bias_n
+
+    dq *= sm_scale
+    tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
+             + tile_offsets(offs_m[:, None], offs_d[None, :], stride_dq_m, 1),
+             dq.to(dq_ptr.dtype.element_ty), mask=q_in_range)
+    if HAS_DBIAS:
+        # One (b, hq) column of the (B, Hq, Lq, 1) partial: a single writer, no atomics.
+        tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
+                 + offs_m.to(tl.int64) * stride_db_m, dbias_row, mask=m_ok)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def backward_configs(block_d: int, interpreted: bool) -> tuple[BackwardConfig, BackwardConfig]:
+    """(dkdv, dq) tile shapes. dkdv keeps a tall key block resident; dq a tall query block."""
+    if interpreted:
+        return BackwardConfig(32, 32, 4, 1), BackwardConfig(32, 32, 4, 1)
+    if block_d <= 64:
+        return BackwardConfig(32, 128, 4, 3), BackwardConfig(128, 32, 4, 3)
+    if block_d <= 128:
+        return BackwardConfig(32, 128, 8, 2), BackwardConfig(128, 32, 8, 2)
+    return BackwardConfig(32, 64, 8, 1), BackwardConfig(64, 32, 8, 1)
+
+
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a (B, L, H, D) tensor whose head_dim stride is 1."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedInputs,
+                       is_causal: bool, deterministic: bool, bias_needs_grad: bool):
+    """Launch the backward. Returns (dq, dk, dv, dbias or None)."""
+    ensure_runnable(_attn_bwd_dq_kernel, query.device)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    shape = checked.shape
+    block_d = padded_head_dim(shape.head_dim)
+    interpreted = is_interpreted(_attn_bwd_dq_kernel)
+    cfg_kv, cfg_q = backward_configs(block_d, interpreted)
+
+    delta = torch.empty_like(lse)
+    _attn_bwd_preprocess_kernel[(triton.cdiv(shape.seqlen_q, cfg_q.block_m),
+                                 shape.batch * shape.heads_q)](
+        out, grad_out, delta, *_strides3(out), *_strides3(grad_out),
+        shape.heads_q, shape.seqlen_q,
+        HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
+    )
+
+    dq = torch.empty_like(query)
+    dk = torch.empty_like(key)
+    dv = torch.empty_like(value)
+    plan: DbiasPlan | None = None
+    if bias_needs_grad:
+        plan = plan_dbias(checked.bias, shape, query.dtype, deterministic, query.device)
+    mask = operand_args(checked.mask, lse)
+    bias = operand_args(checked.bias, lse)
+    dbias = operand_args(plan.target if plan else None, lse)
+    qk_scale = checked.softmax_scale * LOG2E
+    common = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
+                  HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
+                  IS_CAUSAL=bool(is_causal), **dot_options(query.dtype, interpreted))
+    dkdv_dbias = plan is not None and not plan.in_dq_kernel
+
+    batch_starts = range(shape.batch) if plan and plan.serialize_batch else (0,)
+    head_starts = range(shape.heads_kv) if plan and plan.serialize_heads else (0,)
+    batches_per_launch = 1 if plan and plan.serialize_batch else shape.batch
+    heads_per_launch = 1 if plan and plan.serialize_heads else shape.heads_kv
+    for batch_start in batch_starts:
+        for head_start in head_starts:
+            grid = (triton.cdiv(shape.seqlen_k, cfg_kv.block_n),
+                    batches_per_launch * heads_per_launch)
+            _attn_bwd_dkdv_kernel[grid](
+                query, key, value, grad_out, lse, delta, dk, dv,
+                *mask.as_args(), *bias.as_args(), *dbias.as_args(),
+                *_strides3(query), *_strides3(key), *_strides3(value), *_strides3(grad_out),
+                *_strides3(dk), *_strides3(dv),
+                shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
+                qk_scale, checked.softmax_scale,
+                batch_start, head_start, heads_per_launch,
+                BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
+                HAS_DBIAS=dkdv_dbias, DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
+                DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
+                DBIAS_ATOMIC=bool(plan and plan.atomic),
+                num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
+            )
+
+    _attn_bwd_dq_kernel[(triton.cdiv(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)](
+        query, key, value, grad_out, lse, delta, dq,
+        *mask.as_args(), *bias.as_args(), *dbias.as_args(),
+        *_strides3(query), *_strides3(key), *_strides3(value), *_strides3(grad_out),
+        *_strides3(dq),
+        shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
+        qk_scale, checked.softmax_scale,
+        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
+        HAS_DBIAS=bool(plan and plan.in_dq_kernel),
+        num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
+    )
+    return dq, dk, dv, (plan.finish() if plan else None)

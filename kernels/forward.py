@@ -14,8 +14,10 @@ import triton
 import triton.language as tl
 
 from ._checks import CheckedInputs
-from ._launch import ensure_runnable, is_interpreted, operand_args, padded_head_dim
-from ._score import LN2, any_visible, operand_base, scores_log2, tile_offsets, visible_keys
+from ._launch import (LOG2E, dot_options, ensure_runnable, is_interpreted, operand_args,
+                      padded_head_dim)
+from ._score import (LN2, any_visible, causal_key_end, mma, operand_base, scores_log2,
+                     tile_offsets, visible_keys)
 
 
 @triton.jit
@@ -31,7 +33,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -63,7 +65,7 @@ def _attn_fwd_kernel(
     # Causal: keys past the last visible column of this block's last row are never needed.
     hi = seqlen_k
     if IS_CAUSAL:
-        hi = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0))
+        hi = causal_key_end(start_m, BLOCK_M, seqlen_q, seqlen_k)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, mask_ptrs,
@@ -74,7 +76,7 @@ def _attn_fwd_kernel(
         if active:
             n_ok = offs_n[:, None] < seqlen_k
             k = tl.load(k_ptrs, mask=n_ok & d_ok[None, :], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
             s = scores_log2(qk, keep, bias_ptrs, qk_scale, HAS_BIAS)
             # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -83,7 +85,7 @@ def _attn_fwd_kernel(
             alpha = tl.math.exp2(m_i - m_shift)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptrs, mask=n_ok & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
             m_i = m_new
         k_ptrs += BLOCK_N * stride_k_n
         v_ptrs += BLOCK_N * stride_v_n
@@ -122,11 +124,6 @@ def forward_config(block_d: int, interpreted: bool) -> ForwardConfig:
     return ForwardConfig(64, 32, 8, 2)
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs are for tight gradient checks: keep the dots in true fp32, not tf32.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool):
     """Launch the forward. Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq) float32)."""
     ensure_runnable(_attn_fwd_kernel, query.device)
@@ -135,7 +132,8 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
     lse = torch.empty((shape.batch, shape.heads_q, shape.seqlen_q), dtype=torch.float32,
                       device=query.device)
     block_d = padded_head_dim(shape.head_dim)
-    cfg = forward_config(block_d, is_interpreted(_attn_fwd_kernel))
+    interpreted = is_interpreted(_attn_fwd_kernel)
+    cfg = forward_config(block_d, interpreted)
     mask = operand_args(checked.mask, out)
     bias = operand_args(checked.bias, out)
     grid = (triton.cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q)
@@ -147,11 +145,11 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         value.stride(0), value.stride(1), value.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-        checked.softmax_scale * 1.4426950408889634,
+        checked.softmax_scale * LOG2E,
         HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
-        IS_CAUSAL=bool(is_causal), DOT_PRECISION=dot_precision(query.dtype),
+        IS_CAUSAL=bool(is_causal), **dot_options(query.dtype, interpreted),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

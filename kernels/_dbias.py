@@ -1,0 +1,93 @@
+"""Where and how the bias gradient is accumulated, chosen from the bias's broadcast shape.
+
+The bias gradient is ``dS`` (the gradient of the softmax input) summed over every axis the bias
+broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
+
+* key axis broadcast (bias ``(.., .., Lq or 1, 1)``, Lk > 1): the dq kernel owns whole query
+  rows, so it sums dS over keys in registers and writes one fp32 value per (b, hq, m) into a
+  (B, Hq, Lq, 1) partial. Torch then sums the partial over the remaining broadcast axes.
+* query axis broadcast (bias ``(.., .., 1, Lk)``, flash-dmattn's default): the dkdv kernel owns
+  whole key columns, sums dS over queries in registers and writes a (B, Hq, 1, Lk) partial.
+* full (Lq, Lk) bias: the dkdv kernel writes tiles into the bias's own shape. When every element
+  has one contributor it stores in the bias dtype directly. Otherwise it adds into an fp32
+  accumulator of the bias's shape: in-program repeats (query heads of a GQA group sharing a
+  bias head) use load-add-store; contributions from other programs (a batch- or head-shared
+  bias) use atomics, or with ``deterministic=True`` one launch per colliding (batch, kv-head)
+  slice, in a fixed order.
+
+Partials are O(B·Hq·L), the same order as LSE; the reductions in torch are deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import AttnShape, BroadcastOperand
+
+
+@dataclass(frozen=True)
+class DbiasPlan:
+    in_dq_kernel: bool  # key-axis-broadcast bias: reduced over keys by the dq kernel
+    reduce_m: bool  # dkdv kernel sums over queries before writing
+    buffer: torch.Tensor  # what the kernel writes into: partial, accumulator or the gradient
+    target: BroadcastOperand  # ``buffer`` seen as a (B, heads, Lq, Lk) broadcast view
+    accumulate: bool
+    atomic: bool
+    serialize_batch: bool
+    serialize_heads: bool
+    bias_shape: tuple[int, ...]
+    bias_dtype: torch.dtype
+
+    def finish(self) -> torch.Tensor:
+        """Turn the kernel's target into the gradient, in the bias's own shape and dtype."""
+        t = self.buffer
+        if tuple(t.shape) != self.bias_shape:
+            t = reduce_partial(t, self.bias_shape)
+        return t.to(self.bias_dtype)
+
+
+def reduce_partial(partial: torch.Tensor, bias_shape) -> torch.Tensor:
+    """Sum a (B, Hq, X, Y) fp32 partial down to the bias shape (bB, bH, bM, bN)."""
+    b, hq, x, y = partial.shape
+    bb, bh, bm, bn = bias_shape
+    t = partial.view(b, bh, hq // bh, x, y).sum(2)
+    if bb == 1:
+        t = t.sum(0, keepdim=True)
+    if bm == 1:
+        t = t.sum(2, keepdim=True)
+    if bn == 1:
+        t = t.sum(3, keepdim=True)
+    return t
+
+
+def plan_dbias(bias: BroadcastOperand, shape: AttnShape, bias_dtype, deterministic: bool,
+               device) -> DbiasPlan:
+    bb, bh, bm, bn = bias.original_shape
+    common = dict(bias_shape=bias.original_shape, bias_dtype=bias_dtype)
+    if bn == 1 and shape.seqlen_k > 1:
+        partial = torch.zeros(shape.batch, shape.heads_q, shape.seqlen_q, 1,
+                              dtype=torch.float32, device=device)
+        target = BroadcastOperand(partial, 1, tuple(partial.shape))
+        return DbiasPlan(True, False, partial, target, False, False, False, False, **common)
+    if bm == 1 and shape.seqlen_q > 1:
+        partial = torch.zeros(shape.batch, shape.heads_q, 1, shape.seqlen_k,
+                              dtype=torch.float32, device=device)
+        target = BroadcastOperand(partial, 1, tuple(partial.shape))
+        return DbiasPlan(False, True, partial, target, False, False, False, False, **common)
+
+    shared_batch = bb == 1 and shape.batch > 1
+    shared_heads = bh == 1 and shape.heads_kv > 1
+    contributors = (shape.batch // bb) * (shape.heads_q // bh)
+    if contributors == 1:
+        grad = torch.zeros(bias.original_shape, dtype=bias_dtype, device=device)
+        target = BroadcastOperand(grad.expand_as(bias.view), bias.head_div, bias.original_shape)
+        return DbiasPlan(False, False, grad, target, False, False, False, False, **common)
+    acc = torch.zeros(bias.original_shape, dtype=torch.float32, device=device)
+    target = BroadcastOperand(acc.expand_as(bias.view), bias.head_div, bias.original_shape)
+    cross_program = shared_batch or shared_heads
+    atomic = cross_program and not deterministic
+    serialize = cross_program and deterministic
+    return DbiasPlan(False, False, acc, target, True, atomic, serialize and shared_batch,
+                     serialize and shared_heads, **common)
