@@ -257,9 +257,13 @@ class BackwardConfig:
     num_stages: int
 
 
-def backward_configs(block_d: int, interpreted: bool) -> tuple[BackwardConfig, BackwardConfig]:
+def backward_configs(block_d: int, dtype: torch.dtype,
+                     interpreted: bool) -> tuple[BackwardConfig, BackwardConfig]:
     """(dkdv, dq) tile shapes. dkdv keeps a tall key block resident; dq a tall query block."""
     if interpreted:
+        return BackwardConfig(32, 32, 4, 1), BackwardConfig(32, 32, 4, 1)
+    if dtype == torch.float32:
+        # fp32 tiles take twice the shared memory; fp32 is for accuracy checks, not speed.
         return BackwardConfig(32, 32, 4, 1), BackwardConfig(32, 32, 4, 1)
     if block_d <= 64:
         return BackwardConfig(32, 128, 4, 3), BackwardConfig(128, 32, 4, 3)
@@ -282,7 +286,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
     shape = checked.shape
     block_d = padded_head_dim(shape.head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
-    cfg_kv, cfg_q = backward_configs(block_d, interpreted)
+    cfg_kv, cfg_q = backward_configs(block_d, query.dtype, interpreted)
 
     delta = torch.empty_like(lse)
     _attn_bwd_preprocess_kernel[(triton.cdiv(shape.seqlen_q, cfg_q.block_m),
