@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._blocks import block_list_args, build_block_lists
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, dot_options, ensure_runnable, is_interpreted, operand_args,
                       padded_head_dim)
@@ -21,10 +22,54 @@ from ._score import (LN2, any_visible, causal_key_end, mma, operand_base, scores
 
 
 @triton.jit
+def _attn_fwd_inner(
+    acc, m_i, l_i, q, offs_m, offs_n0, d_ok,
+    k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+    mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+    block_list_ptr, first_block, num_blocks,
+    seqlen_q, seqlen_k, qk_scale,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+):
+    """Fold ``num_blocks`` key blocks into the online softmax state.
+
+    Pointers address key block 0. Blocks are ``first_block + i``, or with USE_LIST the i-th
+    entry of the active-tile list, so a sparse mask walks only its active tiles, branch-free.
+    """
+    for i in range(num_blocks):
+        if USE_LIST:
+            block = tl.load(block_list_ptr + i)
+        else:
+            block = first_block + i
+        start_n = block * BLOCK_N
+        offs_n = start_n + offs_n0
+        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
+                            HAS_MASK, CAUSAL_TILES)
+        kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
+        qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
+        s = scores_log2(qk, keep, bias_ptrs + start_n.to(tl.int64) * stride_bias_n, qk_scale,
+                        HAS_BIAS)
+        # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h, stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -35,7 +80,8 @@ def _attn_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    m_block = tl.program_id(0)
+    start_m = m_block * BLOCK_M
     bh = tl.program_id(1)
     b = bh // heads_q
     h = bh % heads_q
@@ -45,61 +91,59 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM  # folds away when HEAD_DIM == BLOCK_D
 
-    q_base = operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h)
-    k_base = operand_base(k_ptr, b, h, group_size, stride_k_b, stride_k_h)
-    v_base = operand_base(v_ptr, b, h, group_size, stride_v_b, stride_v_h)
-    q = tl.load(q_base + tile_offsets(offs_m[:, None], offs_d[None, :], stride_q_m, 1),
+    q = tl.load(operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h)
+                + tile_offsets(offs_m[:, None], offs_d[None, :], stride_q_m, 1),
                 mask=(offs_m[:, None] < seqlen_q) & d_ok[None, :], other=0.0)
-
+    k_ptrs = operand_base(k_ptr, b, h, group_size, stride_k_b, stride_k_h) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
+    v_ptrs = operand_base(v_ptr, b, h, group_size, stride_v_b, stride_v_h) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
     mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
         + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
     bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
         + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_bias_m, stride_bias_n)
-    k_ptrs = k_base + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
-    v_ptrs = v_base + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    # Causal: keys past the last visible column of this block's last row are never needed.
-    hi = seqlen_k
-    if IS_CAUSAL:
-        hi = causal_key_end(start_m, BLOCK_M, seqlen_q, seqlen_k)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, mask_ptrs,
-                            HAS_MASK, IS_CAUSAL)
-        active = True
-        if HAS_MASK:
-            active = any_visible(keep)
-        if active:
-            n_ok = offs_n[:, None] < seqlen_k
-            k = tl.load(k_ptrs, mask=n_ok & d_ok[None, :], other=0.0)
-            qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-            s = scores_log2(qk, keep, bias_ptrs, qk_scale, HAS_BIAS)
-            # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_shift[:, None])
-            alpha = tl.math.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptrs, mask=n_ok & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
-            m_i = m_new
-        k_ptrs += BLOCK_N * stride_k_n
-        v_ptrs += BLOCK_N * stride_v_n
-        mask_ptrs += BLOCK_N * stride_mask_n
-        bias_ptrs += BLOCK_N * stride_bias_n
+    if HAS_MASK:
+        # Causal is already folded into the lists; tiles still apply it element-wise.
+        count = tl.load(operand_base(count_ptr, b, h, mask_head_div, stride_count_b,
+                                     stride_count_h) + m_block)
+        block_list = operand_base(list_ptr, b, h, mask_head_div, stride_list_b, stride_list_h) \
+            + m_block * stride_list_m
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, HAS_MASK, HAS_BIAS, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
+    else:
+        num_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+        num_full = num_blocks
+        if IS_CAUSAL:
+            # Blocks left of the diagonal for every row need no causal test; the rest do.
+            num_blocks = tl.cdiv(causal_key_end(start_m, BLOCK_M, seqlen_q, seqlen_k), BLOCK_N)
+            num_full = tl.minimum(tl.maximum(start_m + seqlen_k - seqlen_q + 1, 0) // BLOCK_N,
+                                  num_blocks)
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            count_ptr, 0, num_full, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, False, HAS_BIAS, False, False, DOT_PRECISION, WIDEN_DOTS)
+        if IS_CAUSAL:
+            acc, m_i, l_i = _attn_fwd_inner(
+                acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n,
+                stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+                count_ptr, num_full, num_blocks - num_full, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_N, False, HAS_BIAS, True, False, DOT_PRECISION, WIDEN_DOTS)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    out_base = operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
-    tl.store(out_base + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
-             out.to(out_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < seqlen_q) & d_ok[None, :])
+    tl.store(operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
+             + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
+             out.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & d_ok[None, :])
     # LSE is (B, Hq, Lq) contiguous. The row predicate keeps a partial last block from writing
     # into the next head's rows (the LSE race seen in other Triton attention ports).
     tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
@@ -128,7 +172,11 @@ def forward_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> Forwa
 
 
 def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool):
-    """Launch the forward. Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq) float32)."""
+    """Launch the forward.
+
+    Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, active-tile lists or None). The
+    lists are built for this config's tiles; the dq kernel uses the same tiles and reuses them.
+    """
     ensure_runnable(_attn_fwd_kernel, query.device)
     shape = checked.shape
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -139,10 +187,14 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
     cfg = forward_config(block_d, query.dtype, interpreted)
     mask = operand_args(checked.mask, out)
     bias = operand_args(checked.bias, out)
+    lists = None
+    if checked.mask is not None:
+        lists = build_block_lists(checked.mask, shape, cfg.block_m, cfg.block_n, is_causal,
+                                  transposed=False)
     grid = (triton.cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q)
     _attn_fwd_kernel[grid](
         query, key, value, out, lse,
-        *mask.as_args(), *bias.as_args(),
+        *mask.as_args(), *bias.as_args(), *block_list_args(lists, shape.batch, lse),
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -155,4 +207,4 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         IS_CAUSAL=bool(is_causal), **dot_options(query.dtype, interpreted),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out, lse
+    return out, lse, lists

@@ -22,8 +22,9 @@ class _DMAttnFunction(torch.autograd.Function):
                 deterministic):
         query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
         checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
-        out, lse = attention_forward(query, key, value, checked, is_causal)
+        out, lse, lists = attention_forward(query, key, value, checked, is_causal)
         ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias)
+        ctx.block_lists = lists
         ctx.checked = checked
         ctx.is_causal = is_causal
         ctx.deterministic = deterministic

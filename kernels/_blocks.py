@@ -1,0 +1,105 @@
+"""Compact lists of active tiles, built once from the mask and shared by all kernels.
+
+For a mask, most of the cost of a sparse tile-skip is the branch: a kernel that loads a mask tile
+and then decides whether to load K/V cannot software-pipeline its K/V loads. Instead, one pass
+over the mask writes, for every row block, the indices of the column blocks that hold at least
+one visible pair (mask AND causal AND in range). The attention loops then walk these lists
+without branches, so inactive tiles cost no K/V loads, no dots and no mask bytes.
+
+Lists are per mask head and mask batch (a (B, Hk, ...) mask gives lists shared by the whole
+GQA group). "Rows" are query blocks for the forward and dq kernels; for the dkdv kernel the same
+kernel builds the transposed lists (rows are key blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import AttnShape, BroadcastOperand
+from ._launch import operand_args
+from ._score import tile_offsets, visible_keys
+
+
+@triton.jit
+def _block_list_kernel(
+    mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    count_ptr, index_ptr, heads, seqlen_q, seqlen_k, num_row_blocks, num_col_blocks,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    TRANSPOSED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    row_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols0 = tl.arange(0, BLOCK_COLS)
+    base = mask_ptr + b.to(tl.int64) * stride_mask_b + h.to(tl.int64) * stride_mask_h
+    list_row = bh.to(tl.int64) * num_row_blocks + row_block
+    count = 0
+    for col_block in range(0, num_col_blocks):
+        cols = col_block * BLOCK_COLS + cols0
+        if TRANSPOSED:  # rows are keys, columns are queries
+            m_idx = cols[None, :]
+            n_idx = rows[:, None]
+        else:
+            m_idx = rows[:, None]
+            n_idx = cols[None, :]
+        keep = visible_keys(m_idx, n_idx, seqlen_q, seqlen_k,
+                            base + tile_offsets(m_idx, n_idx, stride_mask_m, stride_mask_n),
+                            True, IS_CAUSAL)
+        active = tl.max(keep.to(tl.int32))
+        tl.store(index_ptr + list_row * num_col_blocks + count, col_block, mask=active > 0)
+        count += active
+    tl.store(count_ptr + list_row, count)
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """counts (Bm, Hm, R) and indices (Bm, Hm, R, C) int32, with kernel-ready strides."""
+
+    counts: torch.Tensor
+    indices: torch.Tensor
+    block_rows: int
+    block_cols: int
+
+
+
+def block_list_args(lists: BlockLists | None, batch: int, placeholder: torch.Tensor) -> tuple:
+    """Kernel args: counts, its (b, h) strides, indices, its (b, h, row) strides.
+
+    A batch-broadcast mask has one set of lists; batch stride 0 shares it across the batch.
+    Without a mask the kernels never read these (HAS_MASK is False).
+    """
+    if lists is None:
+        return (placeholder, 0, 0, placeholder, 0, 0, 0)
+    shared = lists.counts.shape[0] == 1 and batch > 1
+    counts, indices = lists.counts, lists.indices
+    return (counts, 0 if shared else counts.stride(0), counts.stride(1),
+            indices, 0 if shared else indices.stride(0), indices.stride(1), indices.stride(2))
+
+
+def build_block_lists(mask: BroadcastOperand, shape: AttnShape, block_rows: int,
+                      block_cols: int, is_causal: bool, transposed: bool) -> BlockLists:
+    """Active-tile lists for (block_rows x block_cols) tiles; transposed puts keys on rows."""
+    args = operand_args(mask, None)
+    mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
+    len_rows, len_cols = ((shape.seqlen_k, shape.seqlen_q) if transposed
+                          else (shape.seqlen_q, shape.seqlen_k))
+    num_rows = triton.cdiv(len_rows, block_rows)
+    num_cols = triton.cdiv(len_cols, block_cols)
+    device = mask.view.device
+    counts = torch.empty((mask_batch, mask_heads, num_rows), dtype=torch.int32, device=device)
+    indices = torch.empty((mask_batch, mask_heads, num_rows, num_cols), dtype=torch.int32,
+                          device=device)
+    _block_list_kernel[(num_rows, mask_batch * mask_heads)](
+        args.tensor, args.stride_b, args.stride_h, args.stride_m, args.stride_n,
+        counts, indices, mask_heads, shape.seqlen_q, shape.seqlen_k, num_rows, num_cols,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+        TRANSPOSED=transposed, IS_CAUSAL=bool(is_causal),
+        num_warps=4,
+    )
+    return BlockLists(counts, indices, block_rows, block_cols)
