@@ -1,0 +1,63 @@
+"""Our kernels (``triton``) and the eager reference in the input dtype (``reference``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..sweep import Case
+from .base import Backend, Bound
+
+
+def import_error(module: str) -> str | None:
+    """None when ``module`` imports; otherwise the reason in one line."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # any failure means "not available here"; the reason is reported
+        return f"cannot import {module}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    description = "ours: kernels.dmattn_func (Triton; the interpreter on CPU)"
+    has_lse = True
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return import_error("kernels")
+
+    def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
+        from kernels import dmattn_func
+
+        q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
+
+        def call():
+            result = dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=case.causal,
+                                 return_lse=want_lse)
+            return result if want_lse else (result, None)
+
+        return Bound(call)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    description = "kernels.attention_reference in the input dtype (eager, materializes scores)"
+    has_lse = True
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return import_error("kernels.reference")
+
+    def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
+        from kernels import attention_reference
+
+        q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
+
+        def call():
+            result = attention_reference(q, k, v, mask, bias, case.causal, None,
+                                         return_lse=want_lse, upcast=False)
+            return result if want_lse else (result, None)
+
+        return Bound(call)

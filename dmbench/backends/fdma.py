@@ -1,0 +1,106 @@
+"""flash-dmattn 1.2.2's Triton kernel (``triton_dmattn_func``), when it is importable.
+
+Its launcher (read from the sdist's ``flash_dmattn/flash_dmattn_triton.py``) wants:
+
+- q (B, Lq, H, D) and k/v (B, Lk, H, D) with the same H: no GQA, so KV heads are repeated;
+- mask and bias both materialized as (B, H, Lq, Lk) in the query dtype (a bool mask is converted
+  inside the timed call, and a missing one is allocated there), so both are built here;
+- D <= 128, fp16 or bf16, CUDA tensors;
+- top-left aligned causality (``offs_m >= offs_n``). That equals ours when Lq == Lk; otherwise
+  the bottom-right pattern is folded into the mask and its causal flag is left off.
+
+All of this happens in ``adapt``, outside the timed region. Its code is never part of this repo:
+``python -m dmbench fetch-peer`` downloads and unpacks the sdist into the git-ignored ``.peer/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..problem import Problem
+from ..sweep import Case
+from .base import Backend, Bound, causal_keep, per_query_head
+
+MODULE = "flash_dmattn.flash_dmattn_triton"
+HINT = ("run `python -m dmbench fetch-peer` and put .peer/flash_dmattn-1.2.2 on PYTHONPATH")
+
+
+def load_peer_function():
+    """``triton_dmattn_func`` or an exception. Falls back to loading the file by path when the
+    package ``__init__`` fails for reasons other than its optional CUDA extension."""
+    try:
+        return importlib.import_module(MODULE).triton_dmattn_func
+    except ImportError:
+        raise
+    except Exception:
+        spec = importlib.util.find_spec("flash_dmattn")
+        if spec is None or not spec.submodule_search_locations:
+            raise
+        path = Path(list(spec.submodule_search_locations)[0]) / "flash_dmattn_triton.py"
+        file_spec = importlib.util.spec_from_file_location("_dmbench_fdma_triton", path)
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[file_spec.name] = module
+        file_spec.loader.exec_module(module)
+        return module.triton_dmattn_func
+
+
+class FdmaBackend(Backend):
+    name = "fdma"
+    description = "flash-dmattn 1.2.2 triton_dmattn_func (peer; MHA layout, dense mask and bias)"
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "fdma needs a CUDA device (its launcher asserts q.is_cuda)"
+        try:
+            load_peer_function()
+        except Exception as exc:
+            return f"{MODULE} is not importable ({type(exc).__name__}: {exc}); {HINT}"
+        return None
+
+    def skip_reason(self, case: Case) -> str | None:
+        if case.head_dim > 128:
+            return f"fdma supports head_dim <= 128, got {case.head_dim}"
+        if case.dtype == "fp32":
+            return "fdma supports fp16 and bf16 only"
+        return None
+
+    def adapt(self, problem: Problem) -> dict[str, Any]:
+        case = problem.case
+        q = problem.q
+        group = case.heads_q // case.heads_kv
+        k = problem.k.repeat_interleave(group, dim=2) if group > 1 else problem.k
+        v = problem.v.repeat_interleave(group, dim=2) if group > 1 else problem.v
+        full = (case.batch, case.heads_q, case.seqlen_q, case.seqlen_k)
+        fold_causal = case.causal and case.seqlen_q != case.seqlen_k
+        keep = None
+        if problem.mask is not None:
+            keep = per_query_head(problem.mask, case.heads_q)
+        if fold_causal:
+            causal = causal_keep(case, q.device)
+            keep = causal if keep is None else keep & causal
+        if keep is None:
+            mask = torch.ones(full, dtype=q.dtype, device=q.device)
+        else:
+            mask = keep.expand(full).to(q.dtype).contiguous()
+        if problem.bias is None:
+            bias = torch.zeros(full, dtype=q.dtype, device=q.device)
+        else:
+            bias = per_query_head(problem.bias, case.heads_q).expand(full).contiguous()
+        return {"q": q, "k": k, "v": v, "mask": mask, "bias": bias,
+                "is_causal": case.causal and not fold_causal}
+
+    def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
+        func = load_peer_function()
+        q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
+        is_causal = adapted["is_causal"]
+
+        def call():
+            return func(q, k, v, mask, bias, is_causal), None
+
+        return Bound(call)

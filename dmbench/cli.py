@@ -1,0 +1,246 @@
+"""The ``dmbench`` command line. Thin: parse flags, load the sweep, call a module, print.
+
+Every user mistake surfaces as one line on stderr and exit code 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from .errors import EXIT_CODES_HELP, ConfigError, ExitCode
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Benchmark, verify and gate flash dynamic-mask attention kernels.\n\n" + EXIT_CODES_HELP,
+)
+
+
+def _echo(message: str) -> None:
+    typer.echo(message)
+
+
+def _fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(int(code))
+
+
+def _guarded(work):
+    """Run ``work()``; ConfigError becomes a one-line message and exit 2."""
+    try:
+        code = work()
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    raise typer.Exit(int(code or ExitCode.OK))
+
+
+def _backend_names(text: Optional[str]) -> Optional[tuple[str, ...]]:
+    from .backends import BACKEND_NAMES
+    from .sweep import parse_backends
+
+    return None if text is None else parse_backends("--backends", text, BACKEND_NAMES)
+
+
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/<sweep>-<command>.csv).")]
+BackendsOpt = Annotated[Optional[str], typer.Option("--backends", help="Comma-separated backends, overriding the sweep's list.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Keep rows already in the CSV and run only the missing ones.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing CSV.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cuda or cpu (cpu runs Triton under its interpreter).")]
+ShardOpt = Annotated[Optional[str], typer.Option("--shard", help="Run share I of N (0-based, e.g. 0/4), balanced by estimated cost; join with `dmbench merge`.")]
+DistOpt = Annotated[bool, typer.Option("--distributed", help="Under torchrun: each rank runs a balanced share and rank 0 writes one CSV.")]
+PlotOpt = Annotated[bool, typer.Option("--plot/--no-plot", help="Draw PNG charts next to the CSV when done.")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
+
+
+def _timed_command(command: str, sweep_path: Path, out, backends, resume, force, device, shard,
+                   distributed, plot, progress):
+    from .backends import BACKEND_NAMES
+    from .execute import RunOptions, execute, with_backends
+    from .sweep import load_sweep
+
+    def work():
+        sweep = with_backends(load_sweep(sweep_path, BACKEND_NAMES), _backend_names(backends))
+        opts = RunOptions(command, out, resume, force, device, shard, distributed, plot, progress)
+        return execute(sweep, opts, _echo)
+
+    _guarded(work)
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def fwd(sweep: Annotated[Path, typer.Argument(help="Sweep YAML file.")], out: OutOpt = None,
+        backends: BackendsOpt = None, resume: ResumeOpt = False, force: ForceOpt = False,
+        device: DeviceOpt = "auto", shard: ShardOpt = None, distributed: DistOpt = False,
+        plot: PlotOpt = True, progress: ProgressOpt = True):
+    """Time the forward pass of every backend on every sweep point."""
+    _timed_command("fwd", sweep, out, backends, resume, force, device, shard, distributed, plot, progress)
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def bwd(sweep: Annotated[Path, typer.Argument(help="Sweep YAML file.")], out: OutOpt = None,
+        backends: BackendsOpt = None, resume: ResumeOpt = False, force: ForceOpt = False,
+        device: DeviceOpt = "auto", shard: ShardOpt = None, distributed: DistOpt = False,
+        plot: PlotOpt = True, progress: ProgressOpt = True):
+    """Time the backward pass alone and fwd+bwd of every backend on every sweep point."""
+    _timed_command("bwd", sweep, out, backends, resume, force, device, shard, distributed, plot, progress)
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file (or use --irregular).")] = None,
+          irregular: Annotated[bool, typer.Option("--irregular", help="Run the built-in suite of hard shapes.")] = False,
+          out: OutOpt = None, backends: BackendsOpt = None, resume: ResumeOpt = False,
+          force: ForceOpt = False, device: DeviceOpt = "auto", shard: ShardOpt = None,
+          distributed: DistOpt = False, progress: ProgressOpt = True):
+    """Check out, lse, dq, dk, dv and dbias against the fp64 reference (SPEC accuracy rule).
+
+    Backends: the sweep's list, or only `triton` for --irregular; --backends overrides both.
+    Exits 3 if any checked tensor is over its allowed error or a backend errors.
+    """
+    from .backends import BACKEND_NAMES
+    from .execute import RunOptions, execute, with_backends
+    from .irregular import irregular_sweep
+    from .sweep import load_sweep
+
+    def work():
+        if (sweep is None) == (not irregular):
+            raise ConfigError("equiv: give a SWEEP file or --irregular (exactly one)")
+        if irregular:
+            import torch
+
+            large = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+            suite = irregular_sweep(large, ("triton",))
+        else:
+            suite = load_sweep(sweep, BACKEND_NAMES)
+        suite = with_backends(suite, _backend_names(backends))
+        opts = RunOptions("equiv", out, resume, force, device, shard, distributed, False, progress)
+        return execute(suite, opts, _echo)
+
+    _guarded(work)
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def plot(csv: Annotated[Path, typer.Argument(help="Results CSV from fwd, bwd or merge.")],
+         out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="Folder for the PNGs (default: next to the CSV).")] = None,
+         baseline: Annotated[Optional[str], typer.Option("--baseline", help="Backend to compute speedups against (default: fdma, else sdpa, else reference).")] = None):
+    """Draw speedup and TFLOP/s charts (PNG) against each swept axis, from the CSV only."""
+    from .plot import plot_rows
+    from .results import read_rows
+
+    def work():
+        rows = read_rows(csv)
+        for path in plot_rows(rows, out_dir or csv.parent, csv.stem, baseline):
+            _echo(f"plot: {path}")
+        return ExitCode.OK
+
+    _guarded(work)
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.")],
+            new: Annotated[Path, typer.Argument(help="New results CSV.")],
+            threshold: Annotated[float, typer.Option("--threshold", help="Median-time ratio above which a slowdown outside the p20-p80 noise fails.")] = 1.10):
+    """The regression gate: exit 1 on a slowdown beyond threshold and noise, 3 on accuracy failures."""
+    from .compare import compare_rows, format_report
+    from .results import read_rows
+
+    def work():
+        report = compare_rows(read_rows(baseline), read_rows(new), threshold, str(baseline), str(new))
+        for line in format_report(report):
+            _echo(line)
+        return report.exit_code
+
+    _guarded(work)
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def merge(parts: Annotated[List[Path], typer.Argument(help="Shard CSVs to join.")],
+          out: Annotated[Path, typer.Option("--out", help="Merged CSV to write.")],
+          sweep: Annotated[Optional[Path], typer.Option("--sweep", help="The sweep the shards came from, to find cases with no rows.")] = None,
+          force: Annotated[bool, typer.Option("--force", help="Write the merged CSV even when problems were found (still exits 2).")] = False):
+    """Join shard CSVs; report duplicate or missing cases and mismatched environments (exit 2)."""
+    from .backends import BACKEND_NAMES
+    from .merge import merge_files
+    from .results import rewrite
+    from .sweep import load_sweep
+
+    def work():
+        expected = None
+        if sweep is not None:
+            loaded = load_sweep(sweep, BACKEND_NAMES)
+            expected = loaded.cases + tuple(s.case for s in loaded.skipped)
+        result = merge_files(list(parts), expected)
+        for problem in result.problems:
+            typer.echo(f"problem: {problem}", err=True)
+        if result.problems and not force:
+            raise ConfigError(f"merge: {len(result.problems)} problem(s) found; nothing written (--force writes anyway)")
+        rewrite(out, list(result.rows))
+        _echo(f"merged {len(result.rows)} rows from {len(parts)} file(s) into {out}")
+        return ExitCode.USAGE if result.problems else ExitCode.OK
+
+    _guarded(work)
+
+
+@app.command("env", epilog=EXIT_CODES_HELP)
+def env_command(device: DeviceOpt = "auto"):
+    """Show the GPU, driver, torch and triton versions, and which backends are available here."""
+    from .backends import make_backends
+    from .device import select_device
+    from .envinfo import collect
+
+    def work():
+        dev = select_device(device)
+        info = collect(dev)
+        for name in ("gpu", "driver", "torch", "triton", "git_sha", "git_dirty", "host"):
+            _echo(f"{name:10s} {getattr(info, name)}")
+        _echo(f"{'device':10s} {dev}")
+        _echo("backends:")
+        for name, backend in make_backends().items():
+            reason = backend.unavailable_reason(dev)
+            state = "available" if reason is None else f"unavailable: {reason}"
+            _echo(f"  {name:11s} {state}")
+        return ExitCode.OK
+
+    _guarded(work)
+
+
+@app.command("backends", epilog=EXIT_CODES_HELP)
+def backends_command(device: DeviceOpt = "auto"):
+    """List the backends, what each one runs, and whether it is available here (and why not)."""
+    from .backends import make_backends
+    from .device import select_device
+
+    def work():
+        dev = select_device(device)
+        for name, backend in make_backends().items():
+            reason = backend.unavailable_reason(dev)
+            _echo(f"{name:11s} {'yes' if reason is None else 'no '} {backend.description}")
+            if reason:
+                _echo(f"{'':15s} why not: {reason}")
+        return ExitCode.OK
+
+    _guarded(work)
+
+
+@app.command("fetch-peer", epilog=EXIT_CODES_HELP)
+def fetch_peer_command(dest: Annotated[Path, typer.Option("--dest", help="Git-ignored folder for the peer's sdist.")] = Path(".peer")):
+    """Download and unpack the flash-dmattn 1.2.2 sdist (pure Python Triton kernel) for the fdma backend."""
+    from .peer import fetch_peer
+
+    def work():
+        path = fetch_peer(dest)
+        _echo(f"unpacked: {path}")
+        _echo(f"use it with: PYTHONPATH={path.resolve()}${{PYTHONPATH:+:$PYTHONPATH}}")
+        return ExitCode.OK
+
+    _guarded(work)
+
+
+def main() -> None:
+    app(prog_name="dmbench")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The regression gate: a baseline CSV against a new one.
+
+For each (case, backend, mode) timed in both files, with r = new p50 / baseline p50:
+
+- ``slower`` when r > threshold AND the new p20 is above the baseline p80: the slowdown is both
+  larger than the allowed margin and outside the measured p20-p80 noise of the two runs;
+- ``faster`` symmetrically (r < 1/threshold and new p80 below baseline p20);
+- ``same`` otherwise (within the threshold, or inside the noise);
+- ``broken`` when the baseline timed it and the new run got an error or OOM.
+
+Accuracy: any new row with status ``accuracy``, or with a recorded error over its allowed error,
+or an ``equiv`` row that errored, is an accuracy failure. Exit code 3 wins over 1.
+Timings from different GPUs are not comparable; that is a usage error (exit 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError, ExitCode
+from .results import Row, accuracy_failures
+
+TIMED = ("fwd", "bwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: tuple[str, str, str]
+    verdict: str  # slower, faster, same, broken, missing, new
+    ratio: float | None
+    base_ms: float | None
+    new_ms: float | None
+
+
+@dataclass(frozen=True)
+class Report:
+    entries: tuple[Entry, ...]
+    accuracy_failures: tuple[str, ...]
+
+    @property
+    def regressions(self) -> tuple[Entry, ...]:
+        return tuple(e for e in self.entries if e.verdict in ("slower", "broken"))
+
+    @property
+    def exit_code(self) -> ExitCode:
+        if self.accuracy_failures:
+            return ExitCode.ACCURACY
+        if self.regressions:
+            return ExitCode.PERF_REGRESSION
+        return ExitCode.OK
+
+
+def _index(rows: list[Row], label: str) -> dict[tuple[str, str, str], Row]:
+    out = {}
+    for row in rows:
+        if row.key in out:
+            raise ConfigError(f"{label}: duplicate row for case {row.key[0]} backend {row.key[1]} "
+                              f"mode {row.key[2]}; run `dmbench merge` to find duplicates")
+        out[row.key] = row
+    return out
+
+
+def _timed(row: Row | None) -> bool:
+    return row is not None and row.status in ("ok", "accuracy") and row.ms_p50 is not None
+
+
+def _verdict(base: Row, new: Row, threshold: float) -> Entry:
+    ratio = new.ms_p50 / base.ms_p50 if base.ms_p50 > 0 else float("inf")
+    verdict = "same"
+    if ratio > threshold and new.ms_p20 > base.ms_p80:
+        verdict = "slower"
+    elif ratio < 1.0 / threshold and new.ms_p80 < base.ms_p20:
+        verdict = "faster"
+    return Entry(base.key, verdict, ratio, base.ms_p50, new.ms_p50)
+
+
+def _accuracy_problems(new_rows: list[Row]) -> list[str]:
+    problems = []
+    for row in new_rows:
+        bad = accuracy_failures(row)
+        name = f"{row.case_id} {row.backend} {row.mode}"
+        if row.status == "accuracy" or bad:
+            problems.append(f"{name}: {row.detail or 'over allowed error: ' + ', '.join(bad)}")
+        elif row.mode == "equiv" and row.status in ("error", "oom"):
+            problems.append(f"{name}: not verified ({row.detail})")
+    return problems
+
+
+def check_environments(base_rows: list[Row], new_rows: list[Row], base_label: str,
+                       new_label: str) -> None:
+    """Different GPUs make every ratio meaningless; refuse rather than gate on noise."""
+    base_gpus = {r.gpu for r in base_rows}
+    new_gpus = {r.gpu for r in new_rows}
+    if base_gpus and new_gpus and base_gpus != new_gpus:
+        raise ConfigError(f"{new_label}: measured on {', '.join(sorted(new_gpus))} but "
+                          f"{base_label} on {', '.join(sorted(base_gpus))}; compare runs from the same GPU model")
+
+
+def compare_rows(base_rows: list[Row], new_rows: list[Row], threshold: float,
+                 base_label: str = "baseline", new_label: str = "new") -> Report:
+    if not threshold > 1.0:
+        raise ConfigError(f"--threshold: expected a ratio above 1.0 (e.g. 1.10), got {threshold}")
+    check_environments(base_rows, new_rows, base_label, new_label)
+    base = _index(base_rows, base_label)
+    new = _index(new_rows, new_label)
+    entries = []
+    for key, brow in base.items():
+        if brow.mode not in TIMED:
+            continue
+        nrow = new.get(key)
+        if nrow is None:
+            entries.append(Entry(key, "missing", None, brow.ms_p50, None))
+        elif _timed(brow) and _timed(nrow):
+            entries.append(_verdict(brow, nrow, threshold))
+        elif _timed(brow) and nrow.status in ("error", "oom"):
+            entries.append(Entry(key, "broken", None, brow.ms_p50, None))
+    for key, nrow in new.items():
+        if key not in base and nrow.mode in TIMED:
+            entries.append(Entry(key, "new", None, None, nrow.ms_p50))
+    return Report(tuple(entries), tuple(_accuracy_problems(new_rows)))
+
+
+def format_report(report: Report) -> list[str]:
+    lines = []
+    counts = {}
+    for e in report.entries:
+        counts[e.verdict] = counts.get(e.verdict, 0) + 1
+    for e in report.entries:
+        if e.verdict in ("slower", "broken", "faster"):
+            ratio = "" if e.ratio is None else f" x{e.ratio:.2f}"
+            base = "" if e.base_ms is None else f" {e.base_ms:.4g} ms"
+            new = "" if e.new_ms is None else f" -> {e.new_ms:.4g} ms"
+            lines.append(f"{e.verdict.upper():7s} {e.key[0]} {e.key[1]} {e.key[2]}:{base}{new}{ratio}")
+    for problem in report.accuracy_failures:
+        lines.append(f"ACCURACY {problem}")
+    summary = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+    lines.append(f"compared: {summary or 'nothing in common'}; "
+                 f"{len(report.accuracy_failures)} accuracy failure(s)")
+    return lines

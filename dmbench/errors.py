@@ -1,0 +1,27 @@
+"""Exit codes and the one exception type for user mistakes.
+
+A ``ConfigError`` carries a complete one-line message (file, key, what was expected); the CLI
+prints it and exits with ``ExitCode.USAGE``. It is never shown as a traceback.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    PERF_REGRESSION = 1
+    USAGE = 2
+    ACCURACY = 3
+
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 pass; 1 performance regression (compare); 2 usage or config error "
+    "(bad flag, bad sweep file, unreadable CSV); 3 accuracy failure (a checked tensor over its "
+    "allowed error, or a backend error during equiv)."
+)
+
+
+class ConfigError(Exception):
+    """A user mistake in a flag, a sweep file or an input CSV. The message is one line."""

@@ -1,0 +1,170 @@
+"""One ``fwd``/``bwd``/``equiv`` run from options to a finished CSV: device, output file, resume,
+sharding or torchrun, the progress bar, the summary and the exit code.
+
+The CLI parses flags and calls :func:`execute`; the measuring itself is in :mod:`dmbench.runner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from . import distributed as dist
+from . import flops
+from .backends import make_backends
+from .device import CPU_NOTE, select_device
+from .envinfo import REPO_ROOT, collect, gpu_slug
+from .errors import ConfigError, ExitCode
+from .results import Row, RowWriter, accuracy_failures, read_rows, rewrite
+from .progress import make_progress
+from .runner import SweepRunner, Unit, plan_units
+from .sweep import Sweep
+
+MODES = {"fwd": ("fwd",), "bwd": ("bwd", "fwd+bwd"), "equiv": ("equiv",)}
+MAX_LISTED_PROBLEMS = 25
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    command: str
+    out: Path | None = None
+    resume: bool = False
+    force: bool = False
+    device: str = "auto"
+    shard: str | None = None
+    distributed: bool = False
+    plot: bool = True
+    progress: bool = True
+
+
+def default_out(sweep: Sweep, command: str, gpu: str, share: dist.Share | None) -> Path:
+    shard = f".shard{share.index}of{share.count}" if share else ""
+    return REPO_ROOT / "results" / gpu_slug(gpu) / f"{sweep.name}-{command}{shard}.csv"
+
+
+def _existing(path: Path, resume: bool, force: bool) -> list[Row]:
+    """Rows already in ``path`` when resuming; refuse to overwrite finished work otherwise."""
+    if not path.exists():
+        return []
+    if not resume:
+        if force:
+            return []
+        raise ConfigError(f"{path}: results file exists; pass --resume to finish it or --force "
+                          "to start over")
+    rows = read_rows(path, tolerate_partial_last_line=True)
+    rewrite(path, rows)  # drops a line a killed process left half-written
+    return rows
+
+
+def _in_plan_order(rows: list[Row], plan: list[Unit]) -> list[Row]:
+    """Latest row per key, ordered as a single process would have written them."""
+    latest = {r.key: r for r in rows}
+    ordered = [latest.pop(u.key) for u in plan if u.key in latest]
+    return ordered + list(latest.values())
+
+
+def exit_code(rows: list[Row], command: str) -> ExitCode:
+    for row in rows:
+        if row.status == "accuracy" or accuracy_failures(row):
+            return ExitCode.ACCURACY
+        if command == "equiv" and row.status in ("error", "oom"):
+            return ExitCode.ACCURACY
+    return ExitCode.OK
+
+
+def summarize(rows: list[Row], echo: Callable[[str], None]) -> None:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.status] = counts.get(row.status, 0) + 1
+    echo("rows: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    problems = [r for r in rows if r.status in ("accuracy", "error", "oom")]
+    for row in problems[:MAX_LISTED_PROBLEMS]:
+        echo(f"  {row.status.upper()} {row.case_id} {row.backend} {row.mode}: {row.detail}")
+    if len(problems) > MAX_LISTED_PROBLEMS:
+        echo(f"  ... and {len(problems) - MAX_LISTED_PROBLEMS} more (see the CSV)")
+
+
+def _row_message(row: Row) -> str:
+    timing = f" p50 {row.ms_p50:.4g} ms" if row.ms_p50 is not None else ""
+    errors = [f"{n} {getattr(row, 'err_' + n):.2e}/{getattr(row, 'allowed_' + n):.2e}"
+              for n in ("out", "lse", "dq", "dk", "dv", "dbias") if getattr(row, "err_" + n) is not None]
+    accuracy = f" err/allowed {' '.join(errors)}" if errors else ""
+    detail = f" ({row.detail})" if row.detail and row.status != "ok" else ""
+    return f"{row.case_id} {row.backend} {row.mode}: {row.status}{timing}{accuracy}{detail}"
+
+
+def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> ExitCode:
+    if opts.distributed and opts.shard:
+        raise ConfigError("--shard and --distributed: choose one (torchrun assigns shares itself)")
+    info = dist.torchrun_rank() if opts.distributed else None
+    share = dist.Share(info.rank, info.world_size) if info else (
+        dist.parse_shard(opts.shard) if opts.shard else None)
+    device = select_device(opts.device, info.local_rank if info else None)
+    is_main = info is None or info.rank == 0
+    if device.type == "cpu" and is_main:
+        echo(CPU_NOTE)
+    env = collect(device)
+    modes = MODES[opts.command]
+    out = opts.out or default_out(sweep, opts.command, env.gpu, None if info else share)
+    all_cases = sweep.cases + tuple(s.case for s in sweep.skipped)
+    cases = all_cases
+    if share:
+        cases = tuple(dist.assign(all_cases, share.count, modes, len(sweep.backends))[share.index])
+    write_path = dist.part_path(out, info.rank) if info else out
+    previous = _existing(write_path, opts.resume, opts.force)
+    final_previous = (read_rows(out, tolerate_partial_last_line=True)
+                      if info and is_main and opts.resume and out.exists() else [])
+    if info and is_main and out.exists() and not (opts.resume or opts.force):
+        raise ConfigError(f"{out}: results file exists; pass --resume to finish it or --force to start over")
+    done = {r.key for r in previous + final_previous}
+
+    backends = make_backends()
+    units = plan_units(sweep, cases, modes, backends, device)
+    todo = [u for u in units if u.key not in done]
+    total_cost = sum(flops.estimated_cost(u.case, (u.mode,), 1) for u in todo)
+    where = f" (rank {info.rank}/{info.world_size}, {len(cases)} cases)" if info else (
+        f" (shard {share.label}, {len(cases)} cases)" if share else "")
+    if is_main or info is None:
+        echo(f"{sweep.name} {opts.command}: {len(todo)} points to run, {len(units) - len(todo)} "
+             f"already done{where} -> {out}")
+    if info:
+        dist.init_group(info)
+    written: list[Row] = []
+    label = sweep.name if info is None else f"{sweep.name} rank {info.rank}"
+    show = opts.progress and is_main
+    with RowWriter(write_path, append=bool(previous)) as writer, \
+            make_progress(total_cost, len(todo), label, show) as bar:
+        def report(row: Row, cost: float) -> None:
+            writer.write(row)
+            written.append(row)
+            bar.advance(cost, _row_message(row), important=row.status not in ("ok", "skipped"))
+
+        SweepRunner(sweep, backends, device, env, sweep.check or opts.command == "equiv",
+                    report).run(todo)
+    rows = previous + written
+    if info:
+        gathered = dist.gather_to_rank0([r.__dict__ for r in rows], info)
+        dist.finish_group()
+        if not is_main:
+            echo(f"rank {info.rank}: {len(written)} rows written to {write_path}")
+            return exit_code(rows, opts.command)
+        full_plan = plan_units(sweep, all_cases, modes, backends, device)
+        merged = final_previous + [Row(**d) for part in gathered for d in part]
+        rows = _in_plan_order(merged, full_plan)
+        rewrite(out, rows)
+    summarize(rows, echo)
+    echo(f"results: {out}")
+    if opts.plot and opts.command != "equiv" and is_main:
+        from .plot import plot_rows
+
+        try:
+            for path in plot_rows(rows, out.parent, out.stem, None):
+                echo(f"plot: {path}")
+        except ConfigError as exc:
+            echo(f"no plot: {exc}")
+    return exit_code(rows, opts.command)
+
+
+def with_backends(sweep: Sweep, names: tuple[str, ...] | None) -> Sweep:
+    return sweep if names is None else replace(sweep, backends=names)

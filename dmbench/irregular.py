@@ -1,0 +1,76 @@
+"""The built-in suite of hard shapes behind ``dmbench equiv --irregular``.
+
+It covers: odd and unequal lengths (Lq > Lk gives rows that see nothing under causality),
+Lq = 1, Lk = 4095, D = 40/80/96/192/256, MHA/GQA/MQA, all 24 broadcast shapes of the mask and
+of the bias, fully masked rows (every ``random`` mask with a query axis has them), window >= Lk,
+every mask kind and all three dtypes.
+
+``large=False`` keeps every case tiny so the whole suite runs in a few minutes under the CPU
+interpreter; ``large=True`` scales lengths and heads to realistic GPU sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from .sweep import AXIS_TOKENS, Case, Sweep, Timing
+
+ALL_SHAPES = tuple("x".join(t) for t in itertools.product(*AXIS_TOKENS))
+HEAD_DIMS = (40, 80, 96, 192, 256)
+DTYPES = ("bf16", "fp16")
+
+
+def _scaled(large: bool, small: int, big: int) -> int:
+    return big if large else small
+
+
+def irregular_cases(large: bool) -> tuple[Case, ...]:
+    lq = _scaled(large, 17, 1025)
+    lk = _scaled(large, 33, 2049)
+    batch = 2
+    gqa = (_scaled(large, 4, 16), _scaled(large, 2, 4))
+    cases = []
+
+    # Every mask shape and every bias shape, paired off so each appears once; causal and the
+    # dtype alternate so both settings meet many shapes.
+    for i, (mask_shape, bias_shape) in enumerate(zip(ALL_SHAPES, ALL_SHAPES[7:] + ALL_SHAPES[:7])):
+        cases.append(Case(batch, *gqa, lq, lk, 40, None, i % 2 == 0, DTYPES[i % 2], "random",
+                          mask_shape, bias_shape, i))
+
+    # Lengths: decoding, 4095 keys, Lq > Lk (empty causal rows), a single key.
+    long_k = _scaled(large, 4095, 65535)
+    cases += [
+        Case(1, 1, 1, 3, 4095, 16, 100, True, "bf16", "topk", bias="kv_row"),
+        Case(1, 2, 1, 1, long_k, 64, None, False, "bf16", "none", bias="kv_row"),
+        Case(batch, *gqa, 1, lk, 64, 16, True, "fp16", "sliding", bias="q_full"),
+        Case(batch, *gqa, lk, lq, 64, None, True, "bf16", "none", bias="shared"),
+        Case(batch, *gqa, lq, 1, 32, None, False, "fp16", "random", bias="kv_full"),
+        Case(1, 2, 2, _scaled(large, 97, 4095), _scaled(large, 97, 4095), 80, None, True, "bf16",
+             "none", bias="none"),
+    ]
+
+    # Head dims that are not powers of two, and the largest one.
+    for i, head_dim in enumerate(HEAD_DIMS):
+        cases.append(Case(1, 2, 1, lq, lq, head_dim, 8, True, DTYPES[i % 2], "sliding",
+                          bias="kv_full", seed=i))
+
+    # MHA, GQA, MQA under topk and block_topk; windows at, below and beyond Lk.
+    block_k = _scaled(large, 130, 4097)  # several 64-key blocks plus a tail
+    heads_variants = ((2, 2), gqa, (gqa[0], 1))
+    for i, (hq, hkv) in enumerate(heads_variants):
+        cases.append(Case(1, hq, hkv, lq, block_k, 32, block_k // 3, i % 2 == 0, "bf16",
+                          "block_topk", bias="kv_row", seed=i))
+        cases.append(Case(1, hq, hkv, lq, lk, 32, lk + 31, True, "fp16", "topk", bias="q_full",
+                          seed=i))
+    cases += [
+        Case(1, 2, 1, lq, lk, 64, lk, True, "bf16", "sliding", bias="none"),
+        Case(1, 2, 1, lq, lk, 64, 5, False, "fp32", "topk", bias="kv_row"),
+        Case(1, 2, 1, lq, lk, 64, None, True, "fp32", "random", bias="shared"),
+    ]
+    return tuple(cases)
+
+
+def irregular_sweep(large: bool, backends: tuple[str, ...]) -> Sweep:
+    size = "GPU sizes" if large else "CPU sizes"
+    return Sweep(name="irregular", path=f"<built-in irregular suite, {size}>", backends=backends,
+                 timing=Timing(), check=True, cases=irregular_cases(large))

@@ -1,0 +1,216 @@
+"""Result rows and CSV files.
+
+One ``Row`` per (case, backend, mode); its field order is the CSV column order. Rows are appended
+and flushed one at a time, so a killed run loses nothing it finished. Reading goes through
+``read_rows``, which checks the header, so ``compare``, ``plot`` and ``merge`` reject a file that
+is not a dmbench CSV with a one-line error.
+
+Statuses: ``ok``; ``accuracy`` (a checked tensor over its allowed error); ``error`` (the backend
+raised; ``detail`` says what); ``oom``; ``skipped`` (the backend cannot run this case or is not
+available here; ``detail`` says why).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .errors import ConfigError
+from .sweep import Case
+
+STATUSES = ("ok", "accuracy", "error", "oom", "skipped")
+MODES = ("fwd", "bwd", "fwd+bwd", "equiv")
+
+
+@dataclass
+class Row:
+    sweep: str
+    case_id: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    window: int | None
+    causal: bool
+    dtype: str
+    mask: str
+    mask_shape: str
+    bias: str
+    seed: int
+    backend: str
+    mode: str
+    status: str
+    detail: str = ""
+    ms_p20: float | None = None
+    ms_p50: float | None = None
+    ms_p80: float | None = None
+    repeats: int | None = None
+    build_ms: float | None = None
+    tflops_dense: float | None = None
+    tflops_active: float | None = None
+    active_fraction: float | None = None
+    peak_mib: float | None = None
+    err_out: float | None = None
+    eager_out: float | None = None
+    allowed_out: float | None = None
+    err_lse: float | None = None
+    eager_lse: float | None = None
+    allowed_lse: float | None = None
+    err_dq: float | None = None
+    eager_dq: float | None = None
+    allowed_dq: float | None = None
+    err_dk: float | None = None
+    eager_dk: float | None = None
+    allowed_dk: float | None = None
+    err_dv: float | None = None
+    eager_dv: float | None = None
+    allowed_dv: float | None = None
+    err_dbias: float | None = None
+    eager_dbias: float | None = None
+    allowed_dbias: float | None = None
+    gpu: str = ""
+    driver: str = ""
+    torch: str = ""
+    triton: str = ""
+    git_sha: str = ""
+    git_dirty: bool = False
+    host: str = ""
+    timestamp: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What identifies a row across runs, resumes, shards and merges."""
+        return (self.case_id, self.backend, self.mode)
+
+
+COLUMNS = tuple(f.name for f in fields(Row))
+CASE_COLUMNS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "window",
+                "causal", "dtype", "mask", "mask_shape", "bias", "seed")
+ENV_COLUMNS = ("gpu", "driver", "torch", "triton", "git_sha", "git_dirty")
+ACCURACY_TENSORS = ("out", "lse", "dq", "dk", "dv", "dbias")
+_TYPES = {f.name: f.type for f in fields(Row)}
+
+
+def new_row(sweep: str, case: Case, backend: str, mode: str, status: str, env, detail: str = "") -> Row:
+    case_values = {name: getattr(case, name) for name in CASE_COLUMNS}
+    return Row(sweep=sweep, case_id=case.case_id, backend=backend, mode=mode, status=status,
+               detail=detail, gpu=env.gpu, driver=env.driver, torch=env.torch, triton=env.triton,
+               git_sha=env.git_sha, git_dirty=env.git_dirty, host=env.host,
+               timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **case_values)
+
+
+def _format(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else "nan" if math.isnan(value) else f"{value:.6g}"
+    return str(value)
+
+
+def _parse(name: str, text: str, where: str):
+    kind = _TYPES[name]
+    if text == "":
+        return None if "None" in kind else text
+    try:
+        if kind.startswith("int"):
+            return int(text)
+        if kind.startswith("float"):
+            return float(text)
+        if kind == "bool":
+            if text not in ("True", "False"):
+                raise ValueError(text)
+            return text == "True"
+    except ValueError:
+        raise ConfigError(f"{where}: column {name}: expected {kind.split(' ')[0]}, got {text!r}") from None
+    return text
+
+
+class RowWriter:
+    """Appends rows to a CSV, writing the header when the file is new or empty."""
+
+    def __init__(self, path: Path, append: bool):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not append or not path.exists() or path.stat().st_size == 0
+        self._file = open(path, "w" if fresh else "a", newline="")
+        self._writer = csv.writer(self._file)
+        if fresh:
+            self._writer.writerow(COLUMNS)
+            self._file.flush()
+
+    def write(self, row: Row) -> None:
+        values = asdict(row)
+        self._writer.writerow([_format(values[c]) for c in COLUMNS])
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_rows(path: str | Path, tolerate_partial_last_line: bool = False) -> list[Row]:
+    """All rows of a dmbench CSV. Raises ConfigError naming the file and the problem.
+
+    ``tolerate_partial_last_line`` is for resuming: a process killed mid-write can leave a
+    truncated last line, which is dropped rather than rejected.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: results file not found")
+    try:
+        with open(path, newline="") as f:
+            lines = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{path}: cannot read as CSV: {exc}") from None
+    if not lines:
+        raise ConfigError(f"{path}: empty file, expected a dmbench results CSV")
+    header = tuple(lines[0])
+    if header != COLUMNS:
+        missing = [c for c in COLUMNS if c not in header]
+        detail = f"missing column {missing[0]!r}" if missing else "columns in a different order"
+        raise ConfigError(f"{path}: not a dmbench results CSV of this version ({detail})")
+    rows = []
+    for number, values in enumerate(lines[1:], start=2):
+        if len(values) != len(COLUMNS):
+            if tolerate_partial_last_line and number == len(lines):
+                break
+            raise ConfigError(f"{path}: line {number}: expected {len(COLUMNS)} fields, got {len(values)}")
+        where = f"{path}: line {number}"
+        rows.append(Row(**{c: _parse(c, v, where) for c, v in zip(COLUMNS, values)}))
+    return rows
+
+
+def rewrite(path: Path, rows: list[Row]) -> None:
+    """Write ``rows`` as a complete file (used to drop a truncated line before resuming)."""
+    with RowWriter(path, append=False) as writer:
+        for row in rows:
+            writer.write(row)
+
+
+def set_accuracy(row: Row, checks: dict) -> None:
+    """Copy ErrorCheck numbers (error, eager baseline, allowed) into the row."""
+    for name, check in checks.items():
+        setattr(row, f"err_{name}", check.error)
+        setattr(row, f"eager_{name}", check.baseline_error)
+        setattr(row, f"allowed_{name}", check.allowed)
+
+
+def accuracy_failures(row: Row) -> list[str]:
+    """Tensors whose recorded error is over the allowed error (NaN counts as over)."""
+    bad = []
+    for name in ACCURACY_TENSORS:
+        err, allowed = getattr(row, f"err_{name}"), getattr(row, f"allowed_{name}")
+        if err is None or allowed is None:
+            continue
+        if not (math.isfinite(err) and err <= allowed):
+            bad.append(name)
+    return bad

@@ -1,0 +1,197 @@
+"""Running a sweep: every (case, backend, mode) point becomes one row, written as it finishes.
+
+Inputs are generated once per case on the device; each backend then adapts them outside the
+timed region. An OOM or an exception at one point becomes that row's status and the sweep goes
+on. Modes: ``fwd``, ``bwd`` (backward alone, given a forward graph), ``fwd+bwd``, and ``equiv``
+(accuracy only, no timing).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from . import flops
+from .accuracy import FORWARD_TENSORS, CheckResult, check_backend, ground_truth
+from .backends import DIFF_KEYS, Backend
+from .problem import Problem, make_problem
+from .results import Row, new_row, set_accuracy
+from .sweep import Case, Sweep
+from .timing import measure
+
+TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
+GRAD_MODES = ("bwd", "fwd+bwd", "equiv")
+
+
+@dataclass(frozen=True)
+class Unit:
+    case: Case
+    backend: str
+    mode: str
+    skip: str | None = None  # a reason recorded instead of running
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.case.case_id, self.backend, self.mode)
+
+
+def plan_units(sweep: Sweep, cases: Iterable[Case], modes: tuple[str, ...],
+               backends: dict[str, Backend], device: torch.device) -> list[Unit]:
+    """Every point of ``cases`` in run order, with the skip reason where one is known upfront."""
+    skipped = {s.case: s.reason for s in sweep.skipped}
+    units = []
+    for case in cases:
+        for name in sweep.backends:
+            backend = backends[name]
+            reason = (skipped.get(case) or backend.unavailable_reason(device)
+                      or backend.skip_reason(case))
+            for mode in modes:
+                why = reason
+                if why is None and mode in GRAD_MODES[:2] and not backend.has_grad:
+                    why = f"{name} has no backward"
+                if why is None and mode == "equiv" and not backend.exact and (case.mask != "none" or case.bias != "none"):
+                    why = f"{name} ignores mask and bias, so it cannot be checked on this case"
+                units.append(Unit(case, name, mode, why))
+    return units
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _failure(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "oom", "out of memory"
+    text = str(exc).strip().splitlines()
+    return "error", f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _timed_call(backend: Backend, problem: Problem, mode: str):
+    """(zero-arg function to time, build_ms). Everything else happens here, untimed."""
+    grad = mode != "fwd"
+    with torch.no_grad():
+        adapted = backend.adapt(problem)
+    leaves = []
+    for name in DIFF_KEYS:
+        if getattr(problem, name) is not None and adapted.get(name) is not None:
+            adapted[name] = adapted[name].detach().requires_grad_(grad)
+            leaves.append(adapted[name])
+    bound = backend.bind(adapted, problem.case, want_lse=False)
+    if mode == "fwd":
+        return bound.call, bound.build_ms
+    out = bound.call()[0]
+    dout = torch.randn_like(out)
+    if mode == "bwd":
+        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), bound.build_ms
+    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), bound.build_ms
+
+
+def _apply_check(row: Row, result: CheckResult, mode: str) -> None:
+    wanted = {"fwd": FORWARD_TENSORS, "bwd": ("dq", "dk", "dv", "dbias")}.get(mode)
+    checks = {n: c for n, c in result.checks.items() if wanted is None or n in wanted}
+    set_accuracy(row, checks)
+    failed = [c.describe() for c in checks.values() if not c.passed]
+    if failed and row.status == "ok":
+        row.status = "accuracy"
+        row.detail = "; ".join(failed)[:500]
+    if result.error and mode != "fwd" and row.status == "ok":
+        row.status, row.detail = "error", result.error[:300]
+
+
+class SweepRunner:
+    """Runs planned units case by case and hands each finished row to ``emit``."""
+
+    def __init__(self, sweep: Sweep, backends: dict[str, Backend], device: torch.device, env,
+                 check: bool, report: Callable[[Row, float], None]):
+        """``report(row, cost)`` receives each finished row and its unit's estimated cost."""
+        self.sweep, self.backends, self.device, self.env = sweep, backends, device, env
+        self.check, self.report = check, report
+
+    def run(self, units: list[Unit]) -> None:
+        by_case: dict[Case, list[Unit]] = {}
+        for unit in units:
+            by_case.setdefault(unit.case, []).append(unit)
+        for case, case_units in by_case.items():
+            self._run_case(case, case_units)
+
+    def _row(self, unit: Unit, status: str, detail: str = "") -> Row:
+        return new_row(self.sweep.name, unit.case, unit.backend, unit.mode, status, self.env, detail)
+
+    def _finish(self, unit: Unit, row: Row) -> None:
+        self.report(row, flops.estimated_cost(unit.case, (unit.mode,), 1))
+
+    def _run_case(self, case: Case, units: list[Unit]) -> None:
+        runnable = [u for u in units if u.skip is None]
+        for unit in units:
+            if unit.skip is not None:
+                self._finish(unit, self._row(unit, "skipped", unit.skip))
+        if not runnable:
+            return
+        try:
+            needs_grad = any(u.mode in GRAD_MODES for u in runnable)
+            problem = make_problem(case, self.device)
+            wants_truth = self.check or any(u.mode == "equiv" for u in runnable)
+            truth = ground_truth(problem, needs_grad) if wants_truth else None
+            self._needs_grad = needs_grad
+        except Exception as exc:
+            status, detail = _failure(exc)
+            _release(self.device)
+            for unit in runnable:
+                self._finish(unit, self._row(unit, status, f"inputs/reference: {detail}"))
+            return
+        checks: dict[str, CheckResult | str] = {}
+        for unit in runnable:
+            row = self._run_unit(unit, problem, truth, checks)
+            self._finish(unit, row)
+        del problem, truth
+        _release(self.device)
+
+    def _check(self, backend: Backend, problem: Problem, truth, cache: dict) -> CheckResult | str:
+        """One accuracy check per backend and case, shared by its fwd, bwd and fwd+bwd rows."""
+        if backend.name not in cache:
+            try:
+                cache[backend.name] = check_backend(backend, problem, truth, self._needs_grad)
+            except Exception as exc:
+                cache[backend.name] = "accuracy check: " + ":".join(_failure(exc))
+            _release(self.device)
+        return cache[backend.name]
+
+    def _run_unit(self, unit: Unit, problem: Problem, truth, cache: dict) -> Row:
+        backend = self.backends[unit.backend]
+        if unit.mode == "equiv":
+            result = self._check(backend, problem, truth, cache)
+            if isinstance(result, str):
+                return self._row(unit, "error", result)
+            row = self._row(unit, "ok")
+            _apply_check(row, result, "equiv")
+            return row
+        try:
+            fn, build_ms = _timed_call(backend, problem, unit.mode)
+            measured = measure(fn, self.sweep.timing, self.device)
+            del fn
+        except Exception as exc:
+            status, detail = _failure(exc)
+            _release(self.device)
+            return self._row(unit, status, detail)
+        row = self._row(unit, "ok")
+        row.ms_p20, row.ms_p50, row.ms_p80 = measured.p20, measured.p50, measured.p80
+        row.repeats = len(measured.samples_ms)
+        row.build_ms = build_ms
+        row.peak_mib = measured.peak_mib
+        row.active_fraction = problem.active_fraction
+        if backend.exact:
+            # sdpa-dense does the dense work whatever the mask, so only dense TFLOP/s apply.
+            row.tflops_active = flops.tflops(flops.active_flops(unit.case, problem.kept_pairs, unit.mode), measured.p50)
+        row.tflops_dense = flops.tflops(flops.dense_flops(unit.case, unit.mode), measured.p50)
+        if self.check and (backend.exact or (unit.case.mask == "none" and unit.case.bias == "none")):
+            result = self._check(backend, problem, truth, cache)
+            if isinstance(result, str):
+                row.status, row.detail = "error", result
+            else:
+                _apply_check(row, result, unit.mode)
+        return row

@@ -1,0 +1,346 @@
+"""YAML sweep files -> frozen dataclasses.
+
+A sweep file has these top-level keys (all optional except that it needs cases)::
+
+    name: window                  # defaults to the file stem
+    description: free text
+    backends: [triton, sdpa]      # names from dmbench.backends.BACKENDS
+    timing: {warmup: 5, repeats: 30, budget_s: 10.0, flush_l2: true}
+    check: false                  # also check accuracy against the fp64 reference while timing
+    defaults: {causal: true}      # case keys shared by every grid point and listed case
+    grid: {...} or [{...}, ...]   # each value a scalar or a list; cartesian product per grid
+    cases: [{...}, ...]           # explicit points
+
+Case keys: batch, heads ("16/4", {q: 16, kv: 4} or 8 for MHA), seqlen (2048, "1/65536" or
+{q: 1, k: 65536}), head_dim, window, causal, dtype (bf16/fp16/fp32), mask (none, topk,
+block_topk, sliding, random), mask_shape, bias (none, kv_row, kv_full, q_full, shared or an
+explicit shape), seed.
+
+Shapes of masks and biases are written as four axis tokens joined by ``x``: batch ``1``/``B``,
+heads ``1``/``Hk``/``Hq``, query ``1``/``Lq``, key ``1``/``Lk``; for example ``1xHqxLqx1``.
+
+Every problem is reported as a ``ConfigError`` with one line naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
+          "half": "fp16", "fp32": "fp32", "float32": "fp32"}
+MASK_KINDS = ("none", "topk", "block_topk", "sliding", "random")
+WINDOW_MASKS = ("topk", "block_topk", "sliding")
+BIAS_KINDS = {
+    "none": None,
+    "kv_row": "BxHkx1xLk",
+    "kv_full": "BxHkxLqxLk",
+    "q_full": "BxHqxLqxLk",
+    "shared": "1x1xLqxLk",
+}
+FULL_MASK_SHAPE = "BxHkxLqxLk"
+AXIS_TOKENS = (("1", "B"), ("1", "Hk", "Hq"), ("1", "Lq"), ("1", "Lk"))
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem. Query is (batch, seqlen_q, heads_q, head_dim); key/value use heads_kv."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    window: int | None = None
+    causal: bool = False
+    dtype: str = "bf16"
+    mask: str = "none"
+    mask_shape: str = FULL_MASK_SHAPE
+    bias: str = "none"
+    seed: int = 0
+
+    @property
+    def bias_shape(self) -> str | None:
+        """The bias shape in axis tokens, or None for no bias."""
+        return BIAS_KINDS.get(self.bias, self.bias)
+
+    @property
+    def case_id(self) -> str:
+        """A stable, readable key: the same parameters always give the same id."""
+        window = "-" if self.window is None else self.window
+        mask = self.mask if self.mask_shape == FULL_MASK_SHAPE else f"{self.mask}[{self.mask_shape}]"
+        return (f"B{self.batch}-H{self.heads_q}/{self.heads_kv}-Lq{self.seqlen_q}-"
+                f"Lk{self.seqlen_k}-D{self.head_dim}-W{window}-"
+                f"{'causal' if self.causal else 'full'}-{self.dtype}-{mask}-{self.bias}-s{self.seed}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    warmup: int = 5
+    repeats: int = 30
+    budget_s: float = 10.0
+    flush_l2: bool = True
+
+
+@dataclass(frozen=True)
+class SkippedCase:
+    case: Case
+    reason: str
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    path: str
+    backends: tuple[str, ...]
+    timing: Timing
+    check: bool
+    cases: tuple[Case, ...]
+    skipped: tuple[SkippedCase, ...] = field(default=())
+
+
+CASE_KEYS = ("batch", "heads", "seqlen", "head_dim", "window", "causal", "dtype", "mask",
+             "mask_shape", "bias", "seed")
+REQUIRED_CASE_KEYS = ("batch", "heads", "seqlen", "head_dim")
+TOP_KEYS = ("name", "description", "backends", "timing", "check", "defaults", "grid", "cases")
+DEFAULT_BACKENDS = ("triton", "sdpa", "sdpa-dense", "flex", "fdma")
+
+
+class _Where:
+    """Builds 'file: key: message' lines."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def error(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {key}: {message}")
+
+
+def _positive_int(where: _Where, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise where.error(key, f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _pair(where: _Where, key: str, value: Any, names: tuple[str, str]) -> tuple[int, int]:
+    """'16/4', {q: 16, kv: 4} or a single int meaning both equal. Parsed here and nowhere else."""
+    first, second = names
+    expected = f"expected an integer, '{first.upper()}/{second.upper()}' or {{{first}: .., {second}: ..}}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = _positive_int(where, key, value)
+        return n, n
+    if isinstance(value, str):
+        parts = value.split("/")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise where.error(key, f"{expected}, got {value!r}")
+        a, b = (int(p) for p in parts)
+        return _positive_int(where, key, a), _positive_int(where, key, b)
+    if isinstance(value, dict):
+        if set(value) != {first, second}:
+            raise where.error(key, f"{expected}, got keys {sorted(map(str, value))}")
+        return (_positive_int(where, f"{key}.{first}", value[first]),
+                _positive_int(where, f"{key}.{second}", value[second]))
+    raise where.error(key, f"{expected}, got {value!r}")
+
+
+def _shape_tokens(where: _Where, key: str, value: Any) -> str:
+    tokens = value.split("x") if isinstance(value, str) else []
+    if len(tokens) != 4 or any(t not in allowed for t, allowed in zip(tokens, AXIS_TOKENS)):
+        raise where.error(key, "expected four axis tokens joined by 'x' from "
+                          "(1|B)x(1|Hk|Hq)x(1|Lq)x(1|Lk), e.g. 'BxHkx1xLk', got " f"{value!r}")
+    return value
+
+
+def _parse_case(where: _Where, key: str, raw: dict[str, Any]) -> Case:
+    unknown = sorted(set(raw) - set(CASE_KEYS))
+    if unknown:
+        raise where.error(f"{key}.{unknown[0]}", f"unknown key; expected one of {', '.join(CASE_KEYS)}")
+    missing = [k for k in REQUIRED_CASE_KEYS if k not in raw]
+    if missing:
+        raise where.error(f"{key}.{missing[0]}", "missing (set it in the case, the grid or defaults)")
+    heads_q, heads_kv = _pair(where, f"{key}.heads", raw["heads"], ("q", "kv"))
+    seqlen_q, seqlen_k = _pair(where, f"{key}.seqlen", raw["seqlen"], ("q", "k"))
+    head_dim = _positive_int(where, f"{key}.head_dim", raw["head_dim"])
+    if head_dim > MAX_HEAD_DIM:
+        raise where.error(f"{key}.head_dim", f"expected at most {MAX_HEAD_DIM}, got {head_dim}")
+    window = raw.get("window")
+    if window is not None:
+        window = _positive_int(where, f"{key}.window", window)
+    causal = raw.get("causal", False)
+    if not isinstance(causal, bool):
+        raise where.error(f"{key}.causal", f"expected true or false, got {causal!r}")
+    dtype = raw.get("dtype", "bf16")
+    if dtype not in DTYPES:
+        raise where.error(f"{key}.dtype", f"expected one of bf16, fp16, fp32, got {dtype!r}")
+    mask = raw.get("mask", "none")
+    if mask not in MASK_KINDS:
+        raise where.error(f"{key}.mask", f"expected one of {', '.join(MASK_KINDS)}, got {mask!r}")
+    mask_shape = _shape_tokens(where, f"{key}.mask_shape", raw.get("mask_shape", FULL_MASK_SHAPE))
+    bias = raw.get("bias", "none")
+    if bias not in BIAS_KINDS:
+        try:
+            _shape_tokens(where, f"{key}.bias", bias)
+        except ConfigError:
+            raise where.error(f"{key}.bias", f"expected one of {', '.join(BIAS_KINDS)} or a shape "
+                              f"like '1xHqxLqx1', got {bias!r}") from None
+    seed = raw.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise where.error(f"{key}.seed", f"expected a non-negative integer, got {seed!r}")
+    if mask not in WINDOW_MASKS:
+        window = None  # the window only means something for window masks
+    batch = _positive_int(where, f"{key}.batch", raw["batch"])
+    return Case(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, window, causal,
+                DTYPES[dtype], mask, mask_shape, bias, seed)
+
+
+def case_problem(case: Case) -> str | None:
+    """Why this combination cannot run at all, or None. Backend limits live in the backends."""
+    if case.heads_q % case.heads_kv:
+        return f"heads_q {case.heads_q} is not a multiple of heads_kv {case.heads_kv}"
+    if case.mask in WINDOW_MASKS and case.window is None:
+        return f"mask {case.mask} needs a window"
+    if case.mask not in ("none", "random") and case.mask_shape != FULL_MASK_SHAPE:
+        return f"mask {case.mask} is generated per (batch, KV head, row); mask_shape must be {FULL_MASK_SHAPE}"
+    if case.mask == "none" and case.mask_shape != FULL_MASK_SHAPE:
+        return "mask_shape needs a mask"
+    return None
+
+
+def _grid_points(where: _Where, key: str, grid: Any) -> list[dict[str, Any]]:
+    if not isinstance(grid, dict):
+        raise where.error(key, f"expected a mapping of case keys to values or lists, got {type(grid).__name__}")
+    names = list(grid)
+    axes = []
+    for name in names:
+        values = grid[name]
+        # A list is an axis, except that a heads/seqlen dict is one value; lists of lists are
+        # not meaningful for any key.
+        axes.append(values if isinstance(values, list) else [values])
+        if not axes[-1]:
+            raise where.error(f"{key}.{name}", "empty list")
+    return [dict(zip(names, combo)) for combo in itertools.product(*axes)]
+
+
+def _parse_timing(where: _Where, raw: Any) -> Timing:
+    if raw is None:
+        return Timing()
+    if not isinstance(raw, dict):
+        raise where.error("timing", f"expected a mapping, got {raw!r}")
+    known = {f.name for f in fields(Timing)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise where.error(f"timing.{unknown[0]}", f"unknown key; expected one of {', '.join(sorted(known))}")
+    timing = Timing()
+    for name, value in raw.items():
+        key = f"timing.{name}"
+        if name == "flush_l2":
+            if not isinstance(value, bool):
+                raise where.error(key, f"expected true or false, got {value!r}")
+        elif name == "budget_s":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise where.error(key, f"expected a positive number of seconds, got {value!r}")
+            value = float(value)
+        elif name == "warmup":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise where.error(key, f"expected a non-negative integer, got {value!r}")
+        else:
+            value = _positive_int(where, key, value)
+        timing = replace(timing, **{name: value})
+    return timing
+
+
+def parse_backends(where_text: str, raw: Any, known: tuple[str, ...]) -> tuple[str, ...]:
+    """A list (or comma-separated string) of backend names, each one of ``known``."""
+    where = _Where(where_text)
+    names = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(names, list) or not names:
+        raise where.error("backends", f"expected a non-empty list of backend names, got {raw!r}")
+    out = []
+    for name in names:
+        name = str(name).strip()
+        if name not in known:
+            raise where.error("backends", f"unknown backend {name!r}; expected one of {', '.join(known)}")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def sweep_from_mapping(raw: Any, path: str, known_backends: tuple[str, ...]) -> Sweep:
+    where = _Where(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(TOP_KEYS))
+    if unknown:
+        raise where.error(unknown[0], f"unknown key; expected one of {', '.join(TOP_KEYS)}")
+    if "grid" not in raw and "cases" not in raw:
+        raise where.error("grid", "a sweep needs a grid, a list of cases, or both")
+    defaults = raw.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise where.error("defaults", f"expected a mapping, got {defaults!r}")
+    for name in defaults:
+        if name not in CASE_KEYS:
+            raise where.error(f"defaults.{name}", f"unknown key; expected one of {', '.join(CASE_KEYS)}")
+
+    cases: list[Case] = []
+    skipped: list[SkippedCase] = []
+    grids = raw.get("grid")
+    grids = [] if grids is None else grids if isinstance(grids, list) else [grids]
+    for gi, grid in enumerate(grids):
+        key = "grid" if len(grids) == 1 and not isinstance(raw.get("grid"), list) else f"grid[{gi}]"
+        for point in _grid_points(where, key, grid):
+            case = _parse_case(where, key, {**defaults, **point})
+            problem = case_problem(case)
+            if problem:
+                skipped.append(SkippedCase(case, problem))
+            else:
+                cases.append(case)
+    listed = raw.get("cases") or []
+    if not isinstance(listed, list):
+        raise where.error("cases", f"expected a list of case mappings, got {type(listed).__name__}")
+    for ci, entry in enumerate(listed):
+        key = f"cases[{ci}]"
+        if not isinstance(entry, dict):
+            raise where.error(key, f"expected a mapping of case keys, got {entry!r}")
+        case = _parse_case(where, key, {**defaults, **entry})
+        problem = case_problem(case)
+        if problem:
+            # An explicit case that cannot run is a mistake in the file, not a grid corner.
+            raise where.error(key, problem)
+        cases.append(case)
+
+    unique = list(dict.fromkeys(cases))  # grids that differ only in ignored keys repeat points
+    check = raw.get("check", False)
+    if not isinstance(check, bool):
+        raise where.error("check", f"expected true or false, got {check!r}")
+    name = raw.get("name", Path(path).stem)
+    if not isinstance(name, str) or not name:
+        raise where.error("name", f"expected a non-empty string, got {name!r}")
+    backends = (parse_backends(path, raw["backends"], known_backends) if "backends" in raw
+                else tuple(b for b in DEFAULT_BACKENDS if b in known_backends))
+    return Sweep(name, path, backends, _parse_timing(where, raw.get("timing")), check,
+                 tuple(unique), tuple(dict.fromkeys(skipped)))
+
+
+def load_sweep(path: str | Path, known_backends: tuple[str, ...]) -> Sweep:
+    """Read and validate a sweep file. Raises ConfigError with a one-line message."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: sweep file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    return sweep_from_mapping(raw, str(path), known_backends)

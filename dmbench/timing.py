@@ -1,0 +1,97 @@
+"""Timing one zero-argument call: warmup, repeats or a time budget, quantiles, peak memory.
+
+On CUDA each call is bracketed by events, and the L2 cache is flushed before it by writing a
+buffer larger than L2; the flush sits outside the events. All events are read after a single
+synchronize so the host never stalls the GPU between repeats. On CPU ``perf_counter`` is used;
+those numbers describe the interpreter, not a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .sweep import Timing
+
+MIN_REPEATS = 3
+# Used when the device does not report its L2 size; larger than any current GPU's L2.
+FALLBACK_L2_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Measurement:
+    samples_ms: tuple[float, ...]
+    peak_mib: float | None
+
+    def quantile(self, q: float) -> float:
+        """Linear-interpolated quantile, the same definition as numpy's default."""
+        data = sorted(self.samples_ms)
+        pos = q * (len(data) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+    @property
+    def p20(self) -> float:
+        return self.quantile(0.2)
+
+    @property
+    def p50(self) -> float:
+        return self.quantile(0.5)
+
+    @property
+    def p80(self) -> float:
+        return self.quantile(0.8)
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    props = torch.cuda.get_device_properties(device)
+    l2 = getattr(props, "L2_cache_size", 0) or FALLBACK_L2_BYTES
+    return torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+
+
+def _peak_mib(fn: Callable[[], object], device: torch.device) -> float:
+    """Memory the call allocates above what is live before it, at its peak."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def measure(fn: Callable[[], object], timing: Timing, device: torch.device) -> Measurement:
+    for _ in range(timing.warmup):
+        fn()
+    if device.type != "cuda":
+        samples = []
+        start_all = time.perf_counter()
+        while len(samples) < timing.repeats:
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+            if len(samples) >= MIN_REPEATS and time.perf_counter() - start_all > timing.budget_s:
+                break
+        return Measurement(tuple(samples), None)
+
+    flush = _flush_buffer(device) if timing.flush_l2 else None
+    events = []
+    torch.cuda.synchronize(device)
+    start_all = time.perf_counter()
+    for i in range(timing.repeats):
+        if flush is not None:
+            flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+        if i + 1 >= MIN_REPEATS and time.perf_counter() - start_all > timing.budget_s:
+            break
+    torch.cuda.synchronize(device)
+    samples = tuple(s.elapsed_time(e) for s, e in events)
+    del flush
+    return Measurement(samples, _peak_mib(fn, device))
