@@ -112,3 +112,49 @@ def mma(a, b, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     if WIDEN_DOTS:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def causal_block_split(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, seqlen_q, seqlen_k,
+                       IS_CAUSAL: tl.constexpr):
+    """(full, total) key blocks for the query block at ``start_m`` without a mask.
+
+    Key blocks [0, full) are visible to every row of the block and need no causal test;
+    [full, total) straddle the diagonal. Without causality every block is full.
+    """
+    total = tl.cdiv(seqlen_k, BLOCK_N)
+    full = total
+    if IS_CAUSAL:
+        total = tl.cdiv(causal_key_end(start_m, BLOCK_M, seqlen_q, seqlen_k), BLOCK_N)
+        full = tl.minimum(tl.maximum(start_m + seqlen_k - seqlen_q + 1, 0) // BLOCK_N, total)
+    return full, total
+
+
+@triton.jit
+def causal_query_split(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, seqlen_q, seqlen_k,
+                       IS_CAUSAL: tl.constexpr):
+    """(first, full, total) query blocks for the key block at ``start_n`` without a mask.
+
+    Query blocks [first, full) straddle the diagonal and need the causal test; [full, total)
+    see every key of the block. Without causality all blocks are full.
+    """
+    total = tl.cdiv(seqlen_q, BLOCK_M)
+    first = 0
+    full = 0
+    if IS_CAUSAL:
+        first = causal_query_start(start_n, BLOCK_M, seqlen_q, seqlen_k) // BLOCK_M
+        last_key = start_n + BLOCK_N - 1
+        full = tl.minimum(tl.cdiv(tl.maximum(last_key - (seqlen_k - seqlen_q), 0), BLOCK_M),
+                          total)
+        full = tl.maximum(full, first)
+    return first, full, total
+
+
+@triton.jit
+def block_list_row(count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b,
+                   stride_list_h, stride_list_row, b, h, head_div, row):
+    """(pointer to the active-block list of ``row``, its length) for batch b, head h."""
+    count = tl.load(operand_base(count_ptr, b, h, head_div, stride_count_b, stride_count_h) + row)
+    block_list = operand_base(list_ptr, b, h, head_div, stride_list_b, stride_list_h) \
+        + row.to(tl.int64) * stride_list_row
+    return block_list, count

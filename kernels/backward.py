@@ -22,11 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ._blocks import BlockLists, block_list_args, build_block_lists
 from ._checks import CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
 from ._launch import (LOG2E, dot_options, ensure_runnable, is_interpreted, operand_args,
                       padded_head_dim)
-from ._score import (any_visible, causal_key_end, causal_query_start, mma, operand_base,
+from ._score import (block_list_row, causal_block_split, causal_query_split, mma, operand_base,
                      probs_from_lse, scores_log2, tile_offsets, visible_keys, write_tile)
 
 
@@ -56,11 +57,64 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _attn_bwd_dkdv_inner(
+    dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+    q_ptrs, do_ptrs, stride_q_m, stride_do_m,
+    mask_ptrs, stride_mask_m, bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m,
+    lse_ptr, delta_ptr, block_list_ptr, first_block, num_blocks,
+    seqlen_q, seqlen_k, qk_scale,
+    BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+):
+    """Accumulate one query head's contribution to a key block's dk, dv (and dbias).
+
+    Works in the (n, m) orientation. Pointers address query block 0; blocks are
+    ``first_block + i`` or the i-th entry of the transposed active-tile list.
+    """
+    for i in range(num_blocks):
+        if USE_LIST:
+            block = tl.load(block_list_ptr + i)
+        else:
+            block = first_block + i
+        start_m = block * BLOCK_M
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < seqlen_q
+        keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
+                            mask_ptrs + start_m.to(tl.int64) * stride_mask_m,
+                            HAS_MASK, CAUSAL_TILES)
+        q = tl.load(q_ptrs + start_m.to(tl.int64) * stride_q_m,
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        qk_t = mma(k, tl.trans(q), DOT_PRECISION, WIDEN_DOTS)
+        s_t = scores_log2(qk_t, keep, bias_ptrs + start_m.to(tl.int64) * stride_bias_m,
+                          qk_scale, HAS_BIAS)
+        p_t = probs_from_lse(s_t, tl.load(lse_ptr + offs_m, mask=m_ok, other=0.0)[None, :])
+        do = tl.load(do_ptrs + start_m.to(tl.int64) * stride_do_m,
+                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        dv += mma(p_t.to(do.dtype), do, DOT_PRECISION, WIDEN_DOTS)
+        dp_t = mma(v, tl.trans(do), DOT_PRECISION, WIDEN_DOTS)
+        # dS = P * (dP - delta): the gradient of the (natural) score, bias included.
+        ds_t = p_t * (dp_t - tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)[None, :])
+        dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION, WIDEN_DOTS)
+        if HAS_DBIAS:
+            if DBIAS_REDUCE_M:
+                dbias_col += tl.sum(ds_t, 1)
+            else:
+                write_tile(dbias_ptrs + start_m.to(tl.int64) * stride_db_m, ds_t,
+                           n_ok[:, None] & m_ok[None, :], DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+    return dk, dv, dbias_col
+
+
+@triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     dbias_ptr, stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+    count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
+    stride_list_n,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -76,7 +130,8 @@ def _attn_bwd_dkdv_kernel(
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
+    n_block = tl.program_id(0)
+    start_n = n_block * BLOCK_N
     # Axis 1 enumerates (batch, kv head) pairs of this launch; deterministic dbias for a shared
     # bias launches one slice at a time (batch_start / head_start) in a fixed order.
     b = batch_start + tl.program_id(1) // heads_per_launch
@@ -97,59 +152,51 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    lo = 0
-    if IS_CAUSAL:
-        lo = causal_query_start(start_n, BLOCK_M, seqlen_q, seqlen_k)
-    offs_m_lo = lo + offs_m0
+    first, num_full_from, num_blocks = causal_query_split(start_n, BLOCK_M, BLOCK_N, seqlen_q,
+                                                          seqlen_k, IS_CAUSAL)
     for g in range(group_size):
         h = hk * group_size + g
         bh = b * heads_q + h
         q_ptrs = operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h) \
-            + tile_offsets(offs_m_lo[:, None], offs_d[None, :], stride_q_m, 1)
+            + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_q_m, 1)
         do_ptrs = operand_base(do_ptr, b, h, 1, stride_do_b, stride_do_h) \
-            + tile_offsets(offs_m_lo[:, None], offs_d[None, :], stride_do_m, 1)
+            + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_do_m, 1)
         mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
-            + tile_offsets(offs_n[:, None], offs_m_lo[None, :], stride_mask_n, stride_mask_m)
+            + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
         bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-            + tile_offsets(offs_n[:, None], offs_m_lo[None, :], stride_bias_n, stride_bias_m)
+            + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_bias_n, stride_bias_m)
         dbias_ptrs = operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h) \
-            + tile_offsets(offs_n[:, None], offs_m_lo[None, :], stride_db_n, stride_db_m)
-        lse_ptrs = lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m_lo
-        delta_ptrs = delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m_lo
+            + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_db_n, stride_db_m)
+        lse_row = lse_ptr + bh.to(tl.int64) * seqlen_q
+        delta_row = delta_ptr + bh.to(tl.int64) * seqlen_q
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start_m in range(lo, seqlen_q, BLOCK_M):
-            offs_m = start_m + offs_m0
-            keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, mask_ptrs,
-                                HAS_MASK, IS_CAUSAL)
-            active = True
-            if HAS_MASK:
-                active = any_visible(keep)
-            if active:
-                m_ok = offs_m < seqlen_q
-                q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-                qk_t = mma(k, tl.trans(q), DOT_PRECISION, WIDEN_DOTS)
-                s_t = scores_log2(qk_t, keep, bias_ptrs, qk_scale, HAS_BIAS)
-                p_t = probs_from_lse(s_t, tl.load(lse_ptrs, mask=m_ok, other=0.0)[None, :])
-                do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-                dv += mma(p_t.to(do.dtype), do, DOT_PRECISION, WIDEN_DOTS)
-                dp_t = mma(v, tl.trans(do), DOT_PRECISION, WIDEN_DOTS)
-                delta = tl.load(delta_ptrs, mask=m_ok, other=0.0)
-                # dS = P * (dP - delta): the gradient of the (natural) score, bias included.
-                ds_t = p_t * (dp_t - delta[None, :])
-                dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION, WIDEN_DOTS)
-                if HAS_DBIAS:
-                    if DBIAS_REDUCE_M:
-                        dbias_col += tl.sum(ds_t, 1)
-                    else:
-                        write_tile(dbias_ptrs, ds_t, n_ok[:, None] & m_ok[None, :],
-                                   DBIAS_ACCUMULATE, DBIAS_ATOMIC)
-            q_ptrs += BLOCK_M * stride_q_m
-            do_ptrs += BLOCK_M * stride_do_m
-            mask_ptrs += BLOCK_M * stride_mask_m
-            bias_ptrs += BLOCK_M * stride_bias_m
-            dbias_ptrs += BLOCK_M * stride_db_m
-            lse_ptrs += BLOCK_M
-            delta_ptrs += BLOCK_M
+        if HAS_MASK:
+            block_list, count = block_list_row(
+                count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b,
+                stride_list_h, stride_list_n, b, h, mask_head_div, n_block)
+            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+                block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_M, HAS_MASK, HAS_BIAS, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS,
+                HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+        else:
+            if IS_CAUSAL:
+                dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+                    dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+                    q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+                    bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+                    count_ptr, first, num_full_from - first, seqlen_q, seqlen_k, qk_scale,
+                    BLOCK_M, False, HAS_BIAS, True, False, DOT_PRECISION, WIDEN_DOTS,
+                    HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+                count_ptr, num_full_from, num_blocks - num_full_from, seqlen_q, seqlen_k,
+                qk_scale, BLOCK_M, False, HAS_BIAS, False, False, DOT_PRECISION, WIDEN_DOTS,
+                HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
         if HAS_DBIAS and DBIAS_REDUCE_M:
             # One (b, hq) row of the (B, Hq, 1, Lk) partial: a single writer, no atomics.
             tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
@@ -166,11 +213,49 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _attn_bwd_dq_inner(
+    dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok,
+    k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+    mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+    block_list_ptr, first_block, num_blocks,
+    seqlen_q, seqlen_k, qk_scale,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr, HAS_DBIAS: tl.constexpr,
+):
+    """Accumulate dq (and the key-summed dbias) over key blocks, like ``_attn_fwd_inner``."""
+    for i in range(num_blocks):
+        if USE_LIST:
+            block = tl.load(block_list_ptr + i)
+        else:
+            block = first_block + i
+        start_n = block * BLOCK_N
+        offs_n = start_n + offs_n0
+        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
+                            HAS_MASK, CAUSAL_TILES)
+        kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
+        qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
+        p = probs_from_lse(scores_log2(qk, keep, bias_ptrs + start_n.to(tl.int64) * stride_bias_n,
+                                       qk_scale, HAS_BIAS), lse[:, None])
+        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
+        dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
+        ds = p * (dp - delta[:, None])
+        dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
+        if HAS_DBIAS:
+            dbias_row += tl.sum(ds, 1)
+    return dq, dbias_row
+
+
+@triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     dbias_ptr, stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+    count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
+    stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -182,7 +267,8 @@ def _attn_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr, HAS_DBIAS: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    m_block = tl.program_id(0)
+    start_m = m_block * BLOCK_M
     bh = tl.program_id(1)
     b = bh // heads_q
     h = bh % heads_q
@@ -213,31 +299,29 @@ def _attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_row = tl.zeros([BLOCK_M], dtype=tl.float32)
-    hi = seqlen_k
-    if IS_CAUSAL:
-        hi = causal_key_end(start_m, BLOCK_M, seqlen_q, seqlen_k)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, mask_ptrs,
-                            HAS_MASK, IS_CAUSAL)
-        active = True
-        if HAS_MASK:
-            active = any_visible(keep)
-        if active:
-            kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_in_range, other=0.0)
-            qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-            p = probs_from_lse(scores_log2(qk, keep, bias_ptrs, qk_scale, HAS_BIAS), lse[:, None])
-            v = tl.load(v_ptrs, mask=kv_in_range, other=0.0)
-            dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
-            ds = p * (dp - delta[:, None])
-            dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
-            if HAS_DBIAS:
-                dbias_row += tl.sum(ds, 1)
-        k_ptrs += BLOCK_N * stride_k_n
-        v_ptrs += BLOCK_N * stride_v_n
-        mask_ptrs += BLOCK_N * stride_mask_n
-        bias_ptrs += BLOCK_N * stride_bias_n
+    if HAS_MASK:
+        block_list, count = block_list_row(
+            count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
+            stride_list_m, b, h, mask_head_div, m_block)
+        dq, dbias_row = _attn_bwd_dq_inner(
+            dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, HAS_MASK, HAS_BIAS, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS)
+    else:
+        num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
+                                                  IS_CAUSAL)
+        dq, dbias_row = _attn_bwd_dq_inner(
+            dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            count_ptr, 0, num_full, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, False, HAS_BIAS, False, False, DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS)
+        if IS_CAUSAL:
+            dq, dbias_row = _attn_bwd_dq_inner(
+                dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+                stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+                count_ptr, num_full, num_blocks - num_full, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_N, False, HAS_BIAS, True, False, DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS)
 
     dq *= sm_scale
     tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
@@ -261,14 +345,16 @@ def backward_configs(block_d: int, dtype: torch.dtype,
                      interpreted: bool) -> tuple[BackwardConfig, BackwardConfig]:
     """(dkdv, dq) tile shapes. dkdv keeps a tall key block resident; dq a tall query block."""
     if interpreted:
-        return BackwardConfig(32, 32, 4, 1), BackwardConfig(32, 32, 4, 1)
+        # Unequal tiles, so that the causal split logic is exercised with BLOCK_M != BLOCK_N.
+        return BackwardConfig(16, 32, 4, 1), BackwardConfig(32, 16, 4, 1)
     if dtype == torch.float32:
         # fp32 tiles take twice the shared memory; fp32 is for accuracy checks, not speed.
         return BackwardConfig(32, 32, 4, 1), BackwardConfig(32, 32, 4, 1)
+    # dq uses the forward's tiles so that it can reuse the forward's active-tile lists.
     if block_d <= 64:
-        return BackwardConfig(32, 128, 4, 3), BackwardConfig(128, 32, 4, 3)
+        return BackwardConfig(32, 128, 4, 3), BackwardConfig(128, 64, 4, 3)
     if block_d <= 128:
-        return BackwardConfig(32, 128, 8, 2), BackwardConfig(128, 32, 8, 2)
+        return BackwardConfig(32, 128, 8, 2), BackwardConfig(128, 64, 8, 2)
     return BackwardConfig(32, 64, 8, 1), BackwardConfig(64, 32, 8, 1)
 
 
@@ -277,8 +363,20 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _lists_for(checked: CheckedInputs, is_causal: bool, rows: int, cols: int, transposed: bool,
+               reusable: BlockLists | None) -> BlockLists | None:
+    """Active-tile lists for a kernel's tiles, reusing the forward's when the tiles match."""
+    if checked.mask is None:
+        return None
+    if (reusable is not None and not transposed and reusable.block_rows == rows
+            and reusable.block_cols == cols):
+        return reusable
+    return build_block_lists(checked.mask, checked.shape, rows, cols, is_causal, transposed)
+
+
 def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedInputs,
-                       is_causal: bool, deterministic: bool, bias_needs_grad: bool):
+                       is_causal: bool, deterministic: bool, bias_needs_grad: bool,
+                       forward_lists: BlockLists | None = None):
     """Launch the backward. Returns (dq, dk, dv, dbias or None)."""
     ensure_runnable(_attn_bwd_dq_kernel, query.device)
     if grad_out.stride(-1) != 1:
@@ -310,6 +408,8 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
                   HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
                   IS_CAUSAL=bool(is_causal), **dot_options(query.dtype, interpreted))
     dkdv_dbias = plan is not None and not plan.in_dq_kernel
+    kv_lists = _lists_for(checked, is_causal, cfg_kv.block_n, cfg_kv.block_m, True, None)
+    q_lists = _lists_for(checked, is_causal, cfg_q.block_m, cfg_q.block_n, False, forward_lists)
 
     batch_starts = range(shape.batch) if plan and plan.serialize_batch else (0,)
     head_starts = range(shape.heads_kv) if plan and plan.serialize_heads else (0,)
@@ -322,6 +422,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
             _attn_bwd_dkdv_kernel[grid](
                 query, key, value, grad_out, lse, delta, dk, dv,
                 *mask.as_args(), *bias.as_args(), *dbias.as_args(),
+                *block_list_args(kv_lists, shape.batch, lse),
                 *_strides3(query), *_strides3(key), *_strides3(value), *_strides3(grad_out),
                 *_strides3(dk), *_strides3(dv),
                 shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
@@ -337,6 +438,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
     _attn_bwd_dq_kernel[(triton.cdiv(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)](
         query, key, value, grad_out, lse, delta, dq,
         *mask.as_args(), *bias.as_args(), *dbias.as_args(),
+        *block_list_args(q_lists, shape.batch, lse),
         *_strides3(query), *_strides3(key), *_strides3(value), *_strides3(grad_out),
         *_strides3(dq),
         shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,

@@ -17,7 +17,7 @@ from ._blocks import block_list_args, build_block_lists
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, dot_options, ensure_runnable, is_interpreted, operand_args,
                       padded_head_dim)
-from ._score import (LN2, any_visible, causal_key_end, mma, operand_base, scores_log2,
+from ._score import (LN2, block_list_row, causal_block_split, mma, operand_base, scores_log2,
                      tile_offsets, visible_keys)
 
 
@@ -108,23 +108,17 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_MASK:
         # Causal is already folded into the lists; tiles still apply it element-wise.
-        count = tl.load(operand_base(count_ptr, b, h, mask_head_div, stride_count_b,
-                                     stride_count_h) + m_block)
-        block_list = operand_base(list_ptr, b, h, mask_head_div, stride_list_b, stride_list_h) \
-            + m_block * stride_list_m
+        block_list, count = block_list_row(
+            count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
+            stride_list_m, b, h, mask_head_div, m_block)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, HAS_MASK, HAS_BIAS, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
     else:
-        num_blocks = tl.cdiv(seqlen_k, BLOCK_N)
-        num_full = num_blocks
-        if IS_CAUSAL:
-            # Blocks left of the diagonal for every row need no causal test; the rest do.
-            num_blocks = tl.cdiv(causal_key_end(start_m, BLOCK_M, seqlen_q, seqlen_k), BLOCK_N)
-            num_full = tl.minimum(tl.maximum(start_m + seqlen_k - seqlen_q + 1, 0) // BLOCK_N,
-                                  num_blocks)
+        num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
+                                                  IS_CAUSAL)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
@@ -159,8 +153,9 @@ class ForwardConfig:
 
 def forward_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> ForwardConfig:
     if interpreted:
-        # Small tiles so that test shapes span several tiles (skips, partial tiles, causal edge).
-        return ForwardConfig(32, 32, 4, 1)
+        # Small, unequal tiles so that test shapes span several tiles (skips, partial tiles,
+        # the causal edge with BLOCK_M != BLOCK_N). Same tiles as the interpreted dq kernel.
+        return ForwardConfig(32, 16, 4, 1)
     if dtype == torch.float32:
         # fp32 tiles take twice the shared memory; fp32 is for accuracy checks, not speed.
         return ForwardConfig(64, 32, 4, 2 if block_d <= 128 else 1)

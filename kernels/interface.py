@@ -37,6 +37,7 @@ class _DMAttnFunction(torch.autograd.Function):
         dq, dk, dv, dbias = attention_backward(
             grad_out, query, key, value, out, lse, ctx.checked, ctx.is_causal,
             ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
+            forward_lists=ctx.block_lists,
         )
         return dq, dk, dv, None, dbias, None, None, None
 
