@@ -25,36 +25,51 @@ from ._score import tile_offsets, visible_keys
 
 
 @triton.jit
-def _block_list_kernel(
+def _tile_activity_kernel(
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    count_ptr, index_ptr, heads, seqlen_q, seqlen_k, num_row_blocks, num_col_blocks,
+    active_ptr, heads, seqlen_q, seqlen_k, num_col_blocks,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
     TRANSPOSED: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
-    row_block = tl.program_id(0)
+    """One program per tile: 1 if any pair of the tile is visible, else 0."""
+    tile = tl.program_id(0)
     bh = tl.program_id(1)
+    row_block = tile // num_col_blocks
+    col_block = tile % num_col_blocks
     b = bh // heads
     h = bh % heads
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols0 = tl.arange(0, BLOCK_COLS)
+    cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    if TRANSPOSED:  # rows are keys, columns are queries
+        m_idx = cols[None, :]
+        n_idx = rows[:, None]
+    else:
+        m_idx = rows[:, None]
+        n_idx = cols[None, :]
     base = mask_ptr + b.to(tl.int64) * stride_mask_b + h.to(tl.int64) * stride_mask_h
-    list_row = bh.to(tl.int64) * num_row_blocks + row_block
+    keep = visible_keys(m_idx, n_idx, seqlen_q, seqlen_k,
+                        base + tile_offsets(m_idx, n_idx, stride_mask_m, stride_mask_n),
+                        True, IS_CAUSAL)
+    tl.store(active_ptr + bh.to(tl.int64) * tl.num_programs(0) + tile,
+             tl.max(keep.to(tl.int32)).to(tl.int8))
+
+
+@triton.jit
+def _compact_kernel(active_ptr, count_ptr, index_ptr, num_col_blocks,
+                    CHUNK: tl.constexpr):
+    """Per row of the activity map: write the active column indices in order, and their count."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNK)
     count = 0
-    for col_block in range(0, num_col_blocks):
-        cols = col_block * BLOCK_COLS + cols0
-        if TRANSPOSED:  # rows are keys, columns are queries
-            m_idx = cols[None, :]
-            n_idx = rows[:, None]
-        else:
-            m_idx = rows[:, None]
-            n_idx = cols[None, :]
-        keep = visible_keys(m_idx, n_idx, seqlen_q, seqlen_k,
-                            base + tile_offsets(m_idx, n_idx, stride_mask_m, stride_mask_n),
-                            True, IS_CAUSAL)
-        active = tl.max(keep.to(tl.int32))
-        tl.store(index_ptr + list_row * num_col_blocks + count, col_block, mask=active > 0)
-        count += active
-    tl.store(count_ptr + list_row, count)
+    for start in range(0, num_col_blocks, CHUNK):
+        cols = start + offs
+        flags = tl.load(active_ptr + row * num_col_blocks + cols, mask=cols < num_col_blocks,
+                        other=0).to(tl.int32)
+        # Exclusive prefix sum gives each active column its slot in the list.
+        slots = count + tl.cumsum(flags, 0) - flags
+        tl.store(index_ptr + row * num_col_blocks + slots, cols, mask=flags > 0)
+        count += tl.sum(flags, 0)
+    tl.store(count_ptr + row, count)
 
 
 @dataclass(frozen=True)
@@ -95,11 +110,19 @@ def build_block_lists(mask: BroadcastOperand, shape: AttnShape, block_rows: int,
     counts = torch.empty((mask_batch, mask_heads, num_rows), dtype=torch.int32, device=device)
     indices = torch.empty((mask_batch, mask_heads, num_rows, num_cols), dtype=torch.int32,
                           device=device)
-    _block_list_kernel[(num_rows, mask_batch * mask_heads)](
+    # Two launches: a fully parallel any() per tile (the mask is read once, bandwidth-bound),
+    # then a tiny compaction per row. One sequential pass per row would be latency-bound.
+    active = torch.empty((mask_batch, mask_heads, num_rows, num_cols), dtype=torch.int8,
+                         device=device)
+    _tile_activity_kernel[(num_rows * num_cols, mask_batch * mask_heads)](
         args.tensor, args.stride_b, args.stride_h, args.stride_m, args.stride_n,
-        counts, indices, mask_heads, shape.seqlen_q, shape.seqlen_k, num_rows, num_cols,
+        active, mask_heads, shape.seqlen_q, shape.seqlen_k, num_cols,
         BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
         TRANSPOSED=transposed, IS_CAUSAL=bool(is_causal),
+        num_warps=4,
+    )
+    _compact_kernel[(mask_batch * mask_heads * num_rows,)](
+        active, counts, indices, num_cols, CHUNK=min(1024, triton.next_power_of_2(num_cols)),
         num_warps=4,
     )
     return BlockLists(counts, indices, block_rows, block_cols)

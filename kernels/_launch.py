@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._checks import BroadcastOperand
+from ._checks import BroadcastOperand, CheckedInputs
 
 
 def is_interpreted(kernel) -> bool:
@@ -70,3 +70,8 @@ def operand_args(op: BroadcastOperand | None, placeholder: torch.Tensor) -> Oper
         view = view.view(torch.uint8)
     sb, sh, sm, sn = view.stride()
     return OperandArgs(view, sb, sh, sm, sn, op.head_div)
+
+
+def bias_has_one_row(checked: CheckedInputs) -> bool:
+    """The bias is broadcast over queries (flash-dmattn's default kv_row shape)."""
+    return checked.bias is not None and checked.bias.original_shape[2] == 1

@@ -25,10 +25,11 @@ import triton.language as tl
 from ._blocks import BlockLists, block_list_args, build_block_lists
 from ._checks import CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
-from ._launch import (LOG2E, dot_options, ensure_runnable, is_interpreted, operand_args,
+from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted, operand_args,
                       padded_head_dim)
-from ._score import (block_list_row, causal_block_split, causal_query_split, mma, operand_base,
-                     probs_from_lse, scores_log2, tile_offsets, visible_keys, write_tile)
+from ._score import (bias_query_index, block_at, block_list_row, causal_block_split,
+                     causal_query_split, load_bias, mma, operand_base, probs_from_lse,
+                     scores_log2, tile_offsets, visible_keys, write_tile)
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def _attn_bwd_dkdv_inner(
     lse_ptr, delta_ptr, block_list_ptr, first_block, num_blocks,
     seqlen_q, seqlen_k, qk_scale,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
+    BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
@@ -74,22 +75,28 @@ def _attn_bwd_dkdv_inner(
     Works in the (n, m) orientation. Pointers address query block 0; blocks are
     ``first_block + i`` or the i-th entry of the transposed active-tile list.
     """
+    block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
+    keep = visible_keys((block * BLOCK_M + offs_m0)[None, :], offs_n[:, None], seqlen_q,
+                        seqlen_k, mask_ptrs + (block * BLOCK_M).to(tl.int64) * stride_mask_m,
+                        HAS_MASK, CAUSAL_TILES)
     for i in range(num_blocks):
-        if USE_LIST:
-            block = tl.load(block_list_ptr + i)
-        else:
-            block = first_block + i
         start_m = block * BLOCK_M
         offs_m = start_m + offs_m0
         m_ok = offs_m < seqlen_q
-        keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
-                            mask_ptrs + start_m.to(tl.int64) * stride_mask_m,
-                            HAS_MASK, CAUSAL_TILES)
+        # Next block's index and mask tile one iteration ahead (see _attn_fwd_inner).
+        block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
+        next_keep = visible_keys((block * BLOCK_M + offs_m0)[None, :], offs_n[:, None],
+                                 seqlen_q, seqlen_k,
+                                 mask_ptrs + (block * BLOCK_M).to(tl.int64) * stride_mask_m,
+                                 HAS_MASK, CAUSAL_TILES)
         q = tl.load(q_ptrs + start_m.to(tl.int64) * stride_q_m,
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = load_bias(bias_ptrs + start_m.to(tl.int64) * stride_bias_m, keep,
+                             n_ok[:, None], BIAS_ROW)
         qk_t = mma(k, tl.trans(q), DOT_PRECISION, WIDEN_DOTS)
-        s_t = scores_log2(qk_t, keep, bias_ptrs + start_m.to(tl.int64) * stride_bias_m,
-                          qk_scale, HAS_BIAS)
+        s_t = scores_log2(qk_t, keep, bias, qk_scale, HAS_BIAS)
         p_t = probs_from_lse(s_t, tl.load(lse_ptr + offs_m, mask=m_ok, other=0.0)[None, :])
         do = tl.load(do_ptrs + start_m.to(tl.int64) * stride_do_m,
                      mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -104,6 +111,7 @@ def _attn_bwd_dkdv_inner(
             else:
                 write_tile(dbias_ptrs + start_m.to(tl.int64) * stride_db_m, ds_t,
                            n_ok[:, None] & m_ok[None, :], DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+        keep = next_keep
     return dk, dv, dbias_col
 
 
@@ -125,8 +133,8 @@ def _attn_bwd_dkdv_kernel(
     batch_start, head_start, heads_per_launch,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
 ):
@@ -164,7 +172,8 @@ def _attn_bwd_dkdv_kernel(
         mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
             + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
         bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-            + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_bias_n, stride_bias_m)
+            + tile_offsets(offs_n[:, None], bias_query_index(offs_m0, BIAS_ROW)[None, :],
+                           stride_bias_n, stride_bias_m)
         dbias_ptrs = operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h) \
             + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_db_n, stride_db_m)
         lse_row = lse_ptr + bh.to(tl.int64) * seqlen_q
@@ -179,7 +188,7 @@ def _attn_bwd_dkdv_kernel(
                 q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
                 block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_M, HAS_MASK, HAS_BIAS, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS,
+                BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS,
                 HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
         else:
             if IS_CAUSAL:
@@ -188,14 +197,14 @@ def _attn_bwd_dkdv_kernel(
                     q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                     bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
                     count_ptr, first, num_full_from - first, seqlen_q, seqlen_k, qk_scale,
-                    BLOCK_M, False, HAS_BIAS, True, False, DOT_PRECISION, WIDEN_DOTS,
+                    BLOCK_M, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS,
                     HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                 dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                 q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
                 count_ptr, num_full_from, num_blocks - num_full_from, seqlen_q, seqlen_k,
-                qk_scale, BLOCK_M, False, HAS_BIAS, False, False, DOT_PRECISION, WIDEN_DOTS,
+                qk_scale, BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS,
                 HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
         if HAS_DBIAS and DBIAS_REDUCE_M:
             # One (b, hq) row of the (B, Hq, 1, Lk) partial: a single writer, no atomics.
@@ -220,31 +229,38 @@ def _attn_bwd_dq_inner(
     block_list_ptr, first_block, num_blocks,
     seqlen_q, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
+    BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr, HAS_DBIAS: tl.constexpr,
 ):
     """Accumulate dq (and the key-summed dbias) over key blocks, like ``_attn_fwd_inner``."""
+    block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
+    keep = visible_keys(offs_m[:, None], (block * BLOCK_N + offs_n0)[None, :], seqlen_q,
+                        seqlen_k, mask_ptrs + (block * BLOCK_N).to(tl.int64) * stride_mask_n,
+                        HAS_MASK, CAUSAL_TILES)
     for i in range(num_blocks):
-        if USE_LIST:
-            block = tl.load(block_list_ptr + i)
-        else:
-            block = first_block + i
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
-        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
-                            HAS_MASK, CAUSAL_TILES)
+        # Next block's index and mask tile one iteration ahead (see _attn_fwd_inner).
+        block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
+        next_keep = visible_keys(offs_m[:, None], (block * BLOCK_N + offs_n0)[None, :],
+                                 seqlen_q, seqlen_k,
+                                 mask_ptrs + (block * BLOCK_N).to(tl.int64) * stride_mask_n,
+                                 HAS_MASK, CAUSAL_TILES)
         kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
         k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
+                             (offs_n < seqlen_k)[None, :], BIAS_ROW)
         qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-        p = probs_from_lse(scores_log2(qk, keep, bias_ptrs + start_n.to(tl.int64) * stride_bias_n,
-                                       qk_scale, HAS_BIAS), lse[:, None])
+        p = probs_from_lse(scores_log2(qk, keep, bias, qk_scale, HAS_BIAS), lse[:, None])
         v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
         dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
         ds = p * (dp - delta[:, None])
         dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
         if HAS_DBIAS:
             dbias_row += tl.sum(ds, 1)
+        keep = next_keep
     return dq, dbias_row
 
 
@@ -264,8 +280,9 @@ def _attn_bwd_dq_kernel(
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr, HAS_DBIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     start_m = m_block * BLOCK_M
@@ -295,7 +312,8 @@ def _attn_bwd_dq_kernel(
     mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
         + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
     bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_bias_m, stride_bias_n)
+        + tile_offsets(bias_query_index(offs_m, BIAS_ROW)[:, None], offs_n0[None, :],
+                       stride_bias_m, stride_bias_n)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_row = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -307,7 +325,8 @@ def _attn_bwd_dq_kernel(
             dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, HAS_MASK, HAS_BIAS, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS)
+            BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS,
+            HAS_DBIAS)
     else:
         num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
                                                   IS_CAUSAL)
@@ -315,13 +334,15 @@ def _attn_bwd_dq_kernel(
             dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             count_ptr, 0, num_full, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, False, False, DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS)
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS,
+            HAS_DBIAS)
         if IS_CAUSAL:
             dq, dbias_row = _attn_bwd_dq_inner(
                 dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
                 stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
                 count_ptr, num_full, num_blocks - num_full, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_N, False, HAS_BIAS, True, False, DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS)
+                BLOCK_N, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS,
+                HAS_DBIAS)
 
     dq *= sm_scale
     tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
@@ -406,7 +427,8 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
     qk_scale = checked.softmax_scale * LOG2E
     common = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
                   HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
-                  IS_CAUSAL=bool(is_causal), **dot_options(query.dtype, interpreted))
+                  BIAS_ROW=bias_has_one_row(checked), IS_CAUSAL=bool(is_causal),
+                  **dot_options(query.dtype, interpreted))
     dkdv_dbias = plan is not None and not plan.in_dq_kernel
     kv_lists = _lists_for(checked, is_causal, cfg_kv.block_n, cfg_kv.block_m, True, None)
     q_lists = _lists_for(checked, is_causal, cfg_q.block_m, cfg_q.block_n, False, forward_lists)

@@ -15,10 +15,10 @@ import triton.language as tl
 
 from ._blocks import block_list_args, build_block_lists
 from ._checks import CheckedInputs
-from ._launch import (LOG2E, dot_options, ensure_runnable, is_interpreted, operand_args,
+from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted, operand_args,
                       padded_head_dim)
-from ._score import (LN2, block_list_row, causal_block_split, mma, operand_base, scores_log2,
-                     tile_offsets, visible_keys)
+from ._score import (LN2, bias_query_index, block_at, block_list_row, causal_block_split,
+                     load_bias, mma, operand_base, scores_log2, tile_offsets, visible_keys)
 
 
 @triton.jit
@@ -29,29 +29,36 @@ def _attn_fwd_inner(
     block_list_ptr, first_block, num_blocks,
     seqlen_q, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
+    BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
     """Fold ``num_blocks`` key blocks into the online softmax state.
 
     Pointers address key block 0. Blocks are ``first_block + i``, or with USE_LIST the i-th
     entry of the active-tile list, so a sparse mask walks only its active tiles, branch-free.
+    The next block's index and mask tile are loaded one iteration ahead: those loads cannot go
+    through the asynchronous copy pipeline (bytes, data-dependent), so this hides their latency.
     """
+    block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
+    keep = visible_keys(offs_m[:, None], (block * BLOCK_N + offs_n0)[None, :], seqlen_q,
+                        seqlen_k, mask_ptrs + (block * BLOCK_N).to(tl.int64) * stride_mask_n,
+                        HAS_MASK, CAUSAL_TILES)
     for i in range(num_blocks):
-        if USE_LIST:
-            block = tl.load(block_list_ptr + i)
-        else:
-            block = first_block + i
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
-        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
-                            HAS_MASK, CAUSAL_TILES)
+        block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
+        next_keep = visible_keys(offs_m[:, None], (block * BLOCK_N + offs_n0)[None, :],
+                                 seqlen_q, seqlen_k,
+                                 mask_ptrs + (block * BLOCK_N).to(tl.int64) * stride_mask_n,
+                                 HAS_MASK, CAUSAL_TILES)
         kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
         k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
+                             (offs_n < seqlen_k)[None, :], BIAS_ROW)
         qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-        s = scores_log2(qk, keep, bias_ptrs + start_n.to(tl.int64) * stride_bias_n, qk_scale,
-                        HAS_BIAS)
+        s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS)
         # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -61,6 +68,7 @@ def _attn_fwd_inner(
         v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
         m_i = m_new
+        keep = next_keep
     return acc, m_i, l_i
 
 
@@ -77,10 +85,13 @@ def _attn_fwd_kernel(
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
+    if IS_CAUSAL:
+        # Later query blocks see more keys: start them first so the tail of the grid is short.
+        m_block = tl.num_programs(0) - 1 - m_block
     start_m = m_block * BLOCK_M
     bh = tl.program_id(1)
     b = bh // heads_q
@@ -101,7 +112,8 @@ def _attn_fwd_kernel(
     mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
         + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
     bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_bias_m, stride_bias_n)
+        + tile_offsets(bias_query_index(offs_m, BIAS_ROW)[:, None], offs_n0[None, :],
+                       stride_bias_m, stride_bias_n)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -115,7 +127,7 @@ def _attn_fwd_kernel(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, HAS_MASK, HAS_BIAS, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
+            BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
     else:
         num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
                                                   IS_CAUSAL)
@@ -123,13 +135,13 @@ def _attn_fwd_kernel(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             count_ptr, 0, num_full, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, False, False, DOT_PRECISION, WIDEN_DOTS)
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS)
         if IS_CAUSAL:
             acc, m_i, l_i = _attn_fwd_inner(
                 acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n,
                 stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
                 count_ptr, num_full, num_blocks - num_full, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_N, False, HAS_BIAS, True, False, DOT_PRECISION, WIDEN_DOTS)
+                BLOCK_N, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
@@ -199,7 +211,8 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
-        IS_CAUSAL=bool(is_causal), **dot_options(query.dtype, interpreted),
+        BIAS_ROW=bias_has_one_row(checked), IS_CAUSAL=bool(is_causal),
+        **dot_options(query.dtype, interpreted),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, lists
