@@ -27,7 +27,7 @@ from ._checks import CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
 from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted, operand_args,
                       padded_head_dim)
-from ._score import (bias_query_index, block_at, block_list_row, causal_block_split,
+from ._score import (block_at, block_list_row, causal_block_split,
                      causal_query_split, load_bias, mma, operand_base, probs_from_lse,
                      scores_log2, tile_offsets, visible_keys, write_tile)
 
@@ -160,6 +160,10 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
+    if BIAS_ROW:  # one query row: address it once per tile (see load_bias)
+        bias_cols = tl.zeros([1, 1], dtype=tl.int32)
+    else:
+        bias_cols = offs_m0[None, :]
     first, num_full_from, num_blocks = causal_query_split(start_n, BLOCK_M, BLOCK_N, seqlen_q,
                                                           seqlen_k, IS_CAUSAL)
     for g in range(group_size):
@@ -172,8 +176,7 @@ def _attn_bwd_dkdv_kernel(
         mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
             + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
         bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-            + tile_offsets(offs_n[:, None], bias_query_index(offs_m0, BIAS_ROW)[None, :],
-                           stride_bias_n, stride_bias_m)
+            + tile_offsets(offs_n[:, None], bias_cols, stride_bias_n, stride_bias_m)
         dbias_ptrs = operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h) \
             + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_db_n, stride_db_m)
         lse_row = lse_ptr + bh.to(tl.int64) * seqlen_q
@@ -311,9 +314,12 @@ def _attn_bwd_dq_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
     mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
         + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
+    if BIAS_ROW:  # one query row: address it once per tile (see load_bias)
+        bias_rows = tl.zeros([1, 1], dtype=tl.int32)
+    else:
+        bias_rows = offs_m[:, None]
     bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-        + tile_offsets(bias_query_index(offs_m, BIAS_ROW)[:, None], offs_n0[None, :],
-                       stride_bias_m, stride_bias_n)
+        + tile_offsets(bias_rows, offs_n0[None, :], stride_bias_m, stride_bias_n)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_row = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -17,7 +17,7 @@ from ._blocks import block_list_args, build_block_lists
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted, operand_args,
                       padded_head_dim)
-from ._score import (LN2, bias_query_index, block_at, block_list_row, causal_block_split,
+from ._score import (LN2, block_at, block_list_row, causal_block_split,
                      load_bias, mma, operand_base, scores_log2, tile_offsets, visible_keys)
 
 
@@ -111,9 +111,12 @@ def _attn_fwd_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
     mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
         + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
+    if BIAS_ROW:  # one query row: address it once per tile (see load_bias)
+        bias_rows = tl.zeros([1, 1], dtype=tl.int32)
+    else:
+        bias_rows = offs_m[:, None]
     bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-        + tile_offsets(bias_query_index(offs_m, BIAS_ROW)[:, None], offs_n0[None, :],
-                       stride_bias_m, stride_bias_n)
+        + tile_offsets(bias_rows, offs_n0[None, :], stride_bias_m, stride_bias_n)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
