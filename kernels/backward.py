@@ -76,19 +76,15 @@ def _attn_bwd_dkdv_inner(
     ``first_block + i`` or the i-th entry of the transposed active-tile list.
     """
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
-    keep = visible_keys((block * BLOCK_M + offs_m0)[None, :], offs_n[:, None], seqlen_q,
-                        seqlen_k, mask_ptrs + (block * BLOCK_M).to(tl.int64) * stride_mask_m,
-                        HAS_MASK, CAUSAL_TILES)
     for i in range(num_blocks):
         start_m = block * BLOCK_M
         offs_m = start_m + offs_m0
         m_ok = offs_m < seqlen_q
-        # Next block's index and mask tile one iteration ahead (see _attn_fwd_inner).
+        # The next block's index one iteration ahead (see _attn_fwd_inner).
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
-        next_keep = visible_keys((block * BLOCK_M + offs_m0)[None, :], offs_n[:, None],
-                                 seqlen_q, seqlen_k,
-                                 mask_ptrs + (block * BLOCK_M).to(tl.int64) * stride_mask_m,
-                                 HAS_MASK, CAUSAL_TILES)
+        keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
+                            mask_ptrs + start_m.to(tl.int64) * stride_mask_m,
+                            HAS_MASK, CAUSAL_TILES)
         q = tl.load(q_ptrs + start_m.to(tl.int64) * stride_q_m,
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         bias = 0.0
@@ -111,7 +107,6 @@ def _attn_bwd_dkdv_inner(
             else:
                 write_tile(dbias_ptrs + start_m.to(tl.int64) * stride_db_m, ds_t,
                            n_ok[:, None] & m_ok[None, :], DBIAS_ACCUMULATE, DBIAS_ATOMIC)
-        keep = next_keep
     return dk, dv, dbias_col
 
 
@@ -237,18 +232,14 @@ def _attn_bwd_dq_inner(
 ):
     """Accumulate dq (and the key-summed dbias) over key blocks, like ``_attn_fwd_inner``."""
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
-    keep = visible_keys(offs_m[:, None], (block * BLOCK_N + offs_n0)[None, :], seqlen_q,
-                        seqlen_k, mask_ptrs + (block * BLOCK_N).to(tl.int64) * stride_mask_n,
-                        HAS_MASK, CAUSAL_TILES)
     for i in range(num_blocks):
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
-        # Next block's index and mask tile one iteration ahead (see _attn_fwd_inner).
+        # The next block's index one iteration ahead (see _attn_fwd_inner).
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
-        next_keep = visible_keys(offs_m[:, None], (block * BLOCK_N + offs_n0)[None, :],
-                                 seqlen_q, seqlen_k,
-                                 mask_ptrs + (block * BLOCK_N).to(tl.int64) * stride_mask_n,
-                                 HAS_MASK, CAUSAL_TILES)
+        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
+                            HAS_MASK, CAUSAL_TILES)
         kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
         k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
         bias = 0.0
@@ -263,7 +254,6 @@ def _attn_bwd_dq_inner(
         dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
         if HAS_DBIAS:
             dbias_row += tl.sum(ds, 1)
-        keep = next_keep
     return dq, dbias_row
 
 
@@ -379,7 +369,7 @@ def backward_configs(block_d: int, dtype: torch.dtype,
         return BackwardConfig(32, 32, 4, 1), BackwardConfig(32, 32, 4, 1)
     # dq uses the forward's tiles so that it can reuse the forward's active-tile lists.
     if block_d <= 64:
-        return BackwardConfig(32, 128, 4, 3), BackwardConfig(128, 64, 4, 3)
+        return BackwardConfig(32, 128, 4, 3), BackwardConfig(64, 64, 4, 3)
     if block_d <= 128:
         return BackwardConfig(32, 128, 8, 2), BackwardConfig(128, 64, 8, 2)
     return BackwardConfig(32, 64, 8, 1), BackwardConfig(64, 32, 8, 1)
