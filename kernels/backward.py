@@ -360,19 +360,22 @@ class BackwardConfig:
 
 def backward_configs(block_d: int, dtype: torch.dtype,
                      interpreted: bool) -> tuple[BackwardConfig, BackwardConfig]:
-    """(dkdv, dq) tile shapes. dkdv keeps a tall key block resident; dq a tall query block."""
+    """(dkdv, dq) tiles per head dim, from sweeps on an H100 (notes in results/notes.md).
+
+    dkdv keeps a key block resident and walks query blocks; dq the reverse. When dq's tiles
+    equal the forward's, it reuses the forward's active-tile lists.
+    """
     if interpreted:
         # Unequal tiles, so that the causal split logic is exercised with BLOCK_M != BLOCK_N.
         return BackwardConfig(16, 32, 4, 1), BackwardConfig(32, 16, 4, 1)
     if dtype == torch.float32:
         # fp32 tiles take twice the shared memory; fp32 is for accuracy checks, not speed.
         return BackwardConfig(32, 32, 4, 1), BackwardConfig(32, 32, 4, 1)
-    # dq uses the forward's tiles so that it can reuse the forward's active-tile lists.
     if block_d <= 64:
-        return BackwardConfig(32, 128, 4, 3), BackwardConfig(64, 64, 4, 3)
+        return BackwardConfig(64, 64, 4, 3), BackwardConfig(64, 64, 4, 3)
     if block_d <= 128:
-        return BackwardConfig(32, 128, 8, 2), BackwardConfig(128, 64, 8, 2)
-    return BackwardConfig(32, 64, 8, 1), BackwardConfig(64, 32, 8, 1)
+        return BackwardConfig(64, 128, 8, 2), BackwardConfig(64, 32, 4, 3)
+    return BackwardConfig(32, 32, 4, 2), BackwardConfig(64, 16, 4, 2)
 
 
 def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
