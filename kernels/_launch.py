@@ -75,3 +75,11 @@ def operand_args(op: BroadcastOperand | None, placeholder: torch.Tensor) -> Oper
 def bias_has_one_row(checked: CheckedInputs) -> bool:
     """The bias is broadcast over queries (flash-dmattn's default kv_row shape)."""
     return checked.bias is not None and checked.bias.original_shape[2] == 1
+
+
+def multiprocessors(device: torch.device, interpreted: bool) -> int:
+    """Multiprocessor count, which sizes split-K. The interpreter pretends to have 16, so that
+    small CPU test shapes (decode rows over a few hundred keys) take the split path too."""
+    if interpreted:
+        return 16
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -186,3 +186,11 @@ def block_list_row(count_ptr, stride_count_b, stride_count_h, list_ptr, stride_l
     block_list = operand_base(list_ptr, b, h, head_div, stride_list_b, stride_list_h) \
         + row.to(tl.int64) * stride_list_row
     return block_list, count
+
+
+@triton.jit
+def split_share(total, split, num_splits):
+    """[lo, hi) of ``total`` items that split ``split`` of ``num_splits`` takes (split-K)."""
+    per = tl.cdiv(total, num_splits)
+    lo = tl.minimum(split * per, total)
+    return lo, tl.minimum(lo + per, total)

@@ -15,10 +15,10 @@ import triton.language as tl
 
 from ._blocks import block_list_args, build_block_lists
 from ._checks import CheckedInputs
-from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted, operand_args,
-                      padded_head_dim)
-from ._score import (LN2, block_at, block_list_row, causal_block_split,
-                     load_bias, mma, operand_base, scores_log2, tile_offsets, visible_keys)
+from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted,
+                      multiprocessors, operand_args, padded_head_dim)
+from ._score import (LN2, block_at, block_list_row, causal_block_split, load_bias, mma,
+                     operand_base, scores_log2, split_share, tile_offsets, visible_keys)
 
 
 @triton.jit
@@ -78,11 +78,13 @@ def _attn_fwd_kernel(
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
     stride_o_b, stride_o_m, stride_o_h,
+    out_part_ptr, lse_part_ptr,
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     if IS_CAUSAL:
@@ -92,6 +94,9 @@ def _attn_fwd_kernel(
     bh = tl.program_id(1)
     b = bh // heads_q
     h = bh % heads_q
+    # Split-K (decode): axis 2 cuts this row block's key blocks into contiguous shares.
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -122,36 +127,87 @@ def _attn_fwd_kernel(
         block_list, count = block_list_row(
             count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
             stride_list_m, b, h, mask_head_div, m_block)
+        lo, hi = split_share(count, split, num_splits)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
+            block_list + lo, 0, hi - lo, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
     else:
         num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
                                                   IS_CAUSAL)
+        lo, hi = split_share(num_blocks, split, num_splits)
+        full_hi = tl.minimum(hi, num_full)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            count_ptr, 0, num_full, seqlen_q, seqlen_k, qk_scale,
+            count_ptr, lo, tl.maximum(full_hi - lo, 0), seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS)
         if IS_CAUSAL:
+            diag_lo = tl.maximum(lo, num_full)
             acc, m_i, l_i = _attn_fwd_inner(
                 acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n,
                 stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-                count_ptr, num_full, num_blocks - num_full, seqlen_q, seqlen_k, qk_scale,
+                count_ptr, diag_lo, tl.maximum(hi - diag_lo, 0), seqlen_q, seqlen_k, qk_scale,
                 BLOCK_N, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    row_ok = offs_m < seqlen_q
+    if SPLIT_KEYS:
+        # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32; _attn_fwd_combine_kernel merges them.
+        part_row = (split * tl.num_programs(1) + bh).to(tl.int64) * seqlen_q
+        tl.store(out_part_ptr + tile_offsets((part_row + offs_m)[:, None], offs_d[None, :],
+                                             BLOCK_D, 1), out, mask=row_ok[:, None])
+        tl.store(lse_part_ptr + part_row + offs_m, lse, mask=row_ok)
+    else:
+        tl.store(operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
+                 + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        # LSE is (B, Hq, Lq) contiguous. The row predicate keeps a partial last block from
+        # writing into the next head's rows (the LSE race seen in other Triton attention ports).
+        tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_fwd_combine_kernel(
+    out_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
+    stride_o_b, stride_o_m, stride_o_h,
+    heads_q, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Merge split-K partials: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    num_bh = tl.num_programs(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        row = (s * num_bh + bh).to(tl.int64) * seqlen_q
+        m = tl.maximum(m, tl.load(lse_part_ptr + row + offs_m, mask=row_ok, other=float("-inf")))
+    m_shift = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights stay 0
+    weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        row = (s * num_bh + bh).to(tl.int64) * seqlen_q
+        w = tl.exp(tl.load(lse_part_ptr + row + offs_m, mask=row_ok, other=float("-inf"))
+                   - m_shift)
+        part = tl.load(out_part_ptr + tile_offsets((row + offs_m)[:, None], offs_d[None, :],
+                                                   BLOCK_D, 1), mask=row_ok[:, None], other=0.0)
+        weight_sum += w
+        acc += w[:, None] * part
+    empty = weight_sum == 0.0
+    out = acc / tl.where(empty, 1.0, weight_sum)[:, None]
+    lse = tl.where(empty, float("-inf"), m_shift + tl.log(tl.where(empty, 1.0, weight_sum)))
+    b = bh // heads_q
+    h = bh % heads_q
     tl.store(operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
              + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
-             out.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & d_ok[None, :])
-    # LSE is (B, Hq, Lq) contiguous. The row predicate keeps a partial last block from writing
-    # into the next head's rows (the LSE race seen in other Triton attention ports).
-    tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
 
 
 @dataclass(frozen=True)
@@ -203,7 +259,17 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
     if checked.mask is not None:
         lists = build_block_lists(checked.mask, shape, cfg.block_m, cfg.block_n, is_causal,
                                   transposed=False)
-    grid = (triton.cdiv(shape.seqlen_q, cfg.block_m), shape.batch * shape.heads_q)
+    row_blocks = triton.cdiv(shape.seqlen_q, cfg.block_m)
+    num_bh = shape.batch * shape.heads_q
+    splits = key_splits(row_blocks * num_bh, triton.cdiv(shape.seqlen_k, cfg.block_n),
+                        multiprocessors(query.device, interpreted))
+    out_part = lse_part = lse
+    if splits > 1:
+        out_part = torch.empty((splits, num_bh, shape.seqlen_q, block_d), dtype=torch.float32,
+                               device=query.device)
+        lse_part = torch.empty((splits, num_bh, shape.seqlen_q), dtype=torch.float32,
+                               device=query.device)
+    grid = (row_blocks, num_bh, splits)
     _attn_fwd_kernel[grid](
         query, key, value, out, lse,
         *mask.as_args(), *bias.as_args(), *block_list_args(lists, shape.batch, lse),
@@ -211,13 +277,31 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        out_part, lse_part,
         shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
         checked.softmax_scale * LOG2E,
         HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
         BIAS_ROW=bias_has_one_row(checked), IS_CAUSAL=bool(is_causal),
-        **dot_options(query.dtype, interpreted),
+        **dot_options(query.dtype, interpreted), SPLIT_KEYS=splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if splits > 1:
+        _attn_fwd_combine_kernel[(triton.cdiv(shape.seqlen_q, 16), num_bh)](
+            out_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
+            shape.heads_q, shape.seqlen_q, splits,
+            HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
+        )
     return out, lse, lists
+
+
+def key_splits(programs: int, key_blocks: int, multiprocessor_count: int) -> int:
+    """How many ways to split the key axis so that a small grid (decode) fills the GPU.
+
+    Splits only when the grid has fewer programs than multiprocessors, aims at two programs
+    per multiprocessor, and keeps at least 4 key blocks per split so the merge stays cheap.
+    """
+    if programs >= multiprocessor_count:
+        return 1
+    return max(1, min(triton.cdiv(2 * multiprocessor_count, programs), key_blocks // 4, 128))
