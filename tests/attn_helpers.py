@@ -1,0 +1,273 @@
+"""Building blocks shared by the kernel tests: problem sizes, random operands and the checks.
+
+Every accuracy verdict goes through ``kernels.tolerance.check_tensor``, the project's one accuracy
+rule, against the float64 reference. What this module adds is what that rule cannot see:
+
+* rows that see no key must give output exactly 0 and LSE exactly -inf;
+* every other output element must be finite;
+* outputs must be fully written: fresh allocations made during a call are filled with NaN
+  (``AllocationWatch``), so an element the kernel forgot to store shows up as NaN;
+* nothing of size Lq*Lk may be allocated (``AllocationWatch.largest_fresh_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from kernels import attention_reference, dmattn_func
+from kernels.tolerance import check_tensor
+
+# The dtypes the kernels accept. Each one's tolerance travels with it inside
+# kernels.tolerance (ATOL_FLOOR[dtype] plus twice the eager run's own error in that dtype).
+DTYPES = (
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float32, id="fp32"),
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Problem sizes: query (batch, seqlen_q, heads_q, head_dim), key/value use heads_kv."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+    def operand_shape(self, batch: str, heads: str, rows: str, cols: str) -> tuple[int, ...]:
+        """Shape of a mask or bias from symbolic axis sizes, e.g. ("1", "Hk", "Lq", "Lk")."""
+        sizes = {"1": 1, "B": self.batch, "Hk": self.heads_kv, "Hq": self.heads_q,
+                 "Lq": self.seqlen_q, "Lk": self.seqlen_k}
+        return sizes[batch], sizes[heads], sizes[rows], sizes[cols]
+
+    def full_operand_shape(self, heads: str = "Hq") -> tuple[int, ...]:
+        return self.operand_shape("B", heads, "Lq", "Lk")
+
+
+def _blhd(shape, dtype, device, layout: str) -> torch.Tensor:
+    """A random (B, L, H, D) tensor whose memory layout is ``layout``:
+
+    * ``contiguous``: plain (B, L, H, D);
+    * ``bhld``: allocated as (B, H, L, D) and transposed, the usual non-contiguous input;
+    * ``sliced``: the first D columns of a wider head dim (odd head stride, unit last stride);
+    * ``strided``: every other element of the last axis (last stride 2).
+    """
+    b, l, h, d = shape
+    if layout == "contiguous":
+        return torch.randn(b, l, h, d, dtype=dtype, device=device)
+    if layout == "bhld":
+        return torch.randn(b, h, l, d, dtype=dtype, device=device).transpose(1, 2)
+    if layout == "sliced":
+        return torch.randn(b, l, h, d + 3, dtype=dtype, device=device)[..., :d]
+    if layout == "strided":
+        return torch.randn(b, l, h, 2 * d, dtype=dtype, device=device)[..., ::2]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def random_qkv(dims: Dims, dtype, device, layout: str = "contiguous"):
+    q = _blhd((dims.batch, dims.seqlen_q, dims.heads_q, dims.head_dim), dtype, device, layout)
+    k = _blhd((dims.batch, dims.seqlen_k, dims.heads_kv, dims.head_dim), dtype, device, layout)
+    v = _blhd((dims.batch, dims.seqlen_k, dims.heads_kv, dims.head_dim), dtype, device, layout)
+    return q, k, v
+
+
+def random_mask(shape, device, keep: float = 0.7) -> torch.Tensor:
+    """Random bool mask (True = keep) whose first element is kept, so that a fully broadcast
+    (1, 1, 1, 1) mask is not trivially empty."""
+    mask = torch.rand(shape, device=device) < keep
+    mask.view(-1)[0] = True
+    return mask
+
+
+def random_bias(shape, dtype, device) -> torch.Tensor:
+    return (2.0 * torch.randn(shape, device=device)).to(dtype)
+
+
+def expand_operand(t: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """A stride-0 view of a mask or bias with every size-1 axis expanded to full size.
+    A head axis of size 1 expands to heads_q; a head axis of size heads_kv stays as it is."""
+    heads = dims.heads_q if t.shape[1] == 1 else t.shape[1]
+    return t.expand(dims.batch, heads, dims.seqlen_q, dims.seqlen_k)
+
+
+def in_form(t: torch.Tensor, dims: Dims, form: str) -> torch.Tensor:
+    """``tensor``: the broadcast-shaped tensor itself; ``expanded``: its stride-0 full view."""
+    if form == "tensor":
+        return t
+    if form == "expanded":
+        return expand_operand(t, dims)
+    raise ValueError(f"unknown operand form {form!r}")
+
+
+class AllocationWatch(TorchDispatchMode):
+    """Sees every torch op run while it is active (kernel launchers, autograd, interpreter).
+
+    * Poisons fresh ``empty*`` allocations with NaN (floats) or all-ones bits (integers and
+      bools), so any output element the kernels leave unwritten is caught by the checks.
+    * Records the size in bytes of every fresh storage an op returns (views, in-place ops and
+      storage aliases of an input are not fresh): a materialized mask, bias or score matrix
+      shows up here. It watches torch allocations only; the interpreter's per-tile numpy
+      scratch is not visible, and is bounded by the tile size anyway.
+    """
+
+    _EMPTY_OPS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
+
+    def __init__(self):
+        super().__init__()
+        self.fresh: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(result):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in inputs:
+                continue
+            self.fresh.append((str(func), storage.nbytes()))
+            if func.overloadpacket.__name__ in self._EMPTY_OPS:
+                _poison(t)
+        return result
+
+    def largest_fresh_bytes(self) -> int:
+        return max((n for _, n in self.fresh), default=0)
+
+    def describe(self) -> str:
+        return ", ".join(f"{op}: {n} B" for op, n in sorted(self.fresh, key=lambda x: -x[1])[:8])
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(math.nan)
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(-1)
+
+
+@dataclass
+class ForwardRun:
+    out: torch.Tensor
+    lse: torch.Tensor
+    ref_out: torch.Tensor
+    ref_lse: torch.Tensor
+    watch: AllocationWatch
+
+
+def assert_empty_rows_and_finite(out, lse, ref_lse) -> None:
+    """Rows the reference leaves empty (LSE -inf) give exact zeros and -inf; all else finite."""
+    empty = torch.isneginf(ref_lse)  # (B, Hq, Lq)
+    out_rows = out.transpose(1, 2)  # (B, Hq, Lq, D)
+    assert not torch.isnan(out).any(), "output has NaN"
+    assert torch.isfinite(out).all(), "output has Inf"
+    assert not torch.isnan(lse).any(), "LSE has NaN"
+    assert torch.isfinite(lse[~empty]).all(), "LSE not finite on a row that sees keys"
+    assert torch.isneginf(lse[empty]).all(), "LSE of a row that sees no key is not -inf"
+    assert (out_rows[empty] == 0).all(), "output of a row that sees no key is not exactly 0"
+
+
+def assert_close_to_reference(name, actual, reference, baseline, dtype) -> None:
+    check = check_tensor(name, actual, reference, baseline, dtype)
+    assert check.passed, check.describe()
+
+
+def run_forward(q, k, v, mask=None, bias=None, causal=False, scale=None, func=dmattn_func):
+    """Run ``func`` under an AllocationWatch and check out and LSE against the fp64 reference."""
+    with AllocationWatch() as watch:
+        out, lse = func(q, k, v, mask, bias, causal, scale, return_lse=True)
+    b, lq, hq, _ = q.shape
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert lse.shape == (b, hq, lq) and lse.dtype == torch.float32
+
+    ref_out, ref_lse = attention_reference(q, k, v, mask, bias, causal, scale, return_lse=True)
+    lp_out, lp_lse = attention_reference(q, k, v, mask, bias, causal, scale, return_lse=True,
+                                         upcast=False)
+    assert_empty_rows_and_finite(out, lse, ref_lse)
+    assert_close_to_reference("out", out, ref_out, lp_out, q.dtype)
+    assert_close_to_reference("lse", lse, ref_lse, lp_lse, q.dtype)
+    return ForwardRun(out, lse, ref_out, ref_lse, watch)
+
+
+# -- backward
+@dataclass
+class Grads:
+    """Gradients of query, key, value and (when it requires grad) the bias leaf."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: torch.Tensor | None
+
+    def named(self):
+        yield from (("dq", self.dq), ("dk", self.dk), ("dv", self.dv))
+        if self.dbias is not None:
+            yield "dbias", self.dbias
+
+
+def _identity(t):
+    return t
+
+
+def grads_of(func, q, k, v, mask, bias, causal, scale, grad_out, bias_view=_identity,
+             **kwargs) -> Grads:
+    """Gradients of ``(func(...) * grad_out).sum()``. ``bias`` is the leaf that receives the
+    gradient (None for no bias); ``bias_view`` turns it into what is passed, e.g. an expand()."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    leaves = [q, k, v]
+    view = None
+    if bias is not None:
+        bias = bias.detach().requires_grad_()
+        leaves.append(bias)
+        view = bias_view(bias)
+    out = func(q, k, v, mask, view, causal, scale, **kwargs)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    return Grads(*grads[:3], grads[3] if bias is not None else None)
+
+
+@dataclass
+class BackwardRun:
+    grads: Grads
+    ref: Grads
+    watch: AllocationWatch
+
+
+def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
+                 bias_view=_identity, deterministic=False, grad_out=None) -> BackwardRun:
+    """Kernel gradients (under an AllocationWatch) against float64 autograd of the reference.
+
+    The truth is the reference computed in float64 from float32 copies of the inputs (exact for
+    every supported dtype); its gradients land in float32, far below every tolerance floor. The
+    eager low-precision run of the accuracy rule is the reference's own backward in the
+    inputs' dtype.
+    """
+    if grad_out is None:
+        grad_out = torch.randn(q.shape, device=q.device).to(q.dtype)
+    with AllocationWatch() as watch:
+        grads = grads_of(dmattn_func, q, k, v, mask, bias, causal, scale, grad_out, bias_view,
+                         deterministic=deterministic)
+    upcast = [None if t is None else t.detach().float() for t in (q, k, v, bias)]
+    ref = grads_of(attention_reference, *upcast[:3], mask, upcast[3], causal, scale,
+                   grad_out.double(), bias_view)
+    eager = grads_of(attention_reference, q, k, v, mask, bias, causal, scale, grad_out,
+                     bias_view, upcast=False)
+
+    for (name, got), (_, truth), (_, low) in zip(grads.named(), ref.named(), eager.named()):
+        leaf = {"dq": q, "dk": k, "dv": v, "dbias": bias}[name]
+        assert got.shape == leaf.shape, f"{name} shape {tuple(got.shape)}"
+        assert got.dtype == leaf.dtype, f"{name} dtype {got.dtype}"
+        assert torch.isfinite(got).all(), f"{name} has NaN or Inf"
+        assert_close_to_reference(name, got, truth, low, q.dtype)
+    assert (grads.dbias is None) == (bias is None)
+    return BackwardRun(grads, ref, watch)

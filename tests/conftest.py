@@ -1,0 +1,40 @@
+"""Test-session setup shared by every test module.
+
+By default the kernel tests run on CPU tensors under Triton's interpreter. ``triton.jit`` picks
+between a compiled and an interpreted kernel when the decorator runs (it reads TRITON_INTERPRET
+at that moment), so the variable has to be in the environment before a test module imports
+``kernels``. pytest imports this file and calls ``pytest_configure`` before it collects (imports)
+any test module, and ``setdefault`` leaves an explicit choice by the caller alone.
+
+On a GPU machine the same tests run compiled on CUDA tensors with ``pytest --device cuda``.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default="cpu", choices=("cpu", "cuda"),
+        help="where the kernel tests put their tensors: cpu (Triton interpreter, the default) "
+             "or cuda (compiled kernels)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--device") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> torch.device:
+    """The device every kernel test allocates its tensors on."""
+    return torch.device(pytestconfig.getoption("--device"))
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws the same random data on every run, whatever ran before it."""
+    torch.manual_seed(0)

@@ -1,0 +1,251 @@
+"""Backward of dmattn_func: dq, dk, dv and dbias against float64 autograd of the reference.
+
+``run_backward`` checks every gradient's shape, dtype and finiteness, then applies the
+project's accuracy rule against the float64 truth. For float32 inputs that rule is tight (the
+eager float32 error plus 1e-5), which is the gradcheck-grade comparison: float64 is not a kernel
+dtype, so ``torch.autograd.gradcheck`` itself cannot run on the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+
+from attn_helpers import (DTYPES, Dims, assert_close_to_reference, grads_of, in_form, random_bias,
+                          random_mask, random_qkv, run_backward)
+from kernels import attention_reference, dmattn_func
+
+# -- grids
+SEQLENS_Q = (1, 17, 97)
+SEQLENS_K = (1, 17, 97)
+CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
+HEAD_DIMS = (16, 40, 80, 128, 256)
+HEADS = (  # (heads_q, heads_kv)
+    pytest.param((4, 4), id="mha"),
+    pytest.param((6, 2), id="gqa"),
+    pytest.param((4, 1), id="mqa"),
+)
+BROADCAST_BATCH = ("1", "B")
+BROADCAST_HEADS = ("1", "Hk", "Hq")
+BROADCAST_ROWS = ("1", "Lq")
+BROADCAST_COLS = ("1", "Lk")
+OPERAND_FORMS = ("tensor", "expanded")
+QKV_LAYOUTS = ("bhld", "sliced", "strided")
+SCALES = (None, 0.0, 3.0)
+EMPTY_PATTERNS = ("empty_rows", "no_keys", "key_band")
+# Bias shapes whose gradient has several contributors per element (batch, head, row or column
+# sums): the cases where atomics would make the default mode non-deterministic.
+SHARED_BIASES = (
+    pytest.param(("1", "1", "Lq", "Lk"), id="shared"),
+    pytest.param(("1", "Hq", "Lq", "Lk"), id="batch_shared"),
+    pytest.param(("B", "1", "Lq", "Lk"), id="head_shared"),
+    pytest.param(("1", "Hk", "1", "Lk"), id="kv_row"),
+    pytest.param(("1", "1", "Lq", "1"), id="q_col"),
+)
+
+BROADCAST_DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
+
+
+@pytest.mark.parametrize("seqlen_q", SEQLENS_Q)
+@pytest.mark.parametrize("seqlen_k", SEQLENS_K)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_lengths(seqlen_q, seqlen_k, causal, dtype, device):
+    """Odd and unequal lengths, decode (Lq = 1), Lq != Lk with causal; bias per KV head."""
+    dims = Dims(1, seqlen_q, seqlen_k, heads_q=2, heads_kv=1, head_dim=40)
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    bias = random_bias(dims.full_operand_shape("Hk"), dtype, device)
+    run_backward(q, k, v, mask, bias, causal)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_head_dims(head_dim, dtype, device):
+    dims = Dims(1, 33, 40, heads_q=2, heads_kv=1, head_dim=head_dim)
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = random_mask(dims.operand_shape("1", "1", "Lq", "Lk"), device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), dtype, device)
+    run_backward(q, k, v, mask, bias, causal=True)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_grad_head_groups(heads, causal, device):
+    """dk and dv sum over the query heads of each KV head's group."""
+    heads_q, heads_kv = heads
+    dims = Dims(2, 23, 37, heads_q, heads_kv, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    bias = random_bias(dims.full_operand_shape("Hq"), torch.float32, device)
+    run_backward(q, k, v, mask, bias, causal)
+
+
+@pytest.mark.parametrize("batch", BROADCAST_BATCH)
+@pytest.mark.parametrize("heads", BROADCAST_HEADS)
+@pytest.mark.parametrize("rows", BROADCAST_ROWS)
+@pytest.mark.parametrize("cols", BROADCAST_COLS)
+@pytest.mark.parametrize("form", OPERAND_FORMS)
+def test_bias_grad_broadcast(batch, heads, rows, cols, form, device):
+    """dbias arrives in the bias leaf's own shape, summed over every broadcast axis. In the
+    expanded form the leaf is the small tensor and the kernel sees a stride-0 view of it."""
+    dims = BROADCAST_DIMS
+    q, k, v = random_qkv(dims, torch.float32, device)
+    bias = random_bias(dims.operand_shape(batch, heads, rows, cols), torch.float32, device)
+    mask = random_mask(dims.operand_shape("B", "1", "Lq", "Lk"), device)
+    run_backward(q, k, v, mask, bias, causal=True,
+                 bias_view=partial(in_form, dims=dims, form=form))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", SHARED_BIASES)
+def test_bias_grad_low_precision(dtype, bias_shape, device):
+    """dbias in fp16/bf16 is summed in fp32 and rounded once, for every kind of sharing."""
+    dims = Dims(2, 40, 50, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, dtype, device)
+    bias = random_bias(dims.operand_shape(*bias_shape), dtype, device)
+    run_backward(q, k, v, None, bias, causal=False)
+
+
+@pytest.mark.parametrize("pattern", EMPTY_PATTERNS)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_grad_empty_rows(pattern, causal, device):
+    """Rows that see no key have zero dq and contribute nothing; keys no row sees get zero dk,
+    dv and dbias. Nothing is NaN."""
+    dims = Dims(2, 70, 80, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    if pattern == "empty_rows":
+        mask[:, :, [0, 33, dims.seqlen_q - 1]] = False
+    elif pattern == "no_keys":
+        mask.zero_()
+    else:  # keys 32..63: one whole interpreter tile column
+        mask[..., 32:64] = False
+    bias = random_bias(dims.operand_shape("1", "Hq", "Lq", "Lk"), torch.float32, device)
+    run = run_backward(q, k, v, mask, bias, causal)
+
+    seen = mask.any(dim=1)  # (B, Lq, Lk) over the single KV head
+    if causal:
+        rows = torch.arange(dims.seqlen_q, device=device)[:, None]
+        cols = torch.arange(dims.seqlen_k, device=device)[None, :]
+        seen = seen & (cols <= rows + dims.seqlen_k - dims.seqlen_q)
+    empty_rows = ~seen.any(-1)  # (B, Lq)
+    unseen_keys = ~seen.any(-2)  # (B, Lk)
+    assert empty_rows.any() or unseen_keys.any(), "the pattern was meant to empty something"
+    grads = run.grads
+    assert (grads.dq[empty_rows] == 0).all()
+    assert (grads.dk[unseen_keys] == 0).all() and (grads.dv[unseen_keys] == 0).all()
+    assert (grads.dbias[..., ~seen.any(0).any(-2)] == 0).all()
+
+
+def test_grad_masked_tiles_read_no_keys_or_values(device):
+    """Tiles whose mask block is all False are skipped in both backward passes: keys 128..255
+    are masked for every row and hold NaN, and no gradient may turn NaN."""
+    dims = Dims(1, 40, 384, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    band = slice(128, 256)
+    mask = random_mask(dims.operand_shape("1", "1", "Lq", "Lk"), device)
+    mask[..., band] = False
+    grad_out = torch.randn(q.shape, device=device)
+    clean = grads_of(dmattn_func, q, k, v, mask, None, False, None, grad_out)
+    k[:, band] = math.nan
+    v[:, band] = math.nan
+    poisoned = grads_of(dmattn_func, q, k, v, mask, None, False, None, grad_out)
+    assert torch.equal(poisoned.dq, clean.dq)
+    assert torch.equal(poisoned.dk[:, band.stop:], clean.dk[:, band.stop:])
+    assert torch.equal(poisoned.dv[:, band.stop:], clean.dv[:, band.stop:])
+    assert torch.equal(poisoned.dk[:, : band.start], clean.dk[:, : band.start])
+    assert torch.equal(poisoned.dv[:, : band.start], clean.dv[:, : band.start])
+    assert (clean.dk[:, band] == 0).all() and (clean.dv[:, band] == 0).all()
+
+
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
+def test_grad_qkv_layouts(layout, device):
+    """Non-contiguous inputs and a non-contiguous output gradient."""
+    dims = Dims(2, 33, 29, heads_q=4, heads_kv=2, head_dim=40)
+    q, k, v = random_qkv(dims, torch.float32, device, layout)
+    grad_out = torch.randn(dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim,
+                           device=device).transpose(1, 2)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.float32, device)
+    run_backward(q, k, v, None, bias, causal=True, grad_out=grad_out)
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_grad_softmax_scale(scale, device):
+    dims = Dims(1, 17, 40, heads_q=2, heads_kv=2, head_dim=24)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = random_mask(dims.full_operand_shape("Hq"), device)
+    bias = random_bias(dims.operand_shape("1", "1", "Lq", "Lk"), torch.float32, device)
+    run_backward(q, k, v, mask, bias, scale=scale)
+
+
+def test_bias_without_grad_gets_none(device):
+    """A bias that does not require grad gets no gradient; q, k and v still do."""
+    dims = Dims(1, 17, 33, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    bias = random_bias(dims.operand_shape("1", "Hq", "Lq", "Lk"), torch.float32, device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    dmattn_func(q, k, v, attn_bias=bias).sum().backward()
+    assert bias.grad is None
+    assert all(t.grad is not None for t in (q, k, v))
+
+
+def test_bias_grad_alone(device):
+    """Only the bias requires grad: it still gets the right gradient."""
+    dims = Dims(1, 17, 33, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    bias = random_bias(dims.operand_shape("1", "Hq", "Lq", "Lk"), torch.float16, device)
+    grad_out = torch.randn(q.shape, device=device).to(q.dtype)
+    leaf = bias.clone().requires_grad_()
+    (dbias,) = torch.autograd.grad(dmattn_func(q, k, v, attn_bias=leaf), leaf, grad_out)
+    ref = grads_of(attention_reference, q.float(), k.float(), v.float(), None, bias.float(),
+                   False, None, grad_out.double())
+    eager = grads_of(attention_reference, q, k, v, None, bias, False, None, grad_out,
+                     upcast=False)
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+    assert_close_to_reference("dbias", dbias, ref.dbias, eager.dbias, torch.float16)
+
+
+@pytest.mark.parametrize("bias_shape", SHARED_BIASES)
+def test_deterministic_grads_are_bitwise_reproducible(bias_shape, device):
+    """deterministic=True: two runs give identical bits, GQA with B = 2 and a shared bias."""
+    dims = Dims(2, 45, 70, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = random_mask(dims.operand_shape("1", "Hk", "Lq", "Lk"), device)
+    bias = random_bias(dims.operand_shape(*bias_shape), torch.float16, device)
+    first = run_backward(q, k, v, mask, bias, causal=True, deterministic=True)
+    grad_out = torch.randn(q.shape, device=device).to(q.dtype)
+    runs = [grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out, deterministic=True)
+            for _ in range(2)]
+    for (name, a), (_, b) in zip(runs[0].named(), runs[1].named()):
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    assert first.grads.dbias is not None
+
+
+# -- memory: a broadcast bias never gets an Lq * Lk gradient temporary
+ALLOC_DIMS = Dims(1, 97, 257, heads_q=2, heads_kv=1, head_dim=16)
+ALLOC_BIASES = (
+    pytest.param(("B", "Hk", "1", "Lk"), id="kv_row"),
+    pytest.param(("1", "1", "Lq", "1"), id="q_col"),
+    pytest.param(("1", "1", "1", "1"), id="scalar"),
+)
+
+
+@pytest.mark.parametrize("bias_shape", ALLOC_BIASES)
+@pytest.mark.parametrize("form", OPERAND_FORMS)
+def test_backward_allocates_nothing_of_size_lq_lk(bias_shape, form, device):
+    """Besides gradients (all smaller than Lq * Lk bytes here), the backward may allocate
+    O(B * Hq * Lq) and one fp32 accumulator of a gradient's size: never Lq * Lk."""
+    dims = ALLOC_DIMS
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = random_mask(dims.operand_shape("1", "1", "1", "Lk"), device)
+    bias = random_bias(dims.operand_shape(*bias_shape), torch.float16, device)
+    run = run_backward(q, k, v, mask, bias, causal=True,
+                       bias_view=partial(in_form, dims=dims, form=form))
+    limit = dims.seqlen_q * dims.seqlen_k
+    assert 4 * max(q.numel(), k.numel()) < limit  # an fp32 dq or dk accumulator fits under it
+    largest = run.watch.largest_fresh_bytes()
+    assert largest < limit, f"largest fresh allocations: {run.watch.describe()}"

@@ -1,0 +1,346 @@
+"""Forward of dmattn_func: output and LSE against the fp64 reference, on awkward shapes.
+
+Each test compares with ``run_forward``, which applies the project's accuracy rule to out and
+LSE, checks that rows seeing no key give exactly 0 and -inf, that nothing else is NaN or Inf,
+and that every output element was written (fresh allocations are NaN-poisoned).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attn_helpers import (DTYPES, AllocationWatch, Dims, expand_operand, in_form, random_bias,
+                          random_mask, random_qkv, run_forward)
+from kernels import attention_reference, dmattn_func, triton_dmattn_func
+
+# -- grids
+SEQLENS_Q = (1, 17, 97, 129)
+SEQLENS_K = (1, 17, 97, 129)
+CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
+LONG_SEQLEN_K = 4095
+LONG_SEQLENS_Q = (1, 17)
+HEAD_DIMS = (16, 40, 80, 128, 256)
+HEADS = (  # (heads_q, heads_kv)
+    pytest.param((4, 4), id="mha"),
+    pytest.param((6, 2), id="gqa"),
+    pytest.param((4, 1), id="mqa"),
+)
+# Each axis of a mask or bias is one of these sizes (SPEC §1), named symbolically.
+BROADCAST_BATCH = ("1", "B")
+BROADCAST_HEADS = ("1", "Hk", "Hq")
+BROADCAST_ROWS = ("1", "Lq")
+BROADCAST_COLS = ("1", "Lk")
+# A real tensor of the broadcast shape, or a stride-0 expand() of it to full size.
+OPERAND_FORMS = ("tensor", "expanded")
+QKV_LAYOUTS = ("bhld", "sliced", "strided")
+OPERAND_LAYOUTS = ("permuted", "sliced", "key_strided")
+SCALES = (None, 0.3, 0.0, 3.0)
+MASK_PATTERNS = ("no_keys", "empty_rows", "empty_heads", "key_band", "tile_checkerboard",
+                 "single_key")
+
+BROADCAST_DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
+
+
+@pytest.mark.parametrize("seqlen_q", SEQLENS_Q)
+@pytest.mark.parametrize("seqlen_k", SEQLENS_K)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lengths(seqlen_q, seqlen_k, causal, dtype, device):
+    """Odd and unequal lengths, Lq = 1 (decode), Lq > Lk and Lq < Lk with causal."""
+    dims = Dims(2, seqlen_q, seqlen_k, heads_q=2, heads_kv=1, head_dim=40)
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    bias = random_bias(dims.full_operand_shape("Hk"), dtype, device)
+    run = run_forward(q, k, v, mask, bias, causal)
+    if causal and seqlen_q > seqlen_k:
+        # Bottom-right alignment: the first Lq - Lk rows see no key at all.
+        assert torch.isneginf(run.ref_lse[..., : seqlen_q - seqlen_k]).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seqlen_q", LONG_SEQLENS_Q)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_odd_key_length(seqlen_q, causal, dtype, device):
+    """Lk = 4095 with a (1, 1, 1, Lk) mask and a (1, 1, Lq, Lk) bias of odd key length."""
+    dims = Dims(1, seqlen_q, LONG_SEQLEN_K, heads_q=1, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = random_mask(dims.operand_shape("1", "1", "1", "Lk"), device, keep=0.5)
+    bias = random_bias(dims.operand_shape("1", "1", "Lq", "Lk"), dtype, device)
+    run_forward(q, k, v, mask, bias, causal)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_dims(head_dim, dtype, device):
+    dims = Dims(1, 33, 65, heads_q=2, heads_kv=1, head_dim=head_dim)
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = random_mask(dims.operand_shape("B", "Hk", "1", "Lk"), device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "Lq", "Lk"), dtype, device)
+    run_forward(q, k, v, mask, bias, causal=True)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_head_groups(heads, causal, device):
+    """MHA, GQA and MQA; the mask is per KV head and the bias per query head."""
+    heads_q, heads_kv = heads
+    dims = Dims(2, 33, 47, heads_q, heads_kv, head_dim=32)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    bias = random_bias(dims.full_operand_shape("Hq"), torch.float16, device)
+    run_forward(q, k, v, mask, bias, causal)
+
+
+def _broadcast_operand(make, batch, heads, rows, cols, form):
+    return in_form(make(BROADCAST_DIMS.operand_shape(batch, heads, rows, cols)), BROADCAST_DIMS,
+                   form)
+
+
+@pytest.mark.parametrize("batch", BROADCAST_BATCH)
+@pytest.mark.parametrize("heads", BROADCAST_HEADS)
+@pytest.mark.parametrize("rows", BROADCAST_ROWS)
+@pytest.mark.parametrize("cols", BROADCAST_COLS)
+@pytest.mark.parametrize("form", OPERAND_FORMS)
+def test_mask_broadcast(batch, heads, rows, cols, form, device):
+    q, k, v = random_qkv(BROADCAST_DIMS, torch.float16, device)
+    mask = _broadcast_operand(lambda s: random_mask(s, device), batch, heads, rows, cols, form)
+    run_forward(q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("batch", BROADCAST_BATCH)
+@pytest.mark.parametrize("heads", BROADCAST_HEADS)
+@pytest.mark.parametrize("rows", BROADCAST_ROWS)
+@pytest.mark.parametrize("cols", BROADCAST_COLS)
+@pytest.mark.parametrize("form", OPERAND_FORMS)
+def test_bias_broadcast(batch, heads, rows, cols, form, device):
+    q, k, v = random_qkv(BROADCAST_DIMS, torch.float16, device)
+    bias = _broadcast_operand(lambda s: random_bias(s, torch.float16, device),
+                              batch, heads, rows, cols, form)
+    run_forward(q, k, v, bias=bias)
+
+
+def _strided_operand(make, dims: Dims, layout: str) -> torch.Tensor:
+    """A full-size (B, Hk, Lq, Lk) mask or bias that is a non-contiguous view."""
+    b, h, lq, lk = dims.full_operand_shape("Hk")
+    if layout == "permuted":
+        return make((b, lq, h, lk)).permute(0, 2, 1, 3)
+    if layout == "sliced":
+        return make((b, h, lq + 2, lk + 5))[:, :, 1:-1, 3:-2]
+    if layout == "key_strided":
+        return make((b, h, lq, 2 * lk))[..., ::2]
+    raise ValueError(layout)
+
+
+@pytest.mark.parametrize("layout", OPERAND_LAYOUTS)
+def test_operand_strides(layout, device):
+    """Masks and biases are read through their own strides, whatever they are."""
+    dims = Dims(2, 17, 33, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = _strided_operand(lambda s: random_mask(s, device), dims, layout)
+    bias = _strided_operand(lambda s: random_bias(s, torch.float16, device), dims, layout)
+    run_forward(q, k, v, mask, bias, causal=True)
+
+
+@pytest.mark.parametrize("layout", QKV_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_layouts(layout, dtype, device):
+    """Non-contiguous query/key/value: (B, H, L, D) transposed, sliced and strided head dims."""
+    dims = Dims(2, 47, 33, heads_q=4, heads_kv=2, head_dim=40)
+    q, k, v = random_qkv(dims, dtype, device, layout)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    mask = random_mask(dims.operand_shape("B", "Hk", "1", "Lk"), device)
+    bias = random_bias(dims.operand_shape("1", "Hq", "Lq", "Lk"), dtype, device)
+    run_forward(q, k, v, mask, bias, causal=True)
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_scale(scale, dtype, device):
+    dims = Dims(1, 17, 40, heads_q=2, heads_kv=2, head_dim=24)
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = random_mask(dims.full_operand_shape("Hq"), device)
+    bias = random_bias(dims.operand_shape("1", "1", "Lq", "Lk"), dtype, device)
+    run_forward(q, k, v, mask, bias, scale=scale)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim(device):
+    dims = Dims(1, 17, 40, heads_q=2, heads_kv=1, head_dim=40)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    default = dmattn_func(q, k, v, softmax_scale=None)
+    explicit = dmattn_func(q, k, v, softmax_scale=1.0 / math.sqrt(dims.head_dim))
+    other = dmattn_func(q, k, v, softmax_scale=1.0)
+    assert torch.equal(default, explicit)
+    assert not torch.allclose(default, other)
+
+
+def test_zero_scale_averages_visible_values(device):
+    """softmax_scale=0.0 is honored: with no bias every visible key has the same weight.
+    Checked against a plain mean, independently of the reference."""
+    dims = Dims(1, 9, 21, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = random_mask(dims.operand_shape("1", "1", "Lq", "Lk"), device)
+    mask[..., 0] = True  # no empty rows: a plain mean is undefined there
+    out = dmattn_func(q, k, v, mask, softmax_scale=0.0)
+    weights = mask[0, 0].to(torch.float32)
+    weights = weights / weights.sum(-1, keepdim=True)  # (Lq, Lk)
+    expected = torch.einsum("mn,nd->md", weights, v[0, :, 0])
+    for h in range(dims.heads_q):
+        torch.testing.assert_close(out[0, :, h], expected, atol=1e-6, rtol=1e-5)
+
+
+def test_large_scores(device):
+    """Scores in the thousands: the online softmax must rescale, not overflow."""
+    dims = Dims(1, 40, 70, heads_q=2, heads_kv=1, head_dim=32)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    bias = 500.0 * torch.randn(dims.operand_shape("1", "1", "Lq", "Lk"), device=device)
+    run_forward(30.0 * q, k, v, bias=bias, causal=True)
+
+
+def _pattern_mask(pattern: str, dims: Dims, device) -> torch.Tensor:
+    """(B, Hk, Lq, Lk) masks with rows, heads and whole 32- and 64-key tiles switched off."""
+    b, h, lq, lk = dims.full_operand_shape("Hk")
+    mask = random_mask((b, h, lq, lk), device)
+    rows = torch.arange(lq, device=device)[:, None]
+    cols = torch.arange(lk, device=device)[None, :]
+    if pattern == "no_keys":
+        mask.zero_()
+    elif pattern == "empty_rows":
+        mask[:, :, [0, 5, lq - 1]] = False
+    elif pattern == "empty_heads":
+        mask[1, 0] = False
+    elif pattern == "key_band":
+        mask &= (cols < 64) | (cols >= 128)
+    elif pattern == "tile_checkerboard":
+        mask &= ((rows // 32 + cols // 32) % 2 == 0)
+    elif pattern == "single_key":
+        mask = (cols == (rows * 7) % lk).expand(b, h, lq, lk)
+    else:
+        raise ValueError(pattern)
+    return mask
+
+
+@pytest.mark.parametrize("pattern", MASK_PATTERNS)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mask_patterns(pattern, causal, dtype, device):
+    """Fully masked rows, heads and tiles: output 0, LSE -inf, never NaN."""
+    dims = Dims(2, 70, 150, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = _pattern_mask(pattern, dims, device)
+    bias = random_bias(dims.operand_shape("B", "Hq", "1", "Lk"), dtype, device)
+    run = run_forward(q, k, v, mask, bias, causal)
+    if pattern in ("no_keys", "empty_rows", "empty_heads"):
+        assert torch.isneginf(run.ref_lse).any(), "the pattern was meant to leave rows empty"
+
+
+def test_masked_tiles_read_no_keys_or_values(device):
+    """A tile whose mask block is all False does no K/V loads (SPEC: sparsity). Keys 128..255
+    are masked for every row, so any tile size up to 128 sees only False there, and those keys
+    and values are NaN: loading and multiplying them by a zero probability would give NaN."""
+    dims = Dims(1, 40, 384, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    band = slice(128, 256)
+    mask = random_mask(dims.operand_shape("1", "1", "Lq", "Lk"), device)
+    mask[..., band] = False
+    k_clean, v_clean = k.clone(), v.clone()
+    k[:, band] = math.nan
+    v[:, band] = math.nan
+    out, lse = dmattn_func(q, k, v, mask, return_lse=True)
+    ref_out, ref_lse = dmattn_func(q, k_clean, v_clean, mask, return_lse=True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_triton_dmattn_func_is_a_drop_in(device):
+    """Same first seven parameters as flash-dmattn's triton_dmattn_func, same results."""
+    names = list(inspect.signature(triton_dmattn_func).parameters)[:7]
+    assert names == ["query", "key", "value", "attn_mask", "attn_bias", "is_causal",
+                     "softmax_scale"]
+    dims = Dims(2, 17, 33, heads_q=4, heads_kv=2, head_dim=40)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = random_mask(dims.operand_shape("B", "Hk", "1", "Lk"), device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "Lq", "Lk"), torch.float16, device)
+    run = run_forward(q, k, v, mask, bias, True, 0.2, func=triton_dmattn_func)
+    out, lse = dmattn_func(q, k, v, mask, bias, True, 0.2, return_lse=True)
+    assert torch.equal(run.out, out) and torch.equal(run.lse, lse)
+
+
+def test_return_lse_false_returns_only_the_output(device):
+    dims = Dims(1, 17, 33, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    out = dmattn_func(q, k, v)
+    assert isinstance(out, torch.Tensor)
+    assert torch.equal(out, dmattn_func(q, k, v, return_lse=True)[0])
+
+
+# -- memory: no copy of mask or bias, nothing of size Lq * Lk
+ALLOC_DIMS = Dims(1, 97, 257, heads_q=2, heads_kv=1, head_dim=16)
+ALLOC_OPERANDS = (  # (mask shape, bias shape), symbolic
+    pytest.param((("1", "1", "1", "Lk"), ("1", "1", "Lq", "1")), id="kv_row-q_col"),
+    pytest.param((("1", "Hk", "Lq", "Lk"), ("B", "Hq", "1", "Lk")), id="kv_full-q_row"),
+    pytest.param((("1", "1", "1", "1"), ("1", "1", "Lq", "Lk")), id="scalar-shared"),
+)
+
+
+@pytest.mark.parametrize("operands", ALLOC_OPERANDS)
+@pytest.mark.parametrize("form", OPERAND_FORMS)
+def test_forward_allocates_nothing_of_size_lq_lk(operands, form, device):
+    """A copy, pad or expansion of the mask or bias, or a score matrix, needs at least Lq * Lk
+    bytes; the outputs here are smaller than that, so any such allocation is a violation."""
+    mask_shape, bias_shape = operands
+    dims = ALLOC_DIMS
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = in_form(random_mask(dims.operand_shape(*mask_shape), device), dims, form)
+    bias = in_form(random_bias(dims.operand_shape(*bias_shape), torch.float16, device), dims, form)
+    limit = dims.seqlen_q * dims.seqlen_k
+    run = run_forward(q, k, v, mask, bias, causal=True)
+    assert run.out.numel() * run.out.element_size() < limit  # the limit can catch a copy
+    largest = run.watch.largest_fresh_bytes()
+    assert largest < limit, f"largest fresh allocations: {run.watch.describe()}"
+
+
+def test_allocation_watch_sees_a_materialized_mask():
+    """The watch used above is not blind: it catches an expand().contiguous() copy and it
+    poisons fresh allocations."""
+    dims = ALLOC_DIMS
+    mask = random_mask(dims.operand_shape("1", "1", "1", "Lk"), "cpu")
+    with AllocationWatch() as watch:
+        expand_operand(mask, dims).contiguous()
+        fresh = torch.empty(4)
+    assert watch.largest_fresh_bytes() >= dims.seqlen_q * dims.seqlen_k
+    assert torch.isnan(fresh).all()
+
+
+# -- the reference itself, against an independent formulation
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_reference_matches_sdpa(causal, device):
+    """The fp64 reference agrees with PyTorch's SDPA given the SPEC's bottom-right causal rule
+    written out by hand, a boolean mask and an additive bias (no empty rows, which SDPA turns
+    into NaN)."""
+    dims = Dims(2, 13, 29, heads_q=4, heads_kv=2, head_dim=24)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = random_mask(dims.full_operand_shape("Hq"), device)
+    mask[..., 0] = True
+    bias = random_bias(dims.operand_shape("1", "Hq", "Lq", "Lk"), torch.float32, device)
+    keep = mask
+    if causal:
+        rows = torch.arange(dims.seqlen_q, device=device)[:, None]
+        cols = torch.arange(dims.seqlen_k, device=device)[None, :]
+        keep = keep & (cols <= rows + dims.seqlen_k - dims.seqlen_q)
+    float_mask = bias.double().masked_fill(~keep, -math.inf)
+    group = dims.heads_q // dims.heads_kv
+    expected = F.scaled_dot_product_attention(
+        q.double().transpose(1, 2),
+        k.double().transpose(1, 2).repeat_interleave(group, 1),
+        v.double().transpose(1, 2).repeat_interleave(group, 1),
+        attn_mask=float_mask, scale=0.7,
+    ).transpose(1, 2)
+    out = attention_reference(q, k, v, mask, bias, causal, 0.7)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
