@@ -26,6 +26,15 @@ def operand_base(ptr, b, h, head_div, stride_b, stride_h):
 
 
 @triton.jit
+def row_offsets(offs_m, heads, head_div, stride_m, stride_h):
+    """64-bit offsets of rows that may belong to different heads (GQA-packed forward tiles).
+
+    Head ``h`` reads head ``h // head_div`` of the operand, as in ``operand_base``.
+    """
+    return (heads // head_div).to(tl.int64) * stride_h + offs_m.to(tl.int64) * stride_m
+
+
+@triton.jit
 def tile_offsets(rows, cols, stride_rows, stride_cols):
     """64-bit element offsets of a 2-D tile; broadcast axes simply have stride 0.
 

@@ -18,7 +18,8 @@ from ._checks import CheckedInputs
 from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted,
                       multiprocessors, operand_args, padded_head_dim)
 from ._score import (LN2, block_at, block_list_row, causal_block_split, load_bias, mma,
-                     operand_base, scores_log2, split_share, tile_offsets, visible_keys)
+                     operand_base, row_offsets, scores_log2, split_share, tile_offsets,
+                     visible_keys)
 
 
 @triton.jit
@@ -73,7 +74,8 @@ def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h, stride_list_m,
+    count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
+    stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -81,52 +83,62 @@ def _attn_fwd_kernel(
     out_part_ptr, lse_part_ptr,
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_PACK: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
 ):
+    # A tile has BLOCK_M rows. With GROUP_PACK = G > 1 (GQA), row r is query position
+    # start_m + r // G of query head hx * G + r % G: the G heads sharing a KV head share one
+    # program, so K, V and the (group-shared) mask are read once for all of them.
+    QUERY_ROWS: tl.constexpr = BLOCK_M // GROUP_PACK
     m_block = tl.program_id(0)
     if IS_CAUSAL:
         # Later query blocks see more keys: start them first so the tail of the grid is short.
         m_block = tl.num_programs(0) - 1 - m_block
-    start_m = m_block * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // heads_q
-    h = bh % heads_q
+    start_m = m_block * QUERY_ROWS
+    heads_grid = heads_q // GROUP_PACK
+    b = tl.program_id(1) // heads_grid
+    first_head = (tl.program_id(1) % heads_grid) * GROUP_PACK
     # Split-K (decode): axis 2 cuts this row block's key blocks into contiguous shares.
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows // GROUP_PACK
+    heads = first_head + rows % GROUP_PACK
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM  # folds away when HEAD_DIM == BLOCK_D
+    row_ok = offs_m < seqlen_q
 
-    q = tl.load(operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h)
-                + tile_offsets(offs_m[:, None], offs_d[None, :], stride_q_m, 1),
-                mask=(offs_m[:, None] < seqlen_q) & d_ok[None, :], other=0.0)
-    k_ptrs = operand_base(k_ptr, b, h, group_size, stride_k_b, stride_k_h) \
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b
+                + row_offsets(offs_m, heads, 1, stride_q_m, stride_q_h)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_ptrs = operand_base(k_ptr, b, first_head, group_size, stride_k_b, stride_k_h) \
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
-    v_ptrs = operand_base(v_ptr, b, h, group_size, stride_v_b, stride_v_h) \
+    v_ptrs = operand_base(v_ptr, b, first_head, group_size, stride_v_b, stride_v_h) \
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
-    mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
-        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
-    if BIAS_ROW:  # one query row: address it once per tile (see load_bias)
-        bias_rows = tl.zeros([1, 1], dtype=tl.int32)
+    mask_ptrs = mask_ptr + b.to(tl.int64) * stride_mask_b \
+        + row_offsets(offs_m, heads, mask_head_div, stride_mask_m, stride_mask_h)[:, None] \
+        + offs_n0.to(tl.int64)[None, :] * stride_mask_n
+    if BIAS_ROW:  # one query row shared by the tile's heads: address it once (see load_bias)
+        bias_rows = operand_base(bias_ptr, b, first_head, bias_head_div, stride_bias_b,
+                                 stride_bias_h) + tl.zeros([1, 1], dtype=tl.int64)
     else:
-        bias_rows = offs_m[:, None]
-    bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-        + tile_offsets(bias_rows, offs_n0[None, :], stride_bias_m, stride_bias_n)
+        bias_rows = bias_ptr + b.to(tl.int64) * stride_bias_b \
+            + row_offsets(offs_m, heads, bias_head_div, stride_bias_m, stride_bias_h)[:, None]
+    bias_ptrs = bias_rows + offs_n0.to(tl.int64)[None, :] * stride_bias_n
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_MASK:
-        # Causal is already folded into the lists; tiles still apply it element-wise.
+        # Causal is already folded into the lists; tiles still apply it element-wise. When
+        # packed, the host guarantees that the tile's heads share one mask head.
         block_list, count = block_list_row(
             count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
-            stride_list_m, b, h, mask_head_div, m_block)
+            stride_list_m, b, first_head, mask_head_div, m_block)
         lo, hi = split_share(count, split, num_splits)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
@@ -134,8 +146,8 @@ def _attn_fwd_kernel(
             block_list + lo, 0, hi - lo, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
     else:
-        num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
-                                                  IS_CAUSAL)
+        num_full, num_blocks = causal_block_split(start_m, QUERY_ROWS, BLOCK_N, seqlen_q,
+                                                  seqlen_k, IS_CAUSAL)
         lo, hi = split_share(num_blocks, split, num_splits)
         full_hi = tl.minimum(hi, num_full)
         acc, m_i, l_i = _attn_fwd_inner(
@@ -155,20 +167,21 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    row_ok = offs_m < seqlen_q
+    # LSE rows of (B, Hq, Lq). The row predicate keeps a partial last block from writing into
+    # the next head's rows (the LSE race seen in other Triton attention ports).
+    lse_rows = (b * heads_q + heads).to(tl.int64) * seqlen_q + offs_m
     if SPLIT_KEYS:
         # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32; _attn_fwd_combine_kernel merges them.
-        part_row = (split * tl.num_programs(1) + bh).to(tl.int64) * seqlen_q
-        tl.store(out_part_ptr + tile_offsets((part_row + offs_m)[:, None], offs_d[None, :],
-                                             BLOCK_D, 1), out, mask=row_ok[:, None])
-        tl.store(lse_part_ptr + part_row + offs_m, lse, mask=row_ok)
+        part_rows = split.to(tl.int64) * tl.num_programs(1) * GROUP_PACK * seqlen_q + lse_rows
+        tl.store(out_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
+                 out, mask=row_ok[:, None])
+        tl.store(lse_part_ptr + part_rows, lse, mask=row_ok)
     else:
-        tl.store(operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
-                 + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        # LSE is (B, Hq, Lq) contiguous. The row predicate keeps a partial last block from
-        # writing into the next head's rows (the LSE race seen in other Triton attention ports).
-        tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
+        tl.store(out_ptr + b.to(tl.int64) * stride_o_b
+                 + row_offsets(offs_m, heads, 1, stride_o_m, stride_o_h)[:, None]
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + lse_rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -253,15 +266,21 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
     block_d = padded_head_dim(shape.head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
     cfg = forward_config(block_d, query.dtype, interpreted, checked.mask is not None)
+    pack = group_pack(checked, cfg.block_m)
+    block_m = cfg.block_m
+    if pack > 1:
+        # Decode-sized Lq: just enough rows for the group's heads (tl.dot needs 16).
+        block_m = max(16, min(block_m, pack * triton.next_power_of_2(shape.seqlen_q)))
+    query_rows = block_m // pack
     mask = operand_args(checked.mask, out)
     bias = operand_args(checked.bias, out)
     lists = None
     if checked.mask is not None:
-        lists = build_block_lists(checked.mask, shape, cfg.block_m, cfg.block_n, is_causal,
+        lists = build_block_lists(checked.mask, shape, query_rows, cfg.block_n, is_causal,
                                   transposed=False)
-    row_blocks = triton.cdiv(shape.seqlen_q, cfg.block_m)
+    row_blocks = triton.cdiv(shape.seqlen_q, query_rows)
     num_bh = shape.batch * shape.heads_q
-    splits = key_splits(row_blocks * num_bh, triton.cdiv(shape.seqlen_k, cfg.block_n),
+    splits = key_splits(row_blocks * num_bh // pack, triton.cdiv(shape.seqlen_k, cfg.block_n),
                         multiprocessors(query.device, interpreted))
     out_part = lse_part = lse
     if splits > 1:
@@ -269,7 +288,7 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
                                device=query.device)
         lse_part = torch.empty((splits, num_bh, shape.seqlen_q), dtype=torch.float32,
                                device=query.device)
-    grid = (row_blocks, num_bh, splits)
+    grid = (row_blocks, num_bh // pack, splits)
     _attn_fwd_kernel[grid](
         query, key, value, out, lse,
         *mask.as_args(), *bias.as_args(), *block_list_args(lists, shape.batch, lse),
@@ -281,9 +300,10 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
         checked.softmax_scale * LOG2E,
         HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, GROUP_PACK=pack,
         HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
-        BIAS_ROW=bias_has_one_row(checked), IS_CAUSAL=bool(is_causal),
+        BIAS_ROW=bias_has_one_row(checked) and shared_by_group(checked.bias, pack),
+        IS_CAUSAL=bool(is_causal),
         **dot_options(query.dtype, interpreted), SPLIT_KEYS=splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -294,6 +314,30 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
             HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
         )
     return out, lse, lists
+
+
+def shared_by_group(op, pack: int) -> bool:
+    """Every query head of a packed GQA group reads the same head of this mask or bias."""
+    return op is None or op.head_div % pack == 0
+
+
+def group_pack(checked: CheckedInputs, block_m: int) -> int:
+    """How many query heads of a GQA group share one forward tile (1 = no packing).
+
+    Packing reads K, V and a group-shared mask once per group instead of once per head. It is
+    used where that traffic dominates: with a mask (a (B, Hk, Lq, Lk) topk mask is read Hq/Hk
+    times otherwise) and for decode-sized Lq, where one head's rows fill a tile poorly.
+    The group must be a power of two that fits a tile, and the mask must be shared by it.
+    """
+    shape = checked.shape
+    group = shape.group_size
+    if group == 1 or group & (group - 1) or group > block_m:
+        return 1
+    if not shared_by_group(checked.mask, group):
+        return 1
+    if checked.mask is None and shape.seqlen_q >= block_m:
+        return 1
+    return group
 
 
 def key_splits(programs: int, key_blocks: int, multiprocessor_count: int) -> int:
