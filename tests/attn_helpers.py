@@ -7,7 +7,8 @@ rule, against the float64 reference. What this module adds is what that rule can
 * every other output element must be finite;
 * outputs must be fully written: fresh allocations made during a call are filled with NaN
   (``AllocationWatch``), so an element the kernel forgot to store shows up as NaN;
-* nothing of size Lq*Lk may be allocated (``AllocationWatch.largest_fresh_bytes``).
+* the mask and bias are never copied, and tests can bound the largest allocation
+  (``AllocationWatch``).
 """
 
 from __future__ import annotations
@@ -113,17 +114,21 @@ class AllocationWatch(TorchDispatchMode):
 
     * Poisons fresh ``empty*`` allocations with NaN (floats) or all-ones bits (integers and
       bools), so any output element the kernels leave unwritten is caught by the checks.
-    * Records the size in bytes of every fresh storage an op returns (views, in-place ops and
-      storage aliases of an input are not fresh): a materialized mask, bias or score matrix
-      shows up here. It watches torch allocations only; the interpreter's per-tile numpy
-      scratch is not visible, and is bounded by the tile size anyway.
+    * Records the shape and size in bytes of every fresh storage an op returns (views,
+      in-place ops and storage aliases of an input are not fresh), so that a test can look for
+      (Lq, Lk)-shaped temporaries and bound the largest allocation. It sees torch allocations
+      only; the interpreter's per-tile numpy scratch is invisible, and bounded by the tiles.
+    * Records every op that reads one of the ``watched`` tensors (the mask and the bias) and
+      returns fresh storage: a copy, pad, cast, expansion or gather of them.
     """
 
     _EMPTY_OPS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
 
-    def __init__(self):
+    def __init__(self, watched=()):
         super().__init__()
-        self.fresh: list[tuple[str, int]] = []
+        self.fresh: list[tuple[str, tuple[int, ...], int]] = []
+        self.copies: list[str] = []
+        self._watched = {t.untyped_storage().data_ptr() for t in watched if t is not None}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -136,16 +141,33 @@ class AllocationWatch(TorchDispatchMode):
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in inputs:
                 continue
-            self.fresh.append((str(func), storage.nbytes()))
+            self.fresh.append((str(func), tuple(t.shape), storage.nbytes()))
+            if inputs & self._watched:
+                self.copies.append(f"{func} -> {tuple(t.shape)}")
             if func.overloadpacket.__name__ in self._EMPTY_OPS:
                 _poison(t)
         return result
 
     def largest_fresh_bytes(self) -> int:
-        return max((n for _, n in self.fresh), default=0)
+        return max((n for _, _, n in self.fresh), default=0)
+
+    def spanning(self, seqlen_q: int, seqlen_k: int) -> list[str]:
+        """Fresh tensors with both a seqlen_q and a seqlen_k axis: score-shaped temporaries."""
+        return [f"{op} {shape}" for op, shape, _ in self.fresh
+                if seqlen_q in shape and seqlen_k in shape]
 
     def describe(self) -> str:
-        return ", ".join(f"{op}: {n} B" for op, n in sorted(self.fresh, key=lambda x: -x[1])[:8])
+        largest = sorted(self.fresh, key=lambda x: -x[2])[:8]
+        return ", ".join(f"{op} {shape}: {n} B" for op, shape, n in largest)
+
+
+def assert_no_lq_lk_allocation(watch: AllocationWatch, dims: Dims) -> None:
+    """Nothing (Lq, Lk)-shaped, and nothing of one byte per score of the whole problem or more:
+    any materialized score, probability, expanded mask or bias, or full dbias temporary is."""
+    spanning = watch.spanning(dims.seqlen_q, dims.seqlen_k)
+    assert not spanning, f"(Lq, Lk)-shaped temporaries: {spanning}"
+    limit = dims.batch * dims.heads_q * dims.seqlen_q * dims.seqlen_k
+    assert watch.largest_fresh_bytes() < limit, f"largest allocations: {watch.describe()}"
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -185,8 +207,9 @@ def assert_close_to_reference(name, actual, reference, baseline, dtype) -> None:
 
 def run_forward(q, k, v, mask=None, bias=None, causal=False, scale=None, func=dmattn_func):
     """Run ``func`` under an AllocationWatch and check out and LSE against the fp64 reference."""
-    with AllocationWatch() as watch:
+    with AllocationWatch(watched=(mask, bias)) as watch:
         out, lse = func(q, k, v, mask, bias, causal, scale, return_lse=True)
+    assert not watch.copies, f"mask or bias copied: {watch.copies}"
     b, lq, hq, _ = q.shape
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     assert lse.shape == (b, hq, lq) and lse.dtype == torch.float32
@@ -254,9 +277,10 @@ def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
     """
     if grad_out is None:
         grad_out = torch.randn(q.shape, device=q.device).to(q.dtype)
-    with AllocationWatch() as watch:
+    with AllocationWatch(watched=(mask, bias)) as watch:
         grads = grads_of(dmattn_func, q, k, v, mask, bias, causal, scale, grad_out, bias_view,
                          deterministic=deterministic)
+    assert not watch.copies, f"mask or bias copied: {watch.copies}"
     upcast = [None if t is None else t.detach().float() for t in (q, k, v, bias)]
     ref = grads_of(attention_reference, *upcast[:3], mask, upcast[3], causal, scale,
                    grad_out.double(), bias_view)
