@@ -162,11 +162,14 @@ class AllocationWatch(TorchDispatchMode):
 
 
 def assert_no_lq_lk_allocation(watch: AllocationWatch, dims: Dims) -> None:
-    """Nothing (Lq, Lk)-shaped, and nothing of one byte per score of the whole problem or more:
-    any materialized score, probability, expanded mask or bias, or full dbias temporary is."""
+    """No (Lq, Lk)-shaped temporary (a score or probability matrix, an expanded mask or bias, a
+    full bias-gradient buffer), and no allocation of two bytes per score of the whole problem
+    (a flattened fp16 score matrix). Legitimate buffers stay well below that when Lk is several
+    times D: outputs, LSE, tile lists, fp32 accumulators of a gradient's size, and split-K
+    partials (at most Lk / (4 BLOCK_N) splits of BLOCK_D fp32 values per row)."""
     spanning = watch.spanning(dims.seqlen_q, dims.seqlen_k)
     assert not spanning, f"(Lq, Lk)-shaped temporaries: {spanning}"
-    limit = dims.batch * dims.heads_q * dims.seqlen_q * dims.seqlen_k
+    limit = 2 * dims.batch * dims.heads_q * dims.seqlen_q * dims.seqlen_k
     assert watch.largest_fresh_bytes() < limit, f"largest allocations: {watch.describe()}"
 
 

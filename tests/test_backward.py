@@ -22,6 +22,8 @@ from kernels import attention_reference, dmattn_func
 SEQLENS_Q = (1, 17, 97)
 SEQLENS_K = (1, 17, 97)
 CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
+# With a mask the kernels walk active-tile lists; without one, full and causal-diagonal tiles.
+MASKED = (pytest.param(False, id="no_mask"), pytest.param(True, id="mask"))
 LONG_SEQLEN_K = 4095
 HEAD_DIMS = (16, 40, 80, 128, 256)
 HEADS = (  # (heads_q, heads_kv)
@@ -53,12 +55,13 @@ BROADCAST_DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, 
 @pytest.mark.parametrize("seqlen_q", SEQLENS_Q)
 @pytest.mark.parametrize("seqlen_k", SEQLENS_K)
 @pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("masked", MASKED)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grad_lengths(seqlen_q, seqlen_k, causal, dtype, device):
+def test_grad_lengths(seqlen_q, seqlen_k, causal, masked, dtype, device):
     """Odd and unequal lengths, decode (Lq = 1), Lq != Lk with causal; bias per KV head."""
     dims = Dims(1, seqlen_q, seqlen_k, heads_q=2, heads_kv=1, head_dim=40)
     q, k, v = random_qkv(dims, dtype, device)
-    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device) if masked else None
     bias = random_bias(dims.full_operand_shape("Hk"), dtype, device)
     run_backward(q, k, v, mask, bias, causal)
 
@@ -250,7 +253,7 @@ def test_deterministic_grads_are_bitwise_reproducible(bias_shape, device):
 
 
 # -- memory: a broadcast bias never gets an Lq * Lk gradient temporary
-# Sizes chosen as in test_forward's ALLOC_DIMS: Lq and Lk are recognizable, no split-K.
+# As in test_forward: Lq and Lk are recognizable sizes, and Lk is several times D.
 ALLOC_DIMS = Dims(1, 33, 129, heads_q=8, heads_kv=1, head_dim=16)
 ALLOC_BIASES = (
     pytest.param(("B", "Hk", "1", "Lk"), id="kv_row"),

@@ -23,6 +23,8 @@ from kernels import attention_reference, dmattn_func, triton_dmattn_func
 SEQLENS_Q = (1, 17, 97, 129)
 SEQLENS_K = (1, 17, 97, 129)
 CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
+# With a mask the kernels walk active-tile lists; without one, full and causal-diagonal tiles.
+MASKED = (pytest.param(False, id="no_mask"), pytest.param(True, id="mask"))
 LONG_SEQLEN_K = 4095
 LONG_SEQLENS_Q = (1, 17)
 HEAD_DIMS = (16, 40, 80, 128, 256)
@@ -50,12 +52,13 @@ BROADCAST_DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, 
 @pytest.mark.parametrize("seqlen_q", SEQLENS_Q)
 @pytest.mark.parametrize("seqlen_k", SEQLENS_K)
 @pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("masked", MASKED)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lengths(seqlen_q, seqlen_k, causal, dtype, device):
+def test_lengths(seqlen_q, seqlen_k, causal, masked, dtype, device):
     """Odd and unequal lengths, Lq = 1 (decode), Lq > Lk and Lq < Lk with causal."""
     dims = Dims(1, seqlen_q, seqlen_k, heads_q=2, heads_kv=1, head_dim=40)
     q, k, v = random_qkv(dims, dtype, device)
-    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device) if masked else None
     bias = random_bias(dims.full_operand_shape("Hk"), dtype, device)
     run = run_forward(q, k, v, mask, bias, causal)
     if causal and seqlen_q > seqlen_k:
@@ -281,12 +284,8 @@ def test_return_lse_false_returns_only_the_output(device):
 
 
 # -- memory: no copy of mask or bias, nothing of size Lq * Lk
-# Lq and Lk differ from every other size, so an (Lq, Lk)-shaped temporary is recognizable. Eight
-# query heads make 16 programs, which the interpreter (16 pretend multiprocessors) does not
-# split along keys, and 129 keys are too few blocks for a GPU to split. The byte limit, one
-# byte per (b, hq, m, n) score, is above every legitimate allocation (outputs, LSE, tile lists,
-# fp32 accumulators of a gradient's size) and below any materialized score, probability,
-# expanded mask or bias, or full bias-gradient temporary.
+# Lq and Lk differ from every other size, so an (Lq, Lk)-shaped temporary is recognizable, and
+# Lk is several times D (see assert_no_lq_lk_allocation for the byte limit).
 ALLOC_DIMS = Dims(1, 33, 129, heads_q=8, heads_kv=1, head_dim=16)
 ALLOC_OPERANDS = (  # (mask shape, bias shape), symbolic
     pytest.param((("1", "1", "1", "Lk"), ("1", "1", "Lq", "1")), id="kv_row-q_col"),
@@ -309,9 +308,10 @@ def test_forward_allocates_nothing_of_size_lq_lk(operands, form, device):
     assert_no_lq_lk_allocation(run.watch, dims)
 
 
-def test_allocation_watch_sees_copies():
-    """The watch is not blind: it sees an expand().contiguous() of the mask, as a copy and by
-    its size, a padded bias as a copy, and it poisons fresh allocations."""
+def test_allocation_checks_can_fail():
+    """The watch is not blind: it flags an expand().contiguous() of the mask as an (Lq, Lk)
+    temporary and as a copy, a padded bias as a copy, a flattened fp16 score matrix by its
+    size, and it poisons fresh allocations."""
     dims = ALLOC_DIMS
     mask = random_mask(dims.operand_shape("1", "1", "1", "Lk"), "cpu")
     bias = random_bias(dims.operand_shape("1", "1", "1", "Lk"), torch.float16, "cpu")
@@ -319,9 +319,16 @@ def test_allocation_watch_sees_copies():
         expand_operand(mask, dims).contiguous()
         F.pad(bias, (0, 15))
         fresh = torch.empty(4)
-    assert watch.largest_fresh_bytes() >= dims.seqlen_q * dims.seqlen_k
+    with pytest.raises(AssertionError, match="shaped"):
+        assert_no_lq_lk_allocation(watch, dims)
     assert len(watch.copies) == 2, watch.copies
     assert torch.isnan(fresh).all()
+
+    scores = dims.batch * dims.heads_q * dims.seqlen_q * dims.seqlen_k
+    with AllocationWatch() as watch:
+        torch.empty(scores, dtype=torch.float16)
+    with pytest.raises(AssertionError, match="largest"):
+        assert_no_lq_lk_allocation(watch, dims)
 
 
 # -- the reference itself, against an independent formulation
