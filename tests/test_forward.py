@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 from attn_helpers import (DTYPES, AllocationWatch, Dims, assert_no_lq_lk_allocation,
                           expand_operand, in_form, random_bias, random_mask, random_qkv,
                           run_forward)
+import kernels
 from kernels import attention_reference, dmattn_func, triton_dmattn_func
 
 # -- grids
@@ -329,6 +334,54 @@ def test_allocation_checks_can_fail():
         torch.empty(scores, dtype=torch.float16)
     with pytest.raises(AssertionError, match="largest"):
         assert_no_lq_lk_allocation(watch, dims)
+
+
+# -- 64-bit offsets, in a subprocess: a 32-bit offset overflow reads wild memory and may crash
+LARGE_OFFSET_SCRIPT = """
+import sys
+import torch
+from kernels import attention_reference, dmattn_func
+device = sys.argv[1]
+torch.manual_seed(0)
+stride = 2**30  # fits int32; row or head 2 then starts at element 2**31
+lq, lk, heads = 3, 33, 3
+q = torch.randn(1, lq, heads, 16, device=device, dtype=torch.float16, requires_grad=True)
+k = torch.randn(1, lk, heads, 16, device=device, dtype=torch.float16, requires_grad=True)
+v = torch.randn(1, lk, heads, 16, device=device, dtype=torch.float16, requires_grad=True)
+small_mask = torch.rand(1, 1, lq, lk, device=device) < 0.6
+small_mask[..., 0] = True
+small_bias = torch.randn(1, heads, 1, lk, device=device).half()
+# Untouched pages of these storages are never committed on CPU.
+mask = torch.empty(2 * stride + lk, dtype=torch.bool, device=device).as_strided(
+    (1, 1, lq, lk), (0, 0, stride, 1))
+bias = torch.empty(2 * stride + lk, dtype=torch.float16, device=device).as_strided(
+    (1, heads, 1, lk), (0, stride, 0, 1))
+mask.copy_(small_mask)
+bias.copy_(small_bias)
+bias.requires_grad_()
+out = dmattn_func(q, k, v, mask, bias)
+grads = torch.autograd.grad(out.float().square().sum(), (q, k, v, bias))
+leaves = [t.detach().float().requires_grad_() for t in (q, k, v, small_bias)]
+ref = attention_reference(*leaves[:3], small_mask, leaves[3])
+ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
+errors = [(out.double() - ref).abs().max().item()]
+errors += [(g.double() - r.double()).abs().max().item() for g, r in zip(grads, ref_grads)]
+print("max errors", errors)
+sys.exit(0 if max(errors) < 2e-2 else 1)
+"""
+
+
+@pytest.mark.slow
+def test_offsets_past_2_31_elements(device):
+    """Mask rows and bias heads that start at element 2**31 (SPEC: large sizes), forward and
+    backward. The storages are 2 and 4 GiB of address space, of which a few pages are used."""
+    env = dict(os.environ)
+    root = str(Path(kernels.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", LARGE_OFFSET_SCRIPT, str(device)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    code = result.returncode  # negative: killed by that signal (-11: segfault)
+    assert code == 0, f"exit code {code}\n{result.stdout}\n{result.stderr[-3000:]}"
 
 
 # -- the reference itself, against an independent formulation
