@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import re
 import socket
 import subprocess
@@ -58,7 +60,9 @@ def collect(device: torch.device) -> Environment:
         driver = _driver()
     else:
         gpu, driver = "cpu (triton interpreter)", "none"
-    sha = _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    # A copy of the tree without .git (e.g. shipped to a GPU host) can name its commit through
+    # DMBENCH_GIT_SHA; otherwise the rows say "unknown" rather than guess.
+    sha = _git("rev-parse", "--short=12", "HEAD") or os.environ.get("DMBENCH_GIT_SHA", "unknown")
     # Only tracked changes count as dirty: results written under the tree are untracked files.
     status = _git("status", "--porcelain", "--untracked-files=no")
     return Environment(gpu, driver, torch.__version__, _triton_version(), sha,

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from .sweep import Case
 
-MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+# "equiv" runs a forward and a backward per backend, so it costs (and balances) like fwd+bwd.
+MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5, "equiv": 3.5}
 
 
 def causal_visible_pairs(seqlen_q: int, seqlen_k: int) -> int:

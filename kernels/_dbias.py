@@ -3,9 +3,10 @@
 The bias gradient is ``dS`` (the gradient of the softmax input) summed over every axis the bias
 broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
 
-* key axis broadcast (bias ``(.., .., Lq or 1, 1)``, Lk > 1): the dq kernel owns whole query
-  rows, so it sums dS over keys in registers and writes one fp32 value per (b, hq, m) into a
-  (B, Hq, Lq, 1) partial. Torch then sums the partial over the remaining broadcast axes.
+* key axis broadcast (bias ``(.., .., Lq or 1, 1)``): such a bias adds the same value to every
+  key of a row, and softmax is invariant to that shift, so its gradient is exactly zero. It is
+  returned as zeros with no kernel work. (Summing dS over keys would instead return the rounding
+  error of the stored output, since sum_j dS_ij = dO_i . (O_i - rounded O_i).)
 * query axis broadcast (bias ``(.., .., 1, Lk)``, flash-dmattn's default): the dkdv kernel owns
   whole key columns, sums dS over queries in registers and writes a (B, Hq, 1, Lk) partial.
 * full (Lq, Lk) bias: the dkdv kernel writes tiles into the bias's own shape. When every element
@@ -29,7 +30,7 @@ from ._checks import AttnShape, BroadcastOperand
 
 @dataclass(frozen=True)
 class DbiasPlan:
-    in_dq_kernel: bool  # key-axis-broadcast bias: reduced over keys by the dq kernel
+    is_zero: bool  # key-axis-broadcast bias: the gradient is exactly zero, no kernel work
     reduce_m: bool  # dkdv kernel sums over queries before writing
     buffer: torch.Tensor  # what the kernel writes into: partial, accumulator or the gradient
     target: BroadcastOperand  # ``buffer`` seen as a (B, heads, Lq, Lk) broadcast view
@@ -66,11 +67,10 @@ def plan_dbias(bias: BroadcastOperand, shape: AttnShape, bias_dtype, determinist
                device) -> DbiasPlan:
     bb, bh, bm, bn = bias.original_shape
     common = dict(bias_shape=bias.original_shape, bias_dtype=bias_dtype)
-    if bn == 1 and shape.seqlen_k > 1:
-        partial = torch.zeros(shape.batch, shape.heads_q, shape.seqlen_q, 1,
-                              dtype=torch.float32, device=device)
-        target = BroadcastOperand(partial, 1, tuple(partial.shape))
-        return DbiasPlan(True, False, partial, target, False, False, False, False, **common)
+    if bn == 1:
+        grad = torch.zeros(bias.original_shape, dtype=torch.float32, device=device)
+        return DbiasPlan(True, False, grad, BroadcastOperand(grad, 1, bias.original_shape),
+                         False, False, False, False, **common)
     if bm == 1 and shape.seqlen_q > 1:
         partial = torch.zeros(shape.batch, shape.heads_q, 1, shape.seqlen_k,
                               dtype=torch.float32, device=device)

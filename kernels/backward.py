@@ -6,8 +6,7 @@ Three launches, FlashAttention-2 style:
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
    atomics and no (B, Lk, Hq, D) temporary. It also produces the bias gradient for biases that
    span the key axis (see ``_dbias``).
-3. ``_attn_bwd_dq_kernel``: one program per (query block, b, q head), looping over keys. It
-   produces the bias gradient for biases broadcast along the key axis.
+3. ``_attn_bwd_dq_kernel``: one program per (query block, b, q head), looping over keys.
 
 Scores and probabilities are rebuilt with the forward's helpers from the saved LSE. dkdv works
 in the transposed (n, m) orientation so that its dots need no extra transposes of dS and P.
@@ -221,16 +220,16 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok,
+    dq, q, do, lse, delta, offs_m, offs_n0, d_ok,
     k_ptrs, v_ptrs, stride_k_n, stride_v_n,
     mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
     block_list_ptr, first_block, num_blocks,
     seqlen_q, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr, HAS_DBIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
-    """Accumulate dq (and the key-summed dbias) over key blocks, like ``_attn_fwd_inner``."""
+    """Accumulate dq over key blocks, like ``_attn_fwd_inner``."""
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
         start_n = block * BLOCK_N
@@ -252,9 +251,7 @@ def _attn_bwd_dq_inner(
         dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
         ds = p * (dp - delta[:, None])
         dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
-        if HAS_DBIAS:
-            dbias_row += tl.sum(ds, 1)
-    return dq, dbias_row
+    return dq
 
 
 @triton.jit
@@ -262,7 +259,6 @@ def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    dbias_ptr, stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
     count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
     stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
@@ -275,7 +271,6 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    HAS_DBIAS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     start_m = m_block * BLOCK_M
@@ -312,42 +307,34 @@ def _attn_bwd_dq_kernel(
         + tile_offsets(bias_rows, offs_n0[None, :], stride_bias_m, stride_bias_n)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dbias_row = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_MASK:
         block_list, count = block_list_row(
             count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
             stride_list_m, b, h, mask_head_div, m_block)
-        dq, dbias_row = _attn_bwd_dq_inner(
-            dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS,
-            HAS_DBIAS)
+            BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
     else:
         num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
                                                   IS_CAUSAL)
-        dq, dbias_row = _attn_bwd_dq_inner(
-            dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             count_ptr, 0, num_full, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS,
-            HAS_DBIAS)
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS)
         if IS_CAUSAL:
-            dq, dbias_row = _attn_bwd_dq_inner(
-                dq, dbias_row, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+            dq = _attn_bwd_dq_inner(
+                dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
                 stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
                 count_ptr, num_full, num_blocks - num_full, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_N, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS,
-                HAS_DBIAS)
+                BLOCK_N, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS)
 
     dq *= sm_scale
     tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
              + tile_offsets(offs_m[:, None], offs_d[None, :], stride_dq_m, 1),
              dq.to(dq_ptr.dtype.element_ty), mask=q_in_range)
-    if HAS_DBIAS:
-        # One (b, hq) column of the (B, Hq, Lq, 1) partial: a single writer, no atomics.
-        tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
-                 + offs_m.to(tl.int64) * stride_db_m, dbias_row, mask=m_ok)
 
 
 @dataclass(frozen=True)
@@ -428,7 +415,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
                   HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
                   BIAS_ROW=bias_has_one_row(checked), IS_CAUSAL=bool(is_causal),
                   **dot_options(query.dtype, interpreted))
-    dkdv_dbias = plan is not None and not plan.in_dq_kernel
+    dkdv_dbias = plan is not None and not plan.is_zero
     kv_lists = _lists_for(checked, is_causal, cfg_kv.block_n, cfg_kv.block_m, True, None)
     q_lists = _lists_for(checked, is_causal, cfg_q.block_m, cfg_q.block_n, False, forward_lists)
 
@@ -458,14 +445,13 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
 
     _attn_bwd_dq_kernel[(triton.cdiv(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)](
         query, key, value, grad_out, lse, delta, dq,
-        *mask.as_args(), *bias.as_args(), *dbias.as_args(),
+        *mask.as_args(), *bias.as_args(),
         *block_list_args(q_lists, shape.batch, lse),
         *_strides3(query), *_strides3(key), *_strides3(value), *_strides3(grad_out),
         *_strides3(dq),
         shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
         qk_scale, checked.softmax_scale,
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
-        HAS_DBIAS=bool(plan and plan.in_dq_kernel),
         num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
     )
     return dq, dk, dv, (plan.finish() if plan else None)
