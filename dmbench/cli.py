@@ -238,6 +238,24 @@ def fetch_peer_command(dest: Annotated[Path, typer.Option("--dest", help="Git-ig
     _guarded(work)
 
 
+@app.command("report", epilog=EXIT_CODES_HELP)
+def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs (e.g. results/<gpu>/*.csv).")],
+           readme: Annotated[Optional[Path], typer.Option("--readme", help="Rewrite the headline section of this README (between its markers) instead of printing.")] = None):
+    """Headline tables (median ms per backend, ours vs the best peer) generated from CSVs."""
+    from .report import headline_markdown, update_readme
+
+    def work():
+        markdown = headline_markdown(list(csvs))
+        if readme is None:
+            _echo(markdown)
+        else:
+            update_readme(readme, markdown)
+            _echo(f"updated: {readme}")
+        return ExitCode.OK
+
+    _guarded(work)
+
+
 def main() -> None:
     app(prog_name="dmbench")
 
