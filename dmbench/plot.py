@@ -9,6 +9,7 @@ with a single case is drawn against the case itself.
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from .errors import ConfigError
@@ -42,6 +43,14 @@ def _group_axes(axis: str, varying: list[str]) -> list[str]:
 
 def _varying(rows: list[Row]) -> list[str]:
     return [a for a in AXES if len({_axis_value(r, a) for r in rows}) > 1]
+
+
+def _has_line(rows: list[Row], axis: str, groups: list[str]) -> bool:
+    points: dict[tuple, set] = {}
+    for r in rows:
+        key = (r.backend, r.mode) + tuple(_axis_value(r, g) for g in groups)
+        points.setdefault(key, set()).add(_axis_value(r, axis))
+    return any(len(xs) > 1 for xs in points.values())
 
 
 def choose_baseline(rows: list[Row], requested: str | None) -> str | None:
@@ -83,7 +92,7 @@ def _draw(path: Path, title: str, axis: str, panels: dict, ylabel: str, log_y: b
             ax.set_xticklabels([str(x) for x in xs_all], rotation=30, ha="right", fontsize=7)
         if log_y:
             ax.set_yscale("log")
-        ax.set_title(str(name), fontsize=8)
+        ax.set_title(textwrap.fill(str(name), 60), fontsize=7)
         ax.set_xlabel(axis)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
@@ -102,7 +111,9 @@ def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None) -
         raise ConfigError(f"{stem}: no timed rows with status ok to plot")
     baseline = choose_baseline(timed, baseline)
     out_dir.mkdir(parents=True, exist_ok=True)
-    varying = _varying(timed) or ["case"]
+    # An axis is worth a chart when some panel has a line of at least two points along it.
+    varying = _varying(timed)
+    varying = [a for a in varying if _has_line(timed, a, _group_axes(a, varying))] or ["case"]
     gpu = timed[0].gpu
     written = []
     for mode in [m for m in TIMED if any(r.mode == m for r in timed)]:

@@ -95,9 +95,14 @@ class SdpaDenseBackend(Backend):
 
 
 # Dynamo falls back to eager without an error once a function recompiles more often than its
-# limit, which would make flex numbers worthless. Each case resets dynamo (see bind) and the
-# limits are raised as a second guard; the name changed in torch 2.6.
-_RECOMPILE_LIMIT = 1024
+# limit (8 by default), which would make flex numbers worthless: every new shape or block mask
+# structure is a recompile. The limits are raised far above any sweep's case count, and where
+# torch offers it, hitting a limit raises instead of falling back, so the row records an error.
+# Not resetting dynamo between cases lets cases of one shape share a compiled kernel.
+_RECOMPILE_LIMIT = 4096
+_LIMITS = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+           "accumulated_cache_size_limit")  # names before and after torch 2.6
+_FAIL_FLAGS = ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
 
 
 class FlexBackend(Backend):
@@ -121,10 +126,12 @@ class FlexBackend(Backend):
         from torch.nn.attention.flex_attention import flex_attention
 
         config = torch._dynamo.config
-        for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                      "accumulated_cache_size_limit"):
+        for limit in _LIMITS:
             if hasattr(config, limit):
                 setattr(config, limit, max(getattr(config, limit), _RECOMPILE_LIMIT))
+        for flag in _FAIL_FLAGS:
+            if hasattr(config, flag):
+                setattr(config, flag, True)
         if self._compiled is None:
             self._compiled = torch.compile(flex_attention, dynamic=False)
         return self._compiled
@@ -136,8 +143,6 @@ class FlexBackend(Backend):
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        torch._dynamo.reset()  # a fresh cache per case: no recompile limit can be reached
-        self._compiled = None
         flex = self._flex()
         q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
         b, hq, lq, lk = case.batch, case.heads_q, case.seqlen_q, case.seqlen_k
