@@ -1,0 +1,299 @@
+"""The dmbench command line end to end on the CPU (Triton under its interpreter).
+
+One smoke run (module fixture) feeds the resume, plot, merge and distributed tests. The slow
+ones (shards, torchrun, equiv --irregular) still run by default; they are what CI relies on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dmbench.backends import BACKEND_NAMES
+from dmbench.cli import app
+from dmbench.errors import ExitCode
+from dmbench.results import COLUMNS, read_rows
+from dmbench.sweep import load_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "sweeps" / "smoke.yaml"
+BACKENDS = "triton,reference"
+runner = CliRunner()
+
+
+def _invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _fwd(out: Path, *extra: str):
+    return _invoke("fwd", SMOKE, "--out", out, "--backends", BACKENDS, "--no-plot",
+                   "--no-progress", *extra)
+
+
+def _no_traceback(result) -> None:
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+
+
+def _case_ids(rows) -> set[str]:
+    return {r.case_id for r in rows}
+
+
+@pytest.fixture(scope="module")
+def smoke_csv(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smoke") / "s.csv"
+    result = _fwd(out)
+    assert result.exit_code == ExitCode.OK, result.output
+    _no_traceback(result)
+    assert "NOT performance numbers" in result.output  # the CPU note
+    return out
+
+
+@pytest.fixture(scope="module")
+def smoke_cases() -> set[str]:
+    sweep = load_sweep(SMOKE, BACKEND_NAMES)
+    return {c.case_id for c in sweep.cases + tuple(s.case for s in sweep.skipped)}
+
+
+def test_smoke_rows(smoke_csv, smoke_cases):
+    rows = read_rows(smoke_csv)
+    assert _case_ids(rows) == smoke_cases
+    assert {(r.backend, r.mode) for r in rows} == {("triton", "fwd"), ("reference", "fwd")}
+    assert len(rows) == 2 * len(smoke_cases)
+    assert len({r.key for r in rows}) == len(rows)
+    triton = [r for r in rows if r.backend == "triton"]
+    assert triton and all(r.status == "ok" for r in triton), [(r.case_id, r.status, r.detail) for r in triton]
+    for r in triton:
+        assert r.ms_p20 <= r.ms_p50 <= r.ms_p80
+        assert r.tflops_dense > 0 and r.repeats >= 1
+        # smoke.yaml has check: true, so every row records its accuracy numbers.
+        assert r.err_out is not None and r.allowed_out is not None and r.err_out <= r.allowed_out
+        assert r.sweep == "smoke" and r.torch and r.triton and r.timestamp
+    with open(smoke_csv) as f:
+        assert f.readline().rstrip("\r\n").split(",") == list(COLUMNS)
+
+
+def test_resume_runs_nothing_new(smoke_csv, tmp_path):
+    out = tmp_path / "s.csv"
+    shutil.copy(smoke_csv, out)
+    before = read_rows(out)
+    result = _fwd(out, "--resume")
+    assert result.exit_code == ExitCode.OK, result.output
+    assert f"0 points to run, {len(before)} already done" in result.output
+    after = read_rows(out)
+    assert [(r.key, r.timestamp, r.ms_p50) for r in after] == [(r.key, r.timestamp, r.ms_p50) for r in before]
+
+
+def test_resume_after_a_killed_write(smoke_csv, tmp_path):
+    """A half-written last line is dropped and only that point runs again."""
+    out = tmp_path / "s.csv"
+    text = smoke_csv.read_text()
+    last = text.rstrip("\n").rsplit("\n", 1)[1]
+    out.write_text(text[: len(text.rstrip("\n")) - len(last) // 2])
+    before = read_rows(smoke_csv)
+    result = _fwd(out, "--resume")
+    assert result.exit_code == ExitCode.OK, result.output
+    assert f"1 points to run, {len(before) - 1} already done" in result.output
+    after = read_rows(out)
+    assert {r.key for r in after} == {r.key for r in before}
+    assert len(after) == len(before)
+
+
+def test_existing_output_needs_resume_or_force(smoke_csv):
+    size = smoke_csv.stat().st_size
+    result = _fwd(smoke_csv)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    _no_traceback(result)
+    assert "--resume" in result.output and str(smoke_csv) in result.output
+    assert smoke_csv.stat().st_size == size  # nothing lost
+
+
+def test_bad_sweep_path_exits_2(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    result = _invoke("fwd", missing, "--out", tmp_path / "x.csv", "--no-plot", "--no-progress")
+    assert result.exit_code == ExitCode.USAGE
+    _no_traceback(result)
+    assert str(missing) in result.output
+    assert not (tmp_path / "x.csv").exists()
+
+
+def test_bad_sweep_content_exits_2_with_one_line(tmp_path):
+    sweep = tmp_path / "bad.yaml"
+    sweep.write_text("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, dtype: fp8}]\n")
+    result = _invoke("bwd", sweep, "--out", tmp_path / "x.csv", "--no-plot", "--no-progress")
+    assert result.exit_code == ExitCode.USAGE
+    _no_traceback(result)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(sweep) in errors[0] and "dtype" in errors[0]
+
+
+@pytest.mark.parametrize("args", [
+    ["--backends", "triton,cudnn"],
+    ["--shard", "2/2"],
+    ["--shard", "nonsense"],
+    ["--distributed"],  # not under torchrun
+    ["--shard", "0/2", "--distributed"],
+])
+def test_bad_flags_exit_2(tmp_path, args):
+    result = _invoke("fwd", SMOKE, "--out", tmp_path / "x.csv", "--no-plot", "--no-progress", *args)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    _no_traceback(result)
+    assert "error:" in result.output
+
+
+def test_equiv_needs_sweep_or_irregular(tmp_path):
+    result = _invoke("equiv", "--out", tmp_path / "e.csv")
+    assert result.exit_code == ExitCode.USAGE
+    _no_traceback(result)
+
+
+def test_plot_writes_pngs(smoke_csv, tmp_path):
+    result = _invoke("plot", smoke_csv, "--out-dir", tmp_path, "--baseline", "reference")
+    assert result.exit_code == ExitCode.OK, result.output
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert pngs
+    listed = [line.split("plot: ", 1)[1] for line in result.output.splitlines() if line.startswith("plot: ")]
+    assert {Path(p).name for p in listed} == {p.name for p in pngs}
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_rejects_foreign_csv(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("x,y\n1,2\n")
+    result = _invoke("plot", bad)
+    assert result.exit_code == ExitCode.USAGE
+    _no_traceback(result)
+
+
+def test_env_and_backends():
+    result = _invoke("env")
+    assert result.exit_code == ExitCode.OK, result.output
+    for word in ("torch", "triton", "device", "backends:"):
+        assert word in result.output
+    result = _invoke("backends")
+    assert result.exit_code == ExitCode.OK, result.output
+    lines = result.output.splitlines()
+    for name in BACKEND_NAMES:
+        assert any(line.split()[:1] == [name] for line in lines), name
+    triton = next(line for line in lines if line.split()[:1] == ["triton"])
+    assert triton.split()[1] == "yes"  # runs under the interpreter on CPU
+
+
+def test_help_lists_exit_codes():
+    result = _invoke("--help")
+    assert result.exit_code == 0
+    assert "Exit codes" in result.output
+
+
+# -- shards and merge
+
+
+@pytest.fixture(scope="module")
+def shard_csvs(tmp_path_factory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("shards")
+    paths = []
+    for i in range(2):
+        out = folder / f"s{i}.csv"
+        result = _fwd(out, "--shard", f"{i}/2")
+        assert result.exit_code == ExitCode.OK, result.output
+        assert f"shard {i}/2" in result.output
+        paths.append(out)
+    return paths
+
+
+@pytest.mark.slow
+def test_shards_split_the_cases(shard_csvs, smoke_cases):
+    parts = [_case_ids(read_rows(p)) for p in shard_csvs]
+    assert all(parts)
+    assert not parts[0] & parts[1]
+    assert parts[0] | parts[1] == smoke_cases
+
+
+@pytest.mark.slow
+def test_merge_shards_equals_single_run(shard_csvs, smoke_csv, tmp_path):
+    out = tmp_path / "merged.csv"
+    result = _invoke("merge", *shard_csvs, "--out", out, "--sweep", SMOKE)
+    assert result.exit_code == ExitCode.OK, result.output
+    merged, single = read_rows(out), read_rows(smoke_csv)
+    assert _case_ids(merged) == _case_ids(single)
+    assert sorted(r.key for r in merged) == sorted(r.key for r in single)
+
+
+@pytest.mark.slow
+def test_merge_reports_duplicates(shard_csvs, tmp_path):
+    out = tmp_path / "merged.csv"
+    result = _invoke("merge", shard_csvs[0], shard_csvs[1], shard_csvs[0], "--out", out)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    _no_traceback(result)
+    assert "duplicate" in result.output
+    assert not out.exists()
+    result = _invoke("merge", shard_csvs[0], shard_csvs[0], "--out", out, "--force")
+    assert result.exit_code == ExitCode.USAGE
+    assert len(read_rows(out)) == len(read_rows(shard_csvs[0]))
+
+
+@pytest.mark.slow
+def test_merge_reports_missing_cases(shard_csvs, tmp_path):
+    result = _invoke("merge", shard_csvs[0], "--out", tmp_path / "m.csv", "--sweep", SMOKE)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "missing" in result.output
+
+
+# -- torchrun
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_distributed_torchrun_matches_single_run(smoke_csv, tmp_path):
+    out = tmp_path / "d.csv"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), "-m", "dmbench", "fwd", str(SMOKE), "--distributed",
+           "--backends", BACKENDS, "--no-plot", "--no-progress", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        assert f.readline().rstrip("\r\n").split(",") == list(COLUMNS)
+    dist_rows, single = read_rows(out), read_rows(smoke_csv)
+    assert _case_ids(dist_rows) == _case_ids(single)
+    # Rank 0 writes the rows in the order a single process would have.
+    assert [r.key for r in dist_rows] == [r.key for r in single]
+    assert all(r.status == "ok" for r in dist_rows if r.backend == "triton")
+
+
+# -- equiv
+
+
+@pytest.mark.slow
+def test_equiv_irregular(tmp_path):
+    out = tmp_path / "e.csv"
+    result = _invoke("equiv", "--irregular", "--out", out, "--no-progress")
+    assert result.exit_code == ExitCode.OK, result.output[-3000:]
+    rows = read_rows(out)
+    assert rows and all(r.mode == "equiv" and r.backend == "triton" for r in rows)
+    assert all(r.status in ("ok", "skipped") for r in rows)
+    ok = [r for r in rows if r.status == "ok"]
+    assert len(ok) >= len(rows) // 2
+    for r in ok:
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            err, allowed = getattr(r, f"err_{name}"), getattr(r, f"allowed_{name}")
+            assert err is not None and allowed is not None, (r.case_id, name)
+            assert err <= allowed, (r.case_id, name, err, allowed)
+    assert any(r.err_dbias is not None for r in ok)
+    # The suite covers what the spec asks of it.
+    assert {r.head_dim for r in rows} >= {40, 80, 96, 192, 256}
+    assert any(r.seqlen_q == 1 for r in rows) and any(4095 in (r.seqlen_q, r.seqlen_k) for r in rows)
+    assert any(r.heads_kv == 1 and r.heads_q > 1 for r in rows)

@@ -1,0 +1,257 @@
+"""Sweep files: parsing, defaults, grids, explicit cases, and one-line errors naming file and key.
+
+Also: every shipped sweep loads, and the FLOP model's causal pair count matches brute force.
+"""
+
+from __future__ import annotations
+
+import itertools
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dmbench.backends import BACKEND_NAMES
+from dmbench.errors import ConfigError
+from dmbench.flops import causal_visible_pairs, dense_flops
+from dmbench.sweep import FULL_MASK_SHAPE, Case, Timing, load_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "sweeps").glob("*.yaml"))
+
+
+def _write(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _load(tmp_path: Path, text: str):
+    return load_sweep(_write(tmp_path, text), BACKEND_NAMES)
+
+
+# -- valid files
+
+
+def test_grid_is_cartesian_product(tmp_path):
+    sweep = _load(tmp_path, """
+        grid:
+          batch: [1, 2]
+          heads: ["4/2", 8]
+          seqlen: [64, 128, 256]
+          head_dim: 64
+          causal: [true, false]
+    """)
+    assert len(sweep.cases) == 2 * 2 * 3 * 2
+    assert not sweep.skipped
+    assert len({c.case_id for c in sweep.cases}) == len(sweep.cases)
+    combos = {(c.batch, c.heads_q, c.heads_kv, c.seqlen_q, c.causal) for c in sweep.cases}
+    expected = set(itertools.product([1, 2], [(4, 2), (8, 8)], [64, 128, 256], [True, False]))
+    assert combos == {(b, h[0], h[1], s, c) for b, h, s, c in expected}
+
+
+def test_several_grids_and_cases_add_up(tmp_path):
+    sweep = _load(tmp_path, """
+        defaults: {batch: 1, head_dim: 32}
+        grid:
+          - {heads: [2, 4], seqlen: [16, 32]}
+          - {heads: "8/1", seqlen: [16, 32, 48]}
+        cases:
+          - {heads: 2, seqlen: 100}
+          - {heads: 2, seqlen: 16}
+    """)
+    # The second explicit case repeats a grid point and is kept once.
+    assert len(sweep.cases) == 4 + 3 + 1
+
+
+def test_heads_and_seqlen_forms(tmp_path):
+    sweep = _load(tmp_path, """
+        defaults: {batch: 1, head_dim: 64}
+        cases:
+          - {heads: "16/4", seqlen: "1/65536"}
+          - {heads: {q: 16, kv: 4}, seqlen: {q: 1, k: 65536}}
+          - {heads: 8, seqlen: 512}
+    """)
+    # Both spellings of the first case give the same Case, so it appears once.
+    assert len(sweep.cases) == 2
+    a = sweep.cases[0]
+    assert (a.heads_q, a.heads_kv, a.seqlen_q, a.seqlen_k) == (16, 4, 1, 65536)
+    c = sweep.cases[1]
+    assert (c.heads_q, c.heads_kv, c.seqlen_q, c.seqlen_k) == (8, 8, 512, 512)
+
+
+def test_heads_dict_in_a_grid_is_one_value(tmp_path):
+    sweep = _load(tmp_path, """
+        grid: {batch: 1, head_dim: 32, heads: {q: 8, kv: 2}, seqlen: [32, 64]}
+    """)
+    assert [(c.heads_q, c.heads_kv) for c in sweep.cases] == [(8, 2), (8, 2)]
+
+
+def test_defaults(tmp_path):
+    sweep = _load(tmp_path, """
+        cases:
+          - {batch: 1, heads: 2, seqlen: 8, head_dim: 16}
+    """)
+    (case,) = sweep.cases
+    assert sweep.name == "s"  # the file stem
+    assert case == Case(1, 2, 2, 8, 8, 16)
+    assert (case.window, case.causal, case.dtype, case.mask, case.mask_shape, case.bias, case.seed) == (
+        None, False, "bf16", "none", FULL_MASK_SHAPE, "none", 0)
+    assert sweep.timing == Timing()
+    assert sweep.check is False
+    assert sweep.backends == tuple(b for b in ("triton", "sdpa", "sdpa-dense", "flex", "fdma")
+                                   if b in BACKEND_NAMES)
+
+
+def test_defaults_section_and_overrides(tmp_path):
+    sweep = _load(tmp_path, """
+        name: mine
+        backends: [reference, triton, reference]
+        timing: {warmup: 0, repeats: 2, budget_s: 1}
+        check: true
+        defaults: {batch: 2, head_dim: 32, dtype: float16, causal: true, seed: 7}
+        cases:
+          - {heads: 2, seqlen: 8}
+          - {heads: 2, seqlen: 8, dtype: fp32, causal: false, mask: topk, window: 4, bias: kv_row}
+    """)
+    a, b = sweep.cases
+    assert sweep.name == "mine"
+    assert sweep.backends == ("reference", "triton")
+    assert sweep.timing == Timing(warmup=0, repeats=2, budget_s=1.0, flush_l2=True)
+    assert sweep.check is True
+    assert (a.batch, a.dtype, a.causal, a.seed) == (2, "fp16", True, 7)
+    assert (b.dtype, b.causal, b.mask, b.window, b.bias) == ("fp32", False, "topk", 4, "kv_row")
+    assert b.bias_shape == "BxHkx1xLk"
+
+
+def test_window_dropped_without_window_mask(tmp_path):
+    sweep = _load(tmp_path, """
+        cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, window: 4}]
+    """)
+    assert sweep.cases[0].window is None
+
+
+def test_impossible_grid_points_are_skipped_with_reason(tmp_path):
+    sweep = _load(tmp_path, """
+        grid: {batch: 1, head_dim: 16, seqlen: 8, heads: ["4/2", "6/4"]}
+    """)
+    assert len(sweep.cases) == 1 and len(sweep.skipped) == 1
+    assert "multiple" in sweep.skipped[0].reason
+    assert sweep.skipped[0].case.heads_q == 6
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_sweeps_load(path):
+    sweep = load_sweep(path, BACKEND_NAMES)
+    assert sweep.cases
+    assert set(sweep.backends) <= set(BACKEND_NAMES)
+
+
+def test_smoke_sweep_is_present():
+    assert REPO / "sweeps" / "smoke.yaml" in SHIPPED
+
+
+# -- errors: ConfigError, one line, naming the file and the key
+
+BASE = "batch: 1, heads: 2, seqlen: 8, head_dim: 16"
+
+
+@pytest.mark.parametrize("text, key", [
+    (f"cases: [{{{BASE}, colour: red}}]", "colour"),
+    (f"bogus: 1\ncases: [{{{BASE}}}]", "bogus"),
+    (f"defaults: {{colour: red}}\ncases: [{{{BASE}}}]", "colour"),
+    (f"timing: {{warmpu: 1}}\ncases: [{{{BASE}}}]", "warmpu"),
+    ("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, dtype: fp8}]", "dtype"),
+    ("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 300}]", "head_dim"),
+    ("cases: [{batch: 1, heads: '5/2', seqlen: 8, head_dim: 16}]", "cases[0]"),
+    ("cases: [{batch: 1, heads: '5/x', seqlen: 8, head_dim: 16}]", "heads"),
+    ("cases: [{batch: 1, heads: {q: 4}, seqlen: 8, head_dim: 16}]", "heads"),
+    ("cases: [{batch: 1, heads: 2, seqlen: '1/0', head_dim: 16}]", "seqlen"),
+    ("cases: [{batch: 0, heads: 2, seqlen: 8, head_dim: 16}]", "batch"),
+    ("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, causal: maybe}]", "causal"),
+    ("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, mask: diagonal}]", "mask"),
+    ("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, bias: huge}]", "bias"),
+    ("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, mask: topk}]", "cases[0]"),
+    ("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, seed: -1}]", "seed"),
+    ("cases: [{batch: 1, heads: 2, seqlen: 8}]", "head_dim"),
+    (f"backends: [triton, cudnn]\ncases: [{{{BASE}}}]", "backends"),
+    (f"timing: {{repeats: 0}}\ncases: [{{{BASE}}}]", "repeats"),
+    ("grid: {batch: [], heads: 2, seqlen: 8, head_dim: 16}", "batch"),
+    ("name: x", "grid"),
+])
+def test_bad_values_name_file_and_key(tmp_path, text, key):
+    path = _write(tmp_path, text + "\n", name="broken_sweep.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    message = str(info.value)
+    assert "\n" not in message
+    assert str(path) in message
+    assert key in message
+
+
+def test_bad_dtype_says_what_was_expected(tmp_path):
+    path = _write(tmp_path, "cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16, dtype: fp8}]\n")
+    with pytest.raises(ConfigError, match=r"cases\[0\]\.dtype: expected one of bf16, fp16, fp32, got 'fp8'"):
+        load_sweep(path, BACKEND_NAMES)
+
+
+def test_head_dim_limit(tmp_path):
+    path = _write(tmp_path, "cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 300}]\n")
+    with pytest.raises(ConfigError, match=r"head_dim: expected at most 256, got 300"):
+        load_sweep(path, BACKEND_NAMES)
+    # 256 itself is fine.
+    path.write_text("cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 256}]\n")
+    assert load_sweep(path, BACKEND_NAMES).cases[0].head_dim == 256
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    assert str(path) in str(info.value) and "not found" in str(info.value)
+
+
+def test_bad_yaml(tmp_path):
+    path = _write(tmp_path, "grid: {batch: [1, 2\ncases: : :\n", name="bad.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    message = str(info.value)
+    assert str(path) in message and "invalid YAML" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("text", ["- 1\n- 2\n", "just a string\n", ""])
+def test_top_level_not_a_mapping(tmp_path, text):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match=str(path).replace(".", r"\.")):
+        load_sweep(path, BACKEND_NAMES)
+
+
+# -- the FLOP model
+
+
+def _brute_causal(lq: int, lk: int) -> int:
+    offset = lk - lq
+    return sum(1 for i in range(lq) for j in range(lk) if j <= i + offset)
+
+
+@pytest.mark.parametrize("a, b", list(itertools.product((1, 5, 17), (1, 7, 33))))
+def test_causal_visible_pairs_brute_force(a, b):
+    assert causal_visible_pairs(a, b) == _brute_causal(a, b)
+    assert causal_visible_pairs(b, a) == _brute_causal(b, a)
+
+
+def test_causal_visible_pairs_square_and_edges():
+    for n in (1, 2, 3, 64, 100):
+        assert causal_visible_pairs(n, n) == n * (n + 1) // 2
+    assert causal_visible_pairs(1, 65536) == 65536  # decode sees every key
+    assert causal_visible_pairs(10, 3) == _brute_causal(10, 3)
+
+
+def test_dense_flops_modes():
+    case = Case(2, 4, 2, 16, 32, 64)
+    fwd = 4.0 * 2 * 4 * 16 * 32 * 64
+    assert dense_flops(case, "fwd") == fwd
+    assert dense_flops(case, "bwd") == 2.5 * fwd
+    assert dense_flops(case, "fwd+bwd") == 3.5 * fwd
+    causal = Case(2, 4, 2, 16, 32, 64, causal=True)
+    assert dense_flops(causal, "fwd") == 4.0 * 2 * 4 * _brute_causal(16, 32) * 64
