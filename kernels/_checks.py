@@ -76,7 +76,7 @@ def _check_qkv(query, key, value) -> AttnShape:
             f"value shape must equal key shape {tuple(key.shape)}, got {tuple(value.shape)}"
         )
     if d > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {d}")
+        raise ValueError(f"query head_dim must be at most {MAX_HEAD_DIM}, got {d}")
     if hq % hk != 0:
         raise ValueError(
             f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for MHA/GQA/MQA"

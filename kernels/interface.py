@@ -20,6 +20,7 @@ class _DMAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                 deterministic):
+        check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)  # errors first
         query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
         checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
         out, lse, lists = attention_forward(query, key, value, checked, is_causal)
@@ -42,6 +43,25 @@ class _DMAttnFunction(torch.autograd.Function):
         return dq, dk, dv, None, dbias, None, None, None
 
 
+def _compact_bias(attn_bias):
+    """The tensor an ``expand()``ed bias view was made from, when that is all it is.
+
+    Autograd gives an expanded view a dense gradient of the view's full (B, H, Lq, Lk) shape
+    before reducing it to the base. Handing the kernel the base itself (the broadcast rule
+    covers it) lets the backward reduce over the broadcast axes with no such temporary.
+    """
+    base = getattr(attn_bias, "_base", None)
+    if base is None or base.dim() != 4 or not attn_bias.requires_grad:
+        return attn_bias
+    try:
+        same = base.expand(attn_bias.shape)
+    except RuntimeError:
+        return attn_bias
+    if same.stride() == attn_bias.stride() and same.data_ptr() == attn_bias.data_ptr():
+        return base
+    return attn_bias
+
+
 def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
                 softmax_scale=None, return_lse=False, deterministic=False):
     """Flash dynamic-mask attention.
@@ -62,8 +82,8 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     Scores are ``softmax_scale * q.k + bias``, masked pairs are -inf. Rows that see no key give
     output 0, LSE -inf and zero gradients.
     """
-    out, lse = _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, bool(is_causal),
-                                     softmax_scale, bool(deterministic))
+    out, lse = _DMAttnFunction.apply(query, key, value, attn_mask, _compact_bias(attn_bias),
+                                     bool(is_causal), softmax_scale, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
