@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sweep import FULL_MASK_SHAPE, Case
+from .sweep import Case
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BLOCK_KEYS = 64
@@ -185,7 +185,3 @@ def make_problem(case: Case, device: torch.device, requires_grad: bool = False) 
             if t is not None:
                 t.requires_grad_(True)
     return Problem(case, q, k, v, mask, bias, _kept_pairs(case, mask))
-
-
-def mask_is_full_shape(case: Case) -> bool:
-    return case.mask_shape == FULL_MASK_SHAPE
