@@ -151,7 +151,7 @@ def test_grad_empty_rows(pattern, causal, device):
         mask[:, :, [0, 33, dims.seqlen_q - 1]] = False
     elif pattern == "no_keys":
         mask.zero_()
-    else:  # keys 32..63: one whole interpreter tile column
+    else:  # keys 32..63: whole tiles for any tile width up to 32
         mask[..., 32:64] = False
     bias = random_bias(dims.operand_shape("1", "Hq", "Lq", "Lk"), torch.float32, device)
     run = run_backward(q, k, v, mask, bias, causal)
