@@ -30,11 +30,18 @@ def _fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:
 
 
 def _guarded(work):
-    """Run ``work()``; ConfigError becomes a one-line message and exit 2."""
+    """Run ``work()``; ConfigError becomes a one-line message and exit 2, and a device fault
+    continues the sweep in a fresh process (see ``dmbench.restart``)."""
+    from .device import DeviceFault
+
     try:
         code = work()
     except ConfigError as exc:
         raise _fail(str(exc)) from None
+    except DeviceFault as fault:
+        from .restart import restart_after_fault
+
+        code = restart_after_fault(fault, lambda m: typer.echo(m, err=True))
     raise typer.Exit(int(code or ExitCode.OK))
 
 

@@ -32,3 +32,20 @@ def select_device(requested: str = "auto", local_rank: int | None = None) -> tor
         raise ConfigError(f"LOCAL_RANK {index} has no GPU: only {torch.cuda.device_count()} visible")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+class DeviceFault(Exception):
+    """The CUDA context died (an illegal address, a device-side assert): every later kernel in
+    this process fails too, so the sweep can only go on in a fresh process."""
+
+
+def context_alive(device: torch.device) -> bool:
+    """Whether ``device`` still runs kernels. Used after a failure, to tell an error confined to
+    one point (a bad argument, an OOM) from one that poisoned the whole CUDA context."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return torch.ones(1, device=device).add_(1).item() == 2.0
+    except Exception:  # the errors a dead context raises vary by torch version
+        return False

@@ -19,7 +19,7 @@ class ExitCode(IntEnum):
 EXIT_CODES_HELP = (
     "Exit codes: 0 pass; 1 performance regression (compare); 2 usage or config error "
     "(bad flag, bad sweep file, unreadable CSV); 3 accuracy failure (a checked tensor over its "
-    "allowed error, or a backend error during equiv)."
+    "allowed error, a backend error during equiv, or a device fault that stopped a run)."
 )
 
 

@@ -17,6 +17,7 @@ import torch
 from . import flops
 from .accuracy import FORWARD_TENSORS, CheckResult, check_backend, ground_truth
 from .backends import DIFF_KEYS, Backend
+from .device import DeviceFault, context_alive
 from .problem import Problem, make_problem
 from .results import Row, new_row, set_accuracy
 from .sweep import Case, Sweep
@@ -58,9 +59,13 @@ def plan_units(sweep: Sweep, cases: Iterable[Case], modes: tuple[str, ...],
     return units
 
 
+FAILED = ("error", "oom")
+DEVICE_FAULT = "device fault, CUDA context lost"
+
+
 def _release(device: torch.device) -> None:
     gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda" and context_alive(device):  # a dead context raises here too
         torch.cuda.empty_cache()
 
 
@@ -140,13 +145,22 @@ class SweepRunner:
             self._needs_grad = needs_grad
         except Exception as exc:
             status, detail = _failure(exc)
-            _release(self.device)
+            lost = not context_alive(self.device)
             for unit in runnable:
-                self._finish(unit, self._row(unit, status, f"inputs/reference: {detail}"))
+                note = f"{DEVICE_FAULT}: " if lost else ""
+                self._finish(unit, self._row(unit, status, f"{note}inputs/reference: {detail}"))
+            if lost:
+                raise DeviceFault(f"{case.case_id} inputs/reference: {detail}") from exc
+            _release(self.device)
             return
         checks: dict[str, CheckResult | str] = {}
         for unit in runnable:
             row = self._run_unit(unit, problem, truth, checks)
+            if row.status in FAILED and not context_alive(self.device):
+                # Record the point, then stop: nothing after it could run in this process.
+                row.detail = f"{DEVICE_FAULT}: {row.detail}"[:300]
+                self._finish(unit, row)
+                raise DeviceFault(f"{case.case_id} {unit.backend} {unit.mode}: {row.detail}")
             self._finish(unit, row)
         del problem, truth
         _release(self.device)

@@ -114,3 +114,19 @@ def test_same_seed_same_inputs():
     case = _case(9, 30, 4, "topk")
     a, b = make_problem(case, CPU), make_problem(case, CPU)
     assert torch.equal(a.q, b.q) and torch.equal(a.mask, b.mask) and torch.equal(a.bias, b.bias)
+
+
+@pytest.mark.parametrize("batch,heads,seqlen,skipped", [
+    (1, 16, 16384, True),    # 15 * 16384**2 wraps int32: the H100 seqlen sweep's fault
+    (1, 8, 16384, False),    # 7 * 16384**2 < 2**31
+    (1, 2, 32768, False),    # the window sweep's largest case ran fine
+    (2, 2, 32768, False),    # its batch stride (2**31) arrives as int64
+    (1, 1, 65536, True),     # one (Lq, Lk) plane is already past 2**31
+])
+def test_fdma_skips_cases_whose_offsets_wrap_int32(batch, heads, seqlen, skipped):
+    from dmbench.backends.fdma import FdmaBackend
+
+    case = Case(batch, heads, heads, seqlen, seqlen, 64, causal=True, mask="topk", window=32)
+    reason = FdmaBackend().skip_reason(case)
+    assert (reason is not None) == skipped
+    assert reason is None or "32 bits" in reason

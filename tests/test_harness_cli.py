@@ -297,3 +297,56 @@ def test_equiv_irregular(tmp_path):
     assert {r.head_dim for r in rows} >= {40, 80, 96, 192, 256}
     assert any(r.seqlen_q == 1 for r in rows) and any(4095 in (r.seqlen_q, r.seqlen_k) for r in rows)
     assert any(r.heads_kv == 1 and r.heads_q > 1 for r in rows)
+
+
+FAULT_SWEEP = """
+name: fault
+backends: [triton, reference]
+timing: {warmup: 0, repeats: 1, budget_s: 1.0}
+defaults: {batch: 1, heads: "2/1", head_dim: 16, dtype: fp32, causal: true, mask: none, bias: none, seed: 0}
+grid:
+  seqlen: [8, 16, 24]
+"""
+
+
+def test_device_fault_records_the_row_and_resumes_in_a_fresh_process(tmp_path, monkeypatch):
+    """A point that kills the CUDA context (faked on CPU) is recorded, the process stops, and
+    the same command goes on with --resume: every other point runs exactly once."""
+    import dmbench.runner as runner_module
+
+    sweep = tmp_path / "fault.yaml"
+    sweep.write_text(FAULT_SWEEP)
+    out = tmp_path / "fault.csv"
+    args = ["fwd", str(sweep), "--out", str(out), "--no-plot", "--no-progress", "--force"]
+    real_measure = runner_module.measure
+    state = {"dead": False, "calls": 0}
+
+    def measure(fn, timing, device):
+        state["calls"] += 1
+        if state["calls"] == 3:  # the second case's triton point
+            state["dead"] = True
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        assert not state["dead"], "a point ran after the context was lost"
+        return real_measure(fn, timing, device)
+
+    execs = []
+    monkeypatch.setattr(runner_module, "measure", measure)
+    monkeypatch.setattr(runner_module, "context_alive", lambda device: not state["dead"])
+    monkeypatch.setattr(sys, "argv", ["dmbench", *args])
+    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append(argv))
+    result = _invoke(*args)
+    _no_traceback(result)
+    assert "device fault at" in result.output and "--resume" in result.output
+    assert len(execs) == 1 and execs[0][1:4] == ["-m", "dmbench", "fwd"]
+    assert execs[0][-1] == "--resume" and "--force" not in execs[0]
+    rows = read_rows(out)
+    assert [(r.backend, r.status) for r in rows] == [("triton", "ok"), ("reference", "ok"),
+                                                     ("triton", "error")]
+    assert rows[-1].detail.startswith("device fault, CUDA context lost: RuntimeError: CUDA error")
+
+    state["dead"] = False  # the fresh process has a working context
+    resumed = _invoke(*execs[0][3:])
+    assert resumed.exit_code == ExitCode.OK, resumed.output
+    rows = read_rows(out)
+    assert len(rows) == 6 and len({r.key for r in rows}) == 6
+    assert [r.status for r in rows].count("error") == 1

@@ -7,7 +7,8 @@ Its launcher (read from the sdist's ``flash_dmattn/flash_dmattn_triton.py``) wan
   inside the timed call, and a missing one is allocated there), so both are built here;
 - D <= 128, fp16 or bf16, CUDA tensors;
 - top-left aligned causality (``offs_m >= offs_n``). That equals ours when Lq == Lk; otherwise
-  the bottom-right pattern is folded into the mask and its causal flag is left off.
+  the bottom-right pattern is folded into the mask and its causal flag is left off;
+- mask and bias offsets that fit in 32 bits (see ``_offset_overflow``).
 
 All of this happens in ``adapt``, outside the timed region. Its code is never part of this repo:
 ``python -m dmbench fetch-peer`` downloads and unpacks the sdist into the git-ignored ``.peer/``.
@@ -29,6 +30,28 @@ from .base import Backend, Bound, causal_keep, per_query_head
 
 MODULE = "flash_dmattn.flash_dmattn_triton"
 HINT = ("run `python -m dmbench fetch-peer` and put .peer/flash_dmattn-1.2.2 on PYTHONPATH")
+INT32_MAX = 2**31 - 1
+
+
+def _offset_overflow(case: Case) -> str | None:
+    """Why the peer's kernels would address outside its (B, H, Lq, Lk) mask and bias, or None.
+
+    They form ``off_b * stride_b``, ``off_h * stride_h`` and ``offs_m * stride_m + offs_n`` as
+    separate products. Triton passes a stride that fits in 32 bits as int32 and multiplies it by
+    an int32 program index, so such a product wraps once it passes 2**31 - 1. On the H100 the
+    seqlen sweep's B1 H16 L16384 case (15 * 16384**2 > 2**31) died with an illegal memory
+    access. A stride too large for int32 arrives as int64 and cannot wrap.
+    """
+    plane = case.seqlen_q * case.seqlen_k
+    largest = [plane - 1]  # offs_m * Lk + offs_n, within one (b, h) plane
+    for count, stride in ((case.batch, case.heads_q * plane), (case.heads_q, plane)):
+        if stride <= INT32_MAX:
+            largest.append((count - 1) * stride)
+    if max(largest) > INT32_MAX:
+        return (f"fdma's kernels compute mask/bias offsets in 32 bits; a (B, H, Lq, Lk) = "
+                f"({case.batch}, {case.heads_q}, {case.seqlen_q}, {case.seqlen_k}) mask "
+                "overflows them (illegal memory access)")
+    return None
 
 
 def load_peer_function():
@@ -68,7 +91,7 @@ class FdmaBackend(Backend):
             return f"fdma supports head_dim <= 128, got {case.head_dim}"
         if case.dtype == "fp32":
             return "fdma supports fp16 and bf16 only"
-        return None
+        return _offset_overflow(case)
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         case = problem.case
