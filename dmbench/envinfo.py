@@ -54,19 +54,32 @@ def _triton_version() -> str:
         return "absent"
 
 
+def _commit() -> tuple[str, bool]:
+    """(short sha, dirty). Only tracked changes count as dirty: results written under the tree
+    are untracked files.
+
+    A copy of the tree shipped to a GPU host may have no ``.git``, or a stale one from an older
+    commit; ``DMBENCH_GIT_SHA`` names the commit it was made from and takes precedence. The copy
+    is then compared with that commit when the local ``.git`` knows it, else taken as clean.
+    Without either, the rows say "unknown" rather than guess.
+    """
+    named = os.environ.get("DMBENCH_GIT_SHA", "").strip()
+    if named:
+        known = _git("cat-file", "-e", f"{named}^{{commit}}") is not None
+        return named[:12], bool(known and _git("diff", "--name-only", named, "--"))
+    sha = _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return sha, bool(_git("status", "--porcelain", "--untracked-files=no"))
+
+
 def collect(device: torch.device) -> Environment:
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
         driver = _driver()
     else:
         gpu, driver = "cpu (triton interpreter)", "none"
-    # A copy of the tree without .git (e.g. shipped to a GPU host) can name its commit through
-    # DMBENCH_GIT_SHA; otherwise the rows say "unknown" rather than guess.
-    sha = _git("rev-parse", "--short=12", "HEAD") or os.environ.get("DMBENCH_GIT_SHA", "unknown")
-    # Only tracked changes count as dirty: results written under the tree are untracked files.
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    sha, dirty = _commit()
     return Environment(gpu, driver, torch.__version__, _triton_version(), sha,
-                       bool(status), socket.gethostname())
+                       dirty, socket.gethostname())
 
 
 def gpu_slug(gpu: str) -> str:

@@ -276,3 +276,20 @@ def test_compare_different_gpu_exits_2(tmp_path):
 def test_compare_duplicate_rows_exit_2(tmp_path):
     base = _timed_rows()
     assert _compare(tmp_path, base, base + base[:1]).exit_code == ExitCode.USAGE
+
+
+def test_named_commit_overrides_a_stale_git(monkeypatch):
+    """A tree copied to a GPU host records the commit it was made from, not the host's HEAD."""
+    import torch
+
+    from dmbench import envinfo
+
+    monkeypatch.setenv("DMBENCH_GIT_SHA", "0123456789abcdef0123")  # not a commit here
+    env = envinfo.collect(torch.device("cpu"))
+    assert (env.git_sha, env.git_dirty) == ("0123456789ab", False)
+    head = envinfo._git("rev-parse", "HEAD")
+    if head:  # in a checkout: the named commit is compared with the tree like HEAD would be
+        monkeypatch.setenv("DMBENCH_GIT_SHA", head)
+        env = envinfo.collect(torch.device("cpu"))
+        tracked_changes = bool(envinfo._git("status", "--porcelain", "--untracked-files=no"))
+        assert (env.git_sha, env.git_dirty) == (head[:12], tracked_changes)
