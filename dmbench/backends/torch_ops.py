@@ -132,6 +132,15 @@ class FlexBackend(Backend):
         for flag in _FAIL_FLAGS:
             if hasattr(config, flag):
                 setattr(config, flag, True)
+        try:
+            from torch._functorch import config as functorch_config
+        except ImportError:
+            functorch_config = None
+        if hasattr(functorch_config, "donated_buffer"):
+            # bwd mode times autograd.grad(..., retain_graph=True) on one forward graph. A
+            # backward compiled with donated buffers refuses a retained graph (it raised at
+            # L=32768 on the H100); donation only saves memory, so turn it off.
+            functorch_config.donated_buffer = False
         if self._compiled is None:
             self._compiled = torch.compile(flex_attention, dynamic=False)
         return self._compiled
