@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
+from ._fastlaunch import launcher
 from ._launch import operand_args
 from ._score import tile_offsets, visible_keys
 
@@ -114,14 +115,14 @@ def build_block_lists(mask: BroadcastOperand, shape: AttnShape, block_rows: int,
     # then a tiny compaction per row. One sequential pass per row would be latency-bound.
     active = torch.empty((mask_batch, mask_heads, num_rows, num_cols), dtype=torch.int8,
                          device=device)
-    _tile_activity_kernel[(num_rows * num_cols, mask_batch * mask_heads)](
+    launcher(_tile_activity_kernel)[(num_rows * num_cols, mask_batch * mask_heads)](
         args.tensor, args.stride_b, args.stride_h, args.stride_m, args.stride_n,
         active, mask_heads, shape.seqlen_q, shape.seqlen_k, num_cols,
         BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
         TRANSPOSED=transposed, IS_CAUSAL=bool(is_causal),
         num_warps=4,
     )
-    _compact_kernel[(mask_batch * mask_heads * num_rows,)](
+    launcher(_compact_kernel)[(mask_batch * mask_heads * num_rows,)](
         active, counts, indices, num_cols, CHUNK=min(1024, triton.next_power_of_2(num_cols)),
         num_warps=4,
     )

@@ -24,6 +24,7 @@ import triton.language as tl
 from ._blocks import BlockLists, block_list_args, build_block_lists
 from ._checks import CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
+from ._fastlaunch import launcher
 from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted, operand_args,
                       padded_head_dim)
 from ._score import (block_at, block_list_row, causal_block_split,
@@ -394,8 +395,8 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
     cfg_kv, cfg_q = backward_configs(block_d, query.dtype, interpreted)
 
     delta = torch.empty_like(lse)
-    _attn_bwd_preprocess_kernel[(triton.cdiv(shape.seqlen_q, cfg_q.block_m),
-                                 shape.batch * shape.heads_q)](
+    rows_grid = (triton.cdiv(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
+    launcher(_attn_bwd_preprocess_kernel)[rows_grid](
         out, grad_out, delta, *_strides3(out), *_strides3(grad_out),
         shape.heads_q, shape.seqlen_q,
         HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
@@ -427,7 +428,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
         for head_start in head_starts:
             grid = (triton.cdiv(shape.seqlen_k, cfg_kv.block_n),
                     batches_per_launch * heads_per_launch)
-            _attn_bwd_dkdv_kernel[grid](
+            launcher(_attn_bwd_dkdv_kernel)[grid](
                 query, key, value, grad_out, lse, delta, dk, dv,
                 *mask.as_args(), *bias.as_args(), *dbias.as_args(),
                 *block_list_args(kv_lists, shape.batch, lse),
@@ -443,7 +444,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
 
-    _attn_bwd_dq_kernel[(triton.cdiv(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)](
+    launcher(_attn_bwd_dq_kernel)[rows_grid](
         query, key, value, grad_out, lse, delta, dq,
         *mask.as_args(), *bias.as_args(),
         *block_list_args(q_lists, shape.batch, lse),

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._blocks import block_list_args, build_block_lists
 from ._checks import CheckedInputs
+from ._fastlaunch import launcher
 from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted,
                       multiprocessors, operand_args, padded_head_dim)
 from ._score import (LN2, block_at, block_list_row, causal_block_split, load_bias, mma,
@@ -289,7 +290,7 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         lse_part = torch.empty((splits, num_bh, shape.seqlen_q), dtype=torch.float32,
                                device=query.device)
     grid = (row_blocks, num_bh // pack, splits)
-    _attn_fwd_kernel[grid](
+    launcher(_attn_fwd_kernel)[grid](
         query, key, value, out, lse,
         *mask.as_args(), *bias.as_args(), *block_list_args(lists, shape.batch, lse),
         query.stride(0), query.stride(1), query.stride(2),
@@ -308,7 +309,7 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        _attn_fwd_combine_kernel[(triton.cdiv(shape.seqlen_q, 16), num_bh)](
+        launcher(_attn_fwd_combine_kernel)[(triton.cdiv(shape.seqlen_q, 16), num_bh)](
             out_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
             shape.heads_q, shape.seqlen_q, splits,
             HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,

@@ -17,8 +17,13 @@ from dataclasses import dataclass
 import torch
 
 # Absolute floors: what remains of rounding when the eager run happens to be nearly exact.
+# fp32: a flash backward rebuilds P as exp(s - lse) from the saved LSE, so the rounding of each
+# score (|s| * 2**-24, |s| ~ 50 at softmax_scale=3) reaches every probability. The eager
+# softmax normalizes its own rounded scores, which cancels that error on peaked rows: its dv
+# can be nearly exact (2.6e-6 on |dv| <= 5.7) while a correct kernel's is 1.8e-5 (3e-6 of the
+# magnitude). 5e-5 covers that; a real defect is orders of magnitude larger.
 ATOL_FLOOR = {
-    torch.float32: 1e-5,
+    torch.float32: 5e-5,
     torch.float16: 2e-3,
     torch.bfloat16: 1.6e-2,
 }
