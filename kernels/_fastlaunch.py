@@ -57,7 +57,7 @@ class _Launcher:
                tuple(map(_argument_key, ordered)))
         compiled = self.compiled.get(key)
         if compiled is not None:
-            compiled[grid](*ordered)
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*ordered)  # it wants all three axes
             return compiled
         compiled = self.kernel[grid](*args, **kwargs, **options)
         if hasattr(compiled, "result"):  # triton's asynchronous compile mode returns a future
