@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
-from ._fastlaunch import launcher
-from ._launch import operand_args
+from ._launch import ceil_div, next_power_of_2, operand_args
 from ._score import tile_offsets, visible_keys
 
 
@@ -105,8 +104,8 @@ def build_block_lists(mask: BroadcastOperand, shape: AttnShape, block_rows: int,
     mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
     len_rows, len_cols = ((shape.seqlen_k, shape.seqlen_q) if transposed
                           else (shape.seqlen_q, shape.seqlen_k))
-    num_rows = triton.cdiv(len_rows, block_rows)
-    num_cols = triton.cdiv(len_cols, block_cols)
+    num_rows = ceil_div(len_rows, block_rows)
+    num_cols = ceil_div(len_cols, block_cols)
     device = mask.view.device
     counts = torch.empty((mask_batch, mask_heads, num_rows), dtype=torch.int32, device=device)
     indices = torch.empty((mask_batch, mask_heads, num_rows, num_cols), dtype=torch.int32,
@@ -115,15 +114,15 @@ def build_block_lists(mask: BroadcastOperand, shape: AttnShape, block_rows: int,
     # then a tiny compaction per row. One sequential pass per row would be latency-bound.
     active = torch.empty((mask_batch, mask_heads, num_rows, num_cols), dtype=torch.int8,
                          device=device)
-    launcher(_tile_activity_kernel)[(num_rows * num_cols, mask_batch * mask_heads)](
+    _tile_activity_kernel[(num_rows * num_cols, mask_batch * mask_heads)](
         args.tensor, args.stride_b, args.stride_h, args.stride_m, args.stride_n,
         active, mask_heads, shape.seqlen_q, shape.seqlen_k, num_cols,
         BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
         TRANSPOSED=transposed, IS_CAUSAL=bool(is_causal),
         num_warps=4,
     )
-    launcher(_compact_kernel)[(mask_batch * mask_heads * num_rows,)](
-        active, counts, indices, num_cols, CHUNK=min(1024, triton.next_power_of_2(num_cols)),
+    _compact_kernel[(mask_batch * mask_heads * num_rows,)](
+        active, counts, indices, num_cols, CHUNK=min(1024, next_power_of_2(num_cols)),
         num_warps=4,
     )
     return BlockLists(counts, indices, block_rows, block_cols)

@@ -24,9 +24,8 @@ import triton.language as tl
 from ._blocks import BlockLists, block_list_args, build_block_lists
 from ._checks import CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
-from ._fastlaunch import launcher
-from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted, operand_args,
-                      padded_head_dim)
+from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, ensure_runnable,
+                      is_interpreted, operand_args, padded_head_dim)
 from ._score import (block_at, block_list_row, causal_block_split,
                      causal_query_split, load_bias, mma, operand_base, probs_from_lse,
                      scores_log2, tile_offsets, visible_keys, write_tile)
@@ -395,8 +394,8 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
     cfg_kv, cfg_q = backward_configs(block_d, query.dtype, interpreted)
 
     delta = torch.empty_like(lse)
-    rows_grid = (triton.cdiv(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
-    launcher(_attn_bwd_preprocess_kernel)[rows_grid](
+    rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
+    _attn_bwd_preprocess_kernel[rows_grid](
         out, grad_out, delta, *_strides3(out), *_strides3(grad_out),
         shape.heads_q, shape.seqlen_q,
         HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
@@ -426,9 +425,9 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
     heads_per_launch = 1 if plan and plan.serialize_heads else shape.heads_kv
     for batch_start in batch_starts:
         for head_start in head_starts:
-            grid = (triton.cdiv(shape.seqlen_k, cfg_kv.block_n),
+            grid = (ceil_div(shape.seqlen_k, cfg_kv.block_n),
                     batches_per_launch * heads_per_launch)
-            launcher(_attn_bwd_dkdv_kernel)[grid](
+            _attn_bwd_dkdv_kernel[grid](
                 query, key, value, grad_out, lse, delta, dk, dv,
                 *mask.as_args(), *bias.as_args(), *dbias.as_args(),
                 *block_list_args(kv_lists, shape.batch, lse),
@@ -444,7 +443,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
 
-    launcher(_attn_bwd_dq_kernel)[rows_grid](
+    _attn_bwd_dq_kernel[rows_grid](
         query, key, value, grad_out, lse, delta, dq,
         *mask.as_args(), *bias.as_args(),
         *block_list_args(q_lists, shape.batch, lse),

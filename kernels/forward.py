@@ -15,9 +15,9 @@ import triton.language as tl
 
 from ._blocks import block_list_args, build_block_lists
 from ._checks import CheckedInputs
-from ._fastlaunch import launcher
-from ._launch import (LOG2E, bias_has_one_row, dot_options, ensure_runnable, is_interpreted,
-                      multiprocessors, operand_args, padded_head_dim)
+from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, ensure_runnable,
+                      is_interpreted, multiprocessors, next_power_of_2, operand_args,
+                      padded_head_dim)
 from ._score import (LN2, block_at, block_list_row, causal_block_split, load_bias, mma,
                      operand_base, row_offsets, scores_log2, split_share, tile_offsets,
                      visible_keys)
@@ -271,7 +271,7 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
     block_m = cfg.block_m
     if pack > 1:
         # Decode-sized Lq: just enough rows for the group's heads (tl.dot needs 16).
-        block_m = max(16, min(block_m, pack * triton.next_power_of_2(shape.seqlen_q)))
+        block_m = max(16, min(block_m, pack * next_power_of_2(shape.seqlen_q)))
     query_rows = block_m // pack
     mask = operand_args(checked.mask, out)
     bias = operand_args(checked.bias, out)
@@ -279,9 +279,9 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
     if checked.mask is not None:
         lists = build_block_lists(checked.mask, shape, query_rows, cfg.block_n, is_causal,
                                   transposed=False)
-    row_blocks = triton.cdiv(shape.seqlen_q, query_rows)
+    row_blocks = ceil_div(shape.seqlen_q, query_rows)
     num_bh = shape.batch * shape.heads_q
-    splits = key_splits(row_blocks * num_bh // pack, triton.cdiv(shape.seqlen_k, cfg.block_n),
+    splits = key_splits(row_blocks * num_bh // pack, ceil_div(shape.seqlen_k, cfg.block_n),
                         multiprocessors(query.device, interpreted))
     out_part = lse_part = lse
     if splits > 1:
@@ -290,7 +290,7 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         lse_part = torch.empty((splits, num_bh, shape.seqlen_q), dtype=torch.float32,
                                device=query.device)
     grid = (row_blocks, num_bh // pack, splits)
-    launcher(_attn_fwd_kernel)[grid](
+    _attn_fwd_kernel[grid](
         query, key, value, out, lse,
         *mask.as_args(), *bias.as_args(), *block_list_args(lists, shape.batch, lse),
         query.stride(0), query.stride(1), query.stride(2),
@@ -309,7 +309,7 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        launcher(_attn_fwd_combine_kernel)[(triton.cdiv(shape.seqlen_q, 16), num_bh)](
+        _attn_fwd_combine_kernel[(ceil_div(shape.seqlen_q, 16), num_bh)](
             out_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
             shape.heads_q, shape.seqlen_q, splits,
             HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
@@ -349,4 +349,4 @@ def key_splits(programs: int, key_blocks: int, multiprocessor_count: int) -> int
     """
     if programs >= multiprocessor_count:
         return 1
-    return max(1, min(triton.cdiv(2 * multiprocessor_count, programs), key_blocks // 4, 128))
+    return max(1, min(ceil_div(2 * multiprocessor_count, programs), key_blocks // 4, 128))
