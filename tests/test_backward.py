@@ -277,7 +277,7 @@ def test_backward_allocates_nothing_of_size_lq_lk(bias_shape, form, device):
 
 
 def test_repeated_calls_with_one_shape(device):
-    """Repeats of one shape reuse compiled kernels and the host-side state around them.
+    """Repeats of one shape reuse Triton's compiled kernels; they must not reuse wrong ones.
 
     Repeats with new data, with views whose pointers lose 16-byte alignment (which Triton
     compiles differently), and with another scale must each match the reference.
