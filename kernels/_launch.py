@@ -49,6 +49,13 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def edge_slots(loop_rows: int, step_rows: int) -> int:
+    """List entries read from each end by ``interior_span``: a loop over ``step_rows``-sized
+    blocks crosses the causal diagonal of a ``loop_rows``-sized block in at most
+    ceil(loop_rows / step_rows) + 1 blocks; a partial last block is one of those or one more."""
+    return next_power_of_2(ceil_div(loop_rows, step_rows) + 2)
+
+
 def padded_head_dim(head_dim: int) -> int:
     # tl.dot needs every dimension >= 16 and power-of-two tiles; loads mask the padding.
     return max(16, next_power_of_2(head_dim))

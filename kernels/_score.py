@@ -46,19 +46,53 @@ def tile_offsets(rows, cols, stride_rows, stride_cols):
 
 @triton.jit
 def visible_keys(m_idx, n_idx, seqlen_q, seqlen_k, mask_ptrs,
-                 HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr):
+                 HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 INTERIOR: tl.constexpr = False):
     """Which (query, key) pairs of the tile take part: in range, kept by the mask, causal.
 
     ``m_idx`` / ``n_idx`` are broadcast-shaped query and key positions (either orientation).
     Causal is bottom-right aligned: query i sees key j iff j <= i + (seqlen_k - seqlen_q).
     The mask is read with the range predicate, so odd lengths never read out of bounds.
+
+    An INTERIOR tile lies inside both lengths and wholly below the causal diagonal (see
+    ``interior_span``): only the mask decides, and its pointers must already be clamped into
+    range, because the load has no predicate. Callers skip this for interior tiles without a mask.
     """
-    keep = (m_idx < seqlen_q) & (n_idx < seqlen_k)
-    if HAS_MASK:
-        keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
-    if IS_CAUSAL:
-        keep = keep & (n_idx <= m_idx + (seqlen_k - seqlen_q))
+    if INTERIOR:
+        keep = tl.load(mask_ptrs) != 0
+    else:
+        keep = (m_idx < seqlen_q) & (n_idx < seqlen_k)
+        if HAS_MASK:
+            keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
+        if IS_CAUSAL:
+            keep = keep & (n_idx <= m_idx + (seqlen_k - seqlen_q))
     return keep
+
+
+@triton.jit
+def interior_span(block_list_ptr, count, interior_lo, interior_hi, SLOTS: tl.constexpr):
+    """[start, end) positions of the list entries that are interior blocks.
+
+    The list holds ``count`` ascending block indices; blocks in [interior_lo, interior_hi) need
+    no range or causal test. At most SLOTS entries lie below interior_lo and at most SLOTS at
+    or above interior_hi (the diagonal band and a partial last block), so reading SLOTS entries
+    from each end of the list finds both edges without a scan.
+    """
+    interior_hi = tl.maximum(interior_hi, interior_lo)  # an empty interior counts once, as head
+    j = tl.arange(0, SLOTS)
+    head = tl.load(block_list_ptr + j, mask=j < count, other=interior_lo)
+    tail_at = count - SLOTS + j
+    tail = tl.load(block_list_ptr + tail_at, mask=tail_at >= 0, other=-1)
+    start = tl.sum((head < interior_lo).to(tl.int32), 0)
+    end = count - tl.sum((tail >= interior_hi).to(tl.int32), 0)
+    return start, end
+
+
+@triton.jit
+def clamp_index(idx, length):
+    """Positions past the end read the last valid row instead: interior tiles load without a
+    predicate, and the rows or columns computed from such positions are never stored."""
+    return tl.minimum(idx, length - 1)
 
 
 @triton.jit
@@ -68,30 +102,40 @@ def any_visible(keep):
 
 
 @triton.jit
-def load_bias(bias_ptrs, keep, keys_in_range, BIAS_ROW: tl.constexpr):
+def load_bias(bias_ptrs, keep, keys_in_range, BIAS_ROW: tl.constexpr,
+              INTERIOR: tl.constexpr = False):
     """Bias values for a tile.
 
     With BIAS_ROW (a bias with one query row, e.g. flash-dmattn's (B, Hk, 1, Lk)) the pointers
     are a single key row, [1, N] or [N, 1], loaded once and broadcast by the score add. A full
     tile of identical addresses cost 0.23 ms of 0.59 ms at L=16384, D=64 on an H100.
+    Interior tiles (clamped pointers, see ``visible_keys``) load without a predicate.
     """
     # One return statement: compiled Triton (3.6+) rejects returns of different shapes even
     # under a constexpr branch; the interpreter does not.
-    if BIAS_ROW:
-        in_range = keys_in_range
+    if INTERIOR:
+        bias = tl.load(bias_ptrs)
+    elif BIAS_ROW:
+        bias = tl.load(bias_ptrs, mask=keys_in_range, other=0.0)
     else:
-        in_range = keep
-    return tl.load(bias_ptrs, mask=in_range, other=0.0)
+        bias = tl.load(bias_ptrs, mask=keep, other=0.0)
+    return bias
 
 
 @triton.jit
-def scores_log2(qk, keep, bias, qk_scale, HAS_BIAS: tl.constexpr):
-    """Scaled, biased scores in the log2 domain; pairs not kept are -inf."""
+def scores_log2(qk, keep, bias, qk_scale, HAS_BIAS: tl.constexpr,
+                APPLY_KEEP: tl.constexpr = True):
+    """Scaled, biased scores in the log2 domain; pairs not kept are -inf.
+
+    Interior tiles without a mask keep every pair (APPLY_KEEP False): no select at all.
+    """
     s = qk * qk_scale
     if HAS_BIAS:
         # The bias is added after scaling, so it gets log2(e) alone.
         s += bias.to(tl.float32) * LOG2E
-    return tl.where(keep, s, float("-inf"))
+    if APPLY_KEEP:
+        s = tl.where(keep, s, float("-inf"))
+    return s
 
 
 @triton.jit

@@ -24,10 +24,10 @@ import triton.language as tl
 from ._blocks import BlockLists, block_list_args, build_block_lists
 from ._checks import CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
-from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, ensure_runnable,
-                      is_interpreted, operand_args, padded_head_dim)
-from ._score import (block_at, block_list_row, causal_block_split,
-                     causal_query_split, load_bias, mma, operand_base, probs_from_lse,
+from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
+                      ensure_runnable, is_interpreted, operand_args, padded_head_dim)
+from ._score import (block_at, block_list_row, causal_block_split, causal_query_split,
+                     clamp_index, interior_span, load_bias, mma, operand_base, probs_from_lse,
                      scores_log2, tile_offsets, visible_keys, write_tile)
 
 
@@ -65,14 +65,16 @@ def _attn_bwd_dkdv_inner(
     seqlen_q, seqlen_k, qk_scale,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
 ):
     """Accumulate one query head's contribution to a key block's dk, dv (and dbias).
 
     Works in the (n, m) orientation. Pointers address query block 0; blocks are
-    ``first_block + i`` or the i-th entry of the transposed active-tile list.
+    ``first_block + i`` or the i-th entry of the transposed active-tile list. INTERIOR query
+    blocks are whole and below the diagonal: no per-pair range or causal test (mask and bias
+    pointers are key-clamped by the caller; key rows past seqlen_k are never stored).
     """
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
@@ -81,20 +83,24 @@ def _attn_bwd_dkdv_inner(
         m_ok = offs_m < seqlen_q
         # The next block's index one iteration ahead (see _attn_fwd_inner).
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
-        keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
-                            mask_ptrs + start_m.to(tl.int64) * stride_mask_m,
-                            HAS_MASK, CAUSAL_TILES)
-        q = tl.load(q_ptrs + start_m.to(tl.int64) * stride_q_m,
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        keep = 0  # interior tiles without a mask keep every pair
+        if HAS_MASK or not INTERIOR:
+            keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
+                                mask_ptrs + start_m.to(tl.int64) * stride_mask_m,
+                                HAS_MASK, CAUSAL_TILES, INTERIOR)
+        if INTERIOR:
+            q_in_range = d_ok[None, :]
+        else:
+            q_in_range = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptrs + start_m.to(tl.int64) * stride_q_m, mask=q_in_range, other=0.0)
         bias = 0.0
         if HAS_BIAS:
             bias = load_bias(bias_ptrs + start_m.to(tl.int64) * stride_bias_m, keep,
-                             n_ok[:, None], BIAS_ROW)
+                             n_ok[:, None], BIAS_ROW, INTERIOR)
         qk_t = mma(k, tl.trans(q), DOT_PRECISION, WIDEN_DOTS)
-        s_t = scores_log2(qk_t, keep, bias, qk_scale, HAS_BIAS)
+        s_t = scores_log2(qk_t, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
         p_t = probs_from_lse(s_t, tl.load(lse_ptr + offs_m, mask=m_ok, other=0.0)[None, :])
-        do = tl.load(do_ptrs + start_m.to(tl.int64) * stride_do_m,
-                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        do = tl.load(do_ptrs + start_m.to(tl.int64) * stride_do_m, mask=q_in_range, other=0.0)
         dv += mma(p_t.to(do.dtype), do, DOT_PRECISION, WIDEN_DOTS)
         dp_t = mma(v, tl.trans(do), DOT_PRECISION, WIDEN_DOTS)
         # dS = P * (dP - delta): the gradient of the (natural) score, bias included.
@@ -130,7 +136,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, EDGE_SLOTS: tl.constexpr,
 ):
     n_block = tl.program_id(0)
     start_n = n_block * BLOCK_N
@@ -158,8 +164,13 @@ def _attn_bwd_dkdv_kernel(
         bias_cols = tl.zeros([1, 1], dtype=tl.int32)
     else:
         bias_cols = offs_m0[None, :]
-    first, num_full_from, num_blocks = causal_query_split(start_n, BLOCK_M, BLOCK_N, seqlen_q,
-                                                          seqlen_k, IS_CAUSAL)
+    # Mask and bias keys past seqlen_k read the last key: interior tiles load unpredicated.
+    safe_n = clamp_index(offs_n, seqlen_k)
+    # Query blocks [first, full_from) straddle the diagonal; [full_from, interior_end) need no
+    # per-pair test; a partial last query block needs the range test again.
+    first, full_from, num_blocks = causal_query_split(start_n, BLOCK_M, BLOCK_N, seqlen_q,
+                                                      seqlen_k, IS_CAUSAL)
+    interior_end = tl.maximum(seqlen_q // BLOCK_M, full_from)
     for g in range(group_size):
         h = hk * group_size + g
         bh = b * heads_q + h
@@ -168,9 +179,9 @@ def _attn_bwd_dkdv_kernel(
         do_ptrs = operand_base(do_ptr, b, h, 1, stride_do_b, stride_do_h) \
             + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_do_m, 1)
         mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
-            + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
+            + tile_offsets(safe_n[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
         bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-            + tile_offsets(offs_n[:, None], bias_cols, stride_bias_n, stride_bias_m)
+            + tile_offsets(safe_n[:, None], bias_cols, stride_bias_n, stride_bias_m)
         dbias_ptrs = operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h) \
             + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_db_n, stride_db_m)
         lse_row = lse_ptr + bh.to(tl.int64) * seqlen_q
@@ -180,29 +191,53 @@ def _attn_bwd_dkdv_kernel(
             block_list, count = block_list_row(
                 count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b,
                 stride_list_h, stride_list_n, b, h, mask_head_div, n_block)
+            # List positions [0, lo) and [hi, count) hold edge blocks, [lo, hi) interior ones.
+            lo, hi = interior_span(block_list, count, full_from, interior_end, EDGE_SLOTS)
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                 dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                 q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS,
-                HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+                block_list, 0, lo, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_M, True, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, False, DOT_PRECISION,
+                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+                block_list + lo, 0, hi - lo, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_M, True, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
+                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+                block_list + hi, 0, count - hi, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_M, True, HAS_BIAS, BIAS_ROW, False, True, False, DOT_PRECISION,
+                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
         else:
             if IS_CAUSAL:
                 dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                     dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                     q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                     bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                    count_ptr, first, num_full_from - first, seqlen_q, seqlen_k, qk_scale,
-                    BLOCK_M, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS,
-                    HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+                    count_ptr, first, full_from - first, seqlen_q, seqlen_k, qk_scale,
+                    BLOCK_M, False, HAS_BIAS, BIAS_ROW, True, False, False, DOT_PRECISION,
+                    WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                 dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                 q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                count_ptr, num_full_from, num_blocks - num_full_from, seqlen_q, seqlen_k,
-                qk_scale, BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS,
-                HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+                count_ptr, full_from, interior_end - full_from, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION,
+                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+                count_ptr, interior_end, num_blocks - interior_end, seqlen_q, seqlen_k,
+                qk_scale, BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, False, False,
+                DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE,
+                DBIAS_ATOMIC)
         if HAS_DBIAS and DBIAS_REDUCE_M:
             # One (b, hq) row of the (B, Hq, 1, Lk) partial: a single writer, no atomics.
             tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
@@ -227,26 +262,32 @@ def _attn_bwd_dq_inner(
     seqlen_q, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
-    """Accumulate dq over key blocks, like ``_attn_fwd_inner``."""
+    """Accumulate dq over key blocks, like ``_attn_fwd_inner`` (INTERIOR likewise)."""
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
         # The next block's index one iteration ahead (see _attn_fwd_inner).
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
-        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
-                            HAS_MASK, CAUSAL_TILES)
-        kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+        keep = 0  # interior tiles without a mask keep every pair
+        if HAS_MASK or not INTERIOR:
+            keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                                mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
+                                HAS_MASK, CAUSAL_TILES, INTERIOR)
+        if INTERIOR:
+            kv_in_range = d_ok[None, :]
+        else:
+            kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
         k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
         bias = 0.0
         if HAS_BIAS:
             bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
-                             (offs_n < seqlen_k)[None, :], BIAS_ROW)
+                             (offs_n < seqlen_k)[None, :], BIAS_ROW, INTERIOR)
         qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-        p = probs_from_lse(scores_log2(qk, keep, bias, qk_scale, HAS_BIAS), lse[:, None])
+        s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
+        p = probs_from_lse(s, lse[:, None])
         v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
         dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
         ds = p * (dp - delta[:, None])
@@ -271,6 +312,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    EDGE_SLOTS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     start_m = m_block * BLOCK_M
@@ -297,39 +339,49 @@ def _attn_bwd_dq_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
     v_ptrs = operand_base(v_ptr, b, h, group_size, stride_v_b, stride_v_h) \
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
+    # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
+    safe_m = clamp_index(offs_m, seqlen_q)
     mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
-        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
+        + tile_offsets(safe_m[:, None], offs_n0[None, :], stride_mask_m, stride_mask_n)
     if BIAS_ROW:  # one query row: address it once per tile (see load_bias)
         bias_rows = tl.zeros([1, 1], dtype=tl.int32)
     else:
-        bias_rows = offs_m[:, None]
+        bias_rows = safe_m[:, None]
     bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
         + tile_offsets(bias_rows, offs_n0[None, :], stride_bias_m, stride_bias_n)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Key blocks [0, interior_end) need no per-pair range or causal test (as in the forward).
+    num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
+                                              IS_CAUSAL)
+    interior_end = tl.minimum(num_full, seqlen_k // BLOCK_N)
     if HAS_MASK:
         block_list, count = block_list_row(
             count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
             stride_list_m, b, h, mask_head_div, m_block)
+        _, mid = interior_span(block_list, count, 0, interior_end, EDGE_SLOTS)
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list, 0, count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
+            block_list, 0, mid, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, True, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            block_list + mid, 0, count - mid, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, True, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, False, DOT_PRECISION, WIDEN_DOTS)
     else:
-        num_full, num_blocks = causal_block_split(start_m, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k,
-                                                  IS_CAUSAL)
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            count_ptr, 0, num_full, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS)
-        if IS_CAUSAL:
-            dq = _attn_bwd_dq_inner(
-                dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
-                stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-                count_ptr, num_full, num_blocks - num_full, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_N, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS)
+            count_ptr, 0, interior_end, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION, WIDEN_DOTS)
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            count_ptr, interior_end, num_blocks - interior_end, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, IS_CAUSAL, False, False, DOT_PRECISION,
+            WIDEN_DOTS)
 
     dq *= sm_scale
     tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
@@ -440,6 +492,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
                 HAS_DBIAS=dkdv_dbias, DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
                 DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
                 DBIAS_ATOMIC=bool(plan and plan.atomic),
+                EDGE_SLOTS=edge_slots(cfg_kv.block_n, cfg_kv.block_m),
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
 
@@ -452,6 +505,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
         shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
         qk_scale, checked.softmax_scale,
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
+        EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n),
         num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
     )
     return dq, dk, dv, (plan.finish() if plan else None)

@@ -15,12 +15,12 @@ import triton.language as tl
 
 from ._blocks import block_list_args, build_block_lists
 from ._checks import CheckedInputs
-from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, ensure_runnable,
-                      is_interpreted, multiprocessors, next_power_of_2, operand_args,
-                      padded_head_dim)
-from ._score import (LN2, block_at, block_list_row, causal_block_split, load_bias, mma,
-                     operand_base, row_offsets, scores_log2, split_share, tile_offsets,
-                     visible_keys)
+from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
+                      ensure_runnable, is_interpreted, multiprocessors, next_power_of_2,
+                      operand_args, padded_head_dim)
+from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
+                     interior_span, load_bias, mma, operand_base, row_offsets, scores_log2,
+                     split_share, tile_offsets, visible_keys)
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _attn_fwd_inner(
     seqlen_q, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
     """Fold ``num_blocks`` key blocks into the online softmax state.
 
@@ -41,23 +41,30 @@ def _attn_fwd_inner(
     The next block's index is read one iteration ahead so that tile addresses never wait on
     it. (Also carrying the next mask tile across iterations was measured 1.7x slower at
     L=16384, D=64: the int1 tile costs registers.)
+    INTERIOR blocks lie inside both lengths and below the causal diagonal: no range or causal
+    test per pair, only the mask (if any), read through row-clamped pointers.
     """
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
-        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
-                            HAS_MASK, CAUSAL_TILES)
-        kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+        keep = 0  # interior tiles without a mask keep every pair
+        if HAS_MASK or not INTERIOR:
+            keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                                mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
+                                HAS_MASK, CAUSAL_TILES, INTERIOR)
+        if INTERIOR:
+            kv_in_range = d_ok[None, :]
+        else:
+            kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
         k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
         bias = 0.0
         if HAS_BIAS:
             bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
-                             (offs_n < seqlen_k)[None, :], BIAS_ROW)
+                             (offs_n < seqlen_k)[None, :], BIAS_ROW, INTERIOR)
         qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-        s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS)
+        s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
         # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -87,7 +94,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_PACK: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, EDGE_SLOTS: tl.constexpr,
 ):
     # A tile has BLOCK_M rows. With GROUP_PACK = G > 1 (GQA), row r is query position
     # start_m + r // G of query head hx * G + r % G: the G heads sharing a KV head share one
@@ -120,49 +127,60 @@ def _attn_fwd_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
     v_ptrs = operand_base(v_ptr, b, first_head, group_size, stride_v_b, stride_v_h) \
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
+    # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
+    safe_m = clamp_index(offs_m, seqlen_q)
     mask_ptrs = mask_ptr + b.to(tl.int64) * stride_mask_b \
-        + row_offsets(offs_m, heads, mask_head_div, stride_mask_m, stride_mask_h)[:, None] \
+        + row_offsets(safe_m, heads, mask_head_div, stride_mask_m, stride_mask_h)[:, None] \
         + offs_n0.to(tl.int64)[None, :] * stride_mask_n
     if BIAS_ROW:  # one query row shared by the tile's heads: address it once (see load_bias)
         bias_rows = operand_base(bias_ptr, b, first_head, bias_head_div, stride_bias_b,
                                  stride_bias_h) + tl.zeros([1, 1], dtype=tl.int64)
     else:
         bias_rows = bias_ptr + b.to(tl.int64) * stride_bias_b \
-            + row_offsets(offs_m, heads, bias_head_div, stride_bias_m, stride_bias_h)[:, None]
+            + row_offsets(safe_m, heads, bias_head_div, stride_bias_m, stride_bias_h)[:, None]
     bias_ptrs = bias_rows + offs_n0.to(tl.int64)[None, :] * stride_bias_n
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Key blocks [0, interior_end) need no per-pair range or causal test; the rest (the
+    # diagonal band and a partial last block) do. Split-K shares [lo, hi) cut across both.
+    num_full, num_blocks = causal_block_split(start_m, QUERY_ROWS, BLOCK_N, seqlen_q, seqlen_k,
+                                              IS_CAUSAL)
+    interior_end = tl.minimum(num_full, seqlen_k // BLOCK_N)
     if HAS_MASK:
-        # Causal is already folded into the lists; tiles still apply it element-wise. When
-        # packed, the host guarantees that the tile's heads share one mask head.
+        # Causal is already folded into the lists. When packed, the host guarantees that the
+        # tile's heads share one mask head.
         block_list, count = block_list_row(
             count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
             stride_list_m, b, first_head, mask_head_div, m_block)
         lo, hi = split_share(count, split, num_splits)
+        _, mid = interior_span(block_list, count, 0, interior_end, EDGE_SLOTS)
+        mid = tl.minimum(tl.maximum(mid, lo), hi)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list + lo, 0, hi - lo, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, DOT_PRECISION, WIDEN_DOTS)
+            block_list + lo, 0, mid - lo, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, True, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            block_list + mid, 0, hi - mid, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, True, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, False, DOT_PRECISION, WIDEN_DOTS)
     else:
-        num_full, num_blocks = causal_block_split(start_m, QUERY_ROWS, BLOCK_N, seqlen_q,
-                                                  seqlen_k, IS_CAUSAL)
         lo, hi = split_share(num_blocks, split, num_splits)
-        full_hi = tl.minimum(hi, num_full)
+        mid = tl.minimum(tl.maximum(interior_end, lo), hi)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            count_ptr, lo, tl.maximum(full_hi - lo, 0), seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, DOT_PRECISION, WIDEN_DOTS)
-        if IS_CAUSAL:
-            diag_lo = tl.maximum(lo, num_full)
-            acc, m_i, l_i = _attn_fwd_inner(
-                acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n,
-                stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-                count_ptr, diag_lo, tl.maximum(hi - diag_lo, 0), seqlen_q, seqlen_k, qk_scale,
-                BLOCK_N, False, HAS_BIAS, BIAS_ROW, True, False, DOT_PRECISION, WIDEN_DOTS)
+            count_ptr, lo, mid - lo, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION, WIDEN_DOTS)
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            count_ptr, mid, hi - mid, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, IS_CAUSAL, False, False, DOT_PRECISION,
+            WIDEN_DOTS)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
@@ -306,6 +324,7 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         BIAS_ROW=bias_has_one_row(checked) and shared_by_group(checked.bias, pack),
         IS_CAUSAL=bool(is_causal),
         **dot_options(query.dtype, interpreted), SPLIT_KEYS=splits > 1,
+        EDGE_SLOTS=edge_slots(query_rows, cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
