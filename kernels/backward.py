@@ -121,8 +121,7 @@ def _attn_bwd_dkdv_kernel(
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     dbias_ptr, stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
-    count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
-    stride_list_n,
+    list_ptr, stride_list_b, stride_list_h, stride_list_n,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -188,16 +187,27 @@ def _attn_bwd_dkdv_kernel(
         delta_row = delta_ptr + bh.to(tl.int64) * seqlen_q
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
         if HAS_MASK:
-            block_list, count = block_list_row(
-                count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b,
-                stride_list_h, stride_list_n, b, h, mask_head_div, n_block)
-            # List positions [0, lo) and [hi, count) hold edge blocks, [lo, hi) interior ones.
-            lo, hi = interior_span(block_list, count, full_from, interior_end, EDGE_SLOTS)
+            block_list, count, full = block_list_row(
+                list_ptr, stride_list_b, stride_list_h, stride_list_n, b, h, mask_head_div,
+                n_block)
+            # List positions: [0, full) full tiles, read without the mask; then partial
+            # tiles: edge [full, lo), interior [lo, hi), edge again [hi, count).
+            lo, hi = interior_span(block_list + full, count - full, full_from, interior_end,
+                                   EDGE_SLOTS)
+            lo += full
+            hi += full
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                 dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                 q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                block_list, 0, lo, seqlen_q, seqlen_k, qk_scale,
+                block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
+                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+                block_list + full, 0, lo - full, seqlen_q, seqlen_k, qk_scale,
                 BLOCK_M, True, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, False, DOT_PRECISION,
                 WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
@@ -220,21 +230,21 @@ def _attn_bwd_dkdv_kernel(
                     dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                     q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                     bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                    count_ptr, first, full_from - first, seqlen_q, seqlen_k, qk_scale,
+                    list_ptr, first, full_from - first, seqlen_q, seqlen_k, qk_scale,
                     BLOCK_M, False, HAS_BIAS, BIAS_ROW, True, False, False, DOT_PRECISION,
                     WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                 dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                 q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                count_ptr, full_from, interior_end - full_from, seqlen_q, seqlen_k, qk_scale,
+                list_ptr, full_from, interior_end - full_from, seqlen_q, seqlen_k, qk_scale,
                 BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION,
                 WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                 dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                 q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                count_ptr, interior_end, num_blocks - interior_end, seqlen_q, seqlen_k,
+                list_ptr, interior_end, num_blocks - interior_end, seqlen_q, seqlen_k,
                 qk_scale, BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, False, False,
                 DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE,
                 DBIAS_ATOMIC)
@@ -300,8 +310,7 @@ def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
-    stride_list_m,
+    list_ptr, stride_list_b, stride_list_h, stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -356,14 +365,21 @@ def _attn_bwd_dq_kernel(
                                               IS_CAUSAL)
     interior_end = tl.minimum(num_full, seqlen_k // BLOCK_N)
     if HAS_MASK:
-        block_list, count = block_list_row(
-            count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
-            stride_list_m, b, h, mask_head_div, m_block)
-        _, mid = interior_span(block_list, count, 0, interior_end, EDGE_SLOTS)
+        # List positions: full tiles [0, full), partial interior [full, mid), edge [mid, count).
+        block_list, count, full = block_list_row(
+            list_ptr, stride_list_b, stride_list_h, stride_list_m, b, h, mask_head_div,
+            m_block)
+        _, mid = interior_span(block_list + full, count - full, 0, interior_end, EDGE_SLOTS)
+        mid += full
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list, 0, mid, seqlen_q, seqlen_k, qk_scale,
+            block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            block_list + full, 0, mid - full, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, True, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
@@ -374,12 +390,12 @@ def _attn_bwd_dq_kernel(
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            count_ptr, 0, interior_end, seqlen_q, seqlen_k, qk_scale,
+            list_ptr, 0, interior_end, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION, WIDEN_DOTS)
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            count_ptr, interior_end, num_blocks - interior_end, seqlen_q, seqlen_k, qk_scale,
+            list_ptr, interior_end, num_blocks - interior_end, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, False, HAS_BIAS, BIAS_ROW, IS_CAUSAL, False, False, DOT_PRECISION,
             WIDEN_DOTS)
 

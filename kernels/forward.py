@@ -82,8 +82,7 @@ def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
-    stride_list_m,
+    list_ptr, stride_list_b, stride_list_h, stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -150,17 +149,26 @@ def _attn_fwd_kernel(
     interior_end = tl.minimum(num_full, seqlen_k // BLOCK_N)
     if HAS_MASK:
         # Causal is already folded into the lists. When packed, the host guarantees that the
-        # tile's heads share one mask head.
-        block_list, count = block_list_row(
-            count_ptr, stride_count_b, stride_count_h, list_ptr, stride_list_b, stride_list_h,
-            stride_list_m, b, first_head, mask_head_div, m_block)
+        # tile's heads share one mask head. List positions: [0, full) full tiles (no mask
+        # read), then partial tiles, interior ones [full, mid) before edge ones [mid, count).
+        block_list, count, full = block_list_row(
+            list_ptr, stride_list_b, stride_list_h, stride_list_m, b, first_head,
+            mask_head_div, m_block)
+        _, mid = interior_span(block_list + full, count - full, 0, interior_end, EDGE_SLOTS)
+        mid += full
+        # Split-K: this program's share [lo, hi) of the positions, cut into the three spans.
         lo, hi = split_share(count, split, num_splits)
-        _, mid = interior_span(block_list, count, 0, interior_end, EDGE_SLOTS)
+        full = tl.minimum(tl.maximum(full, lo), hi)
         mid = tl.minimum(tl.maximum(mid, lo), hi)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list + lo, 0, mid - lo, seqlen_q, seqlen_k, qk_scale,
+            block_list + lo, 0, full - lo, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+            block_list + full, 0, mid - full, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, True, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
@@ -173,12 +181,12 @@ def _attn_fwd_kernel(
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            count_ptr, lo, mid - lo, seqlen_q, seqlen_k, qk_scale,
+            list_ptr, lo, mid - lo, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION, WIDEN_DOTS)
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            count_ptr, mid, hi - mid, seqlen_q, seqlen_k, qk_scale,
+            list_ptr, mid, hi - mid, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, False, HAS_BIAS, BIAS_ROW, IS_CAUSAL, False, False, DOT_PRECISION,
             WIDEN_DOTS)
 

@@ -170,6 +170,20 @@ def test_grad_empty_rows(pattern, causal, device):
     assert (grads.dbias[..., ~seen.any(0).any(-2)] == 0).all()
 
 
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_grad_full_and_partial_tiles(causal, device):
+    """Masks whose tiles are a mix of all-True (run without reading the mask) and partial ones,
+    at lengths that leave partial edge blocks, so full, interior and edge spans all occur."""
+    dims = Dims(1, 70, 97, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    rows = torch.arange(dims.seqlen_q, device=device)[:, None]
+    cols = torch.arange(dims.seqlen_k, device=device)[None, :]
+    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    mask |= ((rows // 32 + cols // 32) % 2 == 0)
+    bias = random_bias(dims.operand_shape("1", "Hk", "1", "Lk"), torch.float32, device)
+    run_backward(q, k, v, mask, bias, causal)
+
+
 def test_grad_masked_tiles_read_no_keys_or_values(device):
     """Tiles whose mask block is all False are skipped in both backward passes: keys 128..255
     are masked for every row and hold NaN, and no gradient may turn NaN."""

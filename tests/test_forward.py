@@ -49,7 +49,7 @@ QKV_LAYOUTS = ("bhld", "sliced", "strided")
 OPERAND_LAYOUTS = ("permuted", "sliced", "key_strided")
 SCALES = (None, 0.3, 0.0, 3.0)
 MASK_PATTERNS = ("no_keys", "empty_rows", "empty_heads", "key_band", "tile_checkerboard",
-                 "single_key")
+                 "single_key", "full_tiles")
 
 BROADCAST_DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
 
@@ -229,6 +229,10 @@ def _pattern_mask(pattern: str, dims: Dims, device) -> torch.Tensor:
         mask &= ((rows // 32 + cols // 32) % 2 == 0)
     elif pattern == "single_key":
         mask = (cols == (rows * 7) % lk).expand(b, h, lq, lk)
+    elif pattern == "full_tiles":
+        # Whole 32x32 blocks all True (full tiles for every kernel tile size up to 32, read
+        # without the mask), the others random (partial tiles): both kinds in one row's list.
+        mask |= ((rows // 32 + cols // 32) % 2 == 0)
     else:
         raise ValueError(pattern)
     return mask
