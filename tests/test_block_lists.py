@@ -36,13 +36,13 @@ def _expected_lists(visible: torch.Tensor, block_rows: int, block_cols: int):
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("transposed", (False, True), ids=("queries_on_rows", "keys_on_rows"))
-def test_full_tiles_first_then_partial(causal, transposed):
+def test_full_tiles_first_then_partial(causal, transposed, device):
     # Over 256 columns either way, so the activity pass splits each row over several programs.
     dims = Dims(1, 290, 300, heads_q=2, heads_kv=1, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float32, torch.device("cpu"))
-    rows = torch.arange(dims.seqlen_q)[:, None]
-    cols = torch.arange(dims.seqlen_k)[None, :]
-    mask = random_mask(dims.full_operand_shape("Hk"), torch.device("cpu"), keep=0.2)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    rows = torch.arange(dims.seqlen_q, device=device)[:, None]
+    cols = torch.arange(dims.seqlen_k, device=device)[None, :]
+    mask = random_mask(dims.full_operand_shape("Hk"), device, keep=0.2)
     mask |= ((rows // 16 + cols // 16) % 3 == 0)  # whole 16x16 blocks kept
     mask[..., 48:64] = False  # a band of empty tiles
     checked = check_inputs(q, k, v, mask, None, None)
@@ -55,11 +55,12 @@ def test_full_tiles_first_then_partial(causal, transposed):
         visible &= cols <= rows + (dims.seqlen_k - dims.seqlen_q)
     if transposed:
         visible = visible.T
-    expected = _expected_lists(visible, block_rows, block_cols)
+    expected = _expected_lists(visible.cpu(), block_rows, block_cols)
+    counts, indices = lists.counts.cpu(), lists.indices.cpu()
     kinds_seen = set()
     for row, (full, partial) in enumerate(expected):
-        count, full_count = lists.counts[0, 0, row].tolist()
+        count, full_count = counts[0, 0, row].tolist()
         assert (count, full_count) == (len(full) + len(partial), len(full)), f"row block {row}"
-        assert lists.indices[0, 0, row, :count].tolist() == full + partial, f"row block {row}"
+        assert indices[0, 0, row, :count].tolist() == full + partial, f"row block {row}"
         kinds_seen.update(("full",) * bool(full) + ("partial",) * bool(partial))
     assert kinds_seen == {"full", "partial"}, "the mask was meant to give both kinds of tile"
