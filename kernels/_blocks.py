@@ -35,10 +35,7 @@ def _tile_activity_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
     TRANSPOSED: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
-    """One program per tile: 0 if no pair of the tile is visible, 2 if all are, else 1.
-
-    (Four tiles per program, reduced through a reshape, measured 1.2-3x slower on the H100.)
-    """
+    """One program per tile: 0 if no pair of the tile is visible, 2 if all are, else 1."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     row_block = tile // num_col_blocks
@@ -58,8 +55,8 @@ def _tile_activity_kernel(
     if IS_CAUSAL:
         # A tile wholly above the diagonal reads no mask bytes: causal lists read half the mask.
         # (A branch, not a narrower load predicate: the predicate must stay a plain compare of
-        # positions with the lengths, or the loads lose their vector width and the pass runs
-        # 1.3-2x slower on the H100.)
+        # positions with the lengths: a length computed in the kernel made the pass 1.3-1.8x
+        # slower on the H100, most likely because the loads lost their vector width.)
         reachable = tl.min(n_idx) <= tl.max(m_idx) + (seqlen_k - seqlen_q)
     activity = tl.zeros([], dtype=tl.int8)
     if reachable:
