@@ -99,12 +99,6 @@ def clamp_index(idx, length):
 
 
 @triton.jit
-def any_visible(keep):
-    """True when at least one pair of the tile is kept; inactive tiles skip K/V and the dots."""
-    return tl.max(keep.to(tl.int32)) > 0
-
-
-@triton.jit
 def load_bias(bias_ptrs, keep, keys_in_range, BIAS_ROW: tl.constexpr,
               INTERIOR: tl.constexpr = False):
     """Bias values for a tile.
