@@ -4,6 +4,11 @@ On CUDA each call is bracketed by events, and the L2 cache is flushed before it 
 buffer larger than L2; the flush sits outside the events. All events are read after a single
 synchronize so the host never stalls the GPU between repeats. On CPU ``perf_counter`` is used;
 those numbers describe the interpreter, not a kernel.
+
+The time budget caps how many repeats run, never below ``MIN_REPEATS``. On CUDA the host
+enqueues calls far faster than a slow kernel finishes them, so a host clock alone would let
+every repeat through (20 calls of an 0.8 s backward took 16 s per row, not the 2 s budget);
+the plan is made from the GPU time of the last warmup call instead.
 """
 
 from __future__ import annotations
@@ -63,25 +68,55 @@ def _peak_mib(fn: Callable[[], object], device: torch.device) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
+def planned_repeats(call_ms: float | None, timing: Timing) -> int:
+    """Repeats that fit the budget at ``call_ms`` each (unknown: all of them)."""
+    if call_ms is None or call_ms <= 0:
+        return timing.repeats
+    fit = int(timing.budget_s * 1e3 // call_ms)
+    return max(MIN_REPEATS, min(timing.repeats, fit))
+
+
+def _warm_up_cuda(fn: Callable[[], object], warmup: int) -> float | None:
+    """Run the warmup calls; the GPU milliseconds of the last one, or None without warmup."""
+    for _ in range(warmup - 1):
+        fn()
+    if warmup < 1:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def measure(fn: Callable[[], object], timing: Timing, device: torch.device) -> Measurement:
+    if device.type == "cuda":
+        return _measure_cuda(fn, timing, device)
+    return _measure_host(fn, timing)
+
+
+def _measure_host(fn: Callable[[], object], timing: Timing) -> Measurement:
     for _ in range(timing.warmup):
         fn()
-    if device.type != "cuda":
-        samples = []
-        start_all = time.perf_counter()
-        while len(samples) < timing.repeats:
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
-            if len(samples) >= MIN_REPEATS and time.perf_counter() - start_all > timing.budget_s:
-                break
-        return Measurement(tuple(samples), None)
+    samples = []
+    start_all = time.perf_counter()
+    while len(samples) < timing.repeats:
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+        if len(samples) >= MIN_REPEATS and time.perf_counter() - start_all > timing.budget_s:
+            break
+    return Measurement(tuple(samples), None)
 
+
+def _measure_cuda(fn: Callable[[], object], timing: Timing, device: torch.device) -> Measurement:
+    repeats = planned_repeats(_warm_up_cuda(fn, timing.warmup), timing)
     flush = _flush_buffer(device) if timing.flush_l2 else None
     events = []
     torch.cuda.synchronize(device)
     start_all = time.perf_counter()
-    for i in range(timing.repeats):
+    for i in range(repeats):
         if flush is not None:
             flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
