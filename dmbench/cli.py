@@ -77,22 +77,23 @@ def _timed_command(command: str, sweep_path: Path, out, backends, resume, force,
     _guarded(work)
 
 
-@app.command(epilog=EXIT_CODES_HELP)
-def fwd(sweep: Annotated[Path, typer.Argument(help="Sweep YAML file.")], out: OutOpt = None,
-        backends: BackendsOpt = None, resume: ResumeOpt = False, force: ForceOpt = False,
-        device: DeviceOpt = "auto", shard: ShardOpt = None, distributed: DistOpt = False,
-        plot: PlotOpt = True, progress: ProgressOpt = True):
-    """Time the forward pass of every backend on every sweep point."""
-    _timed_command("fwd", sweep, out, backends, resume, force, device, shard, distributed, plot, progress)
+def _timing_command(command: str, summary: str):
+    """``fwd`` and ``bwd`` take the same flags and differ only in what they time."""
+
+    def timed(sweep: Annotated[Path, typer.Argument(help="Sweep YAML file.")], out: OutOpt = None,
+              backends: BackendsOpt = None, resume: ResumeOpt = False, force: ForceOpt = False,
+              device: DeviceOpt = "auto", shard: ShardOpt = None, distributed: DistOpt = False,
+              plot: PlotOpt = True, progress: ProgressOpt = True):
+        _timed_command(command, sweep, out, backends, resume, force, device, shard, distributed,
+                       plot, progress)
+
+    timed.__doc__ = summary
+    return app.command(command, epilog=EXIT_CODES_HELP)(timed)
 
 
-@app.command(epilog=EXIT_CODES_HELP)
-def bwd(sweep: Annotated[Path, typer.Argument(help="Sweep YAML file.")], out: OutOpt = None,
-        backends: BackendsOpt = None, resume: ResumeOpt = False, force: ForceOpt = False,
-        device: DeviceOpt = "auto", shard: ShardOpt = None, distributed: DistOpt = False,
-        plot: PlotOpt = True, progress: ProgressOpt = True):
-    """Time the backward pass alone and fwd+bwd of every backend on every sweep point."""
-    _timed_command("bwd", sweep, out, backends, resume, force, device, shard, distributed, plot, progress)
+fwd = _timing_command("fwd", "Time the forward pass of every backend on every sweep point.")
+bwd = _timing_command(
+    "bwd", "Time the backward pass alone and fwd+bwd of every backend on every sweep point.")
 
 
 @app.command(epilog=EXIT_CODES_HELP)

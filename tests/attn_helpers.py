@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kernels import attention_reference, dmattn_func
+from kernels._checks import AttnShape
 from kernels.tolerance import check_tensor
 
 # The dtypes the kernels accept. Each one's tolerance travels with it inside
@@ -34,15 +35,8 @@ DTYPES = (
 
 
 @dataclass(frozen=True)
-class Dims:
-    """Problem sizes: query (batch, seqlen_q, heads_q, head_dim), key/value use heads_kv."""
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
+class Dims(AttnShape):
+    """The kernels' problem sizes, plus the shapes of masks and biases broadcast over them."""
 
     def operand_shape(self, batch: str, heads: str, rows: str, cols: str) -> tuple[int, ...]:
         """Shape of a mask or bias from symbolic axis sizes, e.g. ("1", "Hk", "Lq", "Lk")."""
@@ -91,6 +85,16 @@ def random_mask(shape, device, keep: float = 0.7) -> torch.Tensor:
 
 def random_bias(shape, dtype, device) -> torch.Tensor:
     return (2.0 * torch.randn(shape, device=device)).to(dtype)
+
+
+def random_problem(dims: Dims, dtype, device, mask: str, bias: str, keep: float = 0.7):
+    """q, k, v, a mask and a bias, the last two shaped by axis tokens joined by ``x`` as in
+    sweep files: batch ``1``/``B``, heads ``1``/``Hk``/``Hq``, query ``1``/``Lq``, key
+    ``1``/``Lk`` (e.g. ``"BxHkx1xLk"``). Drawn in that order, so seeded runs repeat."""
+    q, k, v = random_qkv(dims, dtype, device)
+    mask_t = random_mask(dims.operand_shape(*mask.split("x")), device, keep=keep)
+    bias_t = random_bias(dims.operand_shape(*bias.split("x")), dtype, device)
+    return q, k, v, mask_t, bias_t
 
 
 def expand_operand(t: torch.Tensor, dims: Dims) -> torch.Tensor:

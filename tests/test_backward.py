@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from attn_helpers import (DTYPES, Dims, assert_close_to_reference, assert_no_lq_lk_allocation,
-                          grads_of, in_form, random_bias, random_mask, random_qkv, run_backward)
+                          grads_of, in_form, random_bias, random_mask, random_problem, random_qkv,
+                          run_backward)
 from kernels import attention_reference, dmattn_func
 
 # -- grids
@@ -71,9 +72,8 @@ def test_grad_lengths(seqlen_q, seqlen_k, causal, masked, dtype, device):
 def test_grad_long_odd_key_length(causal, device):
     """Lk = 4095 with a (1, 1, 1, Lk) bias: dbias summed over rows, odd key length."""
     dims = Dims(1, 17, LONG_SEQLEN_K, heads_q=1, heads_kv=1, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float16, device)
-    mask = random_mask(dims.operand_shape("1", "1", "Lq", "Lk"), device, keep=0.5)
-    bias = random_bias(dims.operand_shape("1", "1", "1", "Lk"), torch.float16, device)
+    q, k, v, mask, bias = random_problem(
+        dims, torch.float16, device, mask="1x1xLqxLk", bias="1x1x1xLk", keep=0.5)
     run_backward(q, k, v, mask, bias, causal)
 
 
@@ -81,9 +81,7 @@ def test_grad_long_odd_key_length(causal, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grad_head_dims(head_dim, dtype, device):
     dims = Dims(1, 33, 40, heads_q=2, heads_kv=1, head_dim=head_dim)
-    q, k, v = random_qkv(dims, dtype, device)
-    mask = random_mask(dims.operand_shape("1", "1", "Lq", "Lk"), device)
-    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), dtype, device)
+    q, k, v, mask, bias = random_problem(dims, dtype, device, mask="1x1xLqxLk", bias="BxHkx1xLk")
     run_backward(q, k, v, mask, bias, causal=True)
 
 
@@ -93,9 +91,8 @@ def test_grad_head_groups(heads, causal, device):
     """dk and dv sum over the query heads of each KV head's group."""
     heads_q, heads_kv = heads
     dims = Dims(2, 23, 37, heads_q, heads_kv, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float32, device)
-    mask = random_mask(dims.full_operand_shape("Hk"), device)
-    bias = random_bias(dims.full_operand_shape("Hq"), torch.float32, device)
+    q, k, v, mask, bias = random_problem(
+        dims, torch.float32, device, mask="BxHkxLqxLk", bias="BxHqxLqxLk")
     run_backward(q, k, v, mask, bias, causal)
 
 
@@ -219,9 +216,8 @@ def test_grad_qkv_layouts(layout, device):
 @pytest.mark.parametrize("scale", SCALES)
 def test_grad_softmax_scale(scale, device):
     dims = Dims(1, 17, 40, heads_q=2, heads_kv=2, head_dim=24)
-    q, k, v = random_qkv(dims, torch.float32, device)
-    mask = random_mask(dims.full_operand_shape("Hq"), device)
-    bias = random_bias(dims.operand_shape("1", "1", "Lq", "Lk"), torch.float32, device)
+    q, k, v, mask, bias = random_problem(
+        dims, torch.float32, device, mask="BxHqxLqxLk", bias="1x1xLqxLk")
     run_backward(q, k, v, mask, bias, scale=scale)
 
 

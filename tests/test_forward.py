@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from attn_helpers import (DTYPES, AllocationWatch, Dims, assert_no_lq_lk_allocation,
-                          expand_operand, in_form, random_bias, random_mask, random_qkv,
-                          run_forward)
+                          expand_operand, in_form, random_bias, random_mask, random_problem,
+                          random_qkv, run_forward)
 import kernels
 from kernels import attention_reference, dmattn_func, triton_dmattn_func
 
@@ -78,9 +78,8 @@ def test_long_odd_key_length(seqlen_q, causal, device):
     """Lk = 4095 with a (1, 1, 1, Lk) mask and a (1, 1, Lq, Lk) bias of odd key length.
     (Dtypes are covered on shorter keys: the interpreter needs seconds per call here.)"""
     dims = Dims(1, seqlen_q, LONG_SEQLEN_K, heads_q=1, heads_kv=1, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float16, device)
-    mask = random_mask(dims.operand_shape("1", "1", "1", "Lk"), device, keep=0.5)
-    bias = random_bias(dims.operand_shape("1", "1", "Lq", "Lk"), torch.float16, device)
+    q, k, v, mask, bias = random_problem(
+        dims, torch.float16, device, mask="1x1x1xLk", bias="1x1xLqxLk", keep=0.5)
     run_forward(q, k, v, mask, bias, causal)
 
 
@@ -88,9 +87,7 @@ def test_long_odd_key_length(seqlen_q, causal, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_dims(head_dim, dtype, device):
     dims = Dims(1, 33, 65, heads_q=2, heads_kv=1, head_dim=head_dim)
-    q, k, v = random_qkv(dims, dtype, device)
-    mask = random_mask(dims.operand_shape("B", "Hk", "1", "Lk"), device)
-    bias = random_bias(dims.operand_shape("B", "Hk", "Lq", "Lk"), dtype, device)
+    q, k, v, mask, bias = random_problem(dims, dtype, device, mask="BxHkx1xLk", bias="BxHkxLqxLk")
     run_forward(q, k, v, mask, bias, causal=True)
 
 
@@ -100,9 +97,8 @@ def test_head_groups(heads, causal, device):
     """MHA, GQA and MQA; the mask is per KV head and the bias per query head."""
     heads_q, heads_kv = heads
     dims = Dims(2, 33, 47, heads_q, heads_kv, head_dim=32)
-    q, k, v = random_qkv(dims, torch.float16, device)
-    mask = random_mask(dims.full_operand_shape("Hk"), device)
-    bias = random_bias(dims.full_operand_shape("Hq"), torch.float16, device)
+    q, k, v, mask, bias = random_problem(
+        dims, torch.float16, device, mask="BxHkxLqxLk", bias="BxHqxLqxLk")
     run_forward(q, k, v, mask, bias, causal)
 
 
@@ -172,9 +168,7 @@ def test_qkv_layouts(layout, dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_scale(scale, dtype, device):
     dims = Dims(1, 17, 40, heads_q=2, heads_kv=2, head_dim=24)
-    q, k, v = random_qkv(dims, dtype, device)
-    mask = random_mask(dims.full_operand_shape("Hq"), device)
-    bias = random_bias(dims.operand_shape("1", "1", "Lq", "Lk"), dtype, device)
+    q, k, v, mask, bias = random_problem(dims, dtype, device, mask="BxHqxLqxLk", bias="1x1xLqxLk")
     run_forward(q, k, v, mask, bias, scale=scale)
 
 
@@ -276,9 +270,8 @@ def test_triton_dmattn_func_is_a_drop_in(device):
     assert names == ["query", "key", "value", "attn_mask", "attn_bias", "is_causal",
                      "softmax_scale"]
     dims = Dims(2, 17, 33, heads_q=4, heads_kv=2, head_dim=40)
-    q, k, v = random_qkv(dims, torch.float16, device)
-    mask = random_mask(dims.operand_shape("B", "Hk", "1", "Lk"), device)
-    bias = random_bias(dims.operand_shape("B", "Hk", "Lq", "Lk"), torch.float16, device)
+    q, k, v, mask, bias = random_problem(
+        dims, torch.float16, device, mask="BxHkx1xLk", bias="BxHkxLqxLk")
     run = run_forward(q, k, v, mask, bias, True, 0.2, func=triton_dmattn_func)
     out, lse = dmattn_func(q, k, v, mask, bias, True, 0.2, return_lse=True)
     assert torch.equal(run.out, out) and torch.equal(run.lse, lse)
