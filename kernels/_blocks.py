@@ -11,12 +11,16 @@ windows, a topk window wider than the visible keys), then the partial ones, each
 ascending order. Full tiles run like unmasked interior tiles: no mask bytes, no select.
 
 Lists are per mask head and mask batch (a (B, Hk, ...) mask gives lists shared by the whole
-GQA group). "Rows" are query blocks for the forward and dq kernels; for the dkdv kernel the same
-kernel builds the transposed lists (rows are key blocks).
+GQA group). "Rows" are query blocks for the forward and dq kernels, key blocks for dkdv.
+
+The mask is read once per call: the forward's pass writes an activity map (0 none, 1 some,
+2 all pairs visible) in tiles that divide every kernel's tiles, and each kernel's list comes
+from a small compaction over the map, so the backward reads no mask bytes to find its tiles.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,59 +35,82 @@ from ._score import tile_offsets, visible_keys
 @triton.jit
 def _tile_activity_kernel(
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    active_ptr, heads, seqlen_q, seqlen_k, num_col_blocks,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-    TRANSPOSED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    active_ptr, heads, seqlen_q, seqlen_k, map_rows, map_cols, num_load_cols,
+    SUB_ROWS: tl.constexpr, SUB_COLS: tl.constexpr,
+    LOAD_ROWS: tl.constexpr, LOAD_COLS: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
-    """One program per tile: 0 if no pair of the tile is visible, 2 if all are, else 1."""
-    tile = tl.program_id(0)
+    """One program per (LOAD_ROWS x LOAD_COLS) block of (query, key) pairs; writes the activity
+    of each (SUB_ROWS x SUB_COLS) tile in it: 0 if no pair is visible, 2 if all are, else 1.
+
+    The load block is wider than the map's tiles so that the mask loads stay long and
+    vectorized whatever granularity the kernels' tiles need."""
+    FR: tl.constexpr = LOAD_ROWS // SUB_ROWS
+    FC: tl.constexpr = LOAD_COLS // SUB_COLS
+    block = tl.program_id(0)
     bh = tl.program_id(1)
-    row_block = tile // num_col_blocks
-    col_block = tile % num_col_blocks
+    load_row = block // num_load_cols
+    load_col = block % num_load_cols
     b = bh // heads
     h = bh % heads
-    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    if TRANSPOSED:  # rows are keys, columns are queries
-        m_idx = cols[None, :]
-        n_idx = rows[:, None]
-    else:
-        m_idx = rows[:, None]
-        n_idx = cols[None, :]
+    m_idx = (load_row * LOAD_ROWS + tl.arange(0, LOAD_ROWS))[:, None]
+    n_idx = (load_col * LOAD_COLS + tl.arange(0, LOAD_COLS))[None, :]
     base = mask_ptr + b.to(tl.int64) * stride_mask_b + h.to(tl.int64) * stride_mask_h
     reachable = True
     if IS_CAUSAL:
-        # A tile wholly above the diagonal reads no mask bytes: causal lists read half the mask.
+        # A block wholly above the diagonal reads no mask bytes: causal maps read half the mask.
         # (A branch, not a narrower load predicate: the predicate must stay a plain compare of
         # positions with the lengths: a length computed in the kernel made the pass 1.3-1.8x
         # slower on the H100, most likely because the loads lost their vector width.)
         reachable = tl.min(n_idx) <= tl.max(m_idx) + (seqlen_k - seqlen_q)
-    activity = tl.zeros([], dtype=tl.int8)
+    activity = tl.zeros([FR, FC], dtype=tl.int8)
     if reachable:
         keep = visible_keys(m_idx, n_idx, seqlen_q, seqlen_k,
                             base + tile_offsets(m_idx, n_idx, stride_mask_m, stride_mask_n),
                             True, IS_CAUSAL)
-        # One reduction gives both "any" and "all".
-        visible = tl.sum(keep.to(tl.int32))
-        activity = (visible > 0).to(tl.int8) + (visible == BLOCK_ROWS * BLOCK_COLS).to(tl.int8)
-    tl.store(active_ptr + bh.to(tl.int64) * tl.num_programs(0) + tile, activity)
+        # Visible pairs per map tile; one count gives both "any" and "all".
+        per_tile = tl.reshape(keep.to(tl.int32), [FR, SUB_ROWS, FC, SUB_COLS])
+        visible = tl.sum(tl.sum(per_tile, 3), 1)
+        activity = (visible > 0).to(tl.int8) + (visible == SUB_ROWS * SUB_COLS).to(tl.int8)
+    sub_r = (load_row * FR + tl.arange(0, FR))[:, None]
+    sub_c = (load_col * FC + tl.arange(0, FC))[None, :]
+    tl.store(active_ptr + bh.to(tl.int64) * map_rows * map_cols + sub_r * map_cols + sub_c,
+             activity, mask=(sub_r < map_rows) & (sub_c < map_cols))
 
 
 @triton.jit
-def _compact_kernel(active_ptr, table_ptr, num_col_blocks,
+def _compact_kernel(active_ptr, table_ptr, map_rows, map_cols, num_rows, num_cols,
+                    FR: tl.constexpr, FC: tl.constexpr, TRANSPOSED: tl.constexpr,
                     CHUNK: tl.constexpr):
-    """Per row of the activity map, one table row: (count, full count, the full column blocks
-    in order, then the partial ones)."""
-    row = tl.program_id(0).to(tl.int64)
+    """One table row per list row: (count, full count, the full column blocks in order, then
+    the partial ones). A list tile covers FR x FC map tiles (FR along the list's rows); it is
+    inactive if all of them are, full if all are full, else partial. Map tiles past the map
+    lie past the lengths: they count as inactive and keep the tile from being full.
+    TRANSPOSED lists put keys on rows (the dkdv kernel's); the map always has queries on rows.
+    """
+    pid = tl.program_id(0)
+    bh = pid // num_rows
+    row = pid % num_rows
+    map_base = active_ptr + bh.to(tl.int64) * map_rows * map_cols
+    table_row = table_ptr + pid.to(tl.int64) * (num_cols + 2)
     offs = tl.arange(0, CHUNK)
-    table_row = table_ptr + row * (num_col_blocks + 2)
+    sub = tl.arange(0, FR * FC)
+    sub_r = (row * FR + sub // FC)[None, :]
     count = 0
     # Pass 0 collects full tiles (activity 2), pass 1 partial ones (activity 1).
     for part in tl.static_range(2):
-        for start in range(0, num_col_blocks, CHUNK):
+        for start in range(0, num_cols, CHUNK):
             cols = start + offs
-            activity = tl.load(active_ptr + row * num_col_blocks + cols,
-                               mask=cols < num_col_blocks, other=0)
+            sub_c = cols[:, None] * FC + (sub % FC)[None, :]
+            if TRANSPOSED:
+                q_sub, k_sub = sub_c, sub_r
+            else:
+                q_sub, k_sub = sub_r, sub_c
+            sub_activity = tl.load(map_base + q_sub * map_cols + k_sub,
+                                   mask=(q_sub < map_rows) & (k_sub < map_cols), other=0)
+            any_active = tl.max(sub_activity, 1) > 0
+            all_full = tl.min(sub_activity, 1) == 2
+            activity = tl.where(all_full, 2, tl.where(any_active, 1, 0))
+            activity = tl.where(cols < num_cols, activity, 0)
             flags = (activity == 2 - part).to(tl.int32)
             # Exclusive prefix sum gives each chosen column its slot in the list.
             slots = count + tl.cumsum(flags, 0) - flags
@@ -92,6 +119,17 @@ def _compact_kernel(active_ptr, table_ptr, num_col_blocks,
         if part == 0:
             tl.store(table_row + 1, count)
     tl.store(table_row, count)
+
+
+@dataclass(frozen=True)
+class ActivityMap:
+    """(Bm, Hm, ceil(Lq / sub_rows), ceil(Lk / sub_cols)) int8 activity of (sub_rows x
+    sub_cols) tiles of (query, key) pairs, per mask batch and head: 0 none, 1 some, 2 all
+    visible. One pass over the mask builds it; every kernel's lists are derived from it."""
+
+    active: torch.Tensor
+    sub_rows: int
+    sub_cols: int
 
 
 @dataclass(frozen=True)
@@ -126,31 +164,65 @@ def block_list_args(lists: BlockLists | None, batch: int, placeholder: torch.Ten
     return (table, 0 if shared else table.stride(0), table.stride(1), table.stride(2))
 
 
-def build_block_lists(mask: BroadcastOperand, shape: AttnShape, block_rows: int,
-                      block_cols: int, is_causal: bool, transposed: bool) -> BlockLists:
-    """Active-tile lists for (block_rows x block_cols) tiles; transposed puts keys on rows."""
+def shared_granularity(tiles) -> tuple[int, int]:
+    """The largest (query rows, key cols) tile that divides every (query, key) tile given, so
+    one activity map serves all of them."""
+    rows = cols = 0
+    for tile_rows, tile_cols in tiles:
+        rows, cols = math.gcd(rows, tile_rows), math.gcd(cols, tile_cols)
+    return rows, cols
+
+
+def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_cols: int,
+                  is_causal: bool) -> ActivityMap:
+    """The activity map at (sub_rows x sub_cols) granularity: the one pass over the mask."""
     args = operand_args(mask, None)
     mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
-    len_rows, len_cols = ((shape.seqlen_k, shape.seqlen_q) if transposed
-                          else (shape.seqlen_q, shape.seqlen_k))
-    num_rows = ceil_div(len_rows, block_rows)
-    num_cols = ceil_div(len_cols, block_cols)
-    device = mask.view.device
-    table = torch.empty((mask_batch, mask_heads, num_rows, num_cols + 2), dtype=torch.int32,
-                        device=device)
-    # Two launches: a fully parallel activity pass (the mask is read once, bandwidth-bound),
-    # then a tiny compaction per row. One sequential pass per row would be latency-bound.
-    active = torch.empty((mask_batch, mask_heads, num_rows, num_cols), dtype=torch.int8,
-                         device=device)
-    _tile_activity_kernel[(num_rows * num_cols, mask_batch * mask_heads)](
+    map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
+    # At least two map tiles per load block each way, and blocks of >= 64 x 128 mask bytes.
+    load_rows, load_cols = max(2 * sub_rows, 64), max(2 * sub_cols, 128)
+    num_load_cols = ceil_div(shape.seqlen_k, load_cols)
+    active = torch.empty((mask_batch, mask_heads, map_rows, map_cols), dtype=torch.int8,
+                         device=mask.view.device)
+    _tile_activity_kernel[(ceil_div(shape.seqlen_q, load_rows) * num_load_cols,
+                           mask_batch * mask_heads)](
         args.tensor, args.stride_b, args.stride_h, args.stride_m, args.stride_n,
-        active, mask_heads, shape.seqlen_q, shape.seqlen_k, num_cols,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-        TRANSPOSED=transposed, IS_CAUSAL=bool(is_causal),
-        num_warps=4,
+        active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
+        SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
+        IS_CAUSAL=bool(is_causal), num_warps=4,
     )
+    return ActivityMap(active, sub_rows, sub_cols)
+
+
+def lists_from_activity(activity: ActivityMap, block_rows: int, block_cols: int,
+                        transposed: bool) -> BlockLists:
+    """Lists for (block_rows x block_cols) tiles (keys on rows when transposed) from a map
+    whose tiles divide them: one small launch reading the map, never the mask."""
+    tile_q, tile_k = (block_cols, block_rows) if transposed else (block_rows, block_cols)
+    if tile_q % activity.sub_rows or tile_k % activity.sub_cols:
+        raise ValueError(f"a ({tile_q}, {tile_k}) tile is not made of the activity map's "
+                         f"({activity.sub_rows}, {activity.sub_cols}) tiles")
+    fq, fk = tile_q // activity.sub_rows, tile_k // activity.sub_cols
+    mask_batch, mask_heads, map_rows, map_cols = activity.active.shape
+    # A list tile's last map tiles may lie past the map (the lengths end inside the tile).
+    q_tiles, k_tiles = ceil_div(map_rows, fq), ceil_div(map_cols, fk)
+    num_rows, num_cols = (k_tiles, q_tiles) if transposed else (q_tiles, k_tiles)
+    fr, fc = (fk, fq) if transposed else (fq, fk)
+    table = torch.empty((mask_batch, mask_heads, num_rows, num_cols + 2), dtype=torch.int32,
+                        device=activity.active.device)
     _compact_kernel[(mask_batch * mask_heads * num_rows,)](
-        active, table, num_cols, CHUNK=min(1024, next_power_of_2(num_cols)),
-        num_warps=4,
+        activity.active, table, map_rows, map_cols, num_rows, num_cols,
+        FR=fr, FC=fc, TRANSPOSED=bool(transposed),
+        CHUNK=max(16, min(1024 // (fr * fc), next_power_of_2(num_cols))), num_warps=4,
     )
     return BlockLists(table, block_rows, block_cols)
+
+
+def build_block_lists(mask: BroadcastOperand, shape: AttnShape, block_rows: int,
+                      block_cols: int, is_causal: bool, transposed: bool) -> BlockLists:
+    """Active-tile lists for (block_rows x block_cols) tiles; transposed puts keys on rows.
+    Two launches: a fully parallel activity pass (the mask is read once, bandwidth-bound),
+    then a tiny compaction per row; one sequential pass per row would be latency-bound."""
+    tile_q, tile_k = (block_cols, block_rows) if transposed else (block_rows, block_cols)
+    activity = tile_activity(mask, shape, tile_q, tile_k, is_causal)
+    return lists_from_activity(activity, block_rows, block_cols, transposed)

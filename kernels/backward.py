@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._blocks import BlockLists, block_list_args, build_block_lists
+from ._blocks import ActivityMap, BlockLists, block_list_args, lists_from_activity
 from ._checks import CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
 from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
@@ -417,8 +417,7 @@ def backward_configs(block_d: int, dtype: torch.dtype,
                      interpreted: bool) -> tuple[BackwardConfig, BackwardConfig]:
     """(dkdv, dq) tiles per head dim, from sweeps on an H100 (notes in results/notes.md).
 
-    dkdv keeps a key block resident and walks query blocks; dq the reverse. When dq's tiles
-    equal the forward's, it reuses the forward's active-tile lists.
+    dkdv keeps a key block resident and walks query blocks; dq the reverse.
     """
     if interpreted:
         # Unequal tiles, so that the causal split logic is exercised with BLOCK_M != BLOCK_N.
@@ -438,21 +437,27 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _lists_for(checked: CheckedInputs, is_causal: bool, rows: int, cols: int, transposed: bool,
-               reusable: BlockLists | None) -> BlockLists | None:
-    """Active-tile lists for a kernel's tiles, reusing the forward's when the tiles match."""
-    if checked.mask is None:
-        return None
-    if (reusable is not None and not transposed and reusable.block_rows == rows
-            and reusable.block_cols == cols):
-        return reusable
-    return build_block_lists(checked.mask, checked.shape, rows, cols, is_causal, transposed)
+def backward_tiles(head_dim: int, dtype: torch.dtype) -> tuple:
+    """The (query rows, key cols) tiles whose active-tile lists the backward walks: the forward
+    builds its activity map fine enough for these too."""
+    cfg_kv, cfg_q = backward_configs(padded_head_dim(head_dim), dtype,
+                                     is_interpreted(_attn_bwd_dq_kernel))
+    return (cfg_kv.block_m, cfg_kv.block_n), (cfg_q.block_m, cfg_q.block_n)
+
+
+def _lists(activity: ActivityMap | None, rows: int, cols: int,
+           transposed: bool) -> BlockLists | None:
+    return None if activity is None else lists_from_activity(activity, rows, cols, transposed)
 
 
 def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedInputs,
                        is_causal: bool, deterministic: bool, bias_needs_grad: bool,
-                       forward_lists: BlockLists | None = None):
-    """Launch the backward. Returns (dq, dk, dv, dbias or None)."""
+                       activity: ActivityMap | None):
+    """Launch the backward. Returns (dq, dk, dv, dbias or None).
+
+    ``activity`` is the forward's activity map of the mask (None without a mask), made fine
+    enough for ``backward_tiles``: both kernels' lists come from it without reading the mask.
+    """
     ensure_runnable(_attn_bwd_dq_kernel, query.device)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
@@ -484,8 +489,8 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
                   BIAS_ROW=bias_has_one_row(checked), IS_CAUSAL=bool(is_causal),
                   **dot_options(query.dtype, interpreted))
     dkdv_dbias = plan is not None and not plan.is_zero
-    kv_lists = _lists_for(checked, is_causal, cfg_kv.block_n, cfg_kv.block_m, True, None)
-    q_lists = _lists_for(checked, is_causal, cfg_q.block_m, cfg_q.block_n, False, forward_lists)
+    kv_lists = _lists(activity, cfg_kv.block_n, cfg_kv.block_m, transposed=True)
+    q_lists = _lists(activity, cfg_q.block_m, cfg_q.block_n, transposed=False)
 
     batch_starts = range(shape.batch) if plan and plan.serialize_batch else (0,)
     head_starts = range(shape.heads_kv) if plan and plan.serialize_heads else (0,)

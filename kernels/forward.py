@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._blocks import block_list_args, build_block_lists
+from ._blocks import (block_list_args, lists_from_activity, shared_granularity,
+                      tile_activity)
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
                       ensure_runnable, is_interpreted, multiprocessors, next_power_of_2,
@@ -279,11 +280,14 @@ def forward_config(block_d: int, dtype: torch.dtype, interpreted: bool,
     return ForwardConfig(64, 32, 4, 2)
 
 
-def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool):
+def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool,
+                      later_tiles: tuple = ()):
     """Launch the forward.
 
-    Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, active-tile lists or None). The
-    lists are built for this config's tiles; the dq kernel uses the same tiles and reuses them.
+    Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, the mask's activity map or None).
+    The map is read from the mask once, in tiles that divide this kernel's tiles and every
+    (query rows, key cols) tile in ``later_tiles`` (the backward's), so that their lists come
+    from the map alone.
     """
     ensure_runnable(_attn_fwd_kernel, query.device)
     shape = checked.shape
@@ -301,10 +305,11 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
     query_rows = block_m // pack
     mask = operand_args(checked.mask, out)
     bias = operand_args(checked.bias, out)
-    lists = None
+    activity = lists = None
     if checked.mask is not None:
-        lists = build_block_lists(checked.mask, shape, query_rows, cfg.block_n, is_causal,
-                                  transposed=False)
+        sub_rows, sub_cols = shared_granularity(((query_rows, cfg.block_n),) + tuple(later_tiles))
+        activity = tile_activity(checked.mask, shape, sub_rows, sub_cols, is_causal)
+        lists = lists_from_activity(activity, query_rows, cfg.block_n, transposed=False)
     row_blocks = ceil_div(shape.seqlen_q, query_rows)
     num_bh = shape.batch * shape.heads_q
     splits = key_splits(row_blocks * num_bh // pack, ceil_div(shape.seqlen_k, cfg.block_n),
@@ -341,7 +346,7 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
             shape.heads_q, shape.seqlen_q, splits,
             HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
         )
-    return out, lse, lists
+    return out, lse, activity
 
 
 def shared_by_group(op, pack: int) -> bool:

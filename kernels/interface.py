@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_inputs
-from .backward import attention_backward
+from .backward import attention_backward, backward_tiles
 from .forward import attention_forward
 
 
@@ -25,9 +25,12 @@ class _DMAttnFunction(torch.autograd.Function):
             # Rare; checking once on the common path keeps small-shape launch overhead down.
             query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
             checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
-        out, lse, lists = attention_forward(query, key, value, checked, is_causal)
+        later_tiles = ()
+        if attn_mask is not None and any(ctx.needs_input_grad[:5]):
+            later_tiles = backward_tiles(checked.shape.head_dim, query.dtype)
+        out, lse, activity = attention_forward(query, key, value, checked, is_causal, later_tiles)
         ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias)
-        ctx.block_lists = lists
+        ctx.activity = activity
         ctx.checked = checked
         ctx.is_causal = is_causal
         ctx.deterministic = deterministic
@@ -40,7 +43,7 @@ class _DMAttnFunction(torch.autograd.Function):
         dq, dk, dv, dbias = attention_backward(
             grad_out, query, key, value, out, lse, ctx.checked, ctx.is_causal,
             ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
-            forward_lists=ctx.block_lists,
+            activity=ctx.activity,
         )
         return dq, dk, dv, None, dbias, None, None, None
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attn_helpers import Dims, random_mask, random_qkv
-from kernels._blocks import build_block_lists
+from kernels._blocks import build_block_lists, lists_from_activity, tile_activity
 from kernels._checks import check_inputs
 
 
@@ -34,22 +34,20 @@ def _expected_lists(visible: torch.Tensor, block_rows: int, block_cols: int):
     return lists
 
 
-@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("transposed", (False, True), ids=("queries_on_rows", "keys_on_rows"))
-def test_full_tiles_first_then_partial(causal, transposed, device):
-    # Over 256 columns either way, so the activity pass splits each row over several programs.
-    dims = Dims(1, 290, 300, heads_q=2, heads_kv=1, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float32, device)
+def _mask_with_both_kinds(dims: Dims, device) -> torch.Tensor:
     rows = torch.arange(dims.seqlen_q, device=device)[:, None]
     cols = torch.arange(dims.seqlen_k, device=device)[None, :]
     mask = random_mask(dims.full_operand_shape("Hk"), device, keep=0.2)
     mask |= ((rows // 16 + cols // 16) % 3 == 0)  # whole 16x16 blocks kept
     mask[..., 48:64] = False  # a band of empty tiles
-    checked = check_inputs(q, k, v, mask, None, None)
-    block_rows, block_cols = 16, 16
-    lists = build_block_lists(checked.mask, checked.shape, block_rows, block_cols, causal,
-                              transposed)
+    mask[..., 192:256, 64:128] = True  # below the diagonal: full at every tile size tested
+    return mask
 
+
+def _assert_lists(lists, mask, dims, causal, transposed, block_rows, block_cols,
+                  need_both_kinds=True):
+    rows = torch.arange(dims.seqlen_q, device=mask.device)[:, None]
+    cols = torch.arange(dims.seqlen_k, device=mask.device)[None, :]
     visible = mask[0, 0].clone()
     if causal:
         visible &= cols <= rows + (dims.seqlen_k - dims.seqlen_q)
@@ -57,10 +55,68 @@ def test_full_tiles_first_then_partial(causal, transposed, device):
         visible = visible.T
     expected = _expected_lists(visible.cpu(), block_rows, block_cols)
     counts, indices = lists.counts.cpu(), lists.indices.cpu()
+    assert counts.shape[2] == len(expected)
     kinds_seen = set()
     for row, (full, partial) in enumerate(expected):
         count, full_count = counts[0, 0, row].tolist()
         assert (count, full_count) == (len(full) + len(partial), len(full)), f"row block {row}"
         assert indices[0, 0, row, :count].tolist() == full + partial, f"row block {row}"
         kinds_seen.update(("full",) * bool(full) + ("partial",) * bool(partial))
-    assert kinds_seen == {"full", "partial"}, "the mask was meant to give both kinds of tile"
+    if need_both_kinds:
+        assert kinds_seen == {"full", "partial"}, "the mask was meant to give both kinds of tile"
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("transposed", (False, True), ids=("queries_on_rows", "keys_on_rows"))
+def test_full_tiles_first_then_partial(causal, transposed, device):
+    # Over 256 columns either way, so the activity pass splits each row over several programs.
+    dims = Dims(1, 290, 300, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = _mask_with_both_kinds(dims, device)
+    checked = check_inputs(q, k, v, mask, None, None)
+    lists = build_block_lists(checked.mask, checked.shape, 16, 16, causal, transposed)
+    _assert_lists(lists, mask, dims, causal, transposed, 16, 16)
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("transposed,block,sub", [
+    (False, (32, 64), (16, 16)),   # list tiles of 2 x 4 map tiles
+    (False, (64, 16), (8, 16)),
+    (True, (64, 32), (16, 32)),    # keys on rows: a (32 query, 64 key) tile of 2 x 2 map tiles
+    (True, (32, 32), (32, 32)),
+], ids=("q32k64_of_16x16", "q64k16_of_8x16", "keys64q32_of_16x32", "keys32q32_of_32x32"))
+def test_lists_derived_from_a_finer_map(causal, transposed, block, sub, device):
+    """One activity map serves every kernel: lists for larger tiles, either orientation, come
+    out as if built from the mask at their own tile size. 290 x 300 leaves partial tiles whose
+    last map tiles lie past the map."""
+    dims = Dims(1, 290, 300, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = _mask_with_both_kinds(dims, device)
+    checked = check_inputs(q, k, v, mask, None, None)
+    activity = tile_activity(checked.mask, checked.shape, *sub, causal)
+    lists = lists_from_activity(activity, *block, transposed)
+    _assert_lists(lists, mask, dims, causal, transposed, *block)
+
+
+@pytest.mark.parametrize("transposed", (False, True), ids=("queries_on_rows", "keys_on_rows"))
+def test_lists_for_a_single_query_row(transposed, device):
+    """Decode: Lq = 1 with 4-row map tiles (a packed GQA forward's query rows)."""
+    dims = Dims(1, 1, 300, heads_q=4, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device, keep=0.3)
+    mask[..., 64:128] = False
+    checked = check_inputs(q, k, v, mask, None, None)
+    activity = tile_activity(checked.mask, checked.shape, 4, 16, True)
+    block = (64, 16) if transposed else (4, 32)
+    lists = lists_from_activity(activity, *block, transposed)
+    _assert_lists(lists, mask, dims, True, transposed, *block, need_both_kinds=False)
+
+
+def test_lists_need_tiles_made_of_map_tiles(device):
+    dims = Dims(1, 40, 40, heads_q=1, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = random_mask(dims.full_operand_shape("Hk"), device)
+    checked = check_inputs(q, k, v, mask, None, None)
+    activity = tile_activity(checked.mask, checked.shape, 16, 32, False)
+    with pytest.raises(ValueError, match="not made of"):
+        lists_from_activity(activity, 16, 16, False)
