@@ -136,6 +136,37 @@ def scores_log2(qk, keep, bias, qk_scale, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
+def query_tile_scores(q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n,
+                      mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+                      seqlen_q, seqlen_k, qk_scale,
+                      HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+                      CAUSAL_TILES: tl.constexpr, INTERIOR: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+    """Log2 scores of a (query rows x key block) tile, as the forward and dq loops need them.
+
+    Returns (scores, the K tile, the K/V load predicate). Pointers address key block 0;
+    ``start_n`` is this block's first key. Keys not kept score -inf (see ``visible_keys``).
+    """
+    keep = 0  # interior tiles without a mask keep every pair
+    if HAS_MASK or not INTERIOR:
+        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
+                            HAS_MASK, CAUSAL_TILES, INTERIOR)
+    if INTERIOR:
+        kv_in_range = d_ok[None, :]
+    else:
+        kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+    k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
+                         (offs_n < seqlen_k)[None, :], BIAS_ROW, INTERIOR)
+    qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
+    s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
+    return s, k, kv_in_range
+
+
+@triton.jit
 def block_at(block_list_ptr, first_block, i, num_blocks, USE_LIST: tl.constexpr):
     """Index of the i-th block a loop visits: from the active-tile list, or a plain range.
 

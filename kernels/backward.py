@@ -28,7 +28,7 @@ from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots
                       ensure_runnable, is_interpreted, operand_args, padded_head_dim)
 from ._score import (block_at, block_list_row, causal_block_split, causal_query_split,
                      clamp_index, interior_span, load_bias, mma, operand_base, probs_from_lse,
-                     scores_log2, tile_offsets, visible_keys, write_tile)
+                     query_tile_scores, scores_log2, tile_offsets, visible_keys, write_tile)
 
 
 @triton.jit
@@ -196,6 +196,7 @@ def _attn_bwd_dkdv_kernel(
                                    EDGE_SLOTS)
             lo += full
             hi += full
+            # Full tiles: every pair visible, so no mask read and no per-pair test.
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                 dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
                 q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
@@ -203,51 +204,37 @@ def _attn_bwd_dkdv_kernel(
                 block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
                 BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
                 WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
-            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
-                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                block_list + full, 0, lo - full, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_M, True, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, False, DOT_PRECISION,
-                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
-            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
-                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                block_list + lo, 0, hi - lo, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_M, True, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
-                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
-            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
-                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                block_list + hi, 0, count - hi, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_M, True, HAS_BIAS, BIAS_ROW, False, True, False, DOT_PRECISION,
-                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            # The partial tiles' three spans, as slices of the list.
+            edge_list, edge_first, edge_count = block_list + full, 0, lo - full
+            inner_list, inner_first, inner_count = block_list + lo, 0, hi - lo
+            tail_list, tail_first, tail_count = block_list + hi, 0, count - hi
         else:
-            if IS_CAUSAL:
-                dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-                    dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-                    q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
-                    bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                    list_ptr, first, full_from - first, seqlen_q, seqlen_k, qk_scale,
-                    BLOCK_M, False, HAS_BIAS, BIAS_ROW, True, False, False, DOT_PRECISION,
-                    WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
-            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
-                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                list_ptr, full_from, interior_end - full_from, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION,
-                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
-            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
-                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                list_ptr, interior_end, num_blocks - interior_end, seqlen_q, seqlen_k,
-                qk_scale, BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, False, False,
-                DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE,
-                DBIAS_ATOMIC)
+            # The same three spans as ranges of query blocks (the list pointer is unused).
+            edge_list, edge_first, edge_count = list_ptr, first, full_from - first
+            inner_list, inner_first, inner_count = list_ptr, full_from, interior_end - full_from
+            tail_list, tail_first, tail_count = list_ptr, interior_end, num_blocks - interior_end
+        # Blocks on the causal diagonal, interior blocks, then a partial last query block.
+        dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+            q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+            bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+            edge_list, edge_first, edge_count, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False, DOT_PRECISION,
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+        dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+            q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+            bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+            inner_list, inner_first, inner_count, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION,
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+        dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
+            q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+            bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
+            tail_list, tail_first, tail_count, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, False, DOT_PRECISION,
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
         if HAS_DBIAS and DBIAS_REDUCE_M:
             # One (b, hq) row of the (B, Hq, 1, Lk) partial: a single writer, no atomics.
             tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
@@ -281,22 +268,10 @@ def _attn_bwd_dq_inner(
         offs_n = start_n + offs_n0
         # The next block's index one iteration ahead (see _attn_fwd_inner).
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
-        keep = 0  # interior tiles without a mask keep every pair
-        if HAS_MASK or not INTERIOR:
-            keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                                mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
-                                HAS_MASK, CAUSAL_TILES, INTERIOR)
-        if INTERIOR:
-            kv_in_range = d_ok[None, :]
-        else:
-            kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
-        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
-        bias = 0.0
-        if HAS_BIAS:
-            bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
-                             (offs_n < seqlen_k)[None, :], BIAS_ROW, INTERIOR)
-        qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-        s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
+        s, k, kv_in_range = query_tile_scores(
+            q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n, mask_ptrs, stride_mask_n,
+            bias_ptrs, stride_bias_n, seqlen_q, seqlen_k, qk_scale, HAS_MASK, HAS_BIAS,
+            BIAS_ROW, CAUSAL_TILES, INTERIOR, DOT_PRECISION, WIDEN_DOTS)
         p = probs_from_lse(s, lse[:, None])
         v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
         dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
@@ -371,33 +346,30 @@ def _attn_bwd_dq_kernel(
             m_block)
         _, mid = interior_span(block_list + full, count - full, 0, interior_end, EDGE_SLOTS)
         mid += full
+        # Full tiles: every pair visible, so no mask read and no per-pair test.
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
-            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list + full, 0, mid - full, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, True, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
-            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list + mid, 0, count - mid, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, True, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, False, DOT_PRECISION, WIDEN_DOTS)
+        inner_list, inner_first, inner_count = block_list + full, 0, mid - full
+        edge_list, edge_first, edge_count = block_list + mid, 0, count - mid
     else:
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
-            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            list_ptr, 0, interior_end, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION, WIDEN_DOTS)
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
-            stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            list_ptr, interior_end, num_blocks - interior_end, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, BIAS_ROW, IS_CAUSAL, False, False, DOT_PRECISION,
-            WIDEN_DOTS)
+        # The same two spans as ranges of key blocks (the list pointer is unused).
+        inner_list, inner_first, inner_count = list_ptr, 0, interior_end
+        edge_list, edge_first, edge_count = list_ptr, interior_end, num_blocks - interior_end
+    # Interior key blocks, then the causal diagonal and a partial last key block.
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+        stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+        inner_list, inner_first, inner_count, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION, WIDEN_DOTS)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
+        stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+        edge_list, edge_first, edge_count, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False, DOT_PRECISION,
+        WIDEN_DOTS)
 
     dq *= sm_scale
     tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)

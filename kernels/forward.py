@@ -20,8 +20,8 @@ from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots
                       ensure_runnable, is_interpreted, multiprocessors, next_power_of_2,
                       operand_args, padded_head_dim)
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
-                     interior_span, load_bias, mma, operand_base, row_offsets, scores_log2,
-                     split_share, tile_offsets, visible_keys)
+                     interior_span, mma, operand_base, query_tile_scores, row_offsets,
+                     split_share, tile_offsets)
 
 
 @triton.jit
@@ -50,22 +50,10 @@ def _attn_fwd_inner(
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
-        keep = 0  # interior tiles without a mask keep every pair
-        if HAS_MASK or not INTERIOR:
-            keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                                mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
-                                HAS_MASK, CAUSAL_TILES, INTERIOR)
-        if INTERIOR:
-            kv_in_range = d_ok[None, :]
-        else:
-            kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
-        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
-        bias = 0.0
-        if HAS_BIAS:
-            bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
-                             (offs_n < seqlen_k)[None, :], BIAS_ROW, INTERIOR)
-        qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-        s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
+        s, k, kv_in_range = query_tile_scores(
+            q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n, mask_ptrs, stride_mask_n,
+            bias_ptrs, stride_bias_n, seqlen_q, seqlen_k, qk_scale, HAS_MASK, HAS_BIAS,
+            BIAS_ROW, CAUSAL_TILES, INTERIOR, DOT_PRECISION, WIDEN_DOTS)
         # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -161,35 +149,32 @@ def _attn_fwd_kernel(
         lo, hi = split_share(count, split, num_splits)
         full = tl.minimum(tl.maximum(full, lo), hi)
         mid = tl.minimum(tl.maximum(mid, lo), hi)
+        # Full tiles: every pair visible, so no mask read and no per-pair test.
         acc, m_i, l_i = _attn_fwd_inner(
             acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
             mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
             block_list + lo, 0, full - lo, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
-        acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
-            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list + full, 0, mid - full, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, True, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
-        acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
-            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list + mid, 0, hi - mid, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, True, HAS_BIAS, BIAS_ROW, IS_CAUSAL, True, False, DOT_PRECISION, WIDEN_DOTS)
+        inner_list, inner_first, inner_count = block_list + full, 0, mid - full
+        edge_list, edge_first, edge_count = block_list + mid, 0, hi - mid
     else:
+        # The same two spans as ranges of key blocks (the list pointer is unused).
         lo, hi = split_share(num_blocks, split, num_splits)
         mid = tl.minimum(tl.maximum(interior_end, lo), hi)
-        acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
-            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            list_ptr, lo, mid - lo, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, False, True, DOT_PRECISION, WIDEN_DOTS)
-        acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
-            mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            list_ptr, mid, hi - mid, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, BIAS_ROW, IS_CAUSAL, False, False, DOT_PRECISION,
-            WIDEN_DOTS)
+        inner_list, inner_first, inner_count = list_ptr, lo, mid - lo
+        edge_list, edge_first, edge_count = list_ptr, mid, hi - mid
+    # Interior key blocks, then the causal diagonal and a partial last key block.
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+        mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+        inner_list, inner_first, inner_count, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION, WIDEN_DOTS)
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs, stride_k_n, stride_v_n,
+        mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+        edge_list, edge_first, edge_count, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False, DOT_PRECISION,
+        WIDEN_DOTS)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
