@@ -48,6 +48,28 @@ class Dims(AttnShape):
         return self.operand_shape("B", heads, "Lq", "Lk")
 
 
+# -- grids shared by the kernel test modules
+CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
+# With a mask the kernels walk active-tile lists; without one, full and causal-diagonal tiles.
+MASKED = (pytest.param(False, id="no_mask"), pytest.param(True, id="mask"))
+LONG_SEQLEN_K = 4095
+HEAD_DIMS = (16, 40, 80, 128, 256)
+HEADS = (  # (heads_q, heads_kv)
+    pytest.param((4, 4), id="mha"),
+    pytest.param((6, 2), id="gqa"),
+    pytest.param((4, 1), id="mqa"),
+)
+# Each axis of a mask or bias is one of these sizes (SPEC §1), named symbolically.
+BROADCAST_BATCH = ("1", "B")
+BROADCAST_HEADS = ("1", "Hk", "Hq")
+BROADCAST_ROWS = ("1", "Lq")
+BROADCAST_COLS = ("1", "Lk")
+# A real tensor of the broadcast shape, or a stride-0 expand() of it to full size.
+OPERAND_FORMS = ("tensor", "expanded")
+QKV_LAYOUTS = ("bhld", "sliced", "strided")
+BROADCAST_DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
+
+
 def _blhd(shape, dtype, device, layout: str) -> torch.Tensor:
     """A random (B, L, H, D) tensor whose memory layout is ``layout``:
 

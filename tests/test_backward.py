@@ -14,30 +14,16 @@ from functools import partial
 import pytest
 import torch
 
-from attn_helpers import (DTYPES, Dims, assert_close_to_reference, assert_no_lq_lk_allocation,
-                          grads_of, in_form, random_bias, random_mask, random_problem, random_qkv,
-                          run_backward)
+from attn_helpers import (BROADCAST_BATCH, BROADCAST_COLS, BROADCAST_DIMS, BROADCAST_HEADS,
+                          BROADCAST_ROWS, CAUSAL, DTYPES, HEAD_DIMS, HEADS, LONG_SEQLEN_K, MASKED,
+                          OPERAND_FORMS, QKV_LAYOUTS, Dims, assert_close_to_reference,
+                          assert_no_lq_lk_allocation, grads_of, in_form, random_bias,
+                          random_mask, random_problem, random_qkv, run_backward)
 from kernels import attention_reference, dmattn_func
 
 # -- grids
 SEQLENS_Q = (1, 17, 97)
 SEQLENS_K = (1, 17, 97)
-CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
-# With a mask the kernels walk active-tile lists; without one, full and causal-diagonal tiles.
-MASKED = (pytest.param(False, id="no_mask"), pytest.param(True, id="mask"))
-LONG_SEQLEN_K = 4095
-HEAD_DIMS = (16, 40, 80, 128, 256)
-HEADS = (  # (heads_q, heads_kv)
-    pytest.param((4, 4), id="mha"),
-    pytest.param((6, 2), id="gqa"),
-    pytest.param((4, 1), id="mqa"),
-)
-BROADCAST_BATCH = ("1", "B")
-BROADCAST_HEADS = ("1", "Hk", "Hq")
-BROADCAST_ROWS = ("1", "Lq")
-BROADCAST_COLS = ("1", "Lk")
-OPERAND_FORMS = ("tensor", "expanded")
-QKV_LAYOUTS = ("bhld", "sliced", "strided")
 SCALES = (None, 0.0, 3.0)
 EMPTY_PATTERNS = ("empty_rows", "no_keys", "key_band")
 # Bias shapes whose gradient has several contributors per element (batch, head, row or column
@@ -49,8 +35,6 @@ SHARED_BIASES = (
     pytest.param(("1", "Hk", "1", "Lk"), id="kv_row"),
     pytest.param(("1", "1", "Lq", "1"), id="q_col"),
 )
-
-BROADCAST_DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
 
 
 @pytest.mark.parametrize("seqlen_q", SEQLENS_Q)

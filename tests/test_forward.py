@@ -18,40 +18,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_helpers import (DTYPES, AllocationWatch, Dims, assert_no_lq_lk_allocation,
-                          expand_operand, in_form, random_bias, random_mask, random_problem,
-                          random_qkv, run_forward)
+from attn_helpers import (BROADCAST_BATCH, BROADCAST_COLS, BROADCAST_DIMS, BROADCAST_HEADS,
+                          BROADCAST_ROWS, CAUSAL, DTYPES, HEAD_DIMS, HEADS, LONG_SEQLEN_K, MASKED,
+                          OPERAND_FORMS, QKV_LAYOUTS, AllocationWatch, Dims,
+                          assert_no_lq_lk_allocation, expand_operand, in_form, random_bias,
+                          random_mask, random_problem, random_qkv, run_forward)
 import kernels
 from kernels import attention_reference, dmattn_func, triton_dmattn_func
 
 # -- grids
 SEQLENS_Q = (1, 17, 97, 129)
 SEQLENS_K = (1, 17, 97, 129)
-CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
-# With a mask the kernels walk active-tile lists; without one, full and causal-diagonal tiles.
-MASKED = (pytest.param(False, id="no_mask"), pytest.param(True, id="mask"))
-LONG_SEQLEN_K = 4095
 LONG_SEQLENS_Q = (1, 17)
-HEAD_DIMS = (16, 40, 80, 128, 256)
-HEADS = (  # (heads_q, heads_kv)
-    pytest.param((4, 4), id="mha"),
-    pytest.param((6, 2), id="gqa"),
-    pytest.param((4, 1), id="mqa"),
-)
-# Each axis of a mask or bias is one of these sizes (SPEC §1), named symbolically.
-BROADCAST_BATCH = ("1", "B")
-BROADCAST_HEADS = ("1", "Hk", "Hq")
-BROADCAST_ROWS = ("1", "Lq")
-BROADCAST_COLS = ("1", "Lk")
-# A real tensor of the broadcast shape, or a stride-0 expand() of it to full size.
-OPERAND_FORMS = ("tensor", "expanded")
-QKV_LAYOUTS = ("bhld", "sliced", "strided")
 OPERAND_LAYOUTS = ("permuted", "sliced", "key_strided")
 SCALES = (None, 0.3, 0.0, 3.0)
 MASK_PATTERNS = ("no_keys", "empty_rows", "empty_heads", "key_band", "tile_checkerboard",
                  "single_key", "full_tiles")
-
-BROADCAST_DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
 
 
 @pytest.mark.parametrize("seqlen_q", SEQLENS_Q)
