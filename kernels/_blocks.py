@@ -175,7 +175,9 @@ def shared_granularity(tiles) -> tuple[int, int]:
 
 def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_cols: int,
                   is_causal: bool) -> ActivityMap:
-    """The activity map at (sub_rows x sub_cols) granularity: the one pass over the mask."""
+    """The activity map at (sub_rows x sub_cols) granularity: the one pass over the mask.
+    Fully parallel and bandwidth-bound; ``lists_from_activity`` then compacts each list row in
+    a small second launch (one sequential pass per row over the mask would be latency-bound)."""
     args = operand_args(mask, None)
     mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
     map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
@@ -217,12 +219,3 @@ def lists_from_activity(activity: ActivityMap, block_rows: int, block_cols: int,
     )
     return BlockLists(table, block_rows, block_cols)
 
-
-def build_block_lists(mask: BroadcastOperand, shape: AttnShape, block_rows: int,
-                      block_cols: int, is_causal: bool, transposed: bool) -> BlockLists:
-    """Active-tile lists for (block_rows x block_cols) tiles; transposed puts keys on rows.
-    Two launches: a fully parallel activity pass (the mask is read once, bandwidth-bound),
-    then a tiny compaction per row; one sequential pass per row would be latency-bound."""
-    tile_q, tile_k = (block_cols, block_rows) if transposed else (block_rows, block_cols)
-    activity = tile_activity(mask, shape, tile_q, tile_k, is_causal)
-    return lists_from_activity(activity, block_rows, block_cols, transposed)

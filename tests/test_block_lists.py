@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attn_helpers import Dims, random_mask, random_qkv
-from kernels._blocks import build_block_lists, lists_from_activity, tile_activity
+from kernels._blocks import lists_from_activity, tile_activity
 from kernels._checks import check_inputs
 
 
@@ -74,7 +74,8 @@ def test_full_tiles_first_then_partial(causal, transposed, device):
     q, k, v = random_qkv(dims, torch.float32, device)
     mask = _mask_with_both_kinds(dims, device)
     checked = check_inputs(q, k, v, mask, None, None)
-    lists = build_block_lists(checked.mask, checked.shape, 16, 16, causal, transposed)
+    activity = tile_activity(checked.mask, checked.shape, 16, 16, causal)
+    lists = lists_from_activity(activity, 16, 16, transposed)
     _assert_lists(lists, mask, dims, causal, transposed, 16, 16)
 
 
