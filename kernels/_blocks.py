@@ -21,7 +21,7 @@ from a small compaction over the map, so the backward reads no mask bytes to fin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -130,6 +130,15 @@ class ActivityMap:
     active: torch.Tensor
     sub_rows: int
     sub_cols: int
+    _lists: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def lists(self, block_rows: int, block_cols: int, transposed: bool) -> BlockLists:
+        """The lists for (block_rows x block_cols) tiles, built on first use and kept: a
+        prepared mask (``kernels.prepare_mask``) builds them once for every later call."""
+        key = (block_rows, block_cols, bool(transposed))
+        if key not in self._lists:
+            self._lists[key] = lists_from_activity(self, block_rows, block_cols, transposed)
+        return self._lists[key]
 
 
 @dataclass(frozen=True)

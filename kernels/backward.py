@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._blocks import ActivityMap, BlockLists, block_list_args, lists_from_activity
+from ._blocks import ActivityMap, BlockLists, block_list_args
 from ._checks import CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
 from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
@@ -417,9 +417,19 @@ def backward_tiles(head_dim: int, dtype: torch.dtype) -> tuple:
     return (cfg_kv.block_m, cfg_kv.block_n), (cfg_q.block_m, cfg_q.block_n)
 
 
-def _lists(activity: ActivityMap | None, rows: int, cols: int,
-           transposed: bool) -> BlockLists | None:
-    return None if activity is None else lists_from_activity(activity, rows, cols, transposed)
+def backward_lists(activity: ActivityMap | None, cfg_kv: BackwardConfig,
+                   cfg_q: BackwardConfig) -> tuple[BlockLists | None, BlockLists | None]:
+    """(dkdv lists, keys on rows; dq lists) from the activity map, or (None, None) without one."""
+    if activity is None:
+        return None, None
+    return (activity.lists(cfg_kv.block_n, cfg_kv.block_m, transposed=True),
+            activity.lists(cfg_q.block_m, cfg_q.block_n, transposed=False))
+
+
+def prepare_backward_lists(activity: ActivityMap, head_dim: int, dtype: torch.dtype) -> None:
+    """Build (and keep in ``activity``) both backward kernels' lists ahead of the call."""
+    backward_lists(activity, *backward_configs(padded_head_dim(head_dim), dtype,
+                                               is_interpreted(_attn_bwd_dq_kernel)))
 
 
 def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedInputs,
@@ -461,8 +471,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
                   BIAS_ROW=bias_has_one_row(checked), IS_CAUSAL=bool(is_causal),
                   **dot_options(query.dtype, interpreted))
     dkdv_dbias = plan is not None and not plan.is_zero
-    kv_lists = _lists(activity, cfg_kv.block_n, cfg_kv.block_m, transposed=True)
-    q_lists = _lists(activity, cfg_q.block_m, cfg_q.block_n, transposed=False)
+    kv_lists, q_lists = backward_lists(activity, cfg_kv, cfg_q)
 
     batch_starts = range(shape.batch) if plan and plan.serialize_batch else (0,)
     head_starts = range(shape.heads_kv) if plan and plan.serialize_heads else (0,)

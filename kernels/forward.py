@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._blocks import (block_list_args, lists_from_activity, shared_granularity,
-                      tile_activity)
+from ._blocks import ActivityMap, block_list_args, shared_granularity, tile_activity
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
                       ensure_runnable, is_interpreted, multiprocessors, next_power_of_2,
@@ -265,14 +264,53 @@ def forward_config(block_d: int, dtype: torch.dtype, interpreted: bool,
     return ForwardConfig(64, 32, 4, 2)
 
 
+@dataclass(frozen=True)
+class ForwardTiling:
+    """The forward's launch shape: its config, how many GQA heads share a tile (``pack``) and
+    the tile's rows, of which ``block_m // pack`` are query positions."""
+
+    cfg: ForwardConfig
+    pack: int
+    block_m: int
+
+    @property
+    def query_rows(self) -> int:
+        return self.block_m // self.pack
+
+    @property
+    def list_tile(self) -> tuple[int, int]:
+        """(query rows, key cols) of the tiles whose active-tile list the forward walks."""
+        return self.query_rows, self.cfg.block_n
+
+
+def forward_tiling(checked: CheckedInputs, dtype: torch.dtype,
+                   interpreted: bool) -> ForwardTiling:
+    shape = checked.shape
+    cfg = forward_config(padded_head_dim(shape.head_dim), dtype, interpreted,
+                         checked.mask is not None)
+    pack = group_pack(checked, cfg.block_m)
+    block_m = cfg.block_m
+    if pack > 1:
+        # Decode-sized Lq: just enough rows for the group's heads (tl.dot needs 16).
+        block_m = max(16, min(block_m, pack * next_power_of_2(shape.seqlen_q)))
+    return ForwardTiling(cfg, pack, block_m)
+
+
+def mask_activity(checked: CheckedInputs, tiling: ForwardTiling, is_causal: bool,
+                  later_tiles: tuple = ()) -> ActivityMap:
+    """The mask's activity map, in tiles that divide the forward's list tile and every
+    (query rows, key cols) tile in ``later_tiles`` (the backward's)."""
+    sub_rows, sub_cols = shared_granularity((tiling.list_tile,) + tuple(later_tiles))
+    return tile_activity(checked.mask, checked.shape, sub_rows, sub_cols, is_causal)
+
+
 def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool,
-                      later_tiles: tuple = ()):
+                      later_tiles: tuple = (), activity: ActivityMap | None = None):
     """Launch the forward.
 
     Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, the mask's activity map or None).
-    The map is read from the mask once, in tiles that divide this kernel's tiles and every
-    (query rows, key cols) tile in ``later_tiles`` (the backward's), so that their lists come
-    from the map alone.
+    Without a prepared ``activity``, the map is read from the mask here, fine enough for the
+    tiles in ``later_tiles`` (the backward's) too, so that their lists come from the map alone.
     """
     ensure_runnable(_attn_fwd_kernel, query.device)
     shape = checked.shape
@@ -281,20 +319,15 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
                       device=query.device)
     block_d = padded_head_dim(shape.head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    cfg = forward_config(block_d, query.dtype, interpreted, checked.mask is not None)
-    pack = group_pack(checked, cfg.block_m)
-    block_m = cfg.block_m
-    if pack > 1:
-        # Decode-sized Lq: just enough rows for the group's heads (tl.dot needs 16).
-        block_m = max(16, min(block_m, pack * next_power_of_2(shape.seqlen_q)))
-    query_rows = block_m // pack
+    tiling = forward_tiling(checked, query.dtype, interpreted)
+    cfg, pack, block_m, query_rows = tiling.cfg, tiling.pack, tiling.block_m, tiling.query_rows
     mask = operand_args(checked.mask, out)
     bias = operand_args(checked.bias, out)
-    activity = lists = None
+    lists = None
     if checked.mask is not None:
-        sub_rows, sub_cols = shared_granularity(((query_rows, cfg.block_n),) + tuple(later_tiles))
-        activity = tile_activity(checked.mask, shape, sub_rows, sub_cols, is_causal)
-        lists = lists_from_activity(activity, query_rows, cfg.block_n, transposed=False)
+        if activity is None:
+            activity = mask_activity(checked, tiling, is_causal, later_tiles)
+        lists = activity.lists(*tiling.list_tile, transposed=False)
     row_blocks = ceil_div(shape.seqlen_q, query_rows)
     num_bh = shape.batch * shape.heads_q
     splits = key_splits(row_blocks * num_bh // pack, ceil_div(shape.seqlen_k, cfg.block_n),

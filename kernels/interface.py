@@ -7,6 +7,7 @@ import torch
 from ._checks import check_inputs
 from .backward import attention_backward, backward_tiles
 from .forward import attention_forward
+from .prepared import PreparedMask
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -20,15 +21,21 @@ class _DMAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                 deterministic):
+        prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+        if prepared is not None:
+            attn_mask = prepared.mask
         checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)  # errors first
         if any(t.stride(-1) != 1 for t in (query, key, value)):
             # Rare; checking once on the common path keeps small-shape launch overhead down.
             query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
             checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
-        later_tiles = ()
-        if attn_mask is not None and any(ctx.needs_input_grad[:5]):
+        later_tiles, activity = (), None
+        if prepared is not None:
+            activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
+        elif attn_mask is not None and any(ctx.needs_input_grad[:5]):
             later_tiles = backward_tiles(checked.shape.head_dim, query.dtype)
-        out, lse, activity = attention_forward(query, key, value, checked, is_causal, later_tiles)
+        out, lse, activity = attention_forward(query, key, value, checked, is_causal, later_tiles,
+                                               activity)
         ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias)
         ctx.activity = activity
         ctx.checked = checked
@@ -77,6 +84,8 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
             (MHA, GQA, MQA). Query head h reads KV head h // (heads_q // heads_kv).
         attn_mask: optional bool, True = keep. 4-D, each axis broadcastable: batch {1, B},
             heads {1, heads_kv, heads_q}, query {1, seqlen_q}, key {1, seqlen_k}. Never copied.
+            Or a ``PreparedMask`` from ``prepare_mask``: the same mask with its active-tile
+            lists built ahead, for calls that share one mask.
         attn_bias: optional additive bias, query's dtype, same broadcast rule as the mask.
             Trainable: it receives a gradient in its own (broadcast) shape.
         is_causal: bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.

@@ -296,7 +296,8 @@ class BackwardRun:
 
 
 def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
-                 bias_view=_identity, deterministic=False, grad_out=None) -> BackwardRun:
+                 bias_view=_identity, deterministic=False, grad_out=None,
+                 func=dmattn_func) -> BackwardRun:
     """Kernel gradients (under an AllocationWatch) against float64 autograd of the reference.
 
     The truth is the reference computed in float64 from float32 copies of the inputs (exact for
@@ -307,7 +308,7 @@ def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
     if grad_out is None:
         grad_out = torch.randn(q.shape, device=q.device).to(q.dtype)
     with AllocationWatch(watched=(mask, bias)) as watch:
-        grads = grads_of(dmattn_func, q, k, v, mask, bias, causal, scale, grad_out, bias_view,
+        grads = grads_of(func, q, k, v, mask, bias, causal, scale, grad_out, bias_view,
                          deterministic=deterministic)
     assert not watch.copies, f"mask or bias copied: {watch.copies}"
     upcast = [None if t is None else t.detach().float() for t in (q, k, v, bias)]

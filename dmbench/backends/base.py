@@ -16,6 +16,7 @@ The call returns ``(out, lse)`` with ``out`` in (B, Lq, Hq, D) layout (a view is
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,3 +81,14 @@ def causal_keep(case: Case, device) -> torch.Tensor:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_build(build: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """Run ``build`` once to compile and warm up, then again on the clock (synchronized):
+    the second result and its wall time in ms, which the CSV reports as ``build_ms``."""
+    build()
+    synchronize(device)
+    start = time.perf_counter()
+    result = build()
+    synchronize(device)
+    return result, (time.perf_counter() - start) * 1e3

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import time
 from typing import Any
 
 import torch
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 
 from ..problem import Problem
 from ..sweep import Case
-from .base import Backend, Bound, causal_keep, per_query_head, synchronize
+from .base import Backend, Bound, causal_keep, per_query_head, timed_build
 
 
 def _bhld(t: torch.Tensor) -> torch.Tensor:
@@ -171,12 +170,9 @@ class FlexBackend(Backend):
                 return keep
 
             compile_arg = {"_compile": True} if "_compile" in inspect.signature(create_block_mask).parameters else {}
-            create_block_mask(mask_mod, b, hq, lq, lk, device=device, **compile_arg)  # compile
-            synchronize(device)
-            start = time.perf_counter()
-            block_mask = create_block_mask(mask_mod, b, hq, lq, lk, device=device, **compile_arg)
-            synchronize(device)
-            build_ms = (time.perf_counter() - start) * 1e3
+            block_mask, build_ms = timed_build(
+                lambda: create_block_mask(mask_mod, b, hq, lq, lk, device=device, **compile_arg),
+                device)
 
         score_mod = None
         if bias is not None:

@@ -1,0 +1,86 @@
+"""Masks prepared once for many calls.
+
+Every call with a mask first reads the whole mask to find its active tiles (``_blocks``): one
+bandwidth-bound pass plus a list compaction per kernel. When one mask serves several calls (the
+layers of a model, or a forward and its backward run again), ``prepare_mask`` does that work
+once and the calls only walk the lists. This is what FlexAttention's ``create_block_mask`` is
+to ``flex_attention``.
+
+A prepared mask describes the mask's contents when it was prepared. Writing to the mask in
+place afterwards would leave it stale, so the calls check the tensor's version counter and
+refuse a mask that changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._blocks import ActivityMap
+from ._checks import AttnShape, check_inputs
+from ._launch import ensure_runnable, is_interpreted
+from .backward import backward_tiles, prepare_backward_lists
+from .forward import _attn_fwd_kernel, forward_tiling, mask_activity
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors keep no version counter
+        return None
+
+
+@dataclass(frozen=True)
+class PreparedMask:
+    """A bool mask with its active-tile lists built, for calls whose query and key have the
+    shapes, dtype and device it was prepared with, and the same ``is_causal``. Pass it as
+    ``attn_mask``. Build it with :func:`prepare_mask`."""
+
+    mask: torch.Tensor
+    shape: AttnShape
+    dtype: torch.dtype
+    device: torch.device
+    is_causal: bool
+    activity: ActivityMap
+    version: int | None
+
+    def activity_for(self, shape: AttnShape, dtype: torch.dtype, device: torch.device,
+                     is_causal: bool) -> ActivityMap:
+        """The prepared activity map, after checking that the call (its checked ``shape`` and
+        the query's dtype and device) is one it was made for; a ValueError says what differs."""
+        expected = (self.shape, self.dtype, self.device, self.is_causal)
+        actual = (shape, dtype, device, bool(is_causal))
+        for name, want, got in zip(("shapes", "dtype", "device", "is_causal"), expected, actual):
+            if want != got:
+                raise ValueError(f"attn_mask: the mask was prepared for {name} {want}, but the "
+                                 f"call has {got}; call prepare_mask for this call")
+        version = _version(self.mask)
+        if version is not None and self.version is not None and version != self.version:
+            raise ValueError("attn_mask: the mask was written in place after prepare_mask, so "
+                             "its prepared tile lists are stale; call prepare_mask again")
+        return self.activity
+
+
+def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 is_causal: bool = False) -> PreparedMask:
+    """Read ``attn_mask`` once and build the active-tile lists that ``dmattn_func`` and its
+    backward walk, for calls with ``query`` and ``key`` of these shapes, dtype and device.
+
+    ``attn_mask`` follows ``dmattn_func``'s broadcast rule and is kept, not copied. Only
+    shapes, dtype and device of ``query`` and ``key`` are used, not their values. Do not write
+    to the mask afterwards: calls refuse a mask changed in place.
+    """
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a bool torch.Tensor to prepare, got "
+                        f"{type(attn_mask).__name__}")
+    # The key stands in for the value: same shape by contract, and only shapes are read.
+    checked = check_inputs(query, key, key, attn_mask, None, None)
+    ensure_runnable(_attn_fwd_kernel, query.device)
+    tiling = forward_tiling(checked, query.dtype, is_interpreted(_attn_fwd_kernel))
+    shape = checked.shape
+    activity = mask_activity(checked, tiling, is_causal, backward_tiles(shape.head_dim, query.dtype))
+    activity.lists(*tiling.list_tile, transposed=False)
+    prepare_backward_lists(activity, shape.head_dim, query.dtype)
+    return PreparedMask(attn_mask, shape, query.dtype, query.device, bool(is_causal), activity,
+                        _version(attn_mask))
