@@ -109,6 +109,39 @@ def random_bias(shape, dtype, device) -> torch.Tensor:
     return (2.0 * torch.randn(shape, device=device)).to(dtype)
 
 
+# Keys 128..255 of ``masked_band_problem`` are masked for every query row, so any tile up to
+# 128 keys wide sees only False there (SPEC: such a tile does no K/V loads).
+MASKED_BAND = slice(128, 256)
+
+
+def masked_band_problem(dtype, device):
+    """q, k, v and a (1, 1, Lq, Lk) random mask whose keys in MASKED_BAND are all masked."""
+    dims = Dims(1, 40, 384, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = random_mask(dims.operand_shape("1", "1", "Lq", "Lk"), device)
+    mask[..., MASKED_BAND] = False
+    return q, k, v, mask
+
+
+def nan_in_band(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a (B, L, H, D) key or value with NaN at the keys in MASKED_BAND: a kernel that
+    loads them, or multiplies them by a zero probability, produces NaN."""
+    poisoned = t.clone()
+    poisoned[:, MASKED_BAND] = math.nan
+    return poisoned
+
+
+def assert_forward_skips_masked_band(device, as_mask=lambda mask, q, k: mask) -> None:
+    """With NaN keys and values in MASKED_BAND, out and LSE stay finite and equal a clean run's.
+    ``as_mask(mask, q, k)`` is what the poisoned call passes as attn_mask (a prepared mask)."""
+    q, k, v, mask = masked_band_problem(torch.float16, device)
+    out, lse = dmattn_func(q, nan_in_band(k), nan_in_band(v), as_mask(mask, q, k),
+                           return_lse=True)
+    ref_out, ref_lse = dmattn_func(q, k, v, mask, return_lse=True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def random_problem(dims: Dims, dtype, device, mask: str, bias: str, keep: float = 0.7):
     """q, k, v, a mask and a bias, the last two shaped by axis tokens joined by ``x`` as in
     sweep files: batch ``1``/``B``, heads ``1``/``Hk``/``Hq``, query ``1``/``Lq``, key

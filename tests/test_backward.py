@@ -8,17 +8,17 @@ dtype, so ``torch.autograd.gradcheck`` itself cannot run on the kernels.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import pytest
 import torch
 
 from attn_helpers import (BROADCAST_BATCH, BROADCAST_COLS, BROADCAST_DIMS, BROADCAST_HEADS,
-                          BROADCAST_ROWS, CAUSAL, DTYPES, HEAD_DIMS, HEADS, LONG_SEQLEN_K, MASKED,
-                          OPERAND_FORMS, QKV_LAYOUTS, Dims, assert_close_to_reference,
-                          assert_no_lq_lk_allocation, grads_of, in_form, random_bias,
-                          random_mask, random_problem, random_qkv, run_backward)
+                          BROADCAST_ROWS, CAUSAL, DTYPES, Dims, HEADS, HEAD_DIMS, LONG_SEQLEN_K,
+                          MASKED, MASKED_BAND, OPERAND_FORMS, QKV_LAYOUTS,
+                          assert_close_to_reference, assert_no_lq_lk_allocation, grads_of, in_form,
+                          masked_band_problem, nan_in_band, random_bias, random_mask,
+                          random_problem, random_qkv, run_backward)
 from kernels import attention_reference, dmattn_func
 
 # -- grids
@@ -168,16 +168,12 @@ def test_grad_full_and_partial_tiles(causal, device):
 def test_grad_masked_tiles_read_no_keys_or_values(device):
     """Tiles whose mask block is all False are skipped in both backward passes: keys 128..255
     are masked for every row and hold NaN, and no gradient may turn NaN."""
-    dims = Dims(1, 40, 384, heads_q=2, heads_kv=1, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float32, device)
-    band = slice(128, 256)
-    mask = random_mask(dims.operand_shape("1", "1", "Lq", "Lk"), device)
-    mask[..., band] = False
+    q, k, v, mask = masked_band_problem(torch.float32, device)
+    band = MASKED_BAND
     grad_out = torch.randn(q.shape, device=device)
     clean = grads_of(dmattn_func, q, k, v, mask, None, False, None, grad_out)
-    k[:, band] = math.nan
-    v[:, band] = math.nan
-    poisoned = grads_of(dmattn_func, q, k, v, mask, None, False, None, grad_out)
+    poisoned = grads_of(dmattn_func, q, nan_in_band(k), nan_in_band(v), mask, None, False, None,
+                        grad_out)
     assert torch.equal(poisoned.dq, clean.dq)
     assert torch.equal(poisoned.dk[:, band.stop:], clean.dk[:, band.stop:])
     assert torch.equal(poisoned.dv[:, band.stop:], clean.dv[:, band.stop:])
