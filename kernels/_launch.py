@@ -100,3 +100,14 @@ def multiprocessors(device: torch.device, interpreted: bool) -> int:
     if interpreted:
         return 16
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def key_splits(programs: int, key_blocks: int, multiprocessor_count: int) -> int:
+    """How many ways to split the key axis so that a small grid (decode) fills the GPU.
+
+    Splits only when the grid has fewer programs than multiprocessors, aims at two programs
+    per multiprocessor, and keeps at least 4 key blocks per split so the merge stays cheap.
+    """
+    if programs >= multiprocessor_count:
+        return 1
+    return max(1, min(ceil_div(2 * multiprocessor_count, programs), key_blocks // 4, 128))

@@ -6,7 +6,9 @@ Three launches, FlashAttention-2 style:
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
    atomics and no (B, Lk, Hq, D) temporary. It also produces the bias gradient for biases that
    span the key axis (see ``_dbias``).
-3. ``_attn_bwd_dq_kernel``: one program per (query block, b, q head), looping over keys.
+3. ``_attn_bwd_dq_kernel``: one program per (query block, b, q head), looping over keys. A
+   grid too small to fill the GPU (decode) also splits the keys, as the forward does: each
+   share writes an fp32 partial of dq and the launcher sums them in a fixed order.
 
 Scores and probabilities are rebuilt with the forward's helpers from the saved LSE. dkdv works
 in the transposed (n, m) orientation so that its dots need no extra transposes of dS and P.
@@ -22,13 +24,15 @@ import triton
 import triton.language as tl
 
 from ._blocks import ActivityMap, BlockLists, block_list_args
-from ._checks import CheckedInputs
+from ._checks import AttnShape, CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
 from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
-                      ensure_runnable, is_interpreted, operand_args, padded_head_dim)
+                      ensure_runnable, is_interpreted, key_splits, multiprocessors, operand_args,
+                      padded_head_dim)
 from ._score import (block_at, block_list_row, causal_block_split, causal_query_split,
                      clamp_index, interior_span, load_bias, mma, operand_base, probs_from_lse,
-                     query_tile_scores, scores_log2, tile_offsets, visible_keys, write_tile)
+                     query_tile_scores, scores_log2, split_share, tile_offsets, visible_keys,
+                     write_tile)
 
 
 @triton.jit
@@ -282,7 +286,7 @@ def _attn_bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
     mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     list_ptr, stride_list_b, stride_list_h, stride_list_m,
@@ -296,11 +300,15 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EDGE_SLOTS: tl.constexpr,
+    EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     start_m = m_block * BLOCK_M
     bh = tl.program_id(1)
+    # Split-K (decode): axis 2 takes a contiguous share of this row block's key blocks (list
+    # positions with a mask) and writes an fp32 partial; the launcher sums them in order.
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     b = bh // heads_q
     h = bh % heads_q
 
@@ -346,18 +354,24 @@ def _attn_bwd_dq_kernel(
             m_block)
         _, mid = interior_span(block_list + full, count - full, 0, interior_end, EDGE_SLOTS)
         mid += full
+        # This program's share [lo, hi) of the positions, cut into the three spans.
+        lo, hi = split_share(count, split, num_splits)
+        full = tl.minimum(tl.maximum(full, lo), hi)
+        mid = tl.minimum(tl.maximum(mid, lo), hi)
         # Full tiles: every pair visible, so no mask read and no per-pair test.
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
+            block_list + lo, 0, full - lo, seqlen_q, seqlen_k, qk_scale,
             BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
         inner_list, inner_first, inner_count = block_list + full, 0, mid - full
-        edge_list, edge_first, edge_count = block_list + mid, 0, count - mid
+        edge_list, edge_first, edge_count = block_list + mid, 0, hi - mid
     else:
         # The same two spans as ranges of key blocks (the list pointer is unused).
-        inner_list, inner_first, inner_count = list_ptr, 0, interior_end
-        edge_list, edge_first, edge_count = list_ptr, interior_end, num_blocks - interior_end
+        lo, hi = split_share(num_blocks, split, num_splits)
+        mid = tl.minimum(tl.maximum(interior_end, lo), hi)
+        inner_list, inner_first, inner_count = list_ptr, lo, mid - lo
+        edge_list, edge_first, edge_count = list_ptr, mid, hi - mid
     # Interior key blocks, then the causal diagonal and a partial last key block.
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
@@ -372,9 +386,16 @@ def _attn_bwd_dq_kernel(
         WIDEN_DOTS)
 
     dq *= sm_scale
-    tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
-             + tile_offsets(offs_m[:, None], offs_d[None, :], stride_dq_m, 1),
-             dq.to(dq_ptr.dtype.element_ty), mask=q_in_range)
+    if SPLIT_KEYS:
+        # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32. Every share writes its rows, an empty
+        # share zeros, so the launcher's sum never reads an unwritten element.
+        part_rows = (split * tl.num_programs(1) + bh).to(tl.int64) * seqlen_q + offs_m
+        tl.store(dq_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
+                 dq, mask=m_ok[:, None])
+    else:
+        tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
+                 + tile_offsets(offs_m[:, None], offs_d[None, :], stride_dq_m, 1),
+                 dq.to(dq_ptr.dtype.element_ty), mask=q_in_range)
 
 
 @dataclass(frozen=True)
@@ -385,8 +406,8 @@ class BackwardConfig:
     num_stages: int
 
 
-def backward_configs(block_d: int, dtype: torch.dtype,
-                     interpreted: bool) -> tuple[BackwardConfig, BackwardConfig]:
+def backward_configs(block_d: int, dtype: torch.dtype, interpreted: bool,
+                     seqlen_q: int) -> tuple[BackwardConfig, BackwardConfig]:
     """(dkdv, dq) tiles per head dim, from sweeps on an H100 (notes in results/notes.md).
 
     dkdv keeps a key block resident and walks query blocks; dq the reverse.
@@ -400,7 +421,12 @@ def backward_configs(block_d: int, dtype: torch.dtype,
     if block_d <= 64:
         return BackwardConfig(64, 64, 4, 3), BackwardConfig(64, 64, 4, 3)
     if block_d <= 128:
-        return BackwardConfig(64, 128, 8, 2), BackwardConfig(64, 32, 4, 3)
+        # dkdv: 64-key blocks give twice the programs of 128-key ones, which decides the
+        # backward when B * Hk is small (B1 H8/2 L2048: 32 programs on 132 SMs), and 32 query
+        # rows a shorter critical path; 32x64 with 4 warps beat 64x128 with 8 warps on every
+        # probed case (change 17 in results/notes.md). Decode-sized Lq wastes less in 16 rows.
+        dkdv = BackwardConfig(16 if seqlen_q <= 16 else 32, 64, 4, 3)
+        return dkdv, BackwardConfig(64, 32, 4, 3)
     return BackwardConfig(32, 32, 4, 2), BackwardConfig(64, 16, 4, 2)
 
 
@@ -409,11 +435,16 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def backward_tiles(head_dim: int, dtype: torch.dtype) -> tuple:
+def configs_for(shape: AttnShape, dtype: torch.dtype) -> tuple[BackwardConfig, BackwardConfig]:
+    """(dkdv, dq) configs for a problem of this shape and dtype."""
+    return backward_configs(padded_head_dim(shape.head_dim), dtype,
+                            is_interpreted(_attn_bwd_dq_kernel), shape.seqlen_q)
+
+
+def backward_tiles(shape: AttnShape, dtype: torch.dtype) -> tuple:
     """The (query rows, key cols) tiles whose active-tile lists the backward walks: the forward
     builds its activity map fine enough for these too."""
-    cfg_kv, cfg_q = backward_configs(padded_head_dim(head_dim), dtype,
-                                     is_interpreted(_attn_bwd_dq_kernel))
+    cfg_kv, cfg_q = configs_for(shape, dtype)
     return (cfg_kv.block_m, cfg_kv.block_n), (cfg_q.block_m, cfg_q.block_n)
 
 
@@ -426,10 +457,16 @@ def backward_lists(activity: ActivityMap | None, cfg_kv: BackwardConfig,
             activity.lists(cfg_q.block_m, cfg_q.block_n, transposed=False))
 
 
-def prepare_backward_lists(activity: ActivityMap, head_dim: int, dtype: torch.dtype) -> None:
+def prepare_backward_lists(activity: ActivityMap, shape: AttnShape, dtype: torch.dtype) -> None:
     """Build (and keep in ``activity``) both backward kernels' lists ahead of the call."""
-    backward_lists(activity, *backward_configs(padded_head_dim(head_dim), dtype,
-                                               is_interpreted(_attn_bwd_dq_kernel)))
+    backward_lists(activity, *configs_for(shape, dtype))
+
+
+def dq_key_splits(shape: AttnShape, cfg_q: BackwardConfig, device: torch.device) -> int:
+    """How many key shares the dq kernel splits into (1: none), as the forward's split-K."""
+    programs = ceil_div(shape.seqlen_q, cfg_q.block_m) * shape.batch * shape.heads_q
+    return key_splits(programs, ceil_div(shape.seqlen_k, cfg_q.block_n),
+                      multiprocessors(device, is_interpreted(_attn_bwd_dq_kernel)))
 
 
 def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedInputs,
@@ -446,7 +483,7 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
     shape = checked.shape
     block_d = padded_head_dim(shape.head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
-    cfg_kv, cfg_q = backward_configs(block_d, query.dtype, interpreted)
+    cfg_kv, cfg_q = configs_for(shape, query.dtype)
 
     delta = torch.empty_like(lse)
     rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
@@ -498,8 +535,13 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
 
-    _attn_bwd_dq_kernel[rows_grid](
-        query, key, value, grad_out, lse, delta, dq,
+    splits = dq_key_splits(shape, cfg_q, query.device)
+    dq_part = lse
+    if splits > 1:
+        dq_part = torch.empty((splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d),
+                              dtype=torch.float32, device=query.device)
+    _attn_bwd_dq_kernel[rows_grid + (splits,)](
+        query, key, value, grad_out, lse, delta, dq, dq_part,
         *mask.as_args(), *bias.as_args(),
         *block_list_args(q_lists, shape.batch, lse),
         *_strides3(query), *_strides3(key), *_strides3(value), *_strides3(grad_out),
@@ -507,7 +549,11 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
         shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
         qk_scale, checked.softmax_scale,
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
-        EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n),
+        EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n), SPLIT_KEYS=splits > 1,
         num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
     )
+    if splits > 1:
+        # A sum over dim 0 in torch is a fixed-order reduction: deterministic.
+        summed = dq_part.sum(0).view(shape.batch, shape.heads_q, shape.seqlen_q, block_d)
+        dq.copy_(summed[..., :shape.head_dim].transpose(1, 2))
     return dq, dk, dv, (plan.finish() if plan else None)

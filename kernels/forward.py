@@ -16,8 +16,8 @@ import triton.language as tl
 from ._blocks import ActivityMap, block_list_args, shared_granularity, tile_activity
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
-                      ensure_runnable, is_interpreted, multiprocessors, next_power_of_2,
-                      operand_args, padded_head_dim)
+                      ensure_runnable, is_interpreted, key_splits, multiprocessors,
+                      next_power_of_2, operand_args, padded_head_dim)
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
                      interior_span, mma, operand_base, query_tile_scores, row_offsets,
                      split_share, tile_offsets)
@@ -389,14 +389,3 @@ def group_pack(checked: CheckedInputs, block_m: int) -> int:
     if checked.mask is None and shape.seqlen_q >= block_m:
         return 1
     return group
-
-
-def key_splits(programs: int, key_blocks: int, multiprocessor_count: int) -> int:
-    """How many ways to split the key axis so that a small grid (decode) fills the GPU.
-
-    Splits only when the grid has fewer programs than multiprocessors, aims at two programs
-    per multiprocessor, and keeps at least 4 key blocks per split so the merge stays cheap.
-    """
-    if programs >= multiprocessor_count:
-        return 1
-    return max(1, min(ceil_div(2 * multiprocessor_count, programs), key_blocks // 4, 128))

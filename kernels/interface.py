@@ -33,7 +33,7 @@ class _DMAttnFunction(torch.autograd.Function):
         if prepared is not None:
             activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
         elif attn_mask is not None and any(ctx.needs_input_grad[:5]):
-            later_tiles = backward_tiles(checked.shape.head_dim, query.dtype)
+            later_tiles = backward_tiles(checked.shape, query.dtype)
         out, lse, activity = attention_forward(query, key, value, checked, is_causal, later_tiles,
                                                activity)
         ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias)

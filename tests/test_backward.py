@@ -20,6 +20,7 @@ from attn_helpers import (BROADCAST_BATCH, BROADCAST_COLS, BROADCAST_DIMS, BROAD
                           masked_band_problem, nan_in_band, random_bias, random_mask,
                           random_problem, random_qkv, run_backward)
 from kernels import attention_reference, dmattn_func
+from kernels.backward import configs_for, dq_key_splits
 
 # -- grids
 SEQLENS_Q = (1, 17, 97)
@@ -49,6 +50,31 @@ def test_grad_lengths(seqlen_q, seqlen_k, causal, masked, dtype, device):
     mask = random_mask(dims.full_operand_shape("Hk"), device) if masked else None
     bias = random_bias(dims.full_operand_shape("Hk"), dtype, device)
     run_backward(q, k, v, mask, bias, causal)
+
+
+@pytest.mark.parametrize("seqlen_q", (1, 3))
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("masked", MASKED)
+def test_grad_decode_key_split(seqlen_q, causal, masked, device):
+    """Decode-sized grids split dq over the keys: every share must land in the sum."""
+    dims = Dims(1, seqlen_q, 449, heads_q=4, heads_kv=2, head_dim=40)
+    _, cfg_q = configs_for(dims, torch.bfloat16)
+    assert dq_key_splits(dims, cfg_q, device) > 1, "this shape should take the split path"
+    q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
+                                         bias="BxHkx1xLk", keep=0.5)
+    run_backward(q, k, v, mask if masked else None, bias, causal)
+
+
+def test_decode_key_split_is_deterministic(device):
+    """The split partials are summed in a fixed order: two runs give identical bits."""
+    dims = Dims(1, 1, 449, heads_q=4, heads_kv=2, head_dim=40)
+    q, k, v, mask, bias = random_problem(dims, torch.float16, device, mask="BxHkxLqxLk",
+                                         bias="BxHkx1xLk", keep=0.5)
+    grad_out = torch.randn(q.shape, device=device).to(q.dtype)
+    first, second = (grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out,
+                              deterministic=True) for _ in range(2))
+    for (name, a), (_, b) in zip(first.named(), second.named()):
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
 @pytest.mark.slow
