@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
-from ._launch import ceil_div, next_power_of_2, operand_args
+from ._launch import ceil_div, launch, next_power_of_2, operand_args
 from ._score import tile_offsets, visible_keys
 
 
@@ -195,8 +195,9 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     num_load_cols = ceil_div(shape.seqlen_k, load_cols)
     active = torch.empty((mask_batch, mask_heads, map_rows, map_cols), dtype=torch.int8,
                          device=mask.view.device)
-    _tile_activity_kernel[(ceil_div(shape.seqlen_q, load_rows) * num_load_cols,
-                           mask_batch * mask_heads)](
+    grid = (ceil_div(shape.seqlen_q, load_rows) * num_load_cols, mask_batch * mask_heads)
+    launch(
+        _tile_activity_kernel, grid,
         args.tensor, args.stride_b, args.stride_h, args.stride_m, args.stride_n,
         active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
         SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
@@ -221,7 +222,8 @@ def lists_from_activity(activity: ActivityMap, block_rows: int, block_cols: int,
     fr, fc = (fk, fq) if transposed else (fq, fk)
     table = torch.empty((mask_batch, mask_heads, num_rows, num_cols + 2), dtype=torch.int32,
                         device=activity.active.device)
-    _compact_kernel[(mask_batch * mask_heads * num_rows,)](
+    launch(
+        _compact_kernel, (mask_batch * mask_heads * num_rows,),
         activity.active, table, map_rows, map_cols, num_rows, num_cols,
         FR=fr, FC=fc, TRANSPOSED=bool(transposed),
         CHUNK=max(16, min(1024 // (fr * fc), next_power_of_2(num_cols))), num_warps=4,

@@ -53,12 +53,14 @@ def reduce_partial(partial: torch.Tensor, bias_shape) -> torch.Tensor:
     """Sum a (B, Hq, X, Y) fp32 partial down to the bias shape (bB, bH, bM, bN)."""
     b, hq, x, y = partial.shape
     bb, bh, bm, bn = bias_shape
-    t = partial.view(b, bh, hq // bh, x, y).sum(2)
-    if bb == 1:
+    # Axes of size 1 need no sum (each one would be a launch and a copy).
+    t = partial.view(b, bh, hq // bh, x, y)
+    t = t.sum(2) if hq > bh else t.squeeze(2)
+    if bb == 1 and b > 1:
         t = t.sum(0, keepdim=True)
-    if bm == 1:
+    if bm == 1 and x > 1:
         t = t.sum(2, keepdim=True)
-    if bn == 1:
+    if bn == 1 and y > 1:
         t = t.sum(3, keepdim=True)
     return t
 

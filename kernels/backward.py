@@ -27,8 +27,8 @@ from ._blocks import ActivityMap, BlockLists, block_list_args
 from ._checks import AttnShape, CheckedInputs
 from ._dbias import DbiasPlan, plan_dbias
 from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
-                      ensure_runnable, is_interpreted, key_splits, multiprocessors, operand_args,
-                      padded_head_dim)
+                      ensure_runnable, is_interpreted, key_splits, launch, multiprocessors,
+                      operand_args, padded_head_dim)
 from ._score import (block_at, block_list_row, causal_block_split, causal_query_split,
                      clamp_index, interior_span, load_bias, mma, operand_base, probs_from_lse,
                      query_tile_scores, scores_log2, split_share, tile_offsets, visible_keys,
@@ -487,7 +487,8 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
 
     delta = torch.empty_like(lse)
     rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
-    _attn_bwd_preprocess_kernel[rows_grid](
+    launch(
+        _attn_bwd_preprocess_kernel, rows_grid,
         out, grad_out, delta, *_strides3(out), *_strides3(grad_out),
         shape.heads_q, shape.seqlen_q,
         HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
@@ -518,7 +519,8 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
         for head_start in head_starts:
             grid = (ceil_div(shape.seqlen_k, cfg_kv.block_n),
                     batches_per_launch * heads_per_launch)
-            _attn_bwd_dkdv_kernel[grid](
+            launch(
+                _attn_bwd_dkdv_kernel, grid,
                 query, key, value, grad_out, lse, delta, dk, dv,
                 *mask.as_args(), *bias.as_args(), *dbias.as_args(),
                 *block_list_args(kv_lists, shape.batch, lse),
@@ -540,7 +542,8 @@ def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedIn
     if splits > 1:
         dq_part = torch.empty((splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d),
                               dtype=torch.float32, device=query.device)
-    _attn_bwd_dq_kernel[rows_grid + (splits,)](
+    launch(
+        _attn_bwd_dq_kernel, rows_grid + (splits,),
         query, key, value, grad_out, lse, delta, dq, dq_part,
         *mask.as_args(), *bias.as_args(),
         *block_list_args(q_lists, shape.batch, lse),

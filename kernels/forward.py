@@ -16,7 +16,7 @@ import triton.language as tl
 from ._blocks import ActivityMap, block_list_args, shared_granularity, tile_activity
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
-                      ensure_runnable, is_interpreted, key_splits, multiprocessors,
+                      ensure_runnable, is_interpreted, key_splits, launch, multiprocessors,
                       next_power_of_2, operand_args, padded_head_dim)
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
                      interior_span, mma, operand_base, query_tile_scores, row_offsets,
@@ -339,7 +339,8 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         lse_part = torch.empty((splits, num_bh, shape.seqlen_q), dtype=torch.float32,
                                device=query.device)
     grid = (row_blocks, num_bh // pack, splits)
-    _attn_fwd_kernel[grid](
+    launch(
+        _attn_fwd_kernel, grid,
         query, key, value, out, lse,
         *mask.as_args(), *bias.as_args(), *block_list_args(lists, shape.batch, lse),
         query.stride(0), query.stride(1), query.stride(2),
@@ -359,7 +360,8 @@ def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        _attn_fwd_combine_kernel[(ceil_div(shape.seqlen_q, 16), num_bh)](
+        launch(
+            _attn_fwd_combine_kernel, (ceil_div(shape.seqlen_q, 16), num_bh),
             out_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
             shape.heads_q, shape.seqlen_q, splits,
             HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
