@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
-from ._launch import ceil_div, launch, next_power_of_2, operand_args
+from ._launch import ceil_div, launch, next_power_of_2, operand_args, operand_pointer
 from ._score import tile_offsets, visible_keys
 
 
@@ -160,17 +160,15 @@ class BlockLists:
         return self.table[..., 2:]
 
 
-def block_list_args(lists: BlockLists | None, batch: int, placeholder: torch.Tensor) -> tuple:
-    """Kernel args: the table and its (b, h, row) strides.
-
-    A batch-broadcast mask has one set of lists; batch stride 0 shares it across the batch.
-    Without a mask the kernels never read these (HAS_MASK is False).
-    """
+def block_list_strides(lists: BlockLists | None, batch: int) -> tuple[int, int, int]:
+    """Kernel args: the (b, h, row) strides of the lists' table (its pointer is passed per
+    call). A batch-broadcast mask has one set of lists; batch stride 0 shares it across the
+    batch. Without a mask the kernels never read these (HAS_MASK is False)."""
     if lists is None:
-        return (placeholder, 0, 0, 0)
+        return (0, 0, 0)
     table = lists.table
     shared = table.shape[0] == 1 and batch > 1
-    return (table, 0 if shared else table.stride(0), table.stride(1), table.stride(2))
+    return (0 if shared else table.stride(0), table.stride(1), table.stride(2))
 
 
 def shared_granularity(tiles) -> tuple[int, int]:
@@ -187,7 +185,7 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     """The activity map at (sub_rows x sub_cols) granularity: the one pass over the mask.
     Fully parallel and bandwidth-bound; ``lists_from_activity`` then compacts each list row in
     a small second launch (one sequential pass per row over the mask would be latency-bound)."""
-    args = operand_args(mask, None)
+    args = operand_args(mask)
     mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
     map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
     # At least two map tiles per load block each way, and blocks of >= 64 x 128 mask bytes.
@@ -198,8 +196,8 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     grid = (ceil_div(shape.seqlen_q, load_rows) * num_load_cols, mask_batch * mask_heads)
     launch(
         _tile_activity_kernel, grid,
-        args.tensor, args.stride_b, args.stride_h, args.stride_m, args.stride_n,
-        active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
+        operand_pointer(mask.view, None), args.stride_b, args.stride_h, args.stride_m,
+        args.stride_n, active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
         SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
         IS_CAUSAL=bool(is_causal), num_warps=4,
     )

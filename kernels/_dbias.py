@@ -25,15 +25,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import AttnShape, BroadcastOperand
+from ._checks import AttnShape
+from ._launch import OperandArgs, contiguous_strides
 
 
 @dataclass(frozen=True)
 class DbiasPlan:
+    """How one call signature's bias gradient is made; it holds no tensors, so a plan serves
+    every call of its signature: each allocates its own ``buffer``."""
+
     is_zero: bool  # key-axis-broadcast bias: the gradient is exactly zero, no kernel work
     reduce_m: bool  # dkdv kernel sums over queries before writing
-    buffer: torch.Tensor  # what the kernel writes into: partial, accumulator or the gradient
-    target: BroadcastOperand  # ``buffer`` seen as a (B, heads, Lq, Lk) broadcast view
+    buffer_shape: tuple[int, ...]  # what the kernel writes into: partial, accumulator or grad
+    buffer_dtype: torch.dtype
+    target: OperandArgs  # ``buffer`` seen as a (B, heads, Lq, Lk) broadcast view
     accumulate: bool
     atomic: bool
     serialize_batch: bool
@@ -41,9 +46,12 @@ class DbiasPlan:
     bias_shape: tuple[int, ...]
     bias_dtype: torch.dtype
 
-    def finish(self) -> torch.Tensor:
-        """Turn the kernel's target into the gradient, in the bias's own shape and dtype."""
-        t = self.buffer
+    def allocate(self, device) -> torch.Tensor:
+        return torch.zeros(self.buffer_shape, dtype=self.buffer_dtype, device=device)
+
+    def finish(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Turn the kernel's ``buffer`` into the gradient, in the bias's own shape and dtype."""
+        t = buffer
         if tuple(t.shape) != self.bias_shape:
             t = reduce_partial(t, self.bias_shape)
         return t.to(self.bias_dtype)
@@ -65,31 +73,42 @@ def reduce_partial(partial: torch.Tensor, bias_shape) -> torch.Tensor:
     return t
 
 
-def plan_dbias(bias: BroadcastOperand, shape: AttnShape, bias_dtype, deterministic: bool,
-               device) -> DbiasPlan:
-    bb, bh, bm, bn = bias.original_shape
-    common = dict(bias_shape=bias.original_shape, bias_dtype=bias_dtype)
+def _broadcast_args(buffer_shape: tuple[int, ...], view_shape: tuple[int, ...],
+                    head_div: int) -> OperandArgs:
+    """Kernel args of a contiguous buffer of ``buffer_shape`` expanded to ``view_shape``
+    (stride 0 along the expanded axes, as ``Tensor.expand`` gives)."""
+    strides = contiguous_strides(buffer_shape)
+    return OperandArgs(*(0 if size == 1 and to != 1 else stride
+                         for size, to, stride in zip(buffer_shape, view_shape, strides)),
+                       head_div)
+
+
+def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bias_dtype,
+               deterministic: bool) -> DbiasPlan:
+    """The plan for a bias of ``bias_shape`` whose query head h reads bias head
+    h // ``head_div``."""
+    bb, bh, bm, bn = bias_shape
+    common = dict(bias_shape=tuple(bias_shape), bias_dtype=bias_dtype)
     if bn == 1:
-        grad = torch.zeros(bias.original_shape, dtype=torch.float32, device=device)
-        return DbiasPlan(True, False, grad, BroadcastOperand(grad, 1, bias.original_shape),
+        return DbiasPlan(True, False, tuple(bias_shape), torch.float32,
+                         _broadcast_args(bias_shape, bias_shape, 1),
                          False, False, False, False, **common)
     if bm == 1 and shape.seqlen_q > 1:
-        partial = torch.zeros(shape.batch, shape.heads_q, 1, shape.seqlen_k,
-                              dtype=torch.float32, device=device)
-        target = BroadcastOperand(partial, 1, tuple(partial.shape))
-        return DbiasPlan(False, True, partial, target, False, False, False, False, **common)
+        partial = (shape.batch, shape.heads_q, 1, shape.seqlen_k)
+        return DbiasPlan(False, True, partial, torch.float32,
+                         _broadcast_args(partial, partial, 1),
+                         False, False, False, False, **common)
 
+    view_shape = (shape.batch, bh, shape.seqlen_q, shape.seqlen_k)
+    target = _broadcast_args(bias_shape, view_shape, head_div)
     shared_batch = bb == 1 and shape.batch > 1
     shared_heads = bh == 1 and shape.heads_kv > 1
     contributors = (shape.batch // bb) * (shape.heads_q // bh)
     if contributors == 1:
-        grad = torch.zeros(bias.original_shape, dtype=bias_dtype, device=device)
-        target = BroadcastOperand(grad.expand_as(bias.view), bias.head_div, bias.original_shape)
-        return DbiasPlan(False, False, grad, target, False, False, False, False, **common)
-    acc = torch.zeros(bias.original_shape, dtype=torch.float32, device=device)
-    target = BroadcastOperand(acc.expand_as(bias.view), bias.head_div, bias.original_shape)
+        return DbiasPlan(False, False, tuple(bias_shape), bias_dtype, target,
+                         False, False, False, False, **common)
     cross_program = shared_batch or shared_heads
     atomic = cross_program and not deterministic
     serialize = cross_program and deterministic
-    return DbiasPlan(False, False, acc, target, True, atomic, serialize and shared_batch,
-                     serialize and shared_heads, **common)
+    return DbiasPlan(False, False, tuple(bias_shape), torch.float32, target, True, atomic,
+                     serialize and shared_batch, serialize and shared_heads, **common)

@@ -63,9 +63,9 @@ def padded_head_dim(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class OperandArgs:
-    """Pointer, four strides and head divisor of an optional mask or bias, as kernel args."""
+    """Four strides and the head divisor of an optional mask or bias's broadcast view, as
+    kernel args. The pointer itself is passed per call (see ``PlannedLaunch``)."""
 
-    tensor: torch.Tensor
     stride_b: int
     stride_h: int
     stride_m: int
@@ -73,21 +73,42 @@ class OperandArgs:
     head_div: int
 
     def as_args(self) -> tuple:
-        return (self.tensor, self.stride_b, self.stride_h, self.stride_m, self.stride_n,
-                self.head_div)
+        return (self.stride_b, self.stride_h, self.stride_m, self.stride_n, self.head_div)
 
 
-def operand_args(op: BroadcastOperand | None, placeholder: torch.Tensor) -> OperandArgs:
-    """Kernel arguments for a broadcast view. Absent operands pass a placeholder pointer that
-    the kernel never dereferences (HAS_MASK / HAS_BIAS are compile-time False)."""
+ABSENT_OPERAND = OperandArgs(0, 0, 0, 0, 1)
+
+
+def operand_args(op: BroadcastOperand | None) -> OperandArgs:
+    """Kernel arguments for a broadcast view. An absent operand gets zeros; its pointer is a
+    placeholder that the kernel never dereferences (HAS_MASK / HAS_BIAS are compile-time
+    False)."""
     if op is None:
-        return OperandArgs(placeholder, 0, 0, 0, 0, 1)
-    view = op.view
-    if view.dtype == torch.bool:
-        # Same bytes, viewed as uint8: no copy, and a plain integer load in every Triton version.
-        view = view.view(torch.uint8)
-    sb, sh, sm, sn = view.stride()
-    return OperandArgs(view, sb, sh, sm, sn, op.head_div)
+        return ABSENT_OPERAND
+    return OperandArgs(*op.view.stride(), op.head_div)
+
+
+def operand_pointer(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """What a mask or bias passes as its pointer argument: the tensor (its broadcast view has
+    the same address), a bool mask seen as uint8 (same bytes, no copy, and a plain integer
+    load in every Triton version), or ``placeholder`` when absent."""
+    if t is None:
+        return placeholder
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a (B, L, H, D) tensor whose head_dim stride is 1."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def bias_has_one_row(checked: CheckedInputs) -> bool:
@@ -100,7 +121,13 @@ def multiprocessors(device: torch.device, interpreted: bool) -> int:
     small CPU test shapes (decode rows over a few hundred keys) take the split path too."""
     if interpreted:
         return 16
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _multiprocessors:  # the property lookup costs microseconds per call
+        _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _multiprocessors[index]
+
+
+_multiprocessors: dict[int, int] = {}
 
 
 def key_splits(programs: int, key_blocks: int, multiprocessor_count: int) -> int:
@@ -159,29 +186,74 @@ def _arg_signature(args: tuple) -> tuple:
                   else a for a in args])
 
 
-def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3, **constexprs):
+def _jit_launch(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
+    """Launch through Triton's JIT dispatch; return what a direct launch of the same
+    signature needs: the compiled kernel and the parameters after ``args`` (the launcher
+    takes them all and skips the constexprs itself)."""
+    compiled = kernel[grid](*args, **options)
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled
+    tail = tuple(options[name] for name in kernel.arg_names[len(args):])
+    return compiled, tail
+
+
+def _run_compiled(hit: tuple, grid: tuple, args: tuple, device: int) -> None:
+    compiled, tail = hit
+    compiled.run(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device),
+                 compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+
+
+def _grid3(grid: tuple) -> tuple:
+    return tuple(grid) + (1,) * (3 - len(grid))
+
+
+def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
+           **constexprs) -> None:
     """``kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)``, with Triton's
     per-call dispatch skipped on repeat signatures. ``args`` are the runtime arguments in the
     kernel's order and ``constexprs`` name every remaining parameter."""
+    options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
     if is_interpreted(kernel) or not _direct_launch_available():
-        return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
-    driver = _driver.active
-    device = driver.get_current_device()
+        kernel[grid](*args, **options)
+        return
+    device = _driver.active.get_current_device()
     key = (device, num_warps, num_stages, tuple(constexprs.values()), _arg_signature(args))
     cache = _compiled.setdefault(kernel, OrderedDict())
     hit = cache.get(key)
     if hit is None:
-        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        # Parameters after the runtime ones, in the kernel's order: the launcher takes them
-        # all (and skips the constexprs itself).
-        tail = tuple(constexprs[name] for name in kernel.arg_names[len(args):])
-        cache[key] = (compiled, tail)
+        cache[key] = _jit_launch(kernel, grid, args, options)
         if len(cache) > MAX_SIGNATURES:
             cache.popitem(last=False)
         return
-    compiled, tail = hit
-    grid = tuple(grid) + (1, 1)
-    compiled.run(grid[0], grid[1], grid[2], driver.get_current_stream(device),
-                 compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+    _run_compiled(hit, _grid3(grid), args, device)
 
+
+class PlannedLaunch:
+    """A launch planned once per call signature: the grid, every scalar argument, the
+    constexprs and the options are fixed, and each call passes only the kernel's pointer
+    arguments, which are its leading parameters, in order.
+
+    The plan's owner guarantees the pointers' dtypes (they follow from the call signature), so
+    the only thing left that Triton specializes on is each pointer's 16-byte alignment: one
+    compiled kernel is kept per alignment pattern and device.
+    """
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, num_warps: int = 4,
+                 num_stages: int = 3, **constexprs):
+        self.kernel = kernel
+        self.grid = _grid3(grid)
+        self.scalars = tuple(scalars)
+        self.options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
+        self._compiled: dict = {}
+
+    def __call__(self, *pointers: torch.Tensor) -> None:
+        args = pointers + self.scalars
+        if is_interpreted(self.kernel) or not _direct_launch_available():
+            self.kernel[self.grid](*args, **self.options)
+            return
+        device = _driver.active.get_current_device()
+        key = (device, *[t.data_ptr() & 15 for t in pointers])
+        hit = self._compiled.get(key)
+        if hit is None:
+            self._compiled[key] = _jit_launch(self.kernel, self.grid, args, self.options)
+            return
+        _run_compiled(hit, self.grid, args, device)

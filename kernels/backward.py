@@ -23,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._blocks import ActivityMap, BlockLists, block_list_args
-from ._checks import AttnShape, CheckedInputs
-from ._dbias import DbiasPlan, plan_dbias
-from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
-                      ensure_runnable, is_interpreted, key_splits, launch, multiprocessors,
-                      operand_args, padded_head_dim)
+from ._blocks import ActivityMap, BlockLists, block_list_strides
+from ._checks import AttnShape
+from ._dbias import plan_dbias
+from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
+                      dot_options, edge_slots, is_interpreted, key_splits, multiprocessors,
+                      operand_pointer, padded_head_dim, strides3)
 from ._score import (block_at, block_list_row, causal_block_split, causal_query_split,
                      clamp_index, interior_span, load_bias, mma, operand_base, probs_from_lse,
                      query_tile_scores, scores_log2, split_share, tile_offsets, visible_keys,
@@ -122,10 +122,11 @@ def _attn_bwd_dkdv_inner(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
-    bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    dbias_ptr, stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
-    list_ptr, stride_list_b, stride_list_h, stride_list_n,
+    mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+    stride_list_b, stride_list_h, stride_list_n,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -287,9 +288,10 @@ def _attn_bwd_dq_inner(
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
-    mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
-    bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    list_ptr, stride_list_b, stride_list_h, stride_list_m,
+    mask_ptr, bias_ptr, list_ptr,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_list_b, stride_list_h, stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -430,11 +432,6 @@ def backward_configs(block_d: int, dtype: torch.dtype, interpreted: bool,
     return BackwardConfig(32, 32, 4, 2), BackwardConfig(64, 16, 4, 2)
 
 
-def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, seq, head) strides of a (B, L, H, D) tensor whose head_dim stride is 1."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def configs_for(shape: AttnShape, dtype: torch.dtype) -> tuple[BackwardConfig, BackwardConfig]:
     """(dkdv, dq) configs for a problem of this shape and dtype."""
     return backward_configs(padded_head_dim(shape.head_dim), dtype,
@@ -469,94 +466,121 @@ def dq_key_splits(shape: AttnShape, cfg_q: BackwardConfig, device: torch.device)
                       multiprocessors(device, is_interpreted(_attn_bwd_dq_kernel)))
 
 
-def attention_backward(grad_out, query, key, value, out, lse, checked: CheckedInputs,
-                       is_causal: bool, deterministic: bool, bias_needs_grad: bool,
-                       activity: ActivityMap | None):
-    """Launch the backward. Returns (dq, dk, dv, dbias or None).
+class BackwardPlan:
+    """The backward's launches for one forward plan and one gradient signature (grad_out's
+    strides and dtype, ``deterministic``, whether the bias needs a gradient), worked out once:
+    configs, lists, the bias-gradient plan, grids and every scalar argument. The forward plan
+    keeps its backward plans, so a repeat backward only allocates and launches."""
 
-    ``activity`` is the forward's activity map of the mask (None without a mask), made fine
-    enough for ``backward_tiles``: both kernels' lists come from it without reading the mask.
-    """
-    ensure_runnable(_attn_bwd_dq_kernel, query.device)
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
-    shape = checked.shape
-    block_d = padded_head_dim(shape.head_dim)
-    interpreted = is_interpreted(_attn_bwd_dq_kernel)
-    cfg_kv, cfg_q = configs_for(shape, query.dtype)
+    def __init__(self, fwd, grad_out, query, key, value, dq, dk, dv, deterministic: bool,
+                 bias_needs_grad: bool):
+        shape = fwd.shape
+        block_d = padded_head_dim(shape.head_dim)
+        interpreted = is_interpreted(_attn_bwd_dq_kernel)
+        cfg_kv, cfg_q = configs_for(shape, fwd.dtype)
+        self.device = fwd.device
+        self.dbias = None
+        if bias_needs_grad:
+            self.dbias = plan_dbias(fwd.bias_shape, fwd.bias.head_div, shape, fwd.dtype,
+                                    deterministic)
+        kv_lists, q_lists = backward_lists(fwd.activity, cfg_kv, cfg_q)
+        self.kv_table = kv_lists.table if kv_lists is not None else None
+        self.q_table = q_lists.table if q_lists is not None else None
 
-    delta = torch.empty_like(lse)
-    rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
-    launch(
-        _attn_bwd_preprocess_kernel, rows_grid,
-        out, grad_out, delta, *_strides3(out), *_strides3(grad_out),
-        shape.heads_q, shape.seqlen_q,
-        HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
-    )
+        rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
+        self.preprocess = PlannedLaunch(
+            _attn_bwd_preprocess_kernel, rows_grid,
+            (*contiguous_strides(fwd.out_shape)[:3], *strides3(grad_out),
+             shape.heads_q, shape.seqlen_q),
+            HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
+        )
+        operands = ((fwd.mask or ABSENT_OPERAND).as_args()
+                    + (fwd.bias or ABSENT_OPERAND).as_args())
+        inputs = (*strides3(query), *strides3(key), *strides3(value), *strides3(grad_out))
+        sizes = (shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
+                 fwd.softmax_scale * LOG2E, fwd.softmax_scale)
+        common = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
+                      HAS_MASK=fwd.mask is not None, HAS_BIAS=fwd.bias is not None,
+                      BIAS_ROW=fwd.bias_one_row, IS_CAUSAL=fwd.is_causal,
+                      **dot_options(fwd.dtype, interpreted))
 
-    dq = torch.empty_like(query)
-    dk = torch.empty_like(key)
-    dv = torch.empty_like(value)
-    plan: DbiasPlan | None = None
-    if bias_needs_grad:
-        plan = plan_dbias(checked.bias, shape, query.dtype, deterministic, query.device)
-    mask = operand_args(checked.mask, lse)
-    bias = operand_args(checked.bias, lse)
-    dbias = operand_args(plan.target if plan else None, lse)
-    qk_scale = checked.softmax_scale * LOG2E
-    common = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
-                  HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
-                  BIAS_ROW=bias_has_one_row(checked), IS_CAUSAL=bool(is_causal),
-                  **dot_options(query.dtype, interpreted))
-    dkdv_dbias = plan is not None and not plan.is_zero
-    kv_lists, q_lists = backward_lists(activity, cfg_kv, cfg_q)
-
-    batch_starts = range(shape.batch) if plan and plan.serialize_batch else (0,)
-    head_starts = range(shape.heads_kv) if plan and plan.serialize_heads else (0,)
-    batches_per_launch = 1 if plan and plan.serialize_batch else shape.batch
-    heads_per_launch = 1 if plan and plan.serialize_heads else shape.heads_kv
-    for batch_start in batch_starts:
-        for head_start in head_starts:
-            grid = (ceil_div(shape.seqlen_k, cfg_kv.block_n),
-                    batches_per_launch * heads_per_launch)
-            launch(
-                _attn_bwd_dkdv_kernel, grid,
-                query, key, value, grad_out, lse, delta, dk, dv,
-                *mask.as_args(), *bias.as_args(), *dbias.as_args(),
-                *block_list_args(kv_lists, shape.batch, lse),
-                *_strides3(query), *_strides3(key), *_strides3(value), *_strides3(grad_out),
-                *_strides3(dk), *_strides3(dv),
-                shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-                qk_scale, checked.softmax_scale,
-                batch_start, head_start, heads_per_launch,
+        plan = self.dbias
+        serialize_batch = bool(plan and plan.serialize_batch)
+        serialize_heads = bool(plan and plan.serialize_heads)
+        batches_per_launch = 1 if serialize_batch else shape.batch
+        heads_per_launch = 1 if serialize_heads else shape.heads_kv
+        # One launch, or one per colliding (batch, kv head) slice in a fixed order for a
+        # deterministic gradient of a shared bias.
+        self.dkdv = [
+            PlannedLaunch(
+                _attn_bwd_dkdv_kernel,
+                (ceil_div(shape.seqlen_k, cfg_kv.block_n), batches_per_launch * heads_per_launch),
+                (*operands, *(plan.target if plan else ABSENT_OPERAND).as_args(),
+                 *block_list_strides(kv_lists, shape.batch), *inputs,
+                 *strides3(dk), *strides3(dv), *sizes,
+                 batch_start, head_start, heads_per_launch),
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
-                HAS_DBIAS=dkdv_dbias, DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
+                HAS_DBIAS=plan is not None and not plan.is_zero,
+                DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
                 DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
                 DBIAS_ATOMIC=bool(plan and plan.atomic),
                 EDGE_SLOTS=edge_slots(cfg_kv.block_n, cfg_kv.block_m),
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
+            for batch_start in (range(shape.batch) if serialize_batch else (0,))
+            for head_start in (range(shape.heads_kv) if serialize_heads else (0,))
+        ]
 
-    splits = dq_key_splits(shape, cfg_q, query.device)
-    dq_part = lse
-    if splits > 1:
-        dq_part = torch.empty((splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d),
-                              dtype=torch.float32, device=query.device)
-    launch(
-        _attn_bwd_dq_kernel, rows_grid + (splits,),
-        query, key, value, grad_out, lse, delta, dq, dq_part,
-        *mask.as_args(), *bias.as_args(),
-        *block_list_args(q_lists, shape.batch, lse),
-        *_strides3(query), *_strides3(key), *_strides3(value), *_strides3(grad_out),
-        *_strides3(dq),
-        shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-        qk_scale, checked.softmax_scale,
-        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
-        EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n), SPLIT_KEYS=splits > 1,
-        num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
-    )
-    if splits > 1:
-        # A sum over dim 0 in torch is a fixed-order reduction: deterministic.
-        summed = dq_part.sum(0).view(shape.batch, shape.heads_q, shape.seqlen_q, block_d)
-        dq.copy_(summed[..., :shape.head_dim].transpose(1, 2))
-    return dq, dk, dv, (plan.finish() if plan else None)
+        self.splits = dq_key_splits(shape, cfg_q, fwd.device)
+        self.dq_part_shape = (self.splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d)
+        self.dq_view = (shape.batch, shape.heads_q, shape.seqlen_q, block_d)
+        self.head_dim = shape.head_dim
+        self.dq = PlannedLaunch(
+            _attn_bwd_dq_kernel, rows_grid + (self.splits,),
+            (*operands, *block_list_strides(q_lists, shape.batch), *inputs, *strides3(dq),
+             *sizes),
+            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
+            EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n), SPLIT_KEYS=self.splits > 1,
+            num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
+        )
+
+    def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
+        """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
+        delta = torch.empty_like(lse)
+        self.preprocess(out, grad_out, delta)
+        dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
+        mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
+        kv_table = lse if self.kv_table is None else self.kv_table
+        for dkdv in self.dkdv:
+            dkdv(query, key, value, grad_out, lse, delta, dk, dv, mask, bias, dbias, kv_table)
+        dq_part = lse
+        if self.splits > 1:
+            dq_part = torch.empty(self.dq_part_shape, dtype=torch.float32, device=self.device)
+        self.dq(query, key, value, grad_out, lse, delta, dq, dq_part, mask, bias,
+                lse if self.q_table is None else self.q_table)
+        if self.splits > 1:
+            # A sum over dim 0 in torch is a fixed-order reduction: deterministic.
+            summed = dq_part.sum(0).view(self.dq_view)
+            dq.copy_(summed[..., :self.head_dim].transpose(1, 2))
+        return self.dbias.finish(dbias) if self.dbias is not None else None
+
+
+def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
+                       deterministic: bool, bias_needs_grad: bool):
+    """Launch the backward of a forward run with plan ``fwd`` (a ``forward.ForwardPlan``) on
+    these saved tensors. Returns (dq, dk, dv, dbias or None).
+
+    With a mask, both kernels' lists come from the forward's activity map (made fine enough
+    for ``backward_tiles``), never from the mask itself.
+    """
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    signature = (grad_out.stride(), grad_out.dtype, bool(deterministic), bool(bias_needs_grad))
+    plan = fwd.backward_plans.get(signature)
+    if plan is None:
+        plan = BackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv, deterministic,
+                            bias_needs_grad)
+        fwd.backward_plans[signature] = plan
+    dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv)
+    return dq, dk, dv, dbias

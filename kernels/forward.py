@@ -13,11 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._blocks import ActivityMap, block_list_args, shared_granularity, tile_activity
+from ._blocks import ActivityMap, block_list_strides, shared_granularity, tile_activity
 from ._checks import CheckedInputs
-from ._launch import (LOG2E, bias_has_one_row, ceil_div, dot_options, edge_slots,
-                      ensure_runnable, is_interpreted, key_splits, launch, multiprocessors,
-                      next_power_of_2, operand_args, padded_head_dim)
+from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, bias_has_one_row, ceil_div,
+                      contiguous_strides, dot_options, edge_slots, is_interpreted, key_splits,
+                      multiprocessors, next_power_of_2, operand_args, operand_pointer,
+                      padded_head_dim, strides3)
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
                      interior_span, mma, operand_base, query_tile_scores, row_offsets,
                      split_share, tile_offsets)
@@ -67,15 +68,15 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-    mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
-    bias_ptr, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    list_ptr, stride_list_b, stride_list_h, stride_list_m,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr, bias_ptr, list_ptr,
+    out_part_ptr, lse_part_ptr,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_list_b, stride_list_h, stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
     stride_o_b, stride_o_m, stride_o_h,
-    out_part_ptr, lse_part_ptr,
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_PACK: tl.constexpr,
@@ -304,69 +305,89 @@ def mask_activity(checked: CheckedInputs, tiling: ForwardTiling, is_causal: bool
     return tile_activity(checked.mask, checked.shape, sub_rows, sub_cols, is_causal)
 
 
-def attention_forward(query, key, value, checked: CheckedInputs, is_causal: bool,
-                      later_tiles: tuple = (), activity: ActivityMap | None = None):
-    """Launch the forward.
+class ForwardPlan:
+    """Everything a forward call needs besides its tensors, worked out once per call
+    signature (shapes, strides, dtypes, device, mask and bias layout, causality and scale):
+    tiles, grid, key splits and the planned launches. The interface keeps plans by signature,
+    so that a repeat call only allocates its outputs and launches. The backward reads the
+    problem's layout from here too (``shape``, ``mask``, ``bias``, ``activity``...).
 
-    Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, the mask's activity map or None).
-    Without a prepared ``activity``, the map is read from the mask here, fine enough for the
-    tiles in ``later_tiles`` (the backward's) too, so that their lists come from the map alone.
+    ``activity`` is a prepared activity map of the mask; without one, the mask is read here,
+    into a map fine enough for the tiles in ``later_tiles`` too (the backward's, when one will
+    follow), so that their lists come from the map alone.
     """
-    ensure_runnable(_attn_fwd_kernel, query.device)
-    shape = checked.shape
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    lse = torch.empty((shape.batch, shape.heads_q, shape.seqlen_q), dtype=torch.float32,
-                      device=query.device)
-    block_d = padded_head_dim(shape.head_dim)
-    interpreted = is_interpreted(_attn_fwd_kernel)
-    tiling = forward_tiling(checked, query.dtype, interpreted)
-    cfg, pack, block_m, query_rows = tiling.cfg, tiling.pack, tiling.block_m, tiling.query_rows
-    mask = operand_args(checked.mask, out)
-    bias = operand_args(checked.bias, out)
-    lists = None
-    if checked.mask is not None:
-        if activity is None:
+
+    def __init__(self, checked: CheckedInputs, query, key, value, is_causal: bool,
+                 activity: ActivityMap | None = None, later_tiles: tuple = ()):
+        shape = checked.shape
+        interpreted = is_interpreted(_attn_fwd_kernel)
+        tiling = forward_tiling(checked, query.dtype, interpreted)
+        if checked.mask is not None and activity is None:
             activity = mask_activity(checked, tiling, is_causal, later_tiles)
-        lists = activity.lists(*tiling.list_tile, transposed=False)
-    row_blocks = ceil_div(shape.seqlen_q, query_rows)
-    num_bh = shape.batch * shape.heads_q
-    splits = key_splits(row_blocks * num_bh // pack, ceil_div(shape.seqlen_k, cfg.block_n),
-                        multiprocessors(query.device, interpreted))
-    out_part = lse_part = lse
-    if splits > 1:
-        out_part = torch.empty((splits, num_bh, shape.seqlen_q, block_d), dtype=torch.float32,
-                               device=query.device)
-        lse_part = torch.empty((splits, num_bh, shape.seqlen_q), dtype=torch.float32,
-                               device=query.device)
-    grid = (row_blocks, num_bh // pack, splits)
-    launch(
-        _attn_fwd_kernel, grid,
-        query, key, value, out, lse,
-        *mask.as_args(), *bias.as_args(), *block_list_args(lists, shape.batch, lse),
-        query.stride(0), query.stride(1), query.stride(2),
-        key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        out_part, lse_part,
-        shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-        checked.softmax_scale * LOG2E,
-        HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, GROUP_PACK=pack,
-        HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
-        BIAS_ROW=bias_has_one_row(checked) and shared_by_group(checked.bias, pack),
-        IS_CAUSAL=bool(is_causal),
-        **dot_options(query.dtype, interpreted), SPLIT_KEYS=splits > 1,
-        EDGE_SLOTS=edge_slots(query_rows, cfg.block_n),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        launch(
-            _attn_fwd_combine_kernel, (ceil_div(shape.seqlen_q, 16), num_bh),
-            out_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
-            shape.heads_q, shape.seqlen_q, splits,
-            HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
+        cfg, pack, query_rows = tiling.cfg, tiling.pack, tiling.query_rows
+        block_d = padded_head_dim(shape.head_dim)
+        self.shape, self.dtype, self.device = shape, query.dtype, query.device
+        self.is_causal, self.softmax_scale = bool(is_causal), checked.softmax_scale
+        self.mask = operand_args(checked.mask) if checked.mask is not None else None
+        self.bias = operand_args(checked.bias) if checked.bias is not None else None
+        self.bias_shape = checked.bias.original_shape if checked.bias is not None else None
+        self.bias_one_row = bias_has_one_row(checked)
+        self.activity = activity
+        lists = None
+        if checked.mask is not None:
+            lists = activity.lists(*tiling.list_tile, transposed=False)
+        self.list_table = lists.table if lists is not None else None
+        self.backward_plans: dict = {}  # kept here by kernels.backward, per grad signature
+
+        row_blocks = ceil_div(shape.seqlen_q, query_rows)
+        num_bh = shape.batch * shape.heads_q
+        self.splits = key_splits(row_blocks * num_bh // pack,
+                                 ceil_div(shape.seqlen_k, cfg.block_n),
+                                 multiprocessors(query.device, interpreted))
+        self.out_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
+        self.lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
+        self.part_shape = (self.splits, num_bh, shape.seqlen_q, block_d)
+        out_strides = contiguous_strides(self.out_shape)[:3]
+        self.main = PlannedLaunch(
+            _attn_fwd_kernel, (row_blocks, num_bh // pack, self.splits),
+            (*(self.mask or ABSENT_OPERAND).as_args(), *(self.bias or ABSENT_OPERAND).as_args(),
+             *block_list_strides(lists, shape.batch),
+             *strides3(query), *strides3(key), *strides3(value), *out_strides,
+             shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
+             checked.softmax_scale * LOG2E),
+            HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
+            BLOCK_M=tiling.block_m, BLOCK_N=cfg.block_n, GROUP_PACK=pack,
+            HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
+            BIAS_ROW=self.bias_one_row and shared_by_group(checked.bias, pack),
+            IS_CAUSAL=self.is_causal,
+            **dot_options(query.dtype, interpreted), SPLIT_KEYS=self.splits > 1,
+            EDGE_SLOTS=edge_slots(query_rows, cfg.block_n),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return out, lse, activity
+        self.combine = None
+        if self.splits > 1:
+            self.combine = PlannedLaunch(
+                _attn_fwd_combine_kernel, (ceil_div(shape.seqlen_q, 16), num_bh),
+                (*out_strides, shape.heads_q, shape.seqlen_q, self.splits),
+                HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
+            )
+
+    def run(self, query, key, value, mask, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32) for tensors of this plan's signature;
+        ``mask`` is the bool mask (or its uint8 view) and ``bias`` the bias, either may be
+        None."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        out_part = lse_part = lse
+        if self.combine is not None:
+            out_part = torch.empty(self.part_shape, dtype=torch.float32, device=self.device)
+            lse_part = torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device)
+        self.main(query, key, value, out, lse, operand_pointer(mask, out),
+                  operand_pointer(bias, out),
+                  lse if self.list_table is None else self.list_table, out_part, lse_part)
+        if self.combine is not None:
+            self.combine(out_part, lse_part, out, lse)
+        return out, lse
 
 
 def shared_by_group(op, pack: int) -> bool:

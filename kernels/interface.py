@@ -5,14 +5,75 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_inputs
+from ._launch import ensure_runnable
 from .backward import attention_backward, backward_tiles
-from .forward import attention_forward
+from .forward import ForwardPlan, _attn_fwd_kernel
 from .prepared import PreparedMask
+
+
+# Forward plans of calls without a mask, by call signature (a prepared mask keeps its own).
+MAX_PLANS = 64
+_plans: dict = {}
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     # The kernels need unit stride only on head_dim; any other strides are used as they are.
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _signature(query, key, value, attn_bias, is_causal, softmax_scale) -> tuple | None:
+    """Everything a forward plan follows from, besides the mask: two calls with equal
+    signatures pass or fail the input checks alike and get the same plan. None when the call
+    cannot use a kept plan (an argument is not a tensor, or the scale not a plain number):
+    such calls take the checked path, which reports the mistake."""
+    tensors = (query, key, value) if attn_bias is None else (query, key, value, attn_bias)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    if softmax_scale is not None and type(softmax_scale) not in (float, int):
+        return None
+    return (bool(is_causal), softmax_scale,
+            *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
+def _remember(plans: dict, signature: tuple, plan: ForwardPlan) -> None:
+    plans[signature] = plan
+    if len(plans) > MAX_PLANS:
+        del plans[next(iter(plans))]  # the oldest
+
+
+def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
+               for_backward: bool):
+    """(forward plan, query, key, value, mask tensor or None) for this call. A repeat
+    signature reuses its plan with no checks or planning; otherwise the inputs are checked
+    (errors first) and a plan is made, and kept unless the mask was not prepared."""
+    prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+    if prepared is not None:
+        prepared.check_fresh()
+        attn_mask, plans = prepared.mask, prepared.plans
+    else:
+        plans = _plans if attn_mask is None else None  # an unprepared mask is read per call
+    signature = None
+    if plans is not None:
+        signature = _signature(query, key, value, attn_bias, is_causal, softmax_scale)
+        plan = plans.get(signature) if signature is not None else None
+        if plan is not None:
+            return plan, query, key, value, attn_mask
+
+    checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
+    copied = any(t.stride(-1) != 1 for t in (query, key, value))
+    if copied:  # rare: copies never match the signature, so their plan is not kept
+        query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
+        checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
+    ensure_runnable(_attn_fwd_kernel, query.device)
+    activity, later_tiles = None, ()
+    if prepared is not None:
+        activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
+    elif attn_mask is not None and for_backward:
+        later_tiles = backward_tiles(checked.shape, query.dtype)
+    plan = ForwardPlan(checked, query, key, value, is_causal, activity, later_tiles)
+    if signature is not None and not copied:
+        _remember(plans, signature, plan)
+    return plan, query, key, value, attn_mask
 
 
 class _DMAttnFunction(torch.autograd.Function):
@@ -21,38 +82,27 @@ class _DMAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                 deterministic):
-        prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
-        if prepared is not None:
-            attn_mask = prepared.mask
-        checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)  # errors first
-        if any(t.stride(-1) != 1 for t in (query, key, value)):
-            # Rare; checking once on the common path keeps small-shape launch overhead down.
-            query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
-            checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
-        later_tiles, activity = (), None
-        if prepared is not None:
-            activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
-        elif attn_mask is not None and any(ctx.needs_input_grad[:5]):
-            later_tiles = backward_tiles(checked.shape, query.dtype)
-        out, lse, activity = attention_forward(query, key, value, checked, is_causal, later_tiles,
-                                               activity)
-        ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias)
-        ctx.activity = activity
-        ctx.checked = checked
-        ctx.is_causal = is_causal
+        plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
+                                                   is_causal, softmax_scale, for_backward=True)
+        out, lse = plan.run(query, key, value, mask, attn_bias)
+        ctx.save_for_backward(query, key, value, out, lse, mask, attn_bias)
+        ctx.plan = plan
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        query, key, value, out, lse, _, attn_bias = ctx.saved_tensors
+        query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
         dq, dk, dv, dbias = attention_backward(
-            grad_out, query, key, value, out, lse, ctx.checked, ctx.is_causal,
+            ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
             ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
-            activity=ctx.activity,
         )
         return dq, dk, dv, None, dbias, None, None, None
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 def _compact_bias(attn_bias):
@@ -96,8 +146,15 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     Scores are ``softmax_scale * q.k + bias``, masked pairs are -inf. Rows that see no key give
     output 0, LSE -inf and zero gradients.
     """
-    out, lse = _DMAttnFunction.apply(query, key, value, attn_mask, _compact_bias(attn_bias),
-                                     bool(is_causal), softmax_scale, bool(deterministic))
+    attn_bias = _compact_bias(attn_bias)
+    if _needs_grad(query, key, value, attn_bias):
+        out, lse = _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias,
+                                         bool(is_causal), softmax_scale, bool(deterministic))
+    else:  # no graph to record: skip autograd.Function's own host time
+        plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
+                                                   bool(is_causal), softmax_scale,
+                                                   for_backward=False)
+        out, lse = plan.run(query, key, value, mask, attn_bias)
     return (out, lse) if return_lse else out
 
 

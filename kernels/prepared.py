@@ -13,7 +13,7 @@ refuse a mask that changed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,15 @@ class PreparedMask:
     is_causal: bool
     activity: ActivityMap
     version: int | None
+    # Forward plans of the calls made with this mask, by call signature (see interface).
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def check_fresh(self) -> None:
+        """Refuse a mask written in place since it was prepared: its lists would be stale."""
+        version = _version(self.mask)
+        if version is not None and self.version is not None and version != self.version:
+            raise ValueError("attn_mask: the mask was written in place after prepare_mask, so "
+                             "its prepared tile lists are stale; call prepare_mask again")
 
     def activity_for(self, shape: AttnShape, dtype: torch.dtype, device: torch.device,
                      is_causal: bool) -> ActivityMap:
@@ -55,10 +64,7 @@ class PreparedMask:
             if want != got:
                 raise ValueError(f"attn_mask: the mask was prepared for {name} {want}, but the "
                                  f"call has {got}; call prepare_mask for this call")
-        version = _version(self.mask)
-        if version is not None and self.version is not None and version != self.version:
-            raise ValueError("attn_mask: the mask was written in place after prepare_mask, so "
-                             "its prepared tile lists are stale; call prepare_mask again")
+        self.check_fresh()
         return self.activity
 
 

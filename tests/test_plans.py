@@ -1,0 +1,146 @@
+"""Call plans (kernels.interface): a repeat call signature reuses the forward plan (and the
+backward plans it keeps) with no checks or planning, so everything a plan depends on must be in
+the signature. Each test makes a plan with one call, then changes one thing and checks the next
+call against the float64 reference: a signature that missed the change would launch with the
+first call's strides, sizes or flags and fail."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attn_helpers import (Dims, random_bias, random_mask, random_qkv, run_backward,
+                          run_forward)
+from kernels import dmattn_func, interface, prepare_mask
+
+DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
+
+
+def _kept_plan(q, k, v, bias=None, causal=False, scale=None):
+    """The plan kept for a mask-free call of this signature (None if there is none)."""
+    return interface._plans.get(interface._signature(q, k, v, bias, causal, scale))
+
+
+def test_a_repeat_call_reuses_its_plan_and_stays_correct(device):
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+    bias = random_bias(DIMS.operand_shape("1", "Hk", "1", "Lk"), torch.float16, device)
+    run_forward(q, k, v, None, bias, True)
+    plan = _kept_plan(q, k, v, bias, True)
+    assert plan is not None
+    q2, k2, v2 = random_qkv(DIMS, torch.float16, device)  # new data, same signature
+    bias2 = random_bias(bias.shape, torch.float16, device)
+    run_forward(q2, k2, v2, None, bias2, True)
+    run_backward(q2, k2, v2, None, bias2, True)
+    run_backward(q, k, v, None, bias, True)
+    assert _kept_plan(q, k, v, bias, True) is plan
+    assert len(plan.backward_plans) == 1
+
+
+CHANGES = ("seqlen_q", "seqlen_k", "heads", "head_dim", "layout", "dtype", "causal", "scale",
+           "bias_shape", "bias_strides")
+
+
+def _changed(change: str, device):
+    """(q, k, v, bias, causal, scale) of a first call, and of a second differing in ``change``."""
+    def problem(dims=DIMS, dtype=torch.float16, layout="contiguous", bias_shape=None,
+                causal=False, scale=None):
+        q, k, v = random_qkv(dims, dtype, device, layout)
+        bias = random_bias(bias_shape or dims.operand_shape("B", "Hq", "Lq", "Lk"), dtype,
+                           device)
+        return q, k, v, bias, causal, scale
+
+    first = problem()
+    second = {
+        "seqlen_q": lambda: problem(Dims(2, 18, 33, 4, 2, 16)),
+        "seqlen_k": lambda: problem(Dims(2, 17, 31, 4, 2, 16)),
+        "heads": lambda: problem(Dims(2, 17, 33, 4, 4, 16)),
+        "head_dim": lambda: problem(Dims(2, 17, 33, 4, 2, 40)),
+        "layout": lambda: problem(layout="bhld"),
+        "dtype": lambda: problem(dtype=torch.bfloat16),
+        "causal": lambda: problem(causal=True),
+        "scale": lambda: problem(scale=0.3),
+        "bias_shape": lambda: problem(bias_shape=DIMS.operand_shape("1", "Hk", "Lq", "Lk")),
+        "bias_strides": lambda: tuple(
+            t.transpose(2, 3).contiguous().transpose(2, 3) if i == 3 else t
+            for i, t in enumerate(problem())),
+    }[change]()
+    return first, second
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_changed_signature_gets_its_own_plan(change, device):
+    first, second = _changed(change, device)
+    q, k, v, bias, causal, scale = first
+    run_forward(q, k, v, None, bias, causal, scale)
+    q, k, v, bias, causal, scale = second
+    assert _kept_plan(q, k, v, bias, causal, scale) is None
+    run_forward(q, k, v, None, bias, causal, scale)
+    run_backward(q, k, v, None, bias, causal, scale)
+
+
+def test_the_grad_signature_picks_the_backward_plan(device):
+    """grad_out's strides and ``deterministic`` (a shared bias's dbias is serialized) are part
+    of the backward plan's signature."""
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+    bias = random_bias(DIMS.operand_shape("1", "1", "Lq", "Lk"), torch.float16, device)
+    run_backward(q, k, v, None, bias, True)
+    strided = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], device=device)
+    run_backward(q, k, v, None, bias, True, grad_out=strided.to(q.dtype).transpose(1, 2))
+    run_backward(q, k, v, None, bias, True, deterministic=True)
+    assert len(_kept_plan(q, k, v, bias, True).backward_plans) == 3
+
+
+def test_key_and_value_are_separate_pointers_even_when_first_the_same(device):
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+    run_forward(q, k, k)
+    run_forward(q, k, v)
+    run_backward(q, k, v)
+
+
+def test_a_kept_signature_still_reports_bad_input(device):
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+    dmattn_func(q, k, v, softmax_scale=0.5)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        dmattn_func(q, k, v, softmax_scale=math.nan)
+    with pytest.raises(TypeError, match="softmax_scale must be a float or None"):
+        dmattn_func(q, k, v, softmax_scale=torch.tensor(0.5))
+    with pytest.raises(TypeError, match="value must be a torch.Tensor"):
+        dmattn_func(q, k, v.tolist())
+    with pytest.raises(TypeError, match="value dtype must match query dtype"):
+        dmattn_func(q, k, v.float())
+    with pytest.raises(ValueError, match="attn_bias dimension 3"):
+        dmattn_func(q, k, v, attn_bias=torch.zeros(1, 1, 1, 2, dtype=q.dtype, device=device))
+
+
+def test_no_grad_calls_match_recorded_ones(device):
+    """Calls that record no graph skip autograd.Function; the kernels are the same."""
+    q, k, v = random_qkv(DIMS, torch.bfloat16, device)
+    mask = random_mask(DIMS.operand_shape("B", "Hk", "Lq", "Lk"), device)
+    bias = random_bias(DIMS.operand_shape("1", "Hk", "1", "Lk"), torch.bfloat16, device)
+    for attn_mask in (None, mask, prepare_mask(mask, q, k, True)):
+        with torch.no_grad():
+            plain = dmattn_func(q, k, v, attn_mask, bias, True, return_lse=True)
+        recorded = dmattn_func(q.requires_grad_(), k, v, attn_mask, bias, True,
+                               return_lse=True)
+        q.requires_grad_(False)
+        assert recorded[0].grad_fn is not None and plain[0].grad_fn is None
+        assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+
+
+def test_a_prepared_mask_keeps_its_plans_and_refuses_a_later_write(device):
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+    mask = random_mask(DIMS.operand_shape("1", "Hk", "Lq", "Lk"), device)
+    prepared = prepare_mask(mask, q, k, True)
+
+    def with_prepared(q, k, v, _mask, *args, **kwargs):  # the reference still sees ``mask``
+        return dmattn_func(q, k, v, prepared, *args, **kwargs)
+
+    for _ in range(2):
+        run_forward(q, k, v, mask, None, True, func=with_prepared)
+    run_backward(q, k, v, mask, None, True, func=with_prepared)
+    assert len(prepared.plans) == 1
+    mask[0, 0, 0, :] = False
+    with pytest.raises(ValueError, match="attn_mask: the mask was written in place"):
+        dmattn_func(q, k, v, prepared, is_causal=True)
