@@ -133,10 +133,13 @@ _multiprocessors: dict[int, int] = {}
 def key_splits(programs: int, key_blocks: int, multiprocessor_count: int) -> int:
     """How many ways to split the key axis so that a small grid (decode) fills the GPU.
 
-    Splits only when the grid has fewer programs than multiprocessors, aims at two programs
-    per multiprocessor, and keeps at least 4 key blocks per split so the merge stays cheap.
+    Splits only when the grid fills less than half the multiprocessors (decode), aims at two
+    programs per multiprocessor, and keeps at least 4 key blocks per split so the merge stays
+    cheap. From half a wave up, the split's partial buffers, extra launch and merge cost more
+    than the idle multiprocessors: B1 H8/2 L2048 with a mask is 128 programs on 132, a 58 us
+    attention kernel plus a 7 us merge and ~25 us of host time (results/notes.md, change 20).
     """
-    if programs >= multiprocessor_count:
+    if 2 * programs > multiprocessor_count:
         return 1
     return max(1, min(ceil_div(2 * multiprocessor_count, programs), key_blocks // 4, 128))
 
