@@ -321,6 +321,12 @@ def grads_of(func, q, k, v, mask, bias, causal, scale, grad_out, bias_view=_iden
     return Grads(*grads[:3], grads[3] if bias is not None else None)
 
 
+def assert_same_bits(first: Grads, second: Grads) -> None:
+    """Two runs of a deterministic backward gave identical gradients, bit for bit."""
+    for (name, a), (_, b) in zip(first.named(), second.named()):
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
 @dataclass
 class BackwardRun:
     grads: Grads

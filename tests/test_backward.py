@@ -16,7 +16,8 @@ import torch
 from attn_helpers import (BROADCAST_BATCH, BROADCAST_COLS, BROADCAST_DIMS, BROADCAST_HEADS,
                           BROADCAST_ROWS, CAUSAL, DTYPES, Dims, HEADS, HEAD_DIMS, LONG_SEQLEN_K,
                           MASKED, MASKED_BAND, OPERAND_FORMS, QKV_LAYOUTS,
-                          assert_close_to_reference, assert_no_lq_lk_allocation, grads_of, in_form,
+                          assert_close_to_reference, assert_no_lq_lk_allocation, assert_same_bits,
+                          grads_of, in_form,
                           masked_band_problem, nan_in_band, random_bias, random_mask,
                           random_problem, random_qkv, run_backward)
 from kernels import attention_reference, dmattn_func
@@ -73,8 +74,7 @@ def test_decode_key_split_is_deterministic(device):
     grad_out = torch.randn(q.shape, device=device).to(q.dtype)
     first, second = (grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out,
                               deterministic=True) for _ in range(2))
-    for (name, a), (_, b) in zip(first.named(), second.named()):
-        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    assert_same_bits(first, second)
 
 
 @pytest.mark.slow
@@ -264,8 +264,7 @@ def test_deterministic_grads_are_bitwise_reproducible(bias_shape, device):
     grad_out = torch.randn(q.shape, device=device).to(q.dtype)
     first = run_backward(q, k, v, mask, bias, causal=True, deterministic=True, grad_out=grad_out)
     second = grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out, deterministic=True)
-    for (name, a), (_, b) in zip(first.grads.named(), second.named()):
-        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    assert_same_bits(first.grads, second)
 
 
 # -- memory: a broadcast bias never gets an Lq * Lk gradient temporary
