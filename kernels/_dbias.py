@@ -8,7 +8,10 @@ broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
   returned as zeros with no kernel work. (Summing dS over keys would instead return the rounding
   error of the stored output, since sum_j dS_ij = dO_i . (O_i - rounded O_i).)
 * query axis broadcast (bias ``(.., .., 1, Lk)``, flash-dmattn's default): the dkdv kernel owns
-  whole key columns, sums dS over queries in registers and writes a (B, Hq, 1, Lk) partial.
+  whole key columns and sums dS over queries in registers, and over its GQA group's query heads
+  when they read one bias head (a bias with 1 or Hk heads). It writes a (B, Hk or Hq, 1, Lk)
+  buffer once per element; when that is the bias's own shape, in the bias dtype, so the buffer
+  is the gradient and no reduction or cast follows (each is a torch op of host time).
 * full (Lq, Lk) bias: the dkdv kernel writes tiles into the bias's own shape. When every element
   has one contributor it stores in the bias dtype directly. Otherwise it adds into an fp32
   accumulator of the bias's shape: in-program repeats (query heads of a GQA group sharing a
@@ -36,6 +39,7 @@ class DbiasPlan:
 
     is_zero: bool  # key-axis-broadcast bias: the gradient is exactly zero, no kernel work
     reduce_m: bool  # dkdv kernel sums over queries before writing
+    sum_group: bool  # ... and over its group's query heads: one buffer row per kv head
     buffer_shape: tuple[int, ...]  # what the kernel writes into: partial, accumulator or grad
     buffer_dtype: torch.dtype
     target: OperandArgs  # ``buffer`` seen as a (B, heads, Lq, Lk) broadcast view
@@ -47,6 +51,10 @@ class DbiasPlan:
     bias_dtype: torch.dtype
 
     def allocate(self, device) -> torch.Tensor:
+        # A summed row is stored once per element whether or not its tiles are active; tiles
+        # of a full-size gradient are written only where active, so the rest must be zero.
+        if self.reduce_m:
+            return torch.empty(self.buffer_shape, dtype=self.buffer_dtype, device=device)
         return torch.zeros(self.buffer_shape, dtype=self.buffer_dtype, device=device)
 
     def finish(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -54,11 +62,12 @@ class DbiasPlan:
         t = buffer
         if tuple(t.shape) != self.bias_shape:
             t = reduce_partial(t, self.bias_shape)
-        return t.to(self.bias_dtype)
+        return t if t.dtype == self.bias_dtype else t.to(self.bias_dtype)
 
 
 def reduce_partial(partial: torch.Tensor, bias_shape) -> torch.Tensor:
-    """Sum a (B, Hq, X, Y) fp32 partial down to the bias shape (bB, bH, bM, bN)."""
+    """Sum a (B, H, X, Y) fp32 partial, H a multiple of bH, down to the bias shape
+    (bB, bH, bM, bN)."""
     b, hq, x, y = partial.shape
     bb, bh, bm, bn = bias_shape
     # Axes of size 1 need no sum (each one would be a launch and a copy).
@@ -84,19 +93,25 @@ def _broadcast_args(buffer_shape: tuple[int, ...], view_shape: tuple[int, ...],
 
 
 def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bias_dtype,
-               deterministic: bool) -> DbiasPlan:
+               deterministic: bool, interpreted: bool = False) -> DbiasPlan:
     """The plan for a bias of ``bias_shape`` whose query head h reads bias head
-    h // ``head_div``."""
+    h // ``head_div``. ``interpreted``: the kernels run under Triton's interpreter, whose
+    float32 -> bfloat16 cast truncates instead of rounding to nearest (up to 1 ulp instead of
+    1/2: at the |dbias| ~ 40 of a summed row that is 0.25), so summed rows stay float32 there
+    and torch rounds them."""
     bb, bh, bm, bn = bias_shape
     common = dict(bias_shape=tuple(bias_shape), bias_dtype=bias_dtype)
     if bn == 1:
-        return DbiasPlan(True, False, tuple(bias_shape), torch.float32,
+        return DbiasPlan(True, False, False, tuple(bias_shape), bias_dtype,
                          _broadcast_args(bias_shape, bias_shape, 1),
                          False, False, False, False, **common)
     if bm == 1 and shape.seqlen_q > 1:
-        partial = (shape.batch, shape.heads_q, 1, shape.seqlen_k)
-        return DbiasPlan(False, True, partial, torch.float32,
-                         _broadcast_args(partial, partial, 1),
+        # Query heads of a group share a gradient row unless the bias has a head per query.
+        sum_group = bh != shape.heads_q or shape.group_size == 1
+        rows = (shape.batch, shape.heads_kv if sum_group else shape.heads_q, 1, shape.seqlen_k)
+        final = rows == tuple(bias_shape) and not (interpreted and bias_dtype == torch.bfloat16)
+        return DbiasPlan(False, True, sum_group, rows, bias_dtype if final else torch.float32,
+                         _broadcast_args(rows, rows, 1),
                          False, False, False, False, **common)
 
     view_shape = (shape.batch, bh, shape.seqlen_q, shape.seqlen_k)
@@ -105,10 +120,10 @@ def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bia
     shared_heads = bh == 1 and shape.heads_kv > 1
     contributors = (shape.batch // bb) * (shape.heads_q // bh)
     if contributors == 1:
-        return DbiasPlan(False, False, tuple(bias_shape), bias_dtype, target,
+        return DbiasPlan(False, False, False, tuple(bias_shape), bias_dtype, target,
                          False, False, False, False, **common)
     cross_program = shared_batch or shared_heads
     atomic = cross_program and not deterministic
     serialize = cross_program and deterministic
-    return DbiasPlan(False, False, tuple(bias_shape), torch.float32, target, True, atomic,
+    return DbiasPlan(False, False, False, tuple(bias_shape), torch.float32, target, True, atomic,
                      serialize and shared_batch, serialize and shared_heads, **common)

@@ -130,18 +130,20 @@ def multiprocessors(device: torch.device, interpreted: bool) -> int:
 _multiprocessors: dict[int, int] = {}
 
 
-def key_splits(programs: int, key_blocks: int, multiprocessor_count: int) -> int:
+def key_splits(programs: int, key_blocks: int, multiprocessor_count: int,
+               min_blocks: int = 4) -> int:
     """How many ways to split the key axis so that a small grid (decode) fills the GPU.
 
     Splits only when the grid fills less than half the multiprocessors (decode), aims at two
-    programs per multiprocessor, and keeps at least 4 key blocks per split so the merge stays
-    cheap. From half a wave up, the split's partial buffers, extra launch and merge cost more
+    programs per multiprocessor, and keeps at least ``min_blocks`` key blocks per split so the
+    merge stays cheap. From half a wave up, the split's partial buffers, extra launch and merge cost more
     than the idle multiprocessors: B1 H8/2 L2048 with a mask is 128 programs on 132, a 58 us
     attention kernel plus a 7 us merge and ~25 us of host time (results/notes.md, change 20).
     """
     if 2 * programs > multiprocessor_count:
         return 1
-    return max(1, min(ceil_div(2 * multiprocessor_count, programs), key_blocks // 4, 128))
+    return max(1, min(ceil_div(2 * multiprocessor_count, programs), key_blocks // min_blocks,
+                      128))
 
 
 # -- launching with less host time
@@ -249,14 +251,17 @@ class PlannedLaunch:
         self._compiled: dict = {}
 
     def __call__(self, *pointers: torch.Tensor) -> None:
-        args = pointers + self.scalars
         if is_interpreted(self.kernel) or not _direct_launch_available():
-            self.kernel[self.grid](*args, **self.options)
+            self.kernel[self.grid](*pointers, *self.scalars, **self.options)
             return
         device = _driver.active.get_current_device()
-        key = (device, *[t.data_ptr() & 15 for t in pointers])
+        # The launcher takes addresses as plain ints too, which skips its per-tensor
+        # ``data_ptr()`` call and pointer-attribute query (we read the addresses anyway).
+        addresses = [t.data_ptr() for t in pointers]
+        key = (device, *[a & 15 for a in addresses])
         hit = self._compiled.get(key)
         if hit is None:
-            self._compiled[key] = _jit_launch(self.kernel, self.grid, args, self.options)
+            self._compiled[key] = _jit_launch(self.kernel, self.grid, pointers + self.scalars,
+                                              self.options)
             return
-        _run_compiled(hit, self.grid, args, device)
+        _run_compiled(hit, self.grid, (*addresses, *self.scalars), device)

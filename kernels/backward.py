@@ -1,14 +1,14 @@
 """Backward kernels and their launcher.
 
-Three launches, FlashAttention-2 style:
-1. ``_attn_bwd_preprocess_kernel``: delta = rowsum(dO * O), one fp32 per (b, hq, m).
+Two launches, FlashAttention-2 style (three with split-K dq):
+1. ``_attn_bwd_dq_kernel``: one program per (query block, b, q head), looping over keys. It
+   first computes delta = rowsum(dO * O), one fp32 per (b, hq, m), and stores it for dkdv. A
+   grid too small to fill the GPU (decode) also splits the keys, as the forward does: each
+   share writes an fp32 partial of dq and ``_attn_bwd_dq_merge_kernel`` sums them in order.
 2. ``_attn_bwd_dkdv_kernel``: one program per (key block, b, kv head). It loops over the query
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
    atomics and no (B, Lk, Hq, D) temporary. It also produces the bias gradient for biases that
    span the key axis (see ``_dbias``).
-3. ``_attn_bwd_dq_kernel``: one program per (query block, b, q head), looping over keys. A
-   grid too small to fill the GPU (decode) also splits the keys, as the forward does: each
-   share writes an fp32 partial of dq and the launcher sums them in a fixed order.
 
 Scores and probabilities are rebuilt with the forward's helpers from the saved LSE. dkdv works
 in the transposed (n, m) orientation so that its dots need no extra transposes of dS and P.
@@ -36,28 +36,25 @@ from ._score import (block_at, block_list_row, causal_block_split, causal_query_
 
 
 @triton.jit
-def _attn_bwd_preprocess_kernel(
-    out_ptr, do_ptr, delta_ptr,
-    stride_o_b, stride_o_m, stride_o_h,
-    stride_do_b, stride_do_m, stride_do_h,
-    heads_q, seqlen_q,
+def _attn_bwd_dq_merge_kernel(
+    dq_ptr, dq_part_ptr,
+    stride_dq_b, stride_dq_m, stride_dq_h,
+    heads_q, seqlen_q, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    """dq = the sum of the key shares' fp32 partials (split-K dq), in split order."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
-    b = bh // heads_q
-    h = bh % heads_q
     offs_d = tl.arange(0, BLOCK_D)
-    in_range = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
-                + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
-                mask=in_range, other=0.0).to(tl.float32)
-    do = tl.load(operand_base(do_ptr, b, h, 1, stride_do_b, stride_do_h)
-                 + tile_offsets(offs_m[:, None], offs_d[None, :], stride_do_m, 1),
-                 mask=in_range, other=0.0).to(tl.float32)
-    # Row predicate: a partial last block must not write into the next head's rows.
-    tl.store(delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m, tl.sum(o * do, 1),
-             mask=offs_m < seqlen_q)
+    m_ok = offs_m < seqlen_q
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(num_splits):
+        part_rows = (split * tl.num_programs(1) + bh).to(tl.int64) * seqlen_q + offs_m
+        dq += tl.load(dq_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
+                      mask=m_ok[:, None], other=0.0)
+    tl.store(operand_base(dq_ptr, bh // heads_q, bh % heads_q, 1, stride_dq_b, stride_dq_h)
+             + tile_offsets(offs_m[:, None], offs_d[None, :], stride_dq_m, 1),
+             dq.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -139,7 +136,7 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, EDGE_SLOTS: tl.constexpr,
 ):
     n_block = tl.program_id(0)
@@ -175,6 +172,9 @@ def _attn_bwd_dkdv_kernel(
     first, full_from, num_blocks = causal_query_split(start_n, BLOCK_M, BLOCK_N, seqlen_q,
                                                       seqlen_k, IS_CAUSAL)
     interior_end = tl.maximum(seqlen_q // BLOCK_M, full_from)
+    # One-row bias gradient: summed over queries here, and over the group's query heads too
+    # when they share a gradient row (DBIAS_SUM_GROUP), so that no reduction follows.
+    dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
     for g in range(group_size):
         h = hk * group_size + g
         bh = b * heads_q + h
@@ -190,7 +190,8 @@ def _attn_bwd_dkdv_kernel(
             + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_db_n, stride_db_m)
         lse_row = lse_ptr + bh.to(tl.int64) * seqlen_q
         delta_row = delta_ptr + bh.to(tl.int64) * seqlen_q
-        dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if not DBIAS_SUM_GROUP:
+            dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
         if HAS_MASK:
             block_list, count, full = block_list_row(
                 list_ptr, stride_list_b, stride_list_h, stride_list_n, b, h, mask_head_div,
@@ -240,10 +241,16 @@ def _attn_bwd_dkdv_kernel(
             tail_list, tail_first, tail_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, False, DOT_PRECISION,
             WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
-        if HAS_DBIAS and DBIAS_REDUCE_M:
-            # One (b, hq) row of the (B, Hq, 1, Lk) partial: a single writer, no atomics.
+        if HAS_DBIAS and DBIAS_REDUCE_M and not DBIAS_SUM_GROUP:
+            # Row (b, hq) of a (B, Hq, 1, Lk) buffer: a single writer, no atomics.
             tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
-                     + offs_n.to(tl.int64) * stride_db_n, dbias_col, mask=n_ok)
+                     + offs_n.to(tl.int64) * stride_db_n,
+                     dbias_col.to(dbias_ptr.dtype.element_ty), mask=n_ok)
+    if HAS_DBIAS and DBIAS_REDUCE_M and DBIAS_SUM_GROUP:
+        # Row (b, hk) of a (B, Hk, 1, Lk) buffer, written once by this program.
+        tl.store(operand_base(dbias_ptr, b, hk, dbias_head_div, stride_db_b, stride_db_h)
+                 + offs_n.to(tl.int64) * stride_db_n,
+                 dbias_col.to(dbias_ptr.dtype.element_ty), mask=n_ok)
 
     # q.k was scaled in the forward, so dK picks up the scale once here.
     dk *= sm_scale
@@ -287,7 +294,7 @@ def _attn_bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
     mask_ptr, bias_ptr, list_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
@@ -296,6 +303,7 @@ def _attn_bwd_dq_kernel(
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
     stride_do_b, stride_do_m, stride_do_h,
+    stride_o_b, stride_o_m, stride_o_h,
     stride_dq_b, stride_dq_m, stride_dq_h,
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -308,7 +316,7 @@ def _attn_bwd_dq_kernel(
     start_m = m_block * BLOCK_M
     bh = tl.program_id(1)
     # Split-K (decode): axis 2 takes a contiguous share of this row block's key blocks (list
-    # positions with a mask) and writes an fp32 partial; the launcher sums them in order.
+    # positions with a mask) and writes an fp32 partial; the merge kernel sums them in order.
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     b = bh // heads_q
@@ -327,7 +335,14 @@ def _attn_bwd_dq_kernel(
                  + tile_offsets(offs_m[:, None], offs_d[None, :], stride_do_m, 1),
                  mask=q_in_range, other=0.0)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
+    # delta = rowsum(dO * O) is computed here rather than in a launch of its own (one launch
+    # less of host time); the dkdv kernel, launched after this one, reads what share 0 stores.
+    o = tl.load(operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
+                + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
+                mask=q_in_range, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if split == 0:
+        tl.store(delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=m_ok)
 
     k_ptrs = operand_base(k_ptr, b, h, group_size, stride_k_b, stride_k_h) \
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
@@ -390,7 +405,7 @@ def _attn_bwd_dq_kernel(
     dq *= sm_scale
     if SPLIT_KEYS:
         # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32. Every share writes its rows, an empty
-        # share zeros, so the launcher's sum never reads an unwritten element.
+        # share zeros, so the merge kernel never reads an unwritten element.
         part_rows = (split * tl.num_programs(1) + bh).to(tl.int64) * seqlen_q + offs_m
         tl.store(dq_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
                  dq, mask=m_ok[:, None])
@@ -460,10 +475,15 @@ def prepare_backward_lists(activity: ActivityMap, shape: AttnShape, dtype: torch
 
 
 def dq_key_splits(shape: AttnShape, cfg_q: BackwardConfig, device: torch.device) -> int:
-    """How many key shares the dq kernel splits into (1: none), as the forward's split-K."""
+    """How many key shares the dq kernel splits into (1: none), as the forward's split-K.
+
+    A share gets at least 8 key blocks: dq's 32-key blocks are half the forward's 64, and a
+    share of fewer than ~256 keys saves less GPU time than its partial buffer and merge launch
+    cost on the host (seqlen L256: 8 blocks, so no split; results/notes.md, change 21).
+    """
     programs = ceil_div(shape.seqlen_q, cfg_q.block_m) * shape.batch * shape.heads_q
     return key_splits(programs, ceil_div(shape.seqlen_k, cfg_q.block_n),
-                      multiprocessors(device, is_interpreted(_attn_bwd_dq_kernel)))
+                      multiprocessors(device, is_interpreted(_attn_bwd_dq_kernel)), min_blocks=8)
 
 
 class BackwardPlan:
@@ -482,18 +502,12 @@ class BackwardPlan:
         self.dbias = None
         if bias_needs_grad:
             self.dbias = plan_dbias(fwd.bias_shape, fwd.bias.head_div, shape, fwd.dtype,
-                                    deterministic)
+                                    deterministic, interpreted)
         kv_lists, q_lists = backward_lists(fwd.activity, cfg_kv, cfg_q)
         self.kv_table = kv_lists.table if kv_lists is not None else None
         self.q_table = q_lists.table if q_lists is not None else None
 
         rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
-        self.preprocess = PlannedLaunch(
-            _attn_bwd_preprocess_kernel, rows_grid,
-            (*contiguous_strides(fwd.out_shape)[:3], *strides3(grad_out),
-             shape.heads_q, shape.seqlen_q),
-            HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
-        )
         operands = ((fwd.mask or ABSENT_OPERAND).as_args()
                     + (fwd.bias or ABSENT_OPERAND).as_args())
         inputs = (*strides3(query), *strides3(key), *strides3(value), *strides3(grad_out))
@@ -522,6 +536,7 @@ class BackwardPlan:
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
                 HAS_DBIAS=plan is not None and not plan.is_zero,
                 DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
+                DBIAS_SUM_GROUP=bool(plan and plan.sum_group),
                 DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
                 DBIAS_ATOMIC=bool(plan and plan.atomic),
                 EDGE_SLOTS=edge_slots(cfg_kv.block_n, cfg_kv.block_m),
@@ -533,35 +548,37 @@ class BackwardPlan:
 
         self.splits = dq_key_splits(shape, cfg_q, fwd.device)
         self.dq_part_shape = (self.splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d)
-        self.dq_view = (shape.batch, shape.heads_q, shape.seqlen_q, block_d)
-        self.head_dim = shape.head_dim
         self.dq = PlannedLaunch(
             _attn_bwd_dq_kernel, rows_grid + (self.splits,),
-            (*operands, *block_list_strides(q_lists, shape.batch), *inputs, *strides3(dq),
-             *sizes),
+            (*operands, *block_list_strides(q_lists, shape.batch), *inputs,
+             *contiguous_strides(fwd.out_shape)[:3], *strides3(dq), *sizes),
             BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
             EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n), SPLIT_KEYS=self.splits > 1,
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
         )
+        self.dq_merge = None
+        if self.splits > 1:
+            self.dq_merge = PlannedLaunch(
+                _attn_bwd_dq_merge_kernel, rows_grid,
+                (*strides3(dq), shape.heads_q, shape.seqlen_q, self.splits),
+                HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
+            )
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
         """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
-        delta = torch.empty_like(lse)
-        self.preprocess(out, grad_out, delta)
-        dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
+        delta = torch.empty_like(lse)  # written by the dq kernel, read by dkdv
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
+        dq_part = lse
+        if self.dq_merge is not None:
+            dq_part = torch.empty(self.dq_part_shape, dtype=torch.float32, device=self.device)
+        self.dq(query, key, value, out, grad_out, lse, delta, dq, dq_part, mask, bias,
+                lse if self.q_table is None else self.q_table)
+        if self.dq_merge is not None:
+            self.dq_merge(dq, dq_part)
+        dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
         kv_table = lse if self.kv_table is None else self.kv_table
         for dkdv in self.dkdv:
             dkdv(query, key, value, grad_out, lse, delta, dk, dv, mask, bias, dbias, kv_table)
-        dq_part = lse
-        if self.splits > 1:
-            dq_part = torch.empty(self.dq_part_shape, dtype=torch.float32, device=self.device)
-        self.dq(query, key, value, grad_out, lse, delta, dq, dq_part, mask, bias,
-                lse if self.q_table is None else self.q_table)
-        if self.splits > 1:
-            # A sum over dim 0 in torch is a fixed-order reduction: deterministic.
-            summed = dq_part.sum(0).view(self.dq_view)
-            dq.copy_(summed[..., :self.head_dim].transpose(1, 2))
         return self.dbias.finish(dbias) if self.dbias is not None else None
 
 

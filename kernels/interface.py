@@ -89,10 +89,15 @@ class _DMAttnFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
+        # The LSE's gradient is never used: without this, autograd fills a zero tensor for it
+        # on every backward (a torch op of host time).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
+        if grad_out is None:  # only the LSE reached the loss: nothing depends on the inputs
+            return None, None, None, None, None, None, None, None
         query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
         dq, dk, dv, dbias = attention_backward(
             ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,

@@ -58,7 +58,7 @@ def test_grad_lengths(seqlen_q, seqlen_k, causal, masked, dtype, device):
 @pytest.mark.parametrize("masked", MASKED)
 def test_grad_decode_key_split(seqlen_q, causal, masked, device):
     """Decode-sized grids split dq over the keys: every share must land in the sum."""
-    dims = Dims(1, seqlen_q, 449, heads_q=4, heads_kv=2, head_dim=40)
+    dims = Dims(1, seqlen_q, 1031, heads_q=4, heads_kv=2, head_dim=40)
     _, cfg_q = configs_for(dims, torch.bfloat16)
     assert dq_key_splits(dims, cfg_q, device) > 1, "this shape should take the split path"
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
@@ -68,7 +68,7 @@ def test_grad_decode_key_split(seqlen_q, causal, masked, device):
 
 def test_decode_key_split_is_deterministic(device):
     """The split partials are summed in a fixed order: two runs give identical bits."""
-    dims = Dims(1, 1, 449, heads_q=4, heads_kv=2, head_dim=40)
+    dims = Dims(1, 1, 1031, heads_q=4, heads_kv=2, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, mask="BxHkxLqxLk",
                                          bias="BxHkx1xLk", keep=0.5)
     grad_out = torch.randn(q.shape, device=device).to(q.dtype)
