@@ -8,6 +8,12 @@ Mask kinds (SPEC §3), all (B, Hk, Lq, Lk) bool, True = keep:
   score, i.e. what a ``kv_row`` bias would have been. ``window >=`` visible keys keeps them all.
 - ``block_topk``: topk, then per row each 64-key block is kept whole when more than half of it
   was chosen (a tail block counts against its own length).
+- ``block_sparse``: whole 128 x 128 tiles (FlexAttention's default block) chosen at random: for
+  each batch, KV head and 128-row query block, ``ceil(window / 128)`` key blocks among those the
+  block's rows can see, the same count for every query block. Without causality the active
+  fraction is exactly ``min(1, ceil(window / 128) * 128 / Lk)`` for Lk a multiple of 128, which
+  is what the proportionality target (SPEC §5) is measured against. ``window >= Lk`` is a
+  full-tile ("dense") mask that is still read as a mask.
 - ``sliding``: the ``window`` most recent visible keys: keys ``(last - window, last]`` where
   ``last`` is the last key the row may see (``i + Lk - Lq`` when causal, else ``Lk - 1``).
 - ``random``: keep with probability 1/2 at ``mask_shape``; when the shape has a query axis,
@@ -29,6 +35,8 @@ from .sweep import Case
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BLOCK_KEYS = 64
+# Tile edge of block_sparse masks: FlexAttention's default block size, a multiple of ours.
+SPARSE_TILE = 128
 # Row chunks for mask generation hold at most this many (batch, head, row, key) scores.
 CHUNK_ELEMENTS = 1 << 27
 
@@ -117,16 +125,47 @@ def _sliding_rows(case: Case, r0: int, r1: int, device) -> torch.Tensor:
     return (cols <= last) & (cols > last - case.window)
 
 
+def _sparse_tiles(case: Case, gen, device) -> torch.Tensor:
+    """(B, Hk, query blocks, key blocks) bool: ``ceil(window / SPARSE_TILE)`` random key blocks
+    per query block, among those its last row can see (all of them without causality)."""
+    row_blocks = -(-case.seqlen_q // SPARSE_TILE)
+    key_blocks = -(-case.seqlen_k // SPARSE_TILE)
+    score = torch.rand(case.batch, case.heads_kv, row_blocks, key_blocks, generator=gen,
+                       device=device)
+    if case.causal:
+        last_row = torch.clamp(torch.arange(1, row_blocks + 1, device=device) * SPARSE_TILE,
+                               max=case.seqlen_q) - 1
+        last_key = last_row + (case.seqlen_k - case.seqlen_q)
+        first_key = torch.arange(key_blocks, device=device) * SPARSE_TILE
+        seen = first_key[None, :] <= last_key[:, None]
+        score = score.masked_fill(~seen, -1.0)  # never outranks a visible block
+    count = min(key_blocks, -(-case.window // SPARSE_TILE))
+    tiles = torch.zeros_like(score, dtype=torch.bool)
+    tiles.scatter_(-1, score.topk(count, dim=-1, sorted=False).indices, True)
+    return tiles
+
+
+def _tile_rows(tiles: torch.Tensor, visible: torch.Tensor, case: Case, r0: int, r1: int):
+    rows = tiles[:, :, torch.arange(r0, r1, device=tiles.device) // SPARSE_TILE]
+    return rows.repeat_interleave(SPARSE_TILE, dim=-1)[..., :case.seqlen_k] & visible
+
+
 def _window_mask(case: Case, bias, gen, device) -> torch.Tensor:
     mask = torch.empty(case.batch, case.heads_kv, case.seqlen_q, case.seqlen_k,
                        dtype=torch.bool, device=device)
-    score = _ranking_score(case, bias, gen, device) if case.mask != "sliding" else None
+    score = None
+    if case.mask == "block_sparse":
+        tiles = _sparse_tiles(case, gen, device)
+    elif case.mask != "sliding":
+        score = _ranking_score(case, bias, gen, device)
     step = _row_chunk(case)
     for r0 in range(0, case.seqlen_q, step):
         r1 = min(case.seqlen_q, r0 + step)
         visible = _causal_rows(r0, r1, case, device)
         if case.mask == "sliding":
             rows = _sliding_rows(case, r0, r1, device)
+        elif case.mask == "block_sparse":
+            rows = _tile_rows(tiles, visible, case, r0, r1)
         else:
             rows = _topk_rows(score, visible, case, r0, r1)
             if case.mask == "block_topk":

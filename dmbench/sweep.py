@@ -13,8 +13,8 @@ A sweep file has these top-level keys (all optional except that it needs cases):
 
 Case keys: batch, heads ("16/4", {q: 16, kv: 4} or 8 for MHA), seqlen (2048, "1/65536" or
 {q: 1, k: 65536}), head_dim, window, causal, dtype (bf16/fp16/fp32), mask (none, topk,
-block_topk, sliding, random), mask_shape, bias (none, kv_row, kv_full, q_full, shared or an
-explicit shape), seed.
+block_topk, block_sparse, sliding, random), mask_shape, bias (none, kv_row, kv_full, q_full,
+shared or an explicit shape), seed.
 
 Shapes of masks and biases are written as four axis tokens joined by ``x``: batch ``1``/``B``,
 heads ``1``/``Hk``/``Hq``, query ``1``/``Lq``, key ``1``/``Lk``; for example ``1xHqxLqx1``.
@@ -35,8 +35,8 @@ from .errors import ConfigError
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
           "half": "fp16", "fp32": "fp32", "float32": "fp32"}
-MASK_KINDS = ("none", "topk", "block_topk", "sliding", "random")
-WINDOW_MASKS = ("topk", "block_topk", "sliding")
+MASK_KINDS = ("none", "topk", "block_topk", "block_sparse", "sliding", "random")
+WINDOW_MASKS = ("topk", "block_topk", "block_sparse", "sliding")
 BIAS_KINDS = {
     "none": None,
     "kv_row": "BxHkx1xLk",

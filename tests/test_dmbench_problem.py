@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmbench.problem import BLOCK_KEYS, make_problem, shape_from_tokens
+from dmbench.problem import BLOCK_KEYS, SPARSE_TILE, make_problem, shape_from_tokens
 from dmbench.sweep import BIAS_KINDS, Case
 
 CPU = torch.device("cpu")
@@ -65,6 +65,31 @@ def test_block_topk_keeps_whole_blocks_chosen_by_majority():
         assert torch.equal(block.all(-1), expect) and torch.equal(block.any(-1), expect)
 
 
+@pytest.mark.parametrize("window,fraction", ((1, 1 / 4), (SPARSE_TILE + 1, 2 / 4), (10**6, 1.0)))
+def test_block_sparse_keeps_whole_random_tiles_at_an_exact_fraction(window, fraction):
+    lq, lk = 3 * SPARSE_TILE - 5, 4 * SPARSE_TILE  # a partial last query block
+    case = _case(lq, lk, window, "block_sparse", causal=False, bias="none")
+    p = make_problem(case, CPU)
+    tiles = p.mask[..., ::SPARSE_TILE, ::SPARSE_TILE]
+    # Whole tiles: every element equals its tile's corner.
+    whole = tiles.repeat_interleave(SPARSE_TILE, -2).repeat_interleave(SPARSE_TILE, -1)
+    assert torch.equal(p.mask, whole[..., :lq, :lk])
+    assert (tiles.sum(-1) == round(fraction * 4)).all()
+    assert p.active_fraction == pytest.approx(fraction)
+    if fraction < 1:  # random per (batch, KV head, query block), not one pattern for all
+        assert len({tuple(t.tolist()) for t in tiles.reshape(-1, 4)}) > 1
+
+
+def test_block_sparse_causal_picks_only_blocks_its_rows_can_see():
+    lq = lk = 4 * SPARSE_TILE
+    case = _case(lq, lk, 2 * SPARSE_TILE, "block_sparse", causal=True, bias="none")
+    p = make_problem(case, CPU)
+    assert not (p.mask & ~_visible(case)).any()
+    tiles = p.mask.view(2, 2, 4, SPARSE_TILE, 4, SPARSE_TILE).any(-1).any(-2)
+    # Query block 0 sees one key block; the others have two of the visible ones.
+    assert torch.equal(tiles.sum(-1), torch.tensor([1, 2, 2, 2]).expand(2, 2, 4))
+
+
 @pytest.mark.parametrize("lengths", LENGTHS)
 @pytest.mark.parametrize("window", WINDOWS)
 def test_sliding_is_the_most_recent_visible_keys(lengths, window):
@@ -97,7 +122,7 @@ def test_bias_kinds_have_their_shapes(kind):
         assert p.bias.dtype == torch.bfloat16 and p.bias.requires_grad
 
 
-@pytest.mark.parametrize("mask", ("none", "topk", "sliding", "random"))
+@pytest.mark.parametrize("mask", ("none", "topk", "block_sparse", "sliding", "random"))
 def test_kept_pairs_counts_mask_and_causality(mask):
     case = _case(17, 40, 6, mask) if mask != "random" else Case(2, 4, 2, 17, 40, 16, None, True, "fp32", "random", "1xHkxLqxLk")
     p = make_problem(case, CPU)

@@ -345,3 +345,23 @@ def test_report_rewrites_only_between_the_markers(tmp_path):
     result = runner.invoke(app, ["report", str(csv_path), "--readme", str(readme)])
     assert result.exit_code == ExitCode.USAGE
     assert "missing the headline markers" in result.output
+
+
+def test_report_tables_block_sparse_time_against_the_full_tile_row(tmp_path):
+    from dmbench.report import headline_markdown
+
+    def sparse(window, fraction, times, seqlen=1024):
+        case = Case(2, 4, 2, seqlen, seqlen, 64, window, False, "bf16", "block_sparse")
+        return _timed(case, "sparsity", "fwd", times, active_fraction=fraction)
+
+    rows = (sparse(1024, 1.0, {"triton": 2.0, "flex": 3.0})
+            + sparse(128, 0.125, {"triton": 0.3, "flex": 0.6})
+            + sparse(64, 0.0625, {"triton": 0.2})
+            # No full-tile row in this group: nothing to divide by, so no table.
+            + sparse(128, 0.25, {"triton": 1.0}, seqlen=512))
+    text = headline_markdown([_write_csv(tmp_path / "r.csv", rows)])
+    assert "**sparsity, fwd: time ÷ time with every tile active** (B2 H4/2 L1024 D64;" in text
+    assert "| 1.0000 | 2.000 | 1.000 | 3.000 | 1.000 |" in text
+    assert "| 0.1250 | 0.300 | 0.150 | 0.600 | 0.200 |" in text
+    assert "| 0.0625 | 0.200 | 0.100 | – | – |" in text
+    assert text.count("time with every tile active") == 1
