@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
-from ._launch import ceil_div, launch, next_power_of_2, operand_args, operand_pointer
+from ._launch import ceil_div, launch, next_power_of_2, operand_args
 from ._score import tile_offsets, visible_keys
 
 
@@ -196,7 +196,7 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     grid = (ceil_div(shape.seqlen_q, load_rows) * num_load_cols, mask_batch * mask_heads)
     launch(
         _tile_activity_kernel, grid,
-        operand_pointer(mask.view, None), *args.as_args()[:4],
+        mask.view, *args.as_args()[:4],
         active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
         SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
         IS_CAUSAL=bool(is_causal), num_warps=4,

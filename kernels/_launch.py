@@ -89,12 +89,17 @@ def operand_args(op: BroadcastOperand | None) -> OperandArgs:
 
 
 def operand_pointer(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
-    """What a mask or bias passes as its pointer argument: the tensor (its broadcast view has
-    the same address), a bool mask seen as uint8 (same bytes, no copy, and a plain integer
-    load in every Triton version), or ``placeholder`` when absent."""
-    if t is None:
-        return placeholder
-    return t.view(torch.uint8) if t.dtype == torch.bool else t
+    """What a mask or bias passes as its pointer argument: the tensor itself (its broadcast
+    view has the same address), or ``placeholder`` when absent. A bool mask stays bool here;
+    Triton is handed its uint8 view (``_kernel_arg``) only where it reads the dtype."""
+    return placeholder if t is None else t
+
+
+def _kernel_arg(a):
+    # A bool tensor is passed to Triton as uint8 (same bytes, no copy, and a plain integer
+    # load in every Triton version). Only the JIT and interpreter paths need this: the direct
+    # path passes addresses, so a repeat call makes no view (a torch op of host time).
+    return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype == torch.bool else a
 
 
 def strides3(t: torch.Tensor) -> tuple[int, int, int]:
@@ -195,7 +200,7 @@ def _jit_launch(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
     """Launch through Triton's JIT dispatch; return what a direct launch of the same
     signature needs: the compiled kernel and the parameters after ``args`` (the launcher
     takes them all and skips the constexprs itself)."""
-    compiled = kernel[grid](*args, **options)
+    compiled = kernel[grid](*map(_kernel_arg, args), **options)
     compiled = compiled.result() if hasattr(compiled, "result") else compiled
     tail = tuple(options[name] for name in kernel.arg_names[len(args):])
     return compiled, tail
@@ -218,7 +223,7 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
     kernel's order and ``constexprs`` name every remaining parameter."""
     options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
     if is_interpreted(kernel) or not _direct_launch_available():
-        kernel[grid](*args, **options)
+        kernel[grid](*map(_kernel_arg, args), **options)
         return
     device = _driver.active.get_current_device()
     key = (device, num_warps, num_stages, tuple(constexprs.values()), _arg_signature(args))
@@ -252,7 +257,7 @@ class PlannedLaunch:
 
     def __call__(self, *pointers: torch.Tensor) -> None:
         if is_interpreted(self.kernel) or not _direct_launch_available():
-            self.kernel[self.grid](*pointers, *self.scalars, **self.options)
+            self.kernel[self.grid](*map(_kernel_arg, pointers), *self.scalars, **self.options)
             return
         device = _driver.active.get_current_device()
         # The launcher takes addresses as plain ints too, which skips its per-tensor

@@ -276,3 +276,11 @@ def split_share(total, split, num_splits):
     per = tl.cdiv(total, num_splits)
     lo = tl.minimum(split * per, total)
     return lo, tl.minimum(lo + per, total)
+
+
+@triton.jit
+def split_rows(split, bh, num_bh, seqlen_q):
+    """First row of (batch x head) row ``bh``'s key share ``split`` in a split-K partial buffer
+    laid out (splits, num_bh, seqlen_q, ...): what the attention kernels write and the merge
+    kernels read."""
+    return (split * num_bh + bh).to(tl.int64) * seqlen_q

@@ -21,7 +21,7 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, bias_has_one_row, ce
                       padded_head_dim, strides3)
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
                      interior_span, mma, operand_base, query_tile_scores, row_offsets,
-                     split_share, tile_offsets)
+                     split_rows, split_share, tile_offsets)
 
 
 @triton.jit
@@ -185,7 +185,8 @@ def _attn_fwd_kernel(
     lse_rows = (b * heads_q + heads).to(tl.int64) * seqlen_q + offs_m
     if SPLIT_KEYS:
         # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32; _attn_fwd_combine_kernel merges them.
-        part_rows = split.to(tl.int64) * tl.num_programs(1) * GROUP_PACK * seqlen_q + lse_rows
+        part_rows = split_rows(split, b * heads_q + heads, tl.num_programs(1) * GROUP_PACK,
+                               seqlen_q) + offs_m
         tl.store(out_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
                  out, mask=row_ok[:, None])
         tl.store(lse_part_ptr + part_rows, lse, mask=row_ok)
@@ -212,13 +213,13 @@ def _attn_fwd_combine_kernel(
     row_ok = offs_m < seqlen_q
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in range(num_splits):
-        row = (s * num_bh + bh).to(tl.int64) * seqlen_q
+        row = split_rows(s, bh, num_bh, seqlen_q)
         m = tl.maximum(m, tl.load(lse_part_ptr + row + offs_m, mask=row_ok, other=float("-inf")))
     m_shift = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights stay 0
     weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in range(num_splits):
-        row = (s * num_bh + bh).to(tl.int64) * seqlen_q
+        row = split_rows(s, bh, num_bh, seqlen_q)
         w = tl.exp(tl.load(lse_part_ptr + row + offs_m, mask=row_ok, other=float("-inf"))
                    - m_shift)
         part = tl.load(out_part_ptr + tile_offsets((row + offs_m)[:, None], offs_d[None, :],

@@ -69,7 +69,7 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
     if prepared is not None:
         activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
     elif attn_mask is not None and for_backward:
-        later_tiles = backward_tiles(checked.shape, query.dtype)
+        later_tiles = backward_tiles(checked.shape, query.dtype, query.device)
     plan = ForwardPlan(checked, query, key, value, is_causal, activity, later_tiles)
     if signature is not None and not copied:
         _remember(plans, signature, plan)

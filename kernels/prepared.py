@@ -85,8 +85,9 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ensure_runnable(_attn_fwd_kernel, query.device)
     tiling = forward_tiling(checked, query.dtype, is_interpreted(_attn_fwd_kernel))
     shape = checked.shape
-    activity = mask_activity(checked, tiling, is_causal, backward_tiles(shape, query.dtype))
+    later_tiles = backward_tiles(shape, query.dtype, query.device)
+    activity = mask_activity(checked, tiling, is_causal, later_tiles)
     activity.lists(*tiling.list_tile, transposed=False)
-    prepare_backward_lists(activity, shape, query.dtype)
+    prepare_backward_lists(activity, shape, query.dtype, query.device)
     return PreparedMask(attn_mask, shape, query.dtype, query.device, bool(is_causal), activity,
                         _version(attn_mask))

@@ -59,7 +59,7 @@ def test_grad_lengths(seqlen_q, seqlen_k, causal, masked, dtype, device):
 def test_grad_decode_key_split(seqlen_q, causal, masked, device):
     """Decode-sized grids split dq over the keys: every share must land in the sum."""
     dims = Dims(1, seqlen_q, 1031, heads_q=4, heads_kv=2, head_dim=40)
-    _, cfg_q = configs_for(dims, torch.bfloat16)
+    _, cfg_q = configs_for(dims, torch.bfloat16, device)
     assert dq_key_splits(dims, cfg_q, device) > 1, "this shape should take the split path"
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
                                          bias="BxHkx1xLk", keep=0.5)
@@ -75,6 +75,21 @@ def test_decode_key_split_is_deterministic(device):
     first, second = (grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out,
                               deterministic=True) for _ in range(2))
     assert_same_bits(first, second)
+
+
+@pytest.mark.parametrize("batch,seqlen_q,heads,small_grid", [
+    (1, 97, (4, 2), True),  # 1 x 2 x 2 key blocks of 64: a few programs, 16-key dkdv tiles
+    (3, 17, (8, 8), False),  # 3 x 8 x 2 = 48 programs (over 132 / 4): the usual 64-key tiles
+])
+def test_grad_dkdv_tiles_follow_the_grid_size(batch, seqlen_q, heads, small_grid, device):
+    """D128 picks its dkdv key block by how many programs the grid has; both must be right."""
+    dims = Dims(batch, seqlen_q, 97, heads_q=heads[0], heads_kv=heads[1], head_dim=128)
+    cfg_kv, _ = configs_for(dims, torch.bfloat16, device)
+    if device.type == "cuda":  # the interpreter always takes its own small tiles
+        assert cfg_kv.block_n == (16 if small_grid else 64)
+    q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
+                                         bias="BxHkx1xLk", keep=0.5)
+    run_backward(q, k, v, mask, bias, causal=True)
 
 
 @pytest.mark.slow
