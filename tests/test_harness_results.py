@@ -358,10 +358,15 @@ def test_report_tables_block_sparse_time_against_the_full_tile_row(tmp_path):
             + sparse(128, 0.125, {"triton": 0.3, "flex": 0.6})
             + sparse(64, 0.0625, {"triton": 0.2})
             # No full-tile row in this group: nothing to divide by, so no table.
-            + sparse(128, 0.25, {"triton": 1.0}, seqlen=512))
+            + sparse(128, 0.25, {"triton": 1.0}, seqlen=512)
+            # Time that falls too slowly: 0.3 of the full-tile time at 1/16.
+            + sparse(2048, 1.0, {"triton": 1.0}, seqlen=2048)
+            + sparse(128, 0.0625, {"triton": 0.3}, seqlen=2048))
     text = headline_markdown([_write_csv(tmp_path / "r.csv", rows)])
     assert "**sparsity, fwd: time ÷ time with every tile active** (B2 H4/2 L1024 D64;" in text
     assert "| 1.0000 | 2.000 | 1.000 | 3.000 | 1.000 |" in text
     assert "| 0.1250 | 0.300 | 0.150 | 0.600 | 0.200 |" in text
     assert "| 0.0625 | 0.200 | 0.100 | – | – |" in text
-    assert text.count("time with every tile active") == 1
+    assert "ours takes 0.100 of its full-tile time: the target (at most 0.125) is met." in text
+    assert "ours takes 0.300 of its full-tile time: the target (at most 0.125) is not met." in text
+    assert text.count("time with every tile active") == 2
