@@ -141,9 +141,10 @@ def key_splits(programs: int, key_blocks: int, multiprocessor_count: int,
 
     Splits only when the grid fills less than half the multiprocessors (decode), aims at two
     programs per multiprocessor, and keeps at least ``min_blocks`` key blocks per split so the
-    merge stays cheap. From half a wave up, the split's partial buffers, extra launch and merge cost more
-    than the idle multiprocessors: B1 H8/2 L2048 with a mask is 128 programs on 132, a 58 us
-    attention kernel plus a 7 us merge and ~25 us of host time (results/notes.md, change 20).
+    merge stays cheap. From half a wave up, the split's partial buffers, extra launch and merge
+    cost more than the idle multiprocessors: B1 H8/2 L2048 with a mask is 128 programs on 132,
+    a 58 us attention kernel plus a 7 us merge and ~25 us of host time (results/notes.md,
+    change 20).
     """
     if 2 * programs > multiprocessor_count:
         return 1

@@ -21,6 +21,10 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous
 from .backward_kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dq_merge_kernel
 
 
+# dkdv's usual key block at 64 < D <= 128; the grid it gives decides ``small_grid``.
+DKDV_BLOCK_N = 64
+
+
 @dataclass(frozen=True)
 class BackwardConfig:
     block_m: int
@@ -34,8 +38,8 @@ def backward_configs(block_d: int, dtype: torch.dtype, interpreted: bool, seqlen
     """(dkdv, dq) tiles per head dim, from sweeps on an H100 (notes in results/notes.md).
 
     dkdv keeps a key block resident and walks query blocks; dq the reverse. ``small_grid``:
-    dkdv with 64-key blocks would have at most a quarter as many programs as the GPU has
-    multiprocessors.
+    dkdv with ``DKDV_BLOCK_N``-key blocks would have at most a quarter as many programs as the
+    GPU has multiprocessors.
     """
     if interpreted:
         # Unequal tiles, so that the causal split logic is exercised with BLOCK_M != BLOCK_N.
@@ -54,9 +58,9 @@ def backward_configs(block_d: int, dtype: torch.dtype, interpreted: bool, seqlen
         # blocks is the whole kernel, and 16-key blocks, 4x the programs, took it from 53 to
         # 32 us; at 64 programs (L1024) they gain under 10%, at 256 they lose (change 22).
         if seqlen_q <= 16:
-            dkdv = BackwardConfig(16, 64, 4, 3)
+            dkdv = BackwardConfig(16, DKDV_BLOCK_N, 4, 3)
         else:
-            dkdv = BackwardConfig(32, 16 if small_grid else 64, 4, 3)
+            dkdv = BackwardConfig(32, 16 if small_grid else DKDV_BLOCK_N, 4, 3)
         return dkdv, BackwardConfig(64, 32, 4, 3)
     return BackwardConfig(32, 32, 4, 2), BackwardConfig(64, 16, 4, 2)
 
@@ -65,7 +69,7 @@ def configs_for(shape: AttnShape, dtype: torch.dtype,
                 device: torch.device) -> tuple[BackwardConfig, BackwardConfig]:
     """(dkdv, dq) configs for a problem of this shape and dtype on ``device``."""
     interpreted = is_interpreted(attn_bwd_dq_kernel)
-    key_programs = shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k, 64)
+    key_programs = shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k, DKDV_BLOCK_N)
     small_grid = 4 * key_programs <= multiprocessors(device, interpreted)
     return backward_configs(padded_head_dim(shape.head_dim), dtype, interpreted,
                             shape.seqlen_q, small_grid)

@@ -363,7 +363,7 @@ def test_report_tables_block_sparse_time_against_the_full_tile_row(tmp_path):
             + sparse(2048, 1.0, {"triton": 1.0}, seqlen=2048)
             + sparse(128, 0.0625, {"triton": 0.3}, seqlen=2048))
     text = headline_markdown([_write_csv(tmp_path / "r.csv", rows)])
-    assert "**sparsity, fwd: time ÷ time with every tile active** (B2 H4/2 L1024 D64;" in text
+    assert "**sparsity, fwd: time ÷ time with every tile active** (B2 H4/2 L1024 D64; bias none;" in text
     assert "| 1.0000 | 2.000 | 1.000 | 3.000 | 1.000 |" in text
     assert "| 0.1250 | 0.300 | 0.150 | 0.600 | 0.200 |" in text
     assert "| 0.0625 | 0.200 | 0.100 | – | – |" in text
