@@ -18,6 +18,7 @@ from ._dbias import plan_dbias
 from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
                       dot_options, edge_slots, is_interpreted, key_splits, multiprocessors,
                       operand_pointer, padded_head_dim, strides3)
+from ._scratch import Scratch
 from .backward_kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dq_merge_kernel
 
 
@@ -179,6 +180,10 @@ class BackwardPlan:
             EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n), SPLIT_KEYS=self.splits > 1,
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
         )
+        # delta (written by dq, read by dkdv) and dq's split-K partials live within one call.
+        self._scratch = Scratch(
+            fwd.device, (fwd.lse_shape, torch.float32),
+            *(((self.dq_part_shape, torch.float32),) if self.splits > 1 else ()))
         self.dq_merge = None
         if self.splits > 1:
             self.dq_merge = PlannedLaunch(
@@ -189,11 +194,9 @@ class BackwardPlan:
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
         """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
-        delta = torch.empty_like(lse)  # written by the dq kernel, read by dkdv
+        delta, *parts = self._scratch.buffers()
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
-        dq_part = lse
-        if self.dq_merge is not None:
-            dq_part = torch.empty(self.dq_part_shape, dtype=torch.float32, device=self.device)
+        dq_part = parts[0] if parts else lse
         self.dq(query, key, value, out, grad_out, lse, delta, dq, dq_part, mask, bias,
                 lse if self.q_table is None else self.q_table)
         if self.dq_merge is not None:

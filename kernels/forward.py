@@ -19,6 +19,7 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, bias_has_one_row, ce
                       contiguous_strides, dot_options, edge_slots, is_interpreted, key_splits,
                       multiprocessors, next_power_of_2, operand_args, operand_pointer,
                       padded_head_dim, strides3)
+from ._scratch import Scratch
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
                      interior_span, mma, operand_base, query_tile_scores, row_offsets,
                      split_rows, split_share, tile_offsets)
@@ -365,6 +366,11 @@ class ForwardPlan:
             EDGE_SLOTS=edge_slots(query_rows, cfg.block_n),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        # Split-K partials, and an LSE for calls that neither return nor save one, are scratch.
+        parts = (((self.part_shape, torch.float32), (self.part_shape[:3], torch.float32))
+                 if self.splits > 1 else ())
+        self._scratch = Scratch(query.device, *parts)
+        self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
         self.combine = None
         if self.splits > 1:
             self.combine = PlannedLaunch(
@@ -373,22 +379,24 @@ class ForwardPlan:
                 HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
             )
 
-    def run(self, query, key, value, mask, bias) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32) for tensors of this plan's signature;
-        ``mask`` is the bool mask (or its uint8 view) and ``bias`` the bias, either may be
-        None."""
+    def run(self, query, key, value, mask, bias,
+            keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, or None without ``keep_lse``) for
+        tensors of this plan's signature; ``mask`` is the bool mask (or its uint8 view) and
+        ``bias`` the bias, either may be None."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        out_part = lse_part = lse
-        if self.combine is not None:
-            out_part = torch.empty(self.part_shape, dtype=torch.float32, device=self.device)
-            lse_part = torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device)
+        if keep_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            parts = self._scratch.buffers()
+        else:
+            lse, *parts = self._scratch_with_lse.buffers()
+        out_part, lse_part = parts if parts else (lse, lse)
         self.main(query, key, value, out, lse, operand_pointer(mask, out),
                   operand_pointer(bias, out),
                   lse if self.list_table is None else self.list_table, out_part, lse_part)
         if self.combine is not None:
             self.combine(out_part, lse_part, out, lse)
-        return out, lse
+        return out, (lse if keep_lse else None)
 
 
 def shared_by_group(op, pack: int) -> bool:

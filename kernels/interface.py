@@ -159,7 +159,7 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
         plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
                                                    bool(is_causal), softmax_scale,
                                                    for_backward=False)
-        out, lse = plan.run(query, key, value, mask, attn_bias)
+        out, lse = plan.run(query, key, value, mask, attn_bias, keep_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

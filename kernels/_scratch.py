@@ -1,0 +1,62 @@
+"""Scratch buffers that live within one call: split-K partials, the backward's delta, and an
+LSE that nobody asked for.
+
+A plan keeps its scratch per CUDA stream and hands the same buffers to its next call on that
+stream. Stream order makes that safe: every kernel that reads the buffers in one call is
+enqueued before any kernel of the next call writes them. On the H100 benchmark host each
+``torch.empty`` costs ~9-10 us of host time (cProfile, torch 2.11), so the four allocations of
+a split-K decode forward were ~40 of its ~105 us per call (results/notes.md, change 23).
+
+Buffers are allocated per call instead when keeping them is not clearly safe or cheap:
+off CUDA (the interpreter), while a CUDA graph is being captured (the graph owns its
+allocations), and above ``MAX_KEPT_BYTES``, where the call's GPU work dwarfs one allocation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Per plan and stream. Scratch is O(B·H·Lq) at most (never O(Lq·Lk)): a decode split-K forward
+# keeps ~0.3 MiB, a B1 H16 L32768 no-grad forward's LSE 2 MiB.
+MAX_KEPT_BYTES = 4 * 2**20
+
+# The stream's raw handle without building a torch.cuda.Stream object (Triton's launcher reads
+# it the same way); the public call is the fallback.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+class Scratch:
+    """Buffers of fixed shapes and dtypes on one device, for one plan's calls."""
+
+    def __init__(self, device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.specs = specs
+        nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs)
+        self.keep = device.type == "cuda" and nbytes <= MAX_KEPT_BYTES
+        self._by_stream: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _allocate(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(shape, dtype=dtype, device=self.device)
+                     for shape, dtype in self.specs)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers for a call enqueued now, on the current stream."""
+        if not self.specs:
+            return ()
+        if not self.keep or torch.cuda.is_current_stream_capturing():
+            return self._allocate()
+        key = _current_stream(self.device.index)
+        kept = self._by_stream.get(key)
+        if kept is None:
+            kept = self._by_stream[key] = self._allocate()
+        return kept
