@@ -19,7 +19,8 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous
                       dot_options, edge_slots, is_interpreted, key_splits, multiprocessors,
                       operand_pointer, padded_head_dim, strides3)
 from ._scratch import Scratch
-from .backward_kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dq_merge_kernel
+from .backward_kernels import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dq_merge_kernel,
+                               attn_bwd_fused_kernel)
 
 
 # dkdv's usual key block at 64 < D <= 128; the grid it gives decides ``small_grid``.
@@ -110,6 +111,26 @@ def dq_key_splits(shape: AttnShape, cfg_q: BackwardConfig, device: torch.device)
                       multiprocessors(device, is_interpreted(attn_bwd_dq_kernel)), min_blocks=8)
 
 
+# The dq and dkdv programs run as one launch when together they fill at most this many waves
+# of the GPU's multiprocessors. There one launch less of host time, and dq running beside
+# dkdv, outweigh what the fused kernel costs on the GPU (dkdv rebuilds delta from the output
+# tile, and each program is sized for the larger of the two kinds): at seqlen L256 (128
+# programs on 132 SMs) the backward took 224 instead of 264 us; from two waves up the fused
+# kernel lost, 211 vs 174 us at L1024 (320 programs) and 1504 vs 1316 at L4096
+# (results/notes.md, change 23).
+FUSE_MAX_WAVES = 1
+
+
+def fuse_backward(cfg_kv: BackwardConfig, cfg_q: BackwardConfig, programs: int,
+                  device: torch.device) -> bool:
+    """Whether a backward of ``programs`` dq and dkdv programs in all runs as one launch (its
+    two configs must agree on warps and stages, which are per launch)."""
+    if (cfg_kv.num_warps, cfg_kv.num_stages) != (cfg_q.num_warps, cfg_q.num_stages):
+        return False
+    interpreted = is_interpreted(attn_bwd_fused_kernel)
+    return programs <= FUSE_MAX_WAVES * multiprocessors(device, interpreted)
+
+
 class BackwardPlan:
     """The backward's launches for one forward plan and one gradient signature (grad_out's
     strides and dtype, ``deterministic``, whether the bias needs a gradient), worked out once:
@@ -180,9 +201,36 @@ class BackwardPlan:
             EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n), SPLIT_KEYS=self.splits > 1,
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
         )
-        # delta (written by dq, read by dkdv) and dq's split-K partials live within one call.
+        self.fused = None
+        dkdv_programs = self.dkdv[0].grid[0] * self.dkdv[0].grid[1]
+        dq_programs = rows_grid[0] * rows_grid[1] * self.splits
+        if len(self.dkdv) == 1 and fuse_backward(cfg_kv, cfg_q, dkdv_programs + dq_programs,
+                                                 fwd.device):
+            self.fused = PlannedLaunch(
+                attn_bwd_fused_kernel, (dkdv_programs + dq_programs,),
+                (*operands, *(plan.target if plan else ABSENT_OPERAND).as_args(),
+                 *block_list_strides(q_lists, shape.batch),
+                 *block_list_strides(kv_lists, shape.batch), *inputs,
+                 *contiguous_strides(fwd.out_shape)[:3], *strides3(dq), *strides3(dk),
+                 *strides3(dv), shape.heads_q, shape.heads_kv, shape.group_size,
+                 shape.seqlen_q, shape.seqlen_k, fwd.softmax_scale * LOG2E, fwd.softmax_scale,
+                 dkdv_programs, rows_grid[0], rows_grid[1], self.splits),
+                KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
+                Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
+                HAS_DBIAS=plan is not None and not plan.is_zero,
+                DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
+                DBIAS_SUM_GROUP=bool(plan and plan.sum_group),
+                DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
+                DBIAS_ATOMIC=bool(plan and plan.atomic),
+                KV_EDGE_SLOTS=edge_slots(cfg_kv.block_n, cfg_kv.block_m),
+                Q_EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n),
+                SPLIT_KEYS=self.splits > 1,
+                num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
+            )
+        # delta (written by dq, read by dkdv; the fused launch needs none) and dq's split-K
+        # partials live within one call.
         self._scratch = Scratch(
-            fwd.device, (fwd.lse_shape, torch.float32),
+            fwd.device, *(() if self.fused else ((fwd.lse_shape, torch.float32),)),
             *(((self.dq_part_shape, torch.float32),) if self.splits > 1 else ()))
         self.dq_merge = None
         if self.splits > 1:
@@ -194,17 +242,24 @@ class BackwardPlan:
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
         """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
-        delta, *parts = self._scratch.buffers()
+        scratch = self._scratch.buffers()
+        dq_part = scratch[-1] if self.dq_merge is not None else lse
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
-        dq_part = parts[0] if parts else lse
-        self.dq(query, key, value, out, grad_out, lse, delta, dq, dq_part, mask, bias,
-                lse if self.q_table is None else self.q_table)
+        q_table = lse if self.q_table is None else self.q_table
+        kv_table = lse if self.kv_table is None else self.kv_table
+        dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
+        if self.fused is not None:
+            self.fused(query, key, value, out, grad_out, lse, dq, dq_part, dk, dv, mask, bias,
+                       dbias, q_table, kv_table)
+        else:
+            delta = scratch[0]
+            self.dq(query, key, value, out, grad_out, lse, delta, dq, dq_part, mask, bias,
+                    q_table)
+            for dkdv in self.dkdv:
+                dkdv(query, key, value, grad_out, lse, delta, dk, dv, mask, bias, dbias,
+                     kv_table)
         if self.dq_merge is not None:
             self.dq_merge(dq, dq_part)
-        dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
-        kv_table = lse if self.kv_table is None else self.kv_table
-        for dkdv in self.dkdv:
-            dkdv(query, key, value, grad_out, lse, delta, dk, dv, mask, bias, dbias, kv_table)
         return self.dbias.finish(dbias) if self.dbias is not None else None
 
 

@@ -9,6 +9,8 @@ Two launches, FlashAttention-2 style (three with split-K dq):
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
    atomics and no (B, Lk, Hq, D) temporary. It also produces the bias gradient for biases that
    span the key axis (see ``_dbias``).
+On small grids, where host time decides, ``attn_bwd_fused_kernel`` runs both kinds of program
+in one launch, each computing delta itself.
 
 Scores and probabilities are rebuilt with the forward's helpers from the saved LSE. dkdv works
 in the transposed (n, m) orientation so that its dots need no extra transposes of dS and P.
@@ -49,7 +51,7 @@ def attn_bwd_dq_merge_kernel(
 @triton.jit
 def _attn_bwd_dkdv_inner(
     dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-    q_ptrs, do_ptrs, stride_q_m, stride_do_m,
+    q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m,
     mask_ptrs, stride_mask_m, bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m,
     lse_ptr, delta_ptr, block_list_ptr, first_block, num_blocks,
     seqlen_q, seqlen_k, qk_scale,
@@ -57,7 +59,7 @@ def _attn_bwd_dkdv_inner(
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
 ):
     """Accumulate one query head's contribution to a key block's dk, dv (and dbias).
 
@@ -65,6 +67,8 @@ def _attn_bwd_dkdv_inner(
     ``first_block + i`` or the i-th entry of the transposed active-tile list. INTERIOR query
     blocks are whole and below the diagonal: no per-pair range or causal test (mask and bias
     pointers are key-clamped by the caller; key rows past seqlen_k are never stored).
+    DELTA_FROM_OUT: delta = rowsum(dO * O) is computed here from the output tile instead of
+    read from what the dq kernel stored (the fused launch, where dq runs alongside).
     """
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
@@ -94,7 +98,12 @@ def _attn_bwd_dkdv_inner(
         dv += mma(p_t.to(do.dtype), do, DOT_PRECISION, WIDEN_DOTS)
         dp_t = mma(v, tl.trans(do), DOT_PRECISION, WIDEN_DOTS)
         # dS = P * (dP - delta): the gradient of the (natural) score, bias included.
-        ds_t = p_t * (dp_t - tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)[None, :])
+        if DELTA_FROM_OUT:
+            o = tl.load(o_ptrs + start_m.to(tl.int64) * stride_o_m, mask=q_in_range, other=0.0)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        else:
+            delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
         dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION, WIDEN_DOTS)
         if HAS_DBIAS:
             if DBIAS_REDUCE_M:
@@ -128,12 +137,59 @@ def attn_bwd_dkdv_kernel(
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, EDGE_SLOTS: tl.constexpr,
 ):
-    n_block = tl.program_id(0)
+    """dk, dv (and dbias) of one key block per program, reading the delta dq stored. The
+    output pointer and strides that only the fused launch reads are given dO's."""
+    _attn_bwd_dkdv_program(
+        tl.program_id(0), tl.program_id(1),
+        q_ptr, k_ptr, v_ptr, do_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+        stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+        stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+        stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+        stride_list_b, stride_list_h, stride_list_n,
+        stride_q_b, stride_q_m, stride_q_h, stride_k_b, stride_k_n, stride_k_h,
+        stride_v_b, stride_v_n, stride_v_h, stride_do_b, stride_do_m, stride_do_h,
+        stride_do_b, stride_do_m, stride_do_h,
+        stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+        heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+        batch_start, head_start, heads_per_launch,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
+        DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
+        DBIAS_ACCUMULATE, DBIAS_ATOMIC, EDGE_SLOTS, False)
+
+
+@triton.jit
+def _attn_bwd_dkdv_program(
+    n_block, pair,
+    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+    stride_list_b, stride_list_h, stride_list_n,
+    stride_q_b, stride_q_m, stride_q_h,
+    stride_k_b, stride_k_n, stride_k_h,
+    stride_v_b, stride_v_n, stride_v_h,
+    stride_o_b, stride_o_m, stride_o_h,
+    stride_do_b, stride_do_m, stride_do_h,
+    stride_dk_b, stride_dk_n, stride_dk_h,
+    stride_dv_b, stride_dv_n, stride_dv_h,
+    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    batch_start, head_start, heads_per_launch,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, EDGE_SLOTS: tl.constexpr,
+    DELTA_FROM_OUT: tl.constexpr,
+):
+    """Key block ``n_block`` of (batch, kv head) pair ``pair`` of the launch."""
     start_n = n_block * BLOCK_N
-    # Axis 1 enumerates (batch, kv head) pairs of this launch; deterministic dbias for a shared
-    # bias launches one slice at a time (batch_start / head_start) in a fixed order.
-    b = batch_start + tl.program_id(1) // heads_per_launch
-    hk = head_start + tl.program_id(1) % heads_per_launch
+    # ``pair`` enumerates (batch, kv head) pairs of this launch; deterministic dbias for a
+    # shared bias launches one slice at a time (batch_start / head_start) in a fixed order.
+    b = batch_start + pair // heads_per_launch
+    hk = head_start + pair % heads_per_launch
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -171,6 +227,8 @@ def attn_bwd_dkdv_kernel(
             + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_q_m, 1)
         do_ptrs = operand_base(do_ptr, b, h, 1, stride_do_b, stride_do_h) \
             + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_do_m, 1)
+        o_ptrs = operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h) \
+            + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_o_m, 1)
         mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
             + tile_offsets(safe_n[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
         bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
@@ -194,11 +252,13 @@ def attn_bwd_dkdv_kernel(
             # Full tiles: every pair visible, so no mask read and no per-pair test.
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
                 dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-                q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+                q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
+                stride_mask_m,
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
                 block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
                 BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
-                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC,
+                DELTA_FROM_OUT)
             # The partial tiles' three spans, as slices of the list.
             edge_list, edge_first, edge_count = block_list + full, 0, lo - full
             inner_list, inner_first, inner_count = block_list + lo, 0, hi - lo
@@ -211,25 +271,31 @@ def attn_bwd_dkdv_kernel(
         # Blocks on the causal diagonal, interior blocks, then a partial last query block.
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
             dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-            q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+            q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
+            stride_mask_m,
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             edge_list, edge_first, edge_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC,
+            DELTA_FROM_OUT)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
             dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-            q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+            q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
+            stride_mask_m,
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             inner_list, inner_first, inner_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC,
+            DELTA_FROM_OUT)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
             dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-            q_ptrs, do_ptrs, stride_q_m, stride_do_m, mask_ptrs, stride_mask_m,
+            q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
+            stride_mask_m,
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             tail_list, tail_first, tail_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, False, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC,
+            DELTA_FROM_OUT)
         if HAS_DBIAS and DBIAS_REDUCE_M and not DBIAS_SUM_GROUP:
             # Row (b, hq) of a (B, Hq, 1, Lk) buffer: a single writer, no atomics.
             tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
@@ -301,13 +367,49 @@ def attn_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    start_m = m_block * BLOCK_M
-    bh = tl.program_id(1)
+    """dq of one query block per program; it also stores delta for the dkdv launch."""
     # Split-K (decode): axis 2 takes a contiguous share of this row block's key blocks (list
     # positions with a mask) and writes an fp32 partial; the merge kernel sums them in order.
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    _attn_bwd_dq_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
+        tl.num_programs(1),
+        q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
+        mask_ptr, bias_ptr, list_ptr,
+        stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+        stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+        stride_list_b, stride_list_h, stride_list_m,
+        stride_q_b, stride_q_m, stride_q_h, stride_k_b, stride_k_n, stride_k_h,
+        stride_v_b, stride_v_n, stride_v_h, stride_do_b, stride_do_m, stride_do_h,
+        stride_o_b, stride_o_m, stride_o_h, stride_dq_b, stride_dq_m, stride_dq_h,
+        heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
+        DOT_PRECISION, WIDEN_DOTS, EDGE_SLOTS, SPLIT_KEYS, True)
+
+
+@triton.jit
+def _attn_bwd_dq_program(
+    m_block, bh, split, num_splits, num_bh,
+    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
+    mask_ptr, bias_ptr, list_ptr,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_list_b, stride_list_h, stride_list_m,
+    stride_q_b, stride_q_m, stride_q_h,
+    stride_k_b, stride_k_n, stride_k_h,
+    stride_v_b, stride_v_n, stride_v_h,
+    stride_do_b, stride_do_m, stride_do_h,
+    stride_o_b, stride_o_m, stride_o_h,
+    stride_dq_b, stride_dq_m, stride_dq_h,
+    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr, STORE_DELTA: tl.constexpr,
+):
+    """Query block ``m_block`` of (batch x q head) row ``bh`` of ``num_bh``, key share
+    ``split`` of ``num_splits``."""
+    start_m = m_block * BLOCK_M
     b = bh // heads_q
     h = bh % heads_q
 
@@ -330,8 +432,9 @@ def attn_bwd_dq_kernel(
                 + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
                 mask=q_in_range, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if split == 0:
-        tl.store(delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=m_ok)
+    if STORE_DELTA:
+        if split == 0:
+            tl.store(delta_ptr + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=m_ok)
 
     k_ptrs = operand_base(k_ptr, b, h, group_size, stride_k_b, stride_k_h) \
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
@@ -395,10 +498,81 @@ def attn_bwd_dq_kernel(
     if SPLIT_KEYS:
         # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32. Every share writes its rows, an empty
         # share zeros, so the merge kernel never reads an unwritten element.
-        part_rows = split_rows(split, bh, tl.num_programs(1), seqlen_q) + offs_m
+        part_rows = split_rows(split, bh, num_bh, seqlen_q) + offs_m
         tl.store(dq_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
                  dq, mask=m_ok[:, None])
     else:
         tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
                  + tile_offsets(offs_m[:, None], offs_d[None, :], stride_dq_m, 1),
                  dq.to(dq_ptr.dtype.element_ty), mask=q_in_range)
+
+
+@triton.jit
+def attn_bwd_fused_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dq_part_ptr, dk_ptr, dv_ptr,
+    mask_ptr, bias_ptr, dbias_ptr, q_list_ptr, kv_list_ptr,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+    stride_q_list_b, stride_q_list_h, stride_q_list_m,
+    stride_kv_list_b, stride_kv_list_h, stride_kv_list_n,
+    stride_q_b, stride_q_m, stride_q_h,
+    stride_k_b, stride_k_n, stride_k_h,
+    stride_v_b, stride_v_n, stride_v_h,
+    stride_do_b, stride_do_m, stride_do_h,
+    stride_o_b, stride_o_m, stride_o_h,
+    stride_dq_b, stride_dq_m, stride_dq_h,
+    stride_dk_b, stride_dk_n, stride_dk_h,
+    stride_dv_b, stride_dv_n, stride_dv_h,
+    heads_q, heads_kv, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    dkdv_programs, dq_row_blocks, num_bh, dq_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
+    Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+    KV_EDGE_SLOTS: tl.constexpr, Q_EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+):
+    """The dkdv and dq programs of one backward in a single launch, for grids too small to
+    hide a launch's host time (results/notes.md, change 23). The dkdv programs come first, as
+    each walks every query block of its group and so runs longest. Neither side reads the
+    other's output: each computes delta = rowsum(dO * O) itself."""
+    pid = tl.program_id(0)
+    if pid < dkdv_programs:
+        key_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
+        _attn_bwd_dkdv_program(
+            pid % key_blocks, pid // key_blocks,
+            q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, lse_ptr, dk_ptr, dv_ptr,
+            mask_ptr, bias_ptr, dbias_ptr, kv_list_ptr,
+            stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+            stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+            stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
+            stride_kv_list_b, stride_kv_list_h, stride_kv_list_n,
+            stride_q_b, stride_q_m, stride_q_h, stride_k_b, stride_k_n, stride_k_h,
+            stride_v_b, stride_v_n, stride_v_h, stride_o_b, stride_o_m, stride_o_h,
+            stride_do_b, stride_do_m, stride_do_h,
+            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+            heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+            0, 0, heads_kv,
+            HEAD_DIM, BLOCK_D, KV_BLOCK_M, KV_BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
+            DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
+            DBIAS_ACCUMULATE, DBIAS_ATOMIC, KV_EDGE_SLOTS, True)
+    else:
+        rest = pid - dkdv_programs
+        m_block = rest % dq_row_blocks
+        rest = rest // dq_row_blocks
+        _attn_bwd_dq_program(
+            m_block, rest % num_bh, rest // num_bh, dq_splits, num_bh,
+            q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, lse_ptr, dq_ptr, dq_part_ptr,
+            mask_ptr, bias_ptr, q_list_ptr,
+            stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+            stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+            stride_q_list_b, stride_q_list_h, stride_q_list_m,
+            stride_q_b, stride_q_m, stride_q_h, stride_k_b, stride_k_n, stride_k_h,
+            stride_v_b, stride_v_n, stride_v_h, stride_do_b, stride_do_m, stride_do_h,
+            stride_o_b, stride_o_m, stride_o_h, stride_dq_b, stride_dq_m, stride_dq_h,
+            heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+            HEAD_DIM, BLOCK_D, Q_BLOCK_M, Q_BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
+            DOT_PRECISION, WIDEN_DOTS, Q_EDGE_SLOTS, SPLIT_KEYS, False)

@@ -1,0 +1,51 @@
+"""The backward's two launch plans: dq and dkdv as separate launches (dkdv reads the delta dq
+stored), or one fused launch of both kinds of program (each rebuilds delta itself). Which one
+a shape takes depends on its grid and the GPU, so each case here runs with each plan forced and
+checks every gradient against float64 autograd of the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_helpers import Dims, random_problem, run_backward
+from kernels import backward, interface
+
+# (dims, mask axes or None, bias axes or None, causal): what a plan change could break.
+CASES = [
+    # GQA with a mask and a one-row bias (dbias summed over rows and the group's heads).
+    pytest.param(Dims(2, 17, 33, heads_q=4, heads_kv=2, head_dim=16), "BxHkxLqxLk",
+                 "1xHkx1xLk", True, id="gqa-mask-kv_row"),
+    # A bias shared by every head and batch: atomic dbias across programs.
+    pytest.param(Dims(2, 33, 17, heads_q=4, heads_kv=2, head_dim=40), None, "1x1xLqxLk", True,
+                 id="lq>lk-shared-bias"),
+    # A per-kv-head full bias: the group's heads add into one tile (load-add-store).
+    pytest.param(Dims(1, 20, 97, heads_q=4, heads_kv=1, head_dim=80), "1x1xLqxLk", "1xHkxLqxLk",
+                 False, id="mqa-full-bias"),
+    # Decode over many keys: dq splits the keys (partials and a merge launch).
+    pytest.param(Dims(1, 1, 1031, heads_q=4, heads_kv=2, head_dim=40), "BxHkxLqxLk",
+                 "BxHkx1xLk", True, id="decode-split"),
+]
+
+
+@pytest.mark.parametrize("fused", (True, False), ids=("fused", "separate"))
+@pytest.mark.parametrize("dims,mask_axes,bias_axes,causal", CASES)
+def test_both_launch_plans_give_the_reference_gradients(dims, mask_axes, bias_axes, causal,
+                                                         fused, device, monkeypatch):
+    interface._plans.clear()  # a kept plan of this signature would keep its launch plan
+    monkeypatch.setattr(backward, "FUSE_MAX_WAVES", 10**9 if fused else 0)
+    made = []
+
+    class Recorded(backward.BackwardPlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(backward, "BackwardPlan", Recorded)
+    q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device,
+                                         mask=mask_axes or "1x1x1x1", bias=bias_axes or "1x1x1x1",
+                                         keep=0.6)
+    run_backward(q, k, v, mask if mask_axes else None, bias if bias_axes else None, causal)
+    assert [plan.fused is not None for plan in made] == [fused]
+    if dims.seqlen_q == 1:
+        assert made[0].splits > 1, "the decode case must split dq over the keys"
