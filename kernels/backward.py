@@ -131,6 +131,15 @@ def fuse_backward(cfg_kv: BackwardConfig, cfg_q: BackwardConfig, programs: int,
     return programs <= FUSE_MAX_WAVES * multiprocessors(device, interpreted)
 
 
+def dbias_flags(plan) -> dict:
+    """The dkdv body's bias-gradient constexprs for a ``DbiasPlan`` (or None: no gradient)."""
+    return dict(HAS_DBIAS=plan is not None and not plan.is_zero,
+                DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
+                DBIAS_SUM_GROUP=bool(plan and plan.sum_group),
+                DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
+                DBIAS_ATOMIC=bool(plan and plan.atomic))
+
+
 class BackwardPlan:
     """The backward's launches for one forward plan and one gradient signature (grad_out's
     strides and dtype, ``deterministic``, whether the bias needs a gradient), worked out once:
@@ -179,11 +188,7 @@ class BackwardPlan:
                  *strides3(dk), *strides3(dv), *sizes,
                  batch_start, head_start, heads_per_launch),
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
-                HAS_DBIAS=plan is not None and not plan.is_zero,
-                DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
-                DBIAS_SUM_GROUP=bool(plan and plan.sum_group),
-                DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
-                DBIAS_ATOMIC=bool(plan and plan.atomic),
+                **dbias_flags(plan),
                 EDGE_SLOTS=edge_slots(cfg_kv.block_n, cfg_kv.block_m),
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
@@ -217,11 +222,7 @@ class BackwardPlan:
                  dkdv_programs, rows_grid[0], rows_grid[1], self.splits),
                 KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
                 Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
-                HAS_DBIAS=plan is not None and not plan.is_zero,
-                DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
-                DBIAS_SUM_GROUP=bool(plan and plan.sum_group),
-                DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
-                DBIAS_ATOMIC=bool(plan and plan.atomic),
+                **dbias_flags(plan),
                 KV_EDGE_SLOTS=edge_slots(cfg_kv.block_n, cfg_kv.block_m),
                 Q_EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n),
                 SPLIT_KEYS=self.splits > 1,
