@@ -3,7 +3,8 @@
 A ``BackwardPlan`` is worked out once per forward plan and gradient signature: the configs,
 the active-tile lists (from the forward's activity map, never the mask), the bias-gradient
 plan, grids and every scalar argument. A repeat backward only allocates and launches: dq
-first (it also stores delta), its split merge when the keys were split, then dkdv.
+(it also stores delta) then dkdv, or on a grid of one wave both as one fused launch; then the
+split merge when dq split the keys.
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ FUSE_MAX_WAVES = 1
 
 def fuse_backward(cfg_kv: BackwardConfig, cfg_q: BackwardConfig, programs: int,
                   device: torch.device) -> bool:
-    """Whether a backward of ``programs`` dq and dkdv programs in all runs as one launch (its
-    two configs must agree on warps and stages, which are per launch)."""
+    """Whether a backward of ``programs`` dq and dkdv programs in total runs as one launch
+    (its two configs must agree on warps and stages, which are per launch)."""
     if (cfg_kv.num_warps, cfg_kv.num_stages) != (cfg_q.num_warps, cfg_q.num_stages):
         return False
     interpreted = is_interpreted(attn_bwd_fused_kernel)
@@ -173,6 +174,13 @@ class BackwardPlan:
                       **dot_options(fwd.dtype, interpreted))
 
         plan = self.dbias
+        dbias_target = (plan.target if plan else ABSENT_OPERAND).as_args()
+        dbias_consts = dbias_flags(plan)
+        kv_list_strides = block_list_strides(kv_lists, shape.batch)
+        q_list_strides = block_list_strides(q_lists, shape.batch)
+        out_strides = contiguous_strides(fwd.out_shape)[:3]
+        kv_edge_slots = edge_slots(cfg_kv.block_n, cfg_kv.block_m)
+        q_edge_slots = edge_slots(cfg_q.block_m, cfg_q.block_n)
         serialize_batch = bool(plan and plan.serialize_batch)
         serialize_heads = bool(plan and plan.serialize_heads)
         batches_per_launch = 1 if serialize_batch else shape.batch
@@ -183,13 +191,11 @@ class BackwardPlan:
             PlannedLaunch(
                 attn_bwd_dkdv_kernel,
                 (ceil_div(shape.seqlen_k, cfg_kv.block_n), batches_per_launch * heads_per_launch),
-                (*operands, *(plan.target if plan else ABSENT_OPERAND).as_args(),
-                 *block_list_strides(kv_lists, shape.batch), *inputs,
+                (*operands, *dbias_target, *kv_list_strides, *inputs,
                  *strides3(dk), *strides3(dv), *sizes,
                  batch_start, head_start, heads_per_launch),
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
-                **dbias_flags(plan),
-                EDGE_SLOTS=edge_slots(cfg_kv.block_n, cfg_kv.block_m),
+                **dbias_consts, EDGE_SLOTS=kv_edge_slots,
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
             for batch_start in (range(shape.batch) if serialize_batch else (0,))
@@ -200,10 +206,9 @@ class BackwardPlan:
         self.dq_part_shape = (self.splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d)
         self.dq = PlannedLaunch(
             attn_bwd_dq_kernel, rows_grid + (self.splits,),
-            (*operands, *block_list_strides(q_lists, shape.batch), *inputs,
-             *contiguous_strides(fwd.out_shape)[:3], *strides3(dq), *sizes),
+            (*operands, *q_list_strides, *inputs, *out_strides, *strides3(dq), *sizes),
             BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
-            EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n), SPLIT_KEYS=self.splits > 1,
+            EDGE_SLOTS=q_edge_slots, SPLIT_KEYS=self.splits > 1,
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
         )
         self.fused = None
@@ -213,18 +218,14 @@ class BackwardPlan:
                                                  fwd.device):
             self.fused = PlannedLaunch(
                 attn_bwd_fused_kernel, (dkdv_programs + dq_programs,),
-                (*operands, *(plan.target if plan else ABSENT_OPERAND).as_args(),
-                 *block_list_strides(q_lists, shape.batch),
-                 *block_list_strides(kv_lists, shape.batch), *inputs,
-                 *contiguous_strides(fwd.out_shape)[:3], *strides3(dq), *strides3(dk),
-                 *strides3(dv), shape.heads_q, shape.heads_kv, shape.group_size,
+                (*operands, *dbias_target, *q_list_strides, *kv_list_strides, *inputs,
+                 *out_strides, *strides3(dq), *strides3(dk), *strides3(dv), shape.heads_q, shape.heads_kv, shape.group_size,
                  shape.seqlen_q, shape.seqlen_k, fwd.softmax_scale * LOG2E, fwd.softmax_scale,
                  dkdv_programs, rows_grid[0], rows_grid[1], self.splits),
                 KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
                 Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
-                **dbias_flags(plan),
-                KV_EDGE_SLOTS=edge_slots(cfg_kv.block_n, cfg_kv.block_m),
-                Q_EDGE_SLOTS=edge_slots(cfg_q.block_m, cfg_q.block_n),
+                **dbias_consts,
+                KV_EDGE_SLOTS=kv_edge_slots, Q_EDGE_SLOTS=q_edge_slots,
                 SPLIT_KEYS=self.splits > 1,
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )

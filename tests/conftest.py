@@ -38,3 +38,13 @@ def device(pytestconfig) -> torch.device:
 def _seeded():
     """Every test draws the same random data on every run, whatever ran before it."""
     torch.manual_seed(0)
+
+
+@pytest.fixture()
+def no_kept_plans():
+    """Start with no kept forward plans: another test in the session may have made a plan of
+    the very signature a test means to plan afresh (a kept plan also keeps its backward
+    plans)."""
+    from kernels import interface  # after pytest_configure has set TRITON_INTERPRET
+
+    interface._plans.clear()

@@ -18,11 +18,9 @@ from kernels import dmattn_func, interface, prepare_mask
 DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
 
 
-@pytest.fixture(autouse=True)
-def _no_kept_plans():
-    """Start each test with no kept plans: other tests in the session may have made a plan of
-    the very signature a test means to change to."""
-    interface._plans.clear()
+# Every test plans afresh: an earlier test may have made a plan of the very signature a test
+# here means to change to.
+pytestmark = pytest.mark.usefixtures("no_kept_plans")
 
 
 def _kept_plan(q, k, v, bias=None, causal=False, scale=None):

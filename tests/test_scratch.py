@@ -59,12 +59,7 @@ def test_scratch_taken_during_a_graph_capture_is_not_kept(device):
     assert len(scratch._by_stream) == 1
 
 
-@pytest.fixture()
-def _fresh_plans():
-    interface._plans.clear()
-
-
-@pytest.mark.usefixtures("_fresh_plans")
+@pytest.mark.usefixtures("no_kept_plans")
 def test_back_to_back_split_calls_each_match_the_reference(device):
     problems = [random_qkv(DECODE, torch.bfloat16, device) for _ in range(3)]
     plan_args = (*problems[0], None, None, True, None)
@@ -82,7 +77,7 @@ def test_back_to_back_split_calls_each_match_the_reference(device):
         assert_close_to_reference("lse", lse, ref_lse, low_lse, q.dtype)
 
 
-@pytest.mark.usefixtures("_fresh_plans")
+@pytest.mark.usefixtures("no_kept_plans")
 def test_back_to_back_split_backwards_each_match_the_reference(device):
     problems = [random_qkv(DECODE, torch.bfloat16, device) for _ in range(3)]
     grad_outs = [torch.randn_like(q) for q, _, _ in problems]
