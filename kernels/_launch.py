@@ -152,6 +152,35 @@ def key_splits(programs: int, key_blocks: int, multiprocessor_count: int,
                       128))
 
 
+
+# A causal grid runs in chunks of rows of at least this many programs per multiprocessor
+# (``grid_chunk_rows``). Probed with 2, 4, 8 and the whole grid as one chunk on dense, gqa,
+# seqlen and window causal rows (results/notes.md, change 24): 8 was best or within noise
+# of the best everywhere.
+CHUNK_PROGRAMS_PER_SM = 8
+
+
+def grid_chunk_rows(rows: int, blocks: int, group: int, uneven: bool,
+                    multiprocessor_count: int) -> int:
+    """Rows per chunk of a ``grid_position`` grid: ``rows`` rows of ``blocks`` programs each,
+    consecutive runs of ``group`` rows sharing K and V (a GQA group).
+
+    With even work per program, one row per chunk: the programs running together then belong
+    to one or two heads and share their K and V in L2. With uneven work (causal), a chunk
+    starts its longest programs first and ends on its shortest, which keeps the grid's last
+    wave short, but only if the chunk holds enough programs to fill the GPU several times
+    over; more rows than that only spread the programs running together over more heads.
+    """
+    if not uneven:
+        return 1
+    # The fewest whole groups that divide the rows into equal chunks and fill the GPU: a
+    # narrower last chunk would end the grid on its own longest programs.
+    for size in range(group, rows, group):
+        if rows % size == 0 and size * blocks >= CHUNK_PROGRAMS_PER_SM * multiprocessor_count:
+            return size
+    return rows
+
+
 # -- launching with less host time
 # ``kernel[grid](...)`` runs Triton's JIT dispatch on every call: it binds and specializes
 # each argument, builds a cache key and looks the compiled kernel up. On the H100 benchmark

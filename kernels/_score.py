@@ -284,3 +284,27 @@ def split_rows(split, bh, num_bh, seqlen_q):
     laid out (splits, num_bh, seqlen_q, ...): what the attention kernels write and the merge
     kernels read."""
     return (split * num_bh + bh).to(tl.int64) * seqlen_q
+
+
+
+@triton.jit
+def grid_position(pid, blocks, chunk_rows, LAST_FIRST: tl.constexpr):
+    """(block, row) of program ``pid`` in a 1-D grid of ``blocks`` blocks for each of its rows
+    (a row is a (batch, head) pair, or a (batch, kv head) pair in dkdv).
+
+    The GPU starts programs roughly in launch order. The grid runs in chunks of
+    ``chunk_rows`` rows (the host's ``chunk_rows`` picks it); within a chunk every row's
+    block of one range starts before any row's next block. Where blocks differ in work
+    (causal), the chunk then starts its longest programs first and ends on its shortest, so
+    the grid's last wave is short work; LAST_FIRST walks the blocks from the last, for
+    kernels whose later blocks hold more work. One row per chunk is plain row-by-row order,
+    whose rows' programs share K and V (or Q and dO) in L2."""
+    rows = tl.num_programs(0) // blocks
+    per_chunk = blocks * chunk_rows
+    first_row = (pid // per_chunk) * chunk_rows
+    rest = pid % per_chunk
+    width = tl.minimum(chunk_rows, rows - first_row)  # the last chunk may be narrower
+    block = rest // width
+    if LAST_FIRST:
+        block = blocks - 1 - block
+    return block, first_row + rest % width

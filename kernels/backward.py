@@ -17,8 +17,8 @@ from ._blocks import ActivityMap, BlockLists, block_list_strides
 from ._checks import AttnShape
 from ._dbias import plan_dbias
 from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
-                      dot_options, edge_slots, is_interpreted, key_splits, multiprocessors,
-                      operand_pointer, padded_head_dim, strides3)
+                      dot_options, edge_slots, grid_chunk_rows, is_interpreted, key_splits,
+                      multiprocessors, operand_pointer, padded_head_dim, strides3)
 from ._scratch import Scratch
 from .backward_kernels import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dq_merge_kernel,
                                attn_bwd_fused_kernel)
@@ -187,13 +187,16 @@ class BackwardPlan:
         heads_per_launch = 1 if serialize_heads else shape.heads_kv
         # One launch, or one per colliding (batch, kv head) slice in a fixed order for a
         # deterministic gradient of a shared bias.
+        sms = multiprocessors(fwd.device, interpreted)
+        key_blocks = ceil_div(shape.seqlen_k, cfg_kv.block_n)
+        pairs = batches_per_launch * heads_per_launch
         self.dkdv = [
             PlannedLaunch(
-                attn_bwd_dkdv_kernel,
-                (ceil_div(shape.seqlen_k, cfg_kv.block_n), batches_per_launch * heads_per_launch),
+                attn_bwd_dkdv_kernel, (key_blocks * pairs,),
                 (*operands, *dbias_target, *kv_list_strides, *inputs,
                  *strides3(dk), *strides3(dv), *sizes,
-                 batch_start, head_start, heads_per_launch),
+                 batch_start, head_start, heads_per_launch,
+                 grid_chunk_rows(pairs, key_blocks, 1, fwd.is_causal, sms)),
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
                 **dbias_consts, EDGE_SLOTS=kv_edge_slots,
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
@@ -205,14 +208,16 @@ class BackwardPlan:
         self.splits = dq_key_splits(shape, cfg_q, fwd.device)
         self.dq_part_shape = (self.splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d)
         self.dq = PlannedLaunch(
-            attn_bwd_dq_kernel, rows_grid + (self.splits,),
-            (*operands, *q_list_strides, *inputs, *out_strides, *strides3(dq), *sizes),
+            attn_bwd_dq_kernel, (rows_grid[0] * rows_grid[1], 1, self.splits),
+            (*operands, *q_list_strides, *inputs, *out_strides, *strides3(dq), *sizes,
+             grid_chunk_rows(rows_grid[1], rows_grid[0], shape.group_size, fwd.is_causal,
+                             sms)),
             BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
             EDGE_SLOTS=q_edge_slots, SPLIT_KEYS=self.splits > 1,
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
         )
         self.fused = None
-        dkdv_programs = self.dkdv[0].grid[0] * self.dkdv[0].grid[1]
+        dkdv_programs = self.dkdv[0].grid[0]
         dq_programs = rows_grid[0] * rows_grid[1] * self.splits
         if len(self.dkdv) == 1 and fuse_backward(cfg_kv, cfg_q, dkdv_programs + dq_programs,
                                                  fwd.device):

@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from ._score import (block_at, block_list_row, causal_block_split, causal_query_split,
-                     clamp_index, interior_span, load_bias, mma, operand_base, probs_from_lse,
-                     query_tile_scores, scores_log2, split_rows, split_share, tile_offsets,
-                     visible_keys, write_tile)
+                     clamp_index, grid_position, interior_span, load_bias, mma, operand_base,
+                     probs_from_lse, query_tile_scores, scores_log2, split_rows, split_share,
+                     tile_offsets, visible_keys, write_tile)
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def attn_bwd_dkdv_kernel(
     stride_dk_b, stride_dk_n, stride_dk_h,
     stride_dv_b, stride_dv_n, stride_dv_h,
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    batch_start, head_start, heads_per_launch,
+    batch_start, head_start, heads_per_launch, chunk_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
@@ -139,8 +139,11 @@ def attn_bwd_dkdv_kernel(
 ):
     """dk, dv (and dbias) of one key block per program, reading the delta dq stored. The
     output pointer and strides that only the fused launch reads are given dO's."""
+    # Earlier key blocks see more queries under causal: n ascending is already longest first.
+    n_block, pair = grid_position(tl.program_id(0), tl.cdiv(seqlen_k, BLOCK_N), chunk_rows,
+                                  False)
     _attn_bwd_dkdv_program(
-        tl.program_id(0), tl.program_id(1),
+        n_block, pair,
         q_ptr, k_ptr, v_ptr, do_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         mask_ptr, bias_ptr, dbias_ptr, list_ptr,
         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
@@ -360,7 +363,7 @@ def attn_bwd_dq_kernel(
     stride_do_b, stride_do_m, stride_do_h,
     stride_o_b, stride_o_m, stride_o_h,
     stride_dq_b, stride_dq_m, stride_dq_h,
-    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, chunk_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
@@ -370,9 +373,11 @@ def attn_bwd_dq_kernel(
     """dq of one query block per program; it also stores delta for the dkdv launch."""
     # Split-K (decode): axis 2 takes a contiguous share of this row block's key blocks (list
     # positions with a mask) and writes an fp32 partial; the merge kernel sums them in order.
+    # Later query blocks see more keys under causal: they start first.
+    row_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    m_block, bh = grid_position(tl.program_id(0), row_blocks, chunk_rows, IS_CAUSAL)
     _attn_bwd_dq_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        tl.num_programs(1),
+        m_block, bh, tl.program_id(2), tl.num_programs(2), tl.num_programs(0) // row_blocks,
         q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
         mask_ptr, bias_ptr, list_ptr,
         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,

@@ -16,13 +16,13 @@ import triton.language as tl
 from ._blocks import ActivityMap, block_list_strides, shared_granularity, tile_activity
 from ._checks import CheckedInputs
 from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, bias_has_one_row, ceil_div,
-                      contiguous_strides, dot_options, edge_slots, is_interpreted, key_splits,
-                      multiprocessors, next_power_of_2, operand_args, operand_pointer,
-                      padded_head_dim, strides3)
+                      contiguous_strides, dot_options, edge_slots, grid_chunk_rows,
+                      is_interpreted, key_splits, multiprocessors, next_power_of_2,
+                      operand_args, operand_pointer, padded_head_dim, strides3)
 from ._scratch import Scratch
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
-                     interior_span, mma, operand_base, query_tile_scores, row_offsets,
-                     split_rows, split_share, tile_offsets)
+                     grid_position, interior_span, mma, operand_base, query_tile_scores,
+                     row_offsets, split_rows, split_share, tile_offsets)
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _attn_fwd_kernel(
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
     stride_o_b, stride_o_m, stride_o_h,
-    heads_q, group_size, seqlen_q, seqlen_k, qk_scale,
+    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, chunk_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_PACK: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
@@ -89,14 +89,13 @@ def _attn_fwd_kernel(
     # start_m + r // G of query head hx * G + r % G: the G heads sharing a KV head share one
     # program, so K, V and the (group-shared) mask are read once for all of them.
     QUERY_ROWS: tl.constexpr = BLOCK_M // GROUP_PACK
-    m_block = tl.program_id(0)
-    if IS_CAUSAL:
-        # Later query blocks see more keys: start them first so the tail of the grid is short.
-        m_block = tl.num_programs(0) - 1 - m_block
+    # Later query blocks see more keys under causal: they start first (see grid_position).
+    m_block, head_program = grid_position(tl.program_id(0), tl.cdiv(seqlen_q, QUERY_ROWS),
+                                          chunk_rows, IS_CAUSAL)
     start_m = m_block * QUERY_ROWS
     heads_grid = heads_q // GROUP_PACK
-    b = tl.program_id(1) // heads_grid
-    first_head = (tl.program_id(1) % heads_grid) * GROUP_PACK
+    b = head_program // heads_grid
+    first_head = (head_program % heads_grid) * GROUP_PACK
     # Split-K (decode): axis 2 cuts this row block's key blocks into contiguous shares.
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -186,8 +185,8 @@ def _attn_fwd_kernel(
     lse_rows = (b * heads_q + heads).to(tl.int64) * seqlen_q + offs_m
     if SPLIT_KEYS:
         # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32; _attn_fwd_combine_kernel merges them.
-        part_rows = split_rows(split, b * heads_q + heads, tl.num_programs(1) * GROUP_PACK,
-                               seqlen_q) + offs_m
+        num_bh = tl.num_programs(0) // tl.cdiv(seqlen_q, QUERY_ROWS) * GROUP_PACK
+        part_rows = split_rows(split, b * heads_q + heads, num_bh, seqlen_q) + offs_m
         tl.store(out_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
                  out, mask=row_ok[:, None])
         tl.store(lse_part_ptr + part_rows, lse, mask=row_ok)
@@ -351,12 +350,14 @@ class ForwardPlan:
         self.part_shape = (self.splits, num_bh, shape.seqlen_q, block_d)
         out_strides = contiguous_strides(self.out_shape)[:3]
         self.main = PlannedLaunch(
-            _attn_fwd_kernel, (row_blocks, num_bh // pack, self.splits),
+            _attn_fwd_kernel, (row_blocks * (num_bh // pack), 1, self.splits),
             (*(self.mask or ABSENT_OPERAND).as_args(), *(self.bias or ABSENT_OPERAND).as_args(),
              *block_list_strides(lists, shape.batch),
              *strides3(query), *strides3(key), *strides3(value), *out_strides,
              shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-             checked.softmax_scale * LOG2E),
+             checked.softmax_scale * LOG2E,
+             grid_chunk_rows(num_bh // pack, row_blocks, 1 if pack > 1 else shape.group_size,
+                             self.is_causal, multiprocessors(query.device, interpreted))),
             HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
             BLOCK_M=tiling.block_m, BLOCK_N=cfg.block_n, GROUP_PACK=pack,
             HAS_MASK=checked.mask is not None, HAS_BIAS=checked.bias is not None,
