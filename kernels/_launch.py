@@ -152,7 +152,6 @@ def key_splits(programs: int, key_blocks: int, multiprocessor_count: int,
                       128))
 
 
-
 # A causal grid runs in chunks of rows of at least this many programs per multiprocessor
 # (``grid_chunk_rows``). Probed with 2, 4, 8 and the whole grid as one chunk on dense, gqa,
 # seqlen and window causal rows (results/notes.md, change 24): 8 was best or within noise

@@ -286,14 +286,13 @@ def split_rows(split, bh, num_bh, seqlen_q):
     return (split * num_bh + bh).to(tl.int64) * seqlen_q
 
 
-
 @triton.jit
 def grid_position(pid, blocks, chunk_rows, LAST_FIRST: tl.constexpr):
     """(block, row) of program ``pid`` in a 1-D grid of ``blocks`` blocks for each of its rows
     (a row is a (batch, head) pair, or a (batch, kv head) pair in dkdv).
 
     The GPU starts programs roughly in launch order. The grid runs in chunks of
-    ``chunk_rows`` rows (the host's ``chunk_rows`` picks it); within a chunk every row's
+    ``chunk_rows`` rows (the host's ``grid_chunk_rows`` picks it); within a chunk every row's
     block of one range starts before any row's next block. Where blocks differ in work
     (causal), the chunk then starts its longest programs first and ends on its shortest, so
     the grid's last wave is short work; LAST_FIRST walks the blocks from the last, for
