@@ -224,8 +224,10 @@ class BackwardPlan:
             self.fused = PlannedLaunch(
                 attn_bwd_fused_kernel, (dkdv_programs + dq_programs,),
                 (*operands, *dbias_target, *q_list_strides, *kv_list_strides, *inputs,
-                 *out_strides, *strides3(dq), *strides3(dk), *strides3(dv), shape.heads_q, shape.heads_kv, shape.group_size,
-                 shape.seqlen_q, shape.seqlen_k, fwd.softmax_scale * LOG2E, fwd.softmax_scale,
+                 *out_strides, *strides3(dq), *strides3(dk), *strides3(dv),
+                 # ``sizes`` with heads_kv after heads_q: the fused kernel lays dkdv's pairs
+                 # out itself, where the dkdv launch is given them per launch.
+                 shape.heads_q, shape.heads_kv, *sizes[1:],
                  dkdv_programs, rows_grid[0], rows_grid[1], self.splits),
                 KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
                 Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
