@@ -2,7 +2,10 @@
 
 Inputs are generated once per case on the device; each backend then adapts them outside the
 timed region. An OOM or an exception at one point becomes that row's status and the sweep goes
-on. Modes: ``fwd``, ``bwd`` (backward alone, given a forward graph), ``fwd+bwd``, and ``equiv``
+on. With ``timing.rounds`` > 1 a case's points are timed round-robin and each row pools its
+rounds: rows under ~0.5 ms time the host (Python, launches, autograd's engine) as much as the
+GPU, and the benchmark VM's host slows down by up to 2x for seconds at a time, so timing each
+point in one stretch let such a spell decide which backend looked faster (results/notes.md). Modes: ``fwd``, ``bwd`` (backward alone, given a forward graph), ``fwd+bwd``, and ``equiv``
 (accuracy only, no timing).
 """
 
@@ -20,8 +23,8 @@ from .backends import DIFF_KEYS, Backend
 from .device import DeviceFault, context_alive
 from .problem import Problem, make_problem
 from .results import Row, new_row, set_accuracy
-from .sweep import Case, Sweep
-from .timing import measure
+from .sweep import Case, Sweep, Timing
+from .timing import Measurement, measure, pooled
 
 TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 GRAD_MODES = ("bwd", "fwd+bwd", "equiv")
@@ -154,16 +157,44 @@ class SweepRunner:
             _release(self.device)
             return
         checks: dict[str, CheckResult | str] = {}
-        for unit in runnable:
-            row = self._run_unit(unit, problem, truth, checks)
-            if row.status in FAILED and not context_alive(self.device):
-                # Record the point, then stop: nothing after it could run in this process.
-                row.detail = f"{DEVICE_FAULT}: {row.detail}"[:300]
-                self._finish(unit, row)
-                raise DeviceFault(f"{case.case_id} {unit.backend} {unit.mode}: {row.detail}")
-            self._finish(unit, row)
+        self._run_rounds(runnable, problem, truth, checks)
         del problem, truth
         _release(self.device)
+
+    def _run_rounds(self, runnable: list[Unit], problem: Problem, truth, checks: dict) -> None:
+        """Time the case's points round-robin, ``rounds`` times each (once by default); a
+        point's row is made and reported in the last round, from all its rounds' samples. A
+        point that fails is reported at once and not timed again."""
+        timing = self.sweep.timing
+        per_round = timing.per_round()
+        rounds: dict[Unit, list[Measurement]] = {}
+        build_ms: dict[Unit, float | None] = {}
+        reported: set[Unit] = set()
+        for index in range(timing.rounds):
+            last = index == timing.rounds - 1
+            for unit in runnable:
+                if unit in reported or (unit.mode == "equiv" and not last):
+                    continue
+                if unit.mode == "equiv":
+                    row = self._equiv_row(unit, problem, truth, checks)
+                else:
+                    timed = self._measure(unit, problem, per_round)
+                    if isinstance(timed, Row):
+                        row = timed
+                    else:
+                        build_ms.setdefault(unit, timed[0])
+                        rounds.setdefault(unit, []).append(timed[1])
+                        if not last:
+                            continue
+                        row = self._timed_row(unit, problem, truth, checks, pooled(rounds[unit]),
+                                              build_ms[unit])
+                reported.add(unit)
+                if row.status in FAILED and not context_alive(self.device):
+                    # Record the point, then stop: nothing after it could run in this process.
+                    row.detail = f"{DEVICE_FAULT}: {row.detail}"[:300]
+                    self._finish(unit, row)
+                    raise DeviceFault(f"{unit.case.case_id} {unit.backend} {unit.mode}: {row.detail}")
+                self._finish(unit, row)
 
     def _check(self, backend: Backend, problem: Problem, truth, cache: dict) -> CheckResult | str:
         """One accuracy check per backend and case, shared by its fwd, bwd and fwd+bwd rows."""
@@ -175,23 +206,30 @@ class SweepRunner:
             _release(self.device)
         return cache[backend.name]
 
-    def _run_unit(self, unit: Unit, problem: Problem, truth, cache: dict) -> Row:
-        backend = self.backends[unit.backend]
-        if unit.mode == "equiv":
-            result = self._check(backend, problem, truth, cache)
-            if isinstance(result, str):
-                return self._row(unit, "error", result)
-            row = self._row(unit, "ok")
-            _apply_check(row, result, "equiv")
-            return row
+    def _equiv_row(self, unit: Unit, problem: Problem, truth, cache: dict) -> Row:
+        result = self._check(self.backends[unit.backend], problem, truth, cache)
+        if isinstance(result, str):
+            return self._row(unit, "error", result)
+        row = self._row(unit, "ok")
+        _apply_check(row, result, "equiv")
+        return row
+
+    def _measure(self, unit: Unit, problem: Problem,
+                 timing: Timing) -> tuple[float | None, Measurement] | Row:
+        """(build_ms, one round's measurement), or the failed point's row."""
         try:
-            fn, build_ms = _timed_call(backend, problem, unit.mode)
-            measured = measure(fn, self.sweep.timing, self.device)
+            fn, build_ms = _timed_call(self.backends[unit.backend], problem, unit.mode)
+            measured = measure(fn, timing, self.device)
             del fn
         except Exception as exc:
             status, detail = _failure(exc)
             _release(self.device)
             return self._row(unit, status, detail)
+        return build_ms, measured
+
+    def _timed_row(self, unit: Unit, problem: Problem, truth, cache: dict,
+                   measured: Measurement, build_ms: float | None) -> Row:
+        backend = self.backends[unit.backend]
         row = self._row(unit, "ok")
         row.ms_p20, row.ms_p50, row.ms_p80 = measured.p20, measured.p50, measured.p80
         row.repeats = len(measured.samples_ms)

@@ -84,10 +84,24 @@ class Case:
 
 @dataclass(frozen=True)
 class Timing:
+    """How each point is timed. ``repeats`` and ``budget_s`` are per point in all. With
+    ``rounds`` > 1, a case's points are timed round-robin, ``rounds`` times each, and a row pools
+    its rounds' samples: a slow spell of the host then falls on every backend alike instead of
+    on whichever one was being timed (sub-millisecond rows are host-bound, see the runner)."""
+
     warmup: int = 5
     repeats: int = 30
     budget_s: float = 10.0
     flush_l2: bool = True
+    rounds: int = 1
+
+    def per_round(self) -> "Timing":
+        """The timing of one round: warmup each round (other backends ran in between), the
+        repeats and the budget shared out."""
+        if self.rounds == 1:
+            return self
+        return replace(self, repeats=-(-self.repeats // self.rounds),
+                       budget_s=self.budget_s / self.rounds, rounds=1)
 
 
 @dataclass(frozen=True)

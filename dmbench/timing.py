@@ -52,6 +52,12 @@ class Measurement:
         return self.quantile(0.8)
 
 
+def pooled(rounds: list[Measurement]) -> Measurement:
+    """One point's measurement from its rounds: every sample, and the highest peak."""
+    peaks = [m.peak_mib for m in rounds if m.peak_mib is not None]
+    return Measurement(tuple(s for m in rounds for s in m.samples_ms), max(peaks) if peaks else None)
+
+
 def _flush_buffer(device: torch.device) -> torch.Tensor:
     props = torch.cuda.get_device_properties(device)
     l2 = getattr(props, "L2_cache_size", 0) or FALLBACK_L2_BYTES

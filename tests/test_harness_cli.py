@@ -350,3 +350,61 @@ def test_device_fault_records_the_row_and_resumes_in_a_fresh_process(tmp_path, m
     rows = read_rows(out)
     assert len(rows) == 6 and len({r.key for r in rows}) == 6
     assert [r.status for r in rows].count("error") == 1
+
+
+ROUNDS_SWEEP = FAULT_SWEEP.replace("timing: {warmup: 0, repeats: 1, budget_s: 1.0}",
+                                   "timing: {warmup: 0, repeats: 6, budget_s: 5.0, rounds: 3}"
+                                   ).replace("seqlen: [8, 16, 24]", "seqlen: [8, 16]")
+
+
+def _run_with_fake_clock(tmp_path, monkeypatch, fail_at: int | None = None):
+    """Run ROUNDS_SWEEP's fwd with each measure returning its own call number as every sample
+    (or raising at call ``fail_at``); returns (the (case, backend) order measured, the rows)."""
+    import dmbench.runner as runner_module
+    from dmbench.timing import Measurement
+
+    assert "rounds: 3" in ROUNDS_SWEEP and "seqlen: [8, 16]" in ROUNDS_SWEEP
+    sweep = tmp_path / "rounds.yaml"
+    sweep.write_text(ROUNDS_SWEEP)
+    out = tmp_path / "rounds.csv"
+    order = []
+    real_timed_call = runner_module._timed_call
+
+    def timed_call(backend, problem, mode):
+        order.append((problem.case.seqlen_q, backend.name))
+        return real_timed_call(backend, problem, mode)
+
+    def measure(fn, timing, device):
+        call = len(order)
+        if call == fail_at:
+            raise RuntimeError("boom")
+        assert timing.rounds == 1 and timing.repeats == 2 and timing.budget_s == 5.0 / 3
+        return Measurement((float(call),) * timing.repeats, float(call))
+
+    monkeypatch.setattr(runner_module, "_timed_call", timed_call)
+    monkeypatch.setattr(runner_module, "measure", measure)
+    result = _invoke("fwd", sweep, "--out", out, "--no-plot", "--no-progress")
+    _no_traceback(result)
+    return order, read_rows(out)
+
+
+def test_rounds_time_a_cases_points_round_robin_and_pool_their_samples(tmp_path, monkeypatch):
+    order, rows = _run_with_fake_clock(tmp_path, monkeypatch)
+    both = [(8, "triton"), (8, "reference")] * 3 + [(16, "triton"), (16, "reference")] * 3
+    assert order == both
+    by_point = {(r.seqlen_q, r.backend): r for r in rows}
+    assert len(rows) == 4 and all(r.status == "ok" and r.repeats == 6 for r in rows)
+    # Samples of calls 1, 3, 5 (triton) and 2, 4, 6 (reference) of the first case, pooled.
+    assert by_point[8, "triton"].ms_p50 == 3.0 and by_point[8, "reference"].ms_p50 == 4.0
+    assert by_point[16, "triton"].ms_p50 == 9.0 and by_point[16, "reference"].peak_mib == 12.0
+
+
+def test_a_point_that_fails_in_an_early_round_is_reported_once_and_not_timed_again(
+        tmp_path, monkeypatch):
+    order, rows = _run_with_fake_clock(tmp_path, monkeypatch, fail_at=3)  # triton, round 2
+    assert order[:6] == [(8, "triton"), (8, "reference"), (8, "triton"), (8, "reference"),
+                         (8, "reference"), (16, "triton")]
+    statuses = [(r.seqlen_q, r.backend, r.status) for r in rows]
+    assert statuses == [(8, "triton", "error"), (8, "reference", "ok"), (16, "triton", "ok"),
+                        (16, "reference", "ok")]
+    assert rows[0].detail == "RuntimeError: boom" and rows[1].repeats == 6

@@ -147,6 +147,15 @@ def test_shipped_sweeps_load(path):
     assert set(sweep.backends) <= set(BACKEND_NAMES)
 
 
+def test_rounds_share_out_repeats_and_budget(tmp_path):
+    sweep = _load(tmp_path, f"timing: {{warmup: 2, repeats: 20, budget_s: 3.0, rounds: 3}}\n"
+                            f"cases: [{{{BASE}}}]\n")
+    assert sweep.timing.rounds == 3
+    # Each round warms up again, takes a third of the repeats (rounded up) and of the budget.
+    assert sweep.timing.per_round() == Timing(warmup=2, repeats=7, budget_s=1.0, rounds=1)
+    assert Timing(repeats=5).per_round() == Timing(repeats=5)
+
+
 def test_smoke_sweep_is_present():
     assert REPO / "sweeps" / "smoke.yaml" in SHIPPED
 
@@ -176,6 +185,7 @@ BASE = "batch: 1, heads: 2, seqlen: 8, head_dim: 16"
     ("cases: [{batch: 1, heads: 2, seqlen: 8}]", "head_dim"),
     (f"backends: [triton, cudnn]\ncases: [{{{BASE}}}]", "backends"),
     (f"timing: {{repeats: 0}}\ncases: [{{{BASE}}}]", "repeats"),
+    (f"timing: {{rounds: 0}}\ncases: [{{{BASE}}}]", "rounds"),
     ("grid: {batch: [], heads: 2, seqlen: 8, head_dim: 16}", "batch"),
     ("name: x", "grid"),
 ])
