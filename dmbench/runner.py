@@ -225,6 +225,12 @@ class SweepRunner:
             status, detail = _failure(exc)
             _release(self.device)
             return self._row(unit, status, detail)
+        if self.sweep.timing.rounds > 1 and self.device.type == "cuda":
+            # Each point starts from an empty cache, as in a single pass. Without this, sdpa's
+            # bwd at seqlen L32768 (a 32 GiB float mask and its gradient), which fits in one
+            # pass, ran out of memory in a later round; a large cached block split to serve
+            # other points' buffers is the likely cause (not isolated).
+            torch.cuda.empty_cache()
         return build_ms, measured
 
     def _timed_row(self, unit: Unit, problem: Problem, truth, cache: dict,
