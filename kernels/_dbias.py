@@ -12,12 +12,18 @@ broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
   when they read one bias head (a bias with 1 or Hk heads). It writes a (B, Hk or Hq, 1, Lk)
   buffer once per element; when that is the bias's own shape, in the bias dtype, so the buffer
   is the gradient and no reduction or cast follows (each is a torch op of host time).
-* full (Lq, Lk) bias: the dkdv kernel writes tiles into the bias's own shape. When every element
-  has one contributor it stores in the bias dtype directly. Otherwise it adds into an fp32
-  accumulator of the bias's shape: in-program repeats (query heads of a GQA group sharing a
-  bias head) use load-add-store; contributions from other programs (a batch- or head-shared
-  bias) use atomics, or with ``deterministic=True`` one launch per colliding (batch, kv-head)
-  slice, in a fixed order.
+* full (Lq, Lk) bias: tiles are written into the bias's own shape. When every element has one
+  contributor they are stored in the bias dtype directly; otherwise added into an fp32
+  accumulator of the bias's shape. By default the dq kernel writes them: its programs run in
+  parallel over query heads and its (query, key) tiles lie along the bias's contiguous key
+  axis, so a tile is stored as whole rows; several contributors (query heads sharing a bias
+  head, a batch- or head-shared bias) are always other dq programs and add atomically. The
+  dkdv kernel instead walks a GQA group's query heads in one program over (key, query) tiles,
+  i.e. across the bias's rows: at B1 H8/2 L2048 its 64 programs took 0.54-1.58 ms over
+  0.23 ms without a gradient (results/notes.md, change 26). It still writes them when
+  ``deterministic=True`` leaves several contributors: in-program repeats (the group's heads)
+  use load-add-store, contributions from other programs one launch per colliding
+  (batch, kv-head) slice, in a fixed order.
 
 Partials are O(B·Hq·L), the same order as LSE; the reductions in torch are deterministic.
 """
@@ -39,6 +45,7 @@ class DbiasPlan:
 
     is_zero: bool  # key-axis-broadcast bias: the gradient is exactly zero, no kernel work
     reduce_m: bool  # dkdv kernel sums over queries before writing
+    in_dq: bool  # full-size tiles written by the dq kernel (else by dkdv)
     sum_group: bool  # ... and over its group's query heads: one buffer row per kv head
     buffer_shape: tuple[int, ...]  # what the kernel writes into: partial, accumulator or grad
     buffer_dtype: torch.dtype
@@ -102,7 +109,7 @@ def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bia
     bb, bh, bm, bn = bias_shape
     common = dict(bias_shape=tuple(bias_shape), bias_dtype=bias_dtype)
     if bn == 1:
-        return DbiasPlan(True, False, False, tuple(bias_shape), bias_dtype,
+        return DbiasPlan(True, False, False, False, tuple(bias_shape), bias_dtype,
                          _broadcast_args(bias_shape, bias_shape, 1),
                          False, False, False, False, **common)
     if bm == 1 and shape.seqlen_q > 1:
@@ -110,7 +117,8 @@ def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bia
         sum_group = bh != shape.heads_q or shape.group_size == 1
         rows = (shape.batch, shape.heads_kv if sum_group else shape.heads_q, 1, shape.seqlen_k)
         final = rows == tuple(bias_shape) and not (interpreted and bias_dtype == torch.bfloat16)
-        return DbiasPlan(False, True, sum_group, rows, bias_dtype if final else torch.float32,
+        return DbiasPlan(False, True, False, sum_group, rows,
+                         bias_dtype if final else torch.float32,
                          _broadcast_args(rows, rows, 1),
                          False, False, False, False, **common)
 
@@ -120,10 +128,11 @@ def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bia
     shared_heads = bh == 1 and shape.heads_kv > 1
     contributors = (shape.batch // bb) * (shape.heads_q // bh)
     if contributors == 1:
-        return DbiasPlan(False, False, False, tuple(bias_shape), bias_dtype, target,
+        return DbiasPlan(False, False, True, False, tuple(bias_shape), bias_dtype, target,
                          False, False, False, False, **common)
-    cross_program = shared_batch or shared_heads
-    atomic = cross_program and not deterministic
-    serialize = cross_program and deterministic
-    return DbiasPlan(False, False, False, tuple(bias_shape), torch.float32, target, True, atomic,
-                     serialize and shared_batch, serialize and shared_heads, **common)
+    if not deterministic:
+        return DbiasPlan(False, False, True, False, tuple(bias_shape), torch.float32, target,
+                         True, True, False, False, **common)
+    # Deterministic: dkdv sums a group's heads in order; other programs' slices serialize.
+    return DbiasPlan(False, False, False, False, tuple(bias_shape), torch.float32, target, True,
+                     False, shared_batch, shared_heads, **common)

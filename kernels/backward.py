@@ -134,11 +134,15 @@ def fuse_backward(cfg_kv: BackwardConfig, cfg_q: BackwardConfig, programs: int,
 
 def dbias_flags(plan) -> dict:
     """The dkdv body's bias-gradient constexprs for a ``DbiasPlan`` (or None: no gradient)."""
-    return dict(HAS_DBIAS=plan is not None and not plan.is_zero,
+    return dict(HAS_DBIAS=plan is not None and not plan.is_zero and not plan.in_dq,
                 DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
                 DBIAS_SUM_GROUP=bool(plan and plan.sum_group),
-                DBIAS_ACCUMULATE=bool(plan and plan.accumulate),
-                DBIAS_ATOMIC=bool(plan and plan.atomic))
+                DBIAS_ACCUMULATE=bool(plan and plan.accumulate and not plan.in_dq))
+
+
+def dq_dbias_flags(plan) -> dict:
+    """The dq body's: whether it writes the bias gradient's tiles, and whether atomically."""
+    return dict(DQ_DBIAS=bool(plan and plan.in_dq), DBIAS_ATOMIC=bool(plan and plan.atomic))
 
 
 class BackwardPlan:
@@ -176,6 +180,7 @@ class BackwardPlan:
         plan = self.dbias
         dbias_target = (plan.target if plan else ABSENT_OPERAND).as_args()
         dbias_consts = dbias_flags(plan)
+        dq_dbias_consts = dq_dbias_flags(plan)
         kv_list_strides = block_list_strides(kv_lists, shape.batch)
         q_list_strides = block_list_strides(q_lists, shape.batch)
         out_strides = contiguous_strides(fwd.out_shape)[:3]
@@ -209,11 +214,11 @@ class BackwardPlan:
         self.dq_part_shape = (self.splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d)
         self.dq = PlannedLaunch(
             attn_bwd_dq_kernel, (rows_grid[0] * rows_grid[1], 1, self.splits),
-            (*operands, *q_list_strides, *inputs, *out_strides, *strides3(dq), *sizes,
+            (*operands, *dbias_target, *q_list_strides, *inputs, *out_strides, *strides3(dq), *sizes,
              grid_chunk_rows(rows_grid[1], rows_grid[0], shape.group_size, fwd.is_causal,
                              sms)),
             BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
-            EDGE_SLOTS=q_edge_slots, SPLIT_KEYS=self.splits > 1,
+            EDGE_SLOTS=q_edge_slots, SPLIT_KEYS=self.splits > 1, **dq_dbias_consts,
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
         )
         self.fused = None
@@ -231,7 +236,7 @@ class BackwardPlan:
                  dkdv_programs, rows_grid[0], rows_grid[1], self.splits),
                 KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
                 Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
-                **dbias_consts,
+                **dbias_consts, **dq_dbias_consts,
                 KV_EDGE_SLOTS=kv_edge_slots, Q_EDGE_SLOTS=q_edge_slots,
                 SPLIT_KEYS=self.splits > 1,
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
@@ -263,7 +268,7 @@ class BackwardPlan:
         else:
             delta = scratch[0]
             self.dq(query, key, value, out, grad_out, lse, delta, dq, dq_part, mask, bias,
-                    q_table)
+                    dbias, q_table)
             for dkdv in self.dkdv:
                 dkdv(query, key, value, grad_out, lse, delta, dk, dv, mask, bias, dbias,
                      kv_table)

@@ -7,8 +7,10 @@ Two launches, FlashAttention-2 style (three with split-K dq):
    share writes an fp32 partial of dq and ``attn_bwd_dq_merge_kernel`` sums them in order.
 2. ``attn_bwd_dkdv_kernel``: one program per (key block, b, kv head). It loops over the query
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
-   atomics and no (B, Lk, Hq, D) temporary. It also produces the bias gradient for biases that
-   span the key axis (see ``_dbias``).
+   atomics and no (B, Lk, Hq, D) temporary. It also sums the gradient of a one-row bias
+   (B, H, 1, Lk). A full-size bias's gradient tiles are dS itself, and the dq kernel writes
+   them (the dkdv kernel only when ``deterministic=True`` must add several in order; see
+   ``_dbias``).
 On small grids, where host time decides, ``attn_bwd_fused_kernel`` runs both kinds of program
 in one launch, each computing delta itself.
 
@@ -59,7 +61,7 @@ def _attn_bwd_dkdv_inner(
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
 ):
     """Accumulate one query head's contribution to a key block's dk, dv (and dbias).
 
@@ -110,7 +112,7 @@ def _attn_bwd_dkdv_inner(
                 dbias_col += tl.sum(ds_t, 1)
             else:
                 write_tile(dbias_ptrs + start_m.to(tl.int64) * stride_db_m, ds_t,
-                           n_ok[:, None] & m_ok[None, :], DBIAS_ACCUMULATE, DBIAS_ATOMIC)
+                           n_ok[:, None] & m_ok[None, :], DBIAS_ACCUMULATE, False)
     return dk, dv, dbias_col
 
 
@@ -135,7 +137,7 @@ def attn_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, EDGE_SLOTS: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr,
 ):
     """dk, dv (and dbias) of one key block per program, reading the delta dq stored. The
     output pointer and strides that only the fused launch reads are given dO's."""
@@ -158,7 +160,7 @@ def attn_bwd_dkdv_kernel(
         batch_start, head_start, heads_per_launch,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
         DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
-        DBIAS_ACCUMULATE, DBIAS_ATOMIC, EDGE_SLOTS, False)
+        DBIAS_ACCUMULATE, EDGE_SLOTS, False)
 
 
 @triton.jit
@@ -184,8 +186,7 @@ def _attn_bwd_dkdv_program(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, EDGE_SLOTS: tl.constexpr,
-    DELTA_FROM_OUT: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
 ):
     """Key block ``n_block`` of (batch, kv head) pair ``pair`` of the launch."""
     start_n = n_block * BLOCK_N
@@ -260,8 +261,7 @@ def _attn_bwd_dkdv_program(
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
                 block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
                 BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
-                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC,
-                DELTA_FROM_OUT)
+                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT)
             # The partial tiles' three spans, as slices of the list.
             edge_list, edge_first, edge_count = block_list + full, 0, lo - full
             inner_list, inner_first, inner_count = block_list + lo, 0, hi - lo
@@ -279,8 +279,7 @@ def _attn_bwd_dkdv_program(
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             edge_list, edge_first, edge_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC,
-            DELTA_FROM_OUT)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
             dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
             q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
@@ -288,8 +287,7 @@ def _attn_bwd_dkdv_program(
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             inner_list, inner_first, inner_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC,
-            DELTA_FROM_OUT)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
             dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
             q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
@@ -297,8 +295,7 @@ def _attn_bwd_dkdv_program(
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             tail_list, tail_first, tail_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, False, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DBIAS_ATOMIC,
-            DELTA_FROM_OUT)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT)
         if HAS_DBIAS and DBIAS_REDUCE_M and not DBIAS_SUM_GROUP:
             # Row (b, hq) of a (B, Hq, 1, Lk) buffer: a single writer, no atomics.
             tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
@@ -324,14 +321,16 @@ def _attn_bwd_dkdv_program(
 def _attn_bwd_dq_inner(
     dq, q, do, lse, delta, offs_m, offs_n0, d_ok,
     k_ptrs, v_ptrs, stride_k_n, stride_v_n,
-    mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
+    mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n, dbias_ptrs, stride_db_n, m_ok,
     block_list_ptr, first_block, num_blocks,
     seqlen_q, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    DQ_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
 ):
-    """Accumulate dq over key blocks, like ``_attn_fwd_inner`` (INTERIOR likewise)."""
+    """Accumulate dq over key blocks, like ``_attn_fwd_inner`` (INTERIOR likewise); with
+    DQ_DBIAS also write each dS tile, the full-size bias gradient's share (see ``_dbias``)."""
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
         start_n = block * BLOCK_N
@@ -347,15 +346,19 @@ def _attn_bwd_dq_inner(
         dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
         ds = p * (dp - delta[:, None])
         dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
+        if DQ_DBIAS:
+            write_tile(dbias_ptrs + start_n.to(tl.int64) * stride_db_n, ds,
+                       m_ok[:, None] & (offs_n < seqlen_k)[None, :], DBIAS_ATOMIC, DBIAS_ATOMIC)
     return dq
 
 
 @triton.jit
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
-    mask_ptr, bias_ptr, list_ptr,
+    mask_ptr, bias_ptr, dbias_ptr, list_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
     stride_list_b, stride_list_h, stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
@@ -368,7 +371,8 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr, DQ_DBIAS: tl.constexpr,
+    DBIAS_ATOMIC: tl.constexpr,
 ):
     """dq of one query block per program; it also stores delta for the dkdv launch."""
     # Split-K (decode): axis 2 takes a contiguous share of this row block's key blocks (list
@@ -379,25 +383,27 @@ def attn_bwd_dq_kernel(
     _attn_bwd_dq_program(
         m_block, bh, tl.program_id(2), tl.num_programs(2), tl.num_programs(0) // row_blocks,
         q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
-        mask_ptr, bias_ptr, list_ptr,
+        mask_ptr, bias_ptr, dbias_ptr, list_ptr,
         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
         stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+        stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
         stride_list_b, stride_list_h, stride_list_m,
         stride_q_b, stride_q_m, stride_q_h, stride_k_b, stride_k_n, stride_k_h,
         stride_v_b, stride_v_n, stride_v_h, stride_do_b, stride_do_m, stride_do_h,
         stride_o_b, stride_o_m, stride_o_h, stride_dq_b, stride_dq_m, stride_dq_h,
         heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
-        DOT_PRECISION, WIDEN_DOTS, EDGE_SLOTS, SPLIT_KEYS, True)
+        DOT_PRECISION, WIDEN_DOTS, EDGE_SLOTS, SPLIT_KEYS, True, DQ_DBIAS, DBIAS_ATOMIC)
 
 
 @triton.jit
 def _attn_bwd_dq_program(
     m_block, bh, split, num_splits, num_bh,
     q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
-    mask_ptr, bias_ptr, list_ptr,
+    mask_ptr, bias_ptr, dbias_ptr, list_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
     stride_list_b, stride_list_h, stride_list_m,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
@@ -411,6 +417,7 @@ def _attn_bwd_dq_program(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr, STORE_DELTA: tl.constexpr,
+    DQ_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
 ):
     """Query block ``m_block`` of (batch x q head) row ``bh`` of ``num_bh``, key share
     ``split`` of ``num_splits``."""
@@ -455,6 +462,8 @@ def _attn_bwd_dq_program(
         bias_rows = safe_m[:, None]
     bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
         + tile_offsets(bias_rows, offs_n0[None, :], stride_bias_m, stride_bias_n)
+    dbias_ptrs = operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h) \
+        + tile_offsets(offs_m[:, None], offs_n0[None, :], stride_db_m, stride_db_n)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Key blocks [0, interior_end) need no per-pair range or causal test (as in the forward).
@@ -476,8 +485,9 @@ def _attn_bwd_dq_program(
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
             stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-            block_list + lo, 0, full - lo, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION, WIDEN_DOTS)
+            dbias_ptrs, stride_db_n, m_ok, block_list + lo, 0, full - lo, seqlen_q, seqlen_k,
+            qk_scale, BLOCK_N, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
+            WIDEN_DOTS, DQ_DBIAS, DBIAS_ATOMIC)
         inner_list, inner_first, inner_count = block_list + full, 0, mid - full
         edge_list, edge_first, edge_count = block_list + mid, 0, hi - mid
     else:
@@ -490,14 +500,15 @@ def _attn_bwd_dq_program(
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
         stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-        inner_list, inner_first, inner_count, seqlen_q, seqlen_k, qk_scale,
-        BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION, WIDEN_DOTS)
+        dbias_ptrs, stride_db_n, m_ok, inner_list, inner_first, inner_count, seqlen_q, seqlen_k,
+        qk_scale, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION,
+        WIDEN_DOTS, DQ_DBIAS, DBIAS_ATOMIC)
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, offs_m, offs_n0, d_ok, k_ptrs, v_ptrs,
         stride_k_n, stride_v_n, mask_ptrs, stride_mask_n, bias_ptrs, stride_bias_n,
-        edge_list, edge_first, edge_count, seqlen_q, seqlen_k, qk_scale,
-        BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False, DOT_PRECISION,
-        WIDEN_DOTS)
+        dbias_ptrs, stride_db_n, m_ok, edge_list, edge_first, edge_count, seqlen_q, seqlen_k,
+        qk_scale, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False,
+        DOT_PRECISION, WIDEN_DOTS, DQ_DBIAS, DBIAS_ATOMIC)
 
     dq *= sm_scale
     if SPLIT_KEYS:
@@ -537,7 +548,7 @@ def attn_bwd_fused_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, DQ_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
     KV_EDGE_SLOTS: tl.constexpr, Q_EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):
     """The dkdv and dq programs of one backward in a single launch, for grids too small to
@@ -563,7 +574,7 @@ def attn_bwd_fused_kernel(
             0, 0, heads_kv,
             HEAD_DIM, BLOCK_D, KV_BLOCK_M, KV_BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
             DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
-            DBIAS_ACCUMULATE, DBIAS_ATOMIC, KV_EDGE_SLOTS, True)
+            DBIAS_ACCUMULATE, KV_EDGE_SLOTS, True)
     else:
         rest = pid - dkdv_programs
         m_block = rest % dq_row_blocks
@@ -571,13 +582,14 @@ def attn_bwd_fused_kernel(
         _attn_bwd_dq_program(
             m_block, rest % num_bh, rest // num_bh, dq_splits, num_bh,
             q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, lse_ptr, dq_ptr, dq_part_ptr,
-            mask_ptr, bias_ptr, q_list_ptr,
+            mask_ptr, bias_ptr, dbias_ptr, q_list_ptr,
             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
             stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+            stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
             stride_q_list_b, stride_q_list_h, stride_q_list_m,
             stride_q_b, stride_q_m, stride_q_h, stride_k_b, stride_k_n, stride_k_h,
             stride_v_b, stride_v_n, stride_v_h, stride_do_b, stride_do_m, stride_do_h,
             stride_o_b, stride_o_m, stride_o_h, stride_dq_b, stride_dq_m, stride_dq_h,
             heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
             HEAD_DIM, BLOCK_D, Q_BLOCK_M, Q_BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
-            DOT_PRECISION, WIDEN_DOTS, Q_EDGE_SLOTS, SPLIT_KEYS, False)
+            DOT_PRECISION, WIDEN_DOTS, Q_EDGE_SLOTS, SPLIT_KEYS, False, DQ_DBIAS, DBIAS_ATOMIC)
