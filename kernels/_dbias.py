@@ -57,6 +57,11 @@ class DbiasPlan:
     bias_shape: tuple[int, ...]
     bias_dtype: torch.dtype
 
+    @property
+    def dkdv_tiles(self) -> bool:
+        """Whether the dkdv kernel writes full-size tiles (summing a group's heads in order)."""
+        return not (self.is_zero or self.reduce_m or self.in_dq)
+
     def allocate(self, device) -> torch.Tensor:
         # A summed row is stored once per element whether or not its tiles are active; tiles
         # of a full-size gradient are written only where active, so the rest must be zero.
@@ -100,12 +105,13 @@ def _broadcast_args(buffer_shape: tuple[int, ...], view_shape: tuple[int, ...],
 
 
 def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bias_dtype,
-               deterministic: bool, interpreted: bool = False) -> DbiasPlan:
+               deterministic: bool, interpreted: bool = False, head_shares: int = 1) -> DbiasPlan:
     """The plan for a bias of ``bias_shape`` whose query head h reads bias head
     h // ``head_div``. ``interpreted``: the kernels run under Triton's interpreter, whose
     float32 -> bfloat16 cast truncates instead of rounding to nearest (up to 1 ulp instead of
     1/2: at the |dbias| ~ 40 of a summed row that is 0.25), so summed rows stay float32 there
-    and torch rounds them."""
+    and torch rounds them. ``head_shares``: dkdv programs each own that share of a GQA group's
+    query heads, so a one-row gradient is summed over the group by torch, not in a program."""
     bb, bh, bm, bn = bias_shape
     common = dict(bias_shape=tuple(bias_shape), bias_dtype=bias_dtype)
     if bn == 1:
@@ -114,7 +120,7 @@ def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bia
                          False, False, False, False, **common)
     if bm == 1 and shape.seqlen_q > 1:
         # Query heads of a group share a gradient row unless the bias has a head per query.
-        sum_group = bh != shape.heads_q or shape.group_size == 1
+        sum_group = (bh != shape.heads_q or shape.group_size == 1) and head_shares == 1
         rows = (shape.batch, shape.heads_kv if sum_group else shape.heads_q, 1, shape.seqlen_k)
         final = rows == tuple(bias_shape) and not (interpreted and bias_dtype == torch.bfloat16)
         return DbiasPlan(False, True, False, sum_group, rows,

@@ -191,7 +191,9 @@ def probs_from_lse(s, lse):
 def write_tile(ptrs, values, in_range, ACCUMULATE: tl.constexpr, ATOMIC: tl.constexpr):
     """Store a gradient tile: plain store, add into an fp32 accumulator, or atomic add."""
     if ATOMIC:
-        tl.atomic_add(ptrs, values, mask=in_range)
+        # Relaxed: the sums need no ordering against other memory, and the default acq_rel
+        # would order every element's add (nothing reads them before the kernel ends).
+        tl.atomic_add(ptrs, values, mask=in_range, sem="relaxed")
     elif ACCUMULATE:
         tl.store(ptrs, tl.load(ptrs, mask=in_range, other=0.0) + values, mask=in_range)
     else:

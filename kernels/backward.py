@@ -20,7 +20,8 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous
                       dot_options, edge_slots, grid_chunk_rows, is_interpreted, key_splits,
                       multiprocessors, operand_pointer, padded_head_dim, strides3)
 from ._scratch import Scratch
-from .backward_kernels import (attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dq_merge_kernel,
+from .backward_kernels import (attn_bwd_dkdv_kernel, attn_bwd_dkdv_merge_kernel,
+                               attn_bwd_dq_kernel, attn_bwd_dq_merge_kernel,
                                attn_bwd_fused_kernel)
 
 
@@ -132,6 +133,25 @@ def fuse_backward(cfg_kv: BackwardConfig, cfg_q: BackwardConfig, programs: int,
     return programs <= FUSE_MAX_WAVES * multiprocessors(device, interpreted)
 
 
+# dkdv's grid is (key blocks) x (batch, kv head) pairs, and each program walks its GQA group's
+# query heads one after another. Where that grid is short of the GPU (B1 H8/2 L2048: 64
+# programs on 132 multiprocessors), the group's heads are split into shares, one program per
+# share, up to this many waves of programs; each share writes fp32 partials of dk and dv and
+# one merge launch sums them (results/notes.md, change 26).
+DKDV_SHARE_WAVES = 2
+# Key rows per program of the dk/dv merge launch.
+MERGE_ROWS = 64
+
+
+def dkdv_head_shares(shape: AttnShape, programs: int, device: torch.device) -> int:
+    """Into how many shares of its GQA group's query heads dkdv's grid of ``programs`` (batch,
+    kv head, key block) programs splits (1: none): the most that divide the group evenly and
+    keep the grid within ``DKDV_SHARE_WAVES`` waves of the GPU."""
+    limit = DKDV_SHARE_WAVES * multiprocessors(device, is_interpreted(attn_bwd_dkdv_kernel))
+    return max(d for d in range(1, shape.group_size + 1)
+               if shape.group_size % d == 0 and (d == 1 or programs * d <= limit))
+
+
 def dbias_flags(plan) -> dict:
     """The dkdv body's bias-gradient constexprs for a ``DbiasPlan`` (or None: no gradient)."""
     return dict(HAS_DBIAS=plan is not None and not plan.is_zero and not plan.in_dq,
@@ -158,15 +178,36 @@ class BackwardPlan:
         interpreted = is_interpreted(attn_bwd_dq_kernel)
         cfg_kv, cfg_q = configs_for(shape, fwd.dtype, fwd.device)
         self.device = fwd.device
-        self.dbias = None
-        if bias_needs_grad:
-            self.dbias = plan_dbias(fwd.bias_shape, fwd.bias.head_div, shape, fwd.dtype,
-                                    deterministic, interpreted)
+        plan_bias_grad = (lambda shares: plan_dbias(
+            fwd.bias_shape, fwd.bias.head_div, shape, fwd.dtype, deterministic, interpreted,
+            shares) if bias_needs_grad else None)
+        self.dbias = plan_bias_grad(1)
         kv_lists, q_lists = backward_lists(fwd.activity, cfg_kv, cfg_q)
         self.kv_table = kv_lists.table if kv_lists is not None else None
         self.q_table = q_lists.table if q_lists is not None else None
 
+        # Grid sizes decide the launch plan: fused, or dq then dkdv (its group's heads split
+        # into shares when its grid is small), each possibly with a merge launch.
+        sms = multiprocessors(fwd.device, interpreted)
+        key_blocks = ceil_div(shape.seqlen_k, cfg_kv.block_n)
         rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
+        self.splits = dq_key_splits(shape, cfg_q, fwd.device)
+        dq_programs = rows_grid[0] * rows_grid[1] * self.splits
+        serialize_batch = bool(self.dbias and self.dbias.serialize_batch)
+        serialize_heads = bool(self.dbias and self.dbias.serialize_heads)
+        batches_per_launch = 1 if serialize_batch else shape.batch
+        heads_per_launch = 1 if serialize_heads else shape.heads_kv
+        pairs = batches_per_launch * heads_per_launch
+        fused = (not (serialize_batch or serialize_heads)
+                 and fuse_backward(cfg_kv, cfg_q, key_blocks * pairs + dq_programs, fwd.device))
+        # A program may only own part of the group when nothing it writes needs the whole group:
+        # dkdv's own full-size dbias tiles (deterministic, several contributors) do.
+        splittable = not fused and not (self.dbias and self.dbias.dkdv_tiles)
+        self.head_shares = (dkdv_head_shares(shape, key_blocks * pairs, fwd.device)
+                            if splittable else 1)
+        if self.head_shares > 1:
+            self.dbias = plan_bias_grad(self.head_shares)
+
         operands = ((fwd.mask or ABSENT_OPERAND).as_args()
                     + (fwd.bias or ABSENT_OPERAND).as_args())
         inputs = (*strides3(query), *strides3(key), *strides3(value), *strides3(grad_out))
@@ -186,35 +227,30 @@ class BackwardPlan:
         out_strides = contiguous_strides(fwd.out_shape)[:3]
         kv_edge_slots = edge_slots(cfg_kv.block_n, cfg_kv.block_m)
         q_edge_slots = edge_slots(cfg_q.block_m, cfg_q.block_n)
-        serialize_batch = bool(plan and plan.serialize_batch)
-        serialize_heads = bool(plan and plan.serialize_heads)
-        batches_per_launch = 1 if serialize_batch else shape.batch
-        heads_per_launch = 1 if serialize_heads else shape.heads_kv
         # One launch, or one per colliding (batch, kv head) slice in a fixed order for a
         # deterministic gradient of a shared bias.
-        sms = multiprocessors(fwd.device, interpreted)
-        key_blocks = ceil_div(shape.seqlen_k, cfg_kv.block_n)
-        pairs = batches_per_launch * heads_per_launch
+        dkdv_rows = pairs * self.head_shares
         self.dkdv = [
             PlannedLaunch(
-                attn_bwd_dkdv_kernel, (key_blocks * pairs,),
+                attn_bwd_dkdv_kernel, (key_blocks * dkdv_rows,),
                 (*operands, *dbias_target, *kv_list_strides, *inputs,
                  *strides3(dk), *strides3(dv), *sizes,
                  batch_start, head_start, heads_per_launch,
-                 grid_chunk_rows(pairs, key_blocks, 1, fwd.is_causal, sms)),
+                 grid_chunk_rows(dkdv_rows, key_blocks, self.head_shares, fwd.is_causal, sms),
+                 self.head_shares),
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
-                **dbias_consts, EDGE_SLOTS=kv_edge_slots,
+                **dbias_consts, EDGE_SLOTS=kv_edge_slots, SPLIT_HEADS=self.head_shares > 1,
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
             for batch_start in (range(shape.batch) if serialize_batch else (0,))
             for head_start in (range(shape.heads_kv) if serialize_heads else (0,))
         ]
 
-        self.splits = dq_key_splits(shape, cfg_q, fwd.device)
         self.dq_part_shape = (self.splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d)
         self.dq = PlannedLaunch(
             attn_bwd_dq_kernel, (rows_grid[0] * rows_grid[1], 1, self.splits),
-            (*operands, *dbias_target, *q_list_strides, *inputs, *out_strides, *strides3(dq), *sizes,
+            (*operands, *dbias_target, *q_list_strides, *inputs, *out_strides, *strides3(dq),
+             *sizes,
              grid_chunk_rows(rows_grid[1], rows_grid[0], shape.group_size, fwd.is_causal,
                              sms)),
             BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
@@ -222,18 +258,15 @@ class BackwardPlan:
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
         )
         self.fused = None
-        dkdv_programs = self.dkdv[0].grid[0]
-        dq_programs = rows_grid[0] * rows_grid[1] * self.splits
-        if len(self.dkdv) == 1 and fuse_backward(cfg_kv, cfg_q, dkdv_programs + dq_programs,
-                                                 fwd.device):
+        if fused:
             self.fused = PlannedLaunch(
-                attn_bwd_fused_kernel, (dkdv_programs + dq_programs,),
+                attn_bwd_fused_kernel, (key_blocks * pairs + dq_programs,),
                 (*operands, *dbias_target, *q_list_strides, *kv_list_strides, *inputs,
                  *out_strides, *strides3(dq), *strides3(dk), *strides3(dv),
                  # ``sizes`` with heads_kv after heads_q: the fused kernel lays dkdv's pairs
                  # out itself, where the dkdv launch is given them per launch.
                  shape.heads_q, shape.heads_kv, *sizes[1:],
-                 dkdv_programs, rows_grid[0], rows_grid[1], self.splits),
+                 key_blocks * pairs, rows_grid[0], rows_grid[1], self.splits),
                 KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
                 Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
                 **dbias_consts, **dq_dbias_consts,
@@ -241,11 +274,16 @@ class BackwardPlan:
                 SPLIT_KEYS=self.splits > 1,
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
-        # delta (written by dq, read by dkdv; the fused launch needs none) and dq's split-K
-        # partials live within one call.
-        self._scratch = Scratch(
-            fwd.device, *(() if self.fused else ((fwd.lse_shape, torch.float32),)),
-            *(((self.dq_part_shape, torch.float32),) if self.splits > 1 else ()))
+        # delta (written by dq, read by dkdv; the fused launch needs none), dq's split-K
+        # partials and dk's and dv's head-share partials live within one call.
+        kv_part_shape = (2, self.head_shares, shape.batch * shape.heads_kv, shape.seqlen_k,
+                         block_d)
+        specs = {"delta": None if self.fused else fwd.lse_shape,
+                 "dq_part": self.dq_part_shape if self.splits > 1 else None,
+                 "kv_part": kv_part_shape if self.head_shares > 1 else None}
+        self._scratch_names = [name for name, spec in specs.items() if spec is not None]
+        self._scratch = Scratch(fwd.device, *((specs[name], torch.float32)
+                                              for name in self._scratch_names))
         self.dq_merge = None
         if self.splits > 1:
             self.dq_merge = PlannedLaunch(
@@ -253,11 +291,22 @@ class BackwardPlan:
                 (*strides3(dq), shape.heads_q, shape.seqlen_q, self.splits),
                 HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
             )
+        self.kv_merge = None
+        if self.head_shares > 1:
+            self.kv_merge = PlannedLaunch(
+                attn_bwd_dkdv_merge_kernel,
+                (ceil_div(shape.seqlen_k, MERGE_ROWS), shape.batch * shape.heads_kv, 2),
+                (*strides3(dk), *strides3(dv), shape.heads_kv, shape.seqlen_k, self.head_shares),
+                HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=MERGE_ROWS,
+            )
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
         """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
-        scratch = self._scratch.buffers()
-        dq_part = scratch[-1] if self.dq_merge is not None else lse
+        scratch = dict(zip(self._scratch_names, self._scratch.buffers()))
+        # Pointer arguments a launch does not read get any tensor (lse).
+        dq_part = scratch.get("dq_part", lse)
+        kv_part = scratch.get("kv_part")
+        dk_out, dv_out = (kv_part[0], kv_part[1]) if kv_part is not None else (dk, dv)
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
         q_table = lse if self.q_table is None else self.q_table
         kv_table = lse if self.kv_table is None else self.kv_table
@@ -266,14 +315,16 @@ class BackwardPlan:
             self.fused(query, key, value, out, grad_out, lse, dq, dq_part, dk, dv, mask, bias,
                        dbias, q_table, kv_table)
         else:
-            delta = scratch[0]
+            delta = scratch["delta"]
             self.dq(query, key, value, out, grad_out, lse, delta, dq, dq_part, mask, bias,
                     dbias, q_table)
             for dkdv in self.dkdv:
-                dkdv(query, key, value, grad_out, lse, delta, dk, dv, mask, bias, dbias,
-                     kv_table)
+                dkdv(query, key, value, grad_out, lse, delta, dk, dv, dk_out, dv_out, mask, bias,
+                     dbias, kv_table)
         if self.dq_merge is not None:
             self.dq_merge(dq, dq_part)
+        if self.kv_merge is not None:
+            self.kv_merge(dk, dv, dk_out, dv_out)
         return self.dbias.finish(dbias) if self.dbias is not None else None
 
 

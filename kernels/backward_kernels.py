@@ -29,6 +29,30 @@ from ._score import (block_at, block_list_row, causal_block_split, causal_query_
 
 
 @triton.jit
+def _sum_partials(part_ptr, offs_m, m_ok, bh, num_bh, seqlen, num_splits,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The fp32 sum, in split order, of row block ``offs_m`` of (batch x head) row ``bh`` over
+    a partial buffer laid out (splits, num_bh, seqlen, BLOCK_D)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    total = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(num_splits):
+        part_rows = split_rows(split, bh, num_bh, seqlen) + offs_m
+        total += tl.load(part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
+                         mask=m_ok[:, None], other=0.0)
+    return total
+
+
+@triton.jit
+def _store_rows(ptr, bh, heads, offs_m, m_ok, values, stride_b, stride_m, stride_h,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store rows ``offs_m`` of (batch x head) row ``bh`` into a (B, L, H, D) gradient."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(operand_base(ptr, bh // heads, bh % heads, 1, stride_b, stride_h)
+             + tile_offsets(offs_m[:, None], offs_d[None, :], stride_m, 1),
+             values.to(ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def attn_bwd_dq_merge_kernel(
     dq_ptr, dq_part_ptr,
     stride_dq_b, stride_dq_m, stride_dq_h,
@@ -38,16 +62,36 @@ def attn_bwd_dq_merge_kernel(
     """dq = the sum of the key shares' fp32 partials (split-K dq), in split order."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seqlen_q
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for split in range(num_splits):
-        part_rows = split_rows(split, bh, tl.num_programs(1), seqlen_q) + offs_m
-        dq += tl.load(dq_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
-                      mask=m_ok[:, None], other=0.0)
-    tl.store(operand_base(dq_ptr, bh // heads_q, bh % heads_q, 1, stride_dq_b, stride_dq_h)
-             + tile_offsets(offs_m[:, None], offs_d[None, :], stride_dq_m, 1),
-             dq.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    dq = _sum_partials(dq_part_ptr, offs_m, m_ok, bh, tl.num_programs(1), seqlen_q, num_splits,
+                       BLOCK_M, BLOCK_D)
+    _store_rows(dq_ptr, bh, heads_q, offs_m, m_ok, dq, stride_dq_b, stride_dq_m, stride_dq_h,
+                HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def attn_bwd_dkdv_merge_kernel(
+    dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr,
+    stride_dk_b, stride_dk_n, stride_dk_h,
+    stride_dv_b, stride_dv_n, stride_dv_h,
+    heads_kv, seqlen_k, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """dk and dv = the sums of the head shares' fp32 partials, in share order; axis 2 picks
+    dk (0) or dv (1), so that both take one launch."""
+    offs_n = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    n_ok = offs_n < seqlen_k
+    if tl.program_id(2) == 0:
+        dk = _sum_partials(dk_part_ptr, offs_n, n_ok, bh, tl.num_programs(1), seqlen_k,
+                           num_splits, BLOCK_M, BLOCK_D)
+        _store_rows(dk_ptr, bh, heads_kv, offs_n, n_ok, dk, stride_dk_b, stride_dk_n,
+                    stride_dk_h, HEAD_DIM, BLOCK_D)
+    else:
+        dv = _sum_partials(dv_part_ptr, offs_n, n_ok, bh, tl.num_programs(1), seqlen_k,
+                           num_splits, BLOCK_M, BLOCK_D)
+        _store_rows(dv_ptr, bh, heads_kv, offs_n, n_ok, dv, stride_dv_b, stride_dv_n,
+                    stride_dv_h, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -118,7 +162,7 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr,
     mask_ptr, bias_ptr, dbias_ptr, list_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
@@ -131,22 +175,28 @@ def attn_bwd_dkdv_kernel(
     stride_dk_b, stride_dk_n, stride_dk_h,
     stride_dv_b, stride_dv_n, stride_dv_h,
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    batch_start, head_start, heads_per_launch, chunk_rows,
+    batch_start, head_start, heads_per_launch, chunk_rows, head_shares,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr, SPLIT_HEADS: tl.constexpr,
 ):
     """dk, dv (and dbias) of one key block per program, reading the delta dq stored. The
-    output pointer and strides that only the fused launch reads are given dO's."""
+    output pointer and strides that only the fused launch reads are given dO's.
+
+    SPLIT_HEADS: a grid row is a (pair, share) of ``head_shares`` shares of the GQA group's
+    query heads, and each program writes fp32 partials of dk and dv that
+    ``attn_bwd_dkdv_merge_kernel`` sums, so that a grid of few (batch, kv head) pairs still
+    fills the GPU."""
     # Earlier key blocks see more queries under causal: n ascending is already longest first.
-    n_block, pair = grid_position(tl.program_id(0), tl.cdiv(seqlen_k, BLOCK_N), chunk_rows,
-                                  False)
+    n_block, row = grid_position(tl.program_id(0), tl.cdiv(seqlen_k, BLOCK_N), chunk_rows,
+                                 False)
     _attn_bwd_dkdv_program(
-        n_block, pair,
+        n_block, row // head_shares, row % head_shares, head_shares,
         q_ptr, k_ptr, v_ptr, do_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        dk_part_ptr, dv_part_ptr,
         mask_ptr, bias_ptr, dbias_ptr, list_ptr,
         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
         stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
@@ -160,13 +210,14 @@ def attn_bwd_dkdv_kernel(
         batch_start, head_start, heads_per_launch,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
         DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
-        DBIAS_ACCUMULATE, EDGE_SLOTS, False)
+        DBIAS_ACCUMULATE, EDGE_SLOTS, False, SPLIT_HEADS)
 
 
 @triton.jit
 def _attn_bwd_dkdv_program(
-    n_block, pair,
+    n_block, pair, share, num_shares,
     q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    dk_part_ptr, dv_part_ptr,
     mask_ptr, bias_ptr, dbias_ptr, list_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
@@ -187,8 +238,10 @@ def _attn_bwd_dkdv_program(
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
+    SPLIT_HEADS: tl.constexpr,
 ):
-    """Key block ``n_block`` of (batch, kv head) pair ``pair`` of the launch."""
+    """Key block ``n_block`` of (batch, kv head) pair ``pair`` of the launch, over share
+    ``share`` of ``num_shares`` of its group's query heads (see SPLIT_HEADS)."""
     start_n = n_block * BLOCK_N
     # ``pair`` enumerates (batch, kv head) pairs of this launch; deterministic dbias for a
     # shared bias launches one slice at a time (batch_start / head_start) in a fixed order.
@@ -224,7 +277,8 @@ def _attn_bwd_dkdv_program(
     # One-row bias gradient: summed over queries here, and over the group's query heads too
     # when they share a gradient row (DBIAS_SUM_GROUP), so that no reduction follows.
     dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g in range(group_size):
+    heads_per_share = group_size // num_shares
+    for g in range(share * heads_per_share, (share + 1) * heads_per_share):
         h = hk * group_size + g
         bh = b * heads_q + h
         q_ptrs = operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h) \
@@ -309,12 +363,21 @@ def _attn_bwd_dkdv_program(
 
     # q.k was scaled in the forward, so dK picks up the scale once here.
     dk *= sm_scale
-    tl.store(operand_base(dk_ptr, b, hk, 1, stride_dk_b, stride_dk_h)
-             + tile_offsets(offs_n[:, None], offs_d[None, :], stride_dk_n, 1),
-             dk.to(dk_ptr.dtype.element_ty), mask=kv_in_range)
-    tl.store(operand_base(dv_ptr, b, hk, 1, stride_dv_b, stride_dv_h)
-             + tile_offsets(offs_n[:, None], offs_d[None, :], stride_dv_n, 1),
-             dv.to(dv_ptr.dtype.element_ty), mask=kv_in_range)
+    if SPLIT_HEADS:
+        # (shares, launch pairs, Lk, BLOCK_D) fp32 partials; the padded columns are written too
+        # (zeros), so the merge reads only written elements.
+        part_rows = split_rows(share, pair, tl.num_programs(0) // tl.cdiv(seqlen_k, BLOCK_N)
+                               // num_shares, seqlen_k) + offs_n
+        part_offsets = tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1)
+        tl.store(dk_part_ptr + part_offsets, dk, mask=n_ok[:, None])
+        tl.store(dv_part_ptr + part_offsets, dv, mask=n_ok[:, None])
+    else:
+        tl.store(operand_base(dk_ptr, b, hk, 1, stride_dk_b, stride_dk_h)
+                 + tile_offsets(offs_n[:, None], offs_d[None, :], stride_dk_n, 1),
+                 dk.to(dk_ptr.dtype.element_ty), mask=kv_in_range)
+        tl.store(operand_base(dv_ptr, b, hk, 1, stride_dv_b, stride_dv_h)
+                 + tile_offsets(offs_n[:, None], offs_d[None, :], stride_dv_n, 1),
+                 dv.to(dv_ptr.dtype.element_ty), mask=kv_in_range)
 
 
 @triton.jit
@@ -559,8 +622,9 @@ def attn_bwd_fused_kernel(
     if pid < dkdv_programs:
         key_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
         _attn_bwd_dkdv_program(
-            pid % key_blocks, pid // key_blocks,
+            pid % key_blocks, pid // key_blocks, 0, 1,
             q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, lse_ptr, dk_ptr, dv_ptr,
+            dk_ptr, dv_ptr,
             mask_ptr, bias_ptr, dbias_ptr, kv_list_ptr,
             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
             stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
@@ -574,7 +638,7 @@ def attn_bwd_fused_kernel(
             0, 0, heads_kv,
             HEAD_DIM, BLOCK_D, KV_BLOCK_M, KV_BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
             DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
-            DBIAS_ACCUMULATE, KV_EDGE_SLOTS, True)
+            DBIAS_ACCUMULATE, KV_EDGE_SLOTS, True, False)
     else:
         rest = pid - dkdv_programs
         m_block = rest % dq_row_blocks
