@@ -19,8 +19,8 @@ broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
   axis, so a tile is stored as whole rows; several contributors (query heads sharing a bias
   head, a batch- or head-shared bias) are always other dq programs and add atomically. The
   dkdv kernel instead walks a GQA group's query heads in one program over (key, query) tiles,
-  i.e. across the bias's rows: at B1 H8/2 L2048 its 64 programs took 0.54-1.58 ms over
-  0.23 ms without a gradient (results/notes.md, change 26). It still writes them when
+  i.e. across the bias's rows: at B1 H8/2 L2048 its kernel took 0.54-1.58 ms where a one-row
+  bias's took 0.23-0.36 (results/notes.md, change 26). It still writes them when
   ``deterministic=True`` leaves several contributors: in-program repeats (the group's heads)
   use load-add-store, contributions from other programs one launch per colliding
   (batch, kv-head) slice, in a fixed order.

@@ -4,7 +4,7 @@ A ``BackwardPlan`` is worked out once per forward plan and gradient signature: t
 the active-tile lists (from the forward's activity map, never the mask), the bias-gradient
 plan, grids and every scalar argument. A repeat backward only allocates and launches: dq
 (it also stores delta) then dkdv, or on a grid of one wave both as one fused launch; then the
-split merge when dq split the keys.
+merges: dq's when it split the keys, dk's and dv's when dkdv split its GQA group's heads.
 """
 
 from __future__ import annotations

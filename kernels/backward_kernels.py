@@ -7,7 +7,9 @@ Two launches, FlashAttention-2 style (three with split-K dq):
    share writes an fp32 partial of dq and ``attn_bwd_dq_merge_kernel`` sums them in order.
 2. ``attn_bwd_dkdv_kernel``: one program per (key block, b, kv head). It loops over the query
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
-   atomics and no (B, Lk, Hq, D) temporary. It also sums the gradient of a one-row bias
+   atomics and no (B, Lk, Hq, D) temporary. A grid too small to fill the GPU splits the group's
+   heads into shares instead, and ``attn_bwd_dkdv_merge_kernel`` sums the shares' fp32
+   partials in order. It also sums the gradient of a one-row bias
    (B, H, 1, Lk). A full-size bias's gradient tiles are dS itself, and the dq kernel writes
    them (the dkdv kernel only when ``deterministic=True`` must add several in order; see
    ``_dbias``).
