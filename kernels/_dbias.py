@@ -11,7 +11,9 @@ broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
   whole key columns and sums dS over queries in registers, and over its GQA group's query heads
   when they read one bias head (a bias with 1 or Hk heads). It writes a (B, Hk or Hq, 1, Lk)
   buffer once per element; when that is the bias's own shape, in the bias dtype, so the buffer
-  is the gradient and no reduction or cast follows (each is a torch op of host time).
+  is the gradient and no reduction or cast follows (each is a torch op of host time). Where
+  dkdv splits the group's heads over programs, they write a row per query head to scratch and
+  the dk/dv merge launch sums each group's rows into that buffer instead.
 * full (Lq, Lk) bias: tiles are written into the bias's own shape. When every element has one
   contributor they are stored in the bias dtype directly; otherwise added into an fp32
   accumulator of the bias's shape. By default the dq kernel writes them: its programs run in
@@ -94,7 +96,7 @@ def reduce_partial(partial: torch.Tensor, bias_shape) -> torch.Tensor:
     return t
 
 
-def _broadcast_args(buffer_shape: tuple[int, ...], view_shape: tuple[int, ...],
+def broadcast_args(buffer_shape: tuple[int, ...], view_shape: tuple[int, ...],
                     head_div: int) -> OperandArgs:
     """Kernel args of a contiguous buffer of ``buffer_shape`` expanded to ``view_shape``
     (stride 0 along the expanded axes, as ``Tensor.expand`` gives)."""
@@ -105,31 +107,30 @@ def _broadcast_args(buffer_shape: tuple[int, ...], view_shape: tuple[int, ...],
 
 
 def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bias_dtype,
-               deterministic: bool, interpreted: bool = False, head_shares: int = 1) -> DbiasPlan:
+               deterministic: bool, interpreted: bool = False) -> DbiasPlan:
     """The plan for a bias of ``bias_shape`` whose query head h reads bias head
     h // ``head_div``. ``interpreted``: the kernels run under Triton's interpreter, whose
     float32 -> bfloat16 cast truncates instead of rounding to nearest (up to 1 ulp instead of
     1/2: at the |dbias| ~ 40 of a summed row that is 0.25), so summed rows stay float32 there
-    and torch rounds them. ``head_shares``: dkdv programs each own that share of a GQA group's
-    query heads, so a one-row gradient is summed over the group by torch, not in a program."""
+    and torch rounds them."""
     bb, bh, bm, bn = bias_shape
     common = dict(bias_shape=tuple(bias_shape), bias_dtype=bias_dtype)
     if bn == 1:
         return DbiasPlan(True, False, False, False, tuple(bias_shape), bias_dtype,
-                         _broadcast_args(bias_shape, bias_shape, 1),
+                         broadcast_args(bias_shape, bias_shape, 1),
                          False, False, False, False, **common)
     if bm == 1 and shape.seqlen_q > 1:
         # Query heads of a group share a gradient row unless the bias has a head per query.
-        sum_group = (bh != shape.heads_q or shape.group_size == 1) and head_shares == 1
+        sum_group = bh != shape.heads_q or shape.group_size == 1
         rows = (shape.batch, shape.heads_kv if sum_group else shape.heads_q, 1, shape.seqlen_k)
         final = rows == tuple(bias_shape) and not (interpreted and bias_dtype == torch.bfloat16)
         return DbiasPlan(False, True, False, sum_group, rows,
                          bias_dtype if final else torch.float32,
-                         _broadcast_args(rows, rows, 1),
+                         broadcast_args(rows, rows, 1),
                          False, False, False, False, **common)
 
     view_shape = (shape.batch, bh, shape.seqlen_q, shape.seqlen_k)
-    target = _broadcast_args(bias_shape, view_shape, head_div)
+    target = broadcast_args(bias_shape, view_shape, head_div)
     shared_batch = bb == 1 and shape.batch > 1
     shared_heads = bh == 1 and shape.heads_kv > 1
     contributors = (shape.batch // bb) * (shape.heads_q // bh)

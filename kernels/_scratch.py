@@ -19,8 +19,10 @@ import math
 import torch
 
 # Per plan and stream. Scratch is O(B·H·Lq) at most (never O(Lq·Lk)): a decode split-K forward
-# keeps ~0.3 MiB, a B1 H16 L32768 no-grad forward's LSE 2 MiB.
-MAX_KEPT_BYTES = 4 * 2**20
+# keeps ~0.3 MiB, a B1 H16 L32768 no-grad forward's LSE 2 MiB. The largest kept is dkdv's
+# head-share partials, at most ~17 MiB: they exist only on grids under two waves (B1 H16/4
+# L1024: 16 MiB), whose backward takes ~100 us on the GPU, so one allocation is worth keeping.
+MAX_KEPT_BYTES = 32 * 2**20
 
 # The stream's raw handle without building a torch.cuda.Stream object (Triton's launcher reads
 # it the same way); the public call is the fallback.

@@ -15,7 +15,7 @@ import torch
 
 from ._blocks import ActivityMap, BlockLists, block_list_strides
 from ._checks import AttnShape
-from ._dbias import plan_dbias
+from ._dbias import broadcast_args, plan_dbias
 from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
                       dot_options, edge_slots, grid_chunk_rows, is_interpreted, key_splits,
                       multiprocessors, operand_pointer, padded_head_dim, strides3)
@@ -178,10 +178,10 @@ class BackwardPlan:
         interpreted = is_interpreted(attn_bwd_dq_kernel)
         cfg_kv, cfg_q = configs_for(shape, fwd.dtype, fwd.device)
         self.device = fwd.device
-        plan_bias_grad = (lambda shares: plan_dbias(
-            fwd.bias_shape, fwd.bias.head_div, shape, fwd.dtype, deterministic, interpreted,
-            shares) if bias_needs_grad else None)
-        self.dbias = plan_bias_grad(1)
+        self.dbias = None
+        if bias_needs_grad:
+            self.dbias = plan_dbias(fwd.bias_shape, fwd.bias.head_div, shape, fwd.dtype,
+                                    deterministic, interpreted)
         kv_lists, q_lists = backward_lists(fwd.activity, cfg_kv, cfg_q)
         self.kv_table = kv_lists.table if kv_lists is not None else None
         self.q_table = q_lists.table if q_lists is not None else None
@@ -205,8 +205,10 @@ class BackwardPlan:
         splittable = not fused and not (self.dbias and self.dbias.dkdv_tiles)
         self.head_shares = (dkdv_head_shares(shape, key_blocks * pairs, fwd.device)
                             if splittable else 1)
-        if self.head_shares > 1:
-            self.dbias = plan_bias_grad(self.head_shares)
+        # A one-row gradient summed over the group: with shares, rows per query head go to
+        # scratch and the dk/dv merge sums them into the plan's buffer.
+        self.group_rows = self.head_shares > 1 and bool(self.dbias and self.dbias.sum_group)
+        group_rows_shape = (shape.batch, shape.heads_q, 1, shape.seqlen_k)
 
         operands = ((fwd.mask or ABSENT_OPERAND).as_args()
                     + (fwd.bias or ABSENT_OPERAND).as_args())
@@ -221,6 +223,10 @@ class BackwardPlan:
         plan = self.dbias
         dbias_target = (plan.target if plan else ABSENT_OPERAND).as_args()
         dbias_consts = dbias_flags(plan)
+        dkdv_dbias_target, dkdv_dbias_consts = dbias_target, dbias_consts
+        if self.group_rows:
+            dkdv_dbias_target = broadcast_args(group_rows_shape, group_rows_shape, 1).as_args()
+            dkdv_dbias_consts = dict(dbias_consts, DBIAS_SUM_GROUP=False)
         dq_dbias_consts = dq_dbias_flags(plan)
         kv_list_strides = block_list_strides(kv_lists, shape.batch)
         q_list_strides = block_list_strides(q_lists, shape.batch)
@@ -233,13 +239,14 @@ class BackwardPlan:
         self.dkdv = [
             PlannedLaunch(
                 attn_bwd_dkdv_kernel, (key_blocks * dkdv_rows,),
-                (*operands, *dbias_target, *kv_list_strides, *inputs,
+                (*operands, *dkdv_dbias_target, *kv_list_strides, *inputs,
                  *strides3(dk), *strides3(dv), *sizes,
                  batch_start, head_start, heads_per_launch,
                  grid_chunk_rows(dkdv_rows, key_blocks, self.head_shares, fwd.is_causal, sms),
                  self.head_shares),
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
-                **dbias_consts, EDGE_SLOTS=kv_edge_slots, SPLIT_HEADS=self.head_shares > 1,
+                **dkdv_dbias_consts, EDGE_SLOTS=kv_edge_slots,
+                SPLIT_HEADS=self.head_shares > 1,
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
             for batch_start in (range(shape.batch) if serialize_batch else (0,))
@@ -275,12 +282,14 @@ class BackwardPlan:
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
         # delta (written by dq, read by dkdv; the fused launch needs none), dq's split-K
-        # partials and dk's and dv's head-share partials live within one call.
+        # partials, dk's and dv's head-share partials and the group's bias-gradient rows live
+        # within one call.
         kv_part_shape = (2, self.head_shares, shape.batch * shape.heads_kv, shape.seqlen_k,
                          block_d)
         specs = {"delta": None if self.fused else fwd.lse_shape,
                  "dq_part": self.dq_part_shape if self.splits > 1 else None,
-                 "kv_part": kv_part_shape if self.head_shares > 1 else None}
+                 "kv_part": kv_part_shape if self.head_shares > 1 else None,
+                 "dbias_rows": group_rows_shape if self.group_rows else None}
         self._scratch_names = [name for name, spec in specs.items() if spec is not None]
         self._scratch = Scratch(fwd.device, *((specs[name], torch.float32)
                                               for name in self._scratch_names))
@@ -295,8 +304,10 @@ class BackwardPlan:
         if self.head_shares > 1:
             self.kv_merge = PlannedLaunch(
                 attn_bwd_dkdv_merge_kernel,
-                (ceil_div(shape.seqlen_k, MERGE_ROWS), shape.batch * shape.heads_kv, 2),
-                (*strides3(dk), *strides3(dv), shape.heads_kv, shape.seqlen_k, self.head_shares),
+                (ceil_div(shape.seqlen_k, MERGE_ROWS), shape.batch * shape.heads_kv,
+                 3 if self.group_rows else 2),
+                (*strides3(dk), *strides3(dv), shape.heads_kv, shape.group_size,
+                 shape.seqlen_k, self.head_shares),
                 HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=MERGE_ROWS,
             )
 
@@ -307,6 +318,7 @@ class BackwardPlan:
         dq_part = scratch.get("dq_part", lse)
         kv_part = scratch.get("kv_part")
         dk_out, dv_out = (kv_part[0], kv_part[1]) if kv_part is not None else (dk, dv)
+        dbias_rows = scratch.get("dbias_rows")
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
         q_table = lse if self.q_table is None else self.q_table
         kv_table = lse if self.kv_table is None else self.kv_table
@@ -320,11 +332,12 @@ class BackwardPlan:
                     dbias, q_table)
             for dkdv in self.dkdv:
                 dkdv(query, key, value, grad_out, lse, delta, dk, dv, dk_out, dv_out, mask, bias,
-                     dbias, kv_table)
+                     dbias if dbias_rows is None else dbias_rows, kv_table)
         if self.dq_merge is not None:
             self.dq_merge(dq, dq_part)
         if self.kv_merge is not None:
-            self.kv_merge(dk, dv, dk_out, dv_out)
+            self.kv_merge(dk, dv, dk_out, dv_out, dbias,
+                          lse if dbias_rows is None else dbias_rows)
         return self.dbias.finish(dbias) if self.dbias is not None else None
 
 

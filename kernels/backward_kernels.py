@@ -73,18 +73,27 @@ def attn_bwd_dq_merge_kernel(
 
 @triton.jit
 def attn_bwd_dkdv_merge_kernel(
-    dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr,
+    dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr, dbias_ptr, dbias_rows_ptr,
     stride_dk_b, stride_dk_n, stride_dk_h,
     stride_dv_b, stride_dv_n, stride_dv_h,
-    heads_kv, seqlen_k, num_splits,
+    heads_kv, group_size, seqlen_k, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """dk and dv = the sums of the head shares' fp32 partials, in share order; axis 2 picks
-    dk (0) or dv (1), so that both take one launch."""
+    dk (0) or dv (1), so that both take one launch. A third slice (axis 2 = 2), where the grid
+    has one, sums each GQA group's one-row bias gradients: fp32 rows (B * Hq, Lk), one per
+    query head, into rows (B * Hk, Lk) of ``dbias_ptr``, in head order."""
     offs_n = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
     n_ok = offs_n < seqlen_k
-    if tl.program_id(2) == 0:
+    if tl.program_id(2) == 2:
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for g in range(group_size):
+            total += tl.load(dbias_rows_ptr + (bh * group_size + g).to(tl.int64) * seqlen_k
+                             + offs_n, mask=n_ok, other=0.0)
+        tl.store(dbias_ptr + bh.to(tl.int64) * seqlen_k + offs_n,
+                 total.to(dbias_ptr.dtype.element_ty), mask=n_ok)
+    elif tl.program_id(2) == 0:
         dk = _sum_partials(dk_part_ptr, offs_n, n_ok, bh, tl.num_programs(1), seqlen_k,
                            num_splits, BLOCK_M, BLOCK_D)
         _store_rows(dk_ptr, bh, heads_kv, offs_n, n_ok, dk, stride_dk_b, stride_dk_n,

@@ -18,6 +18,9 @@ CASES = [
     # A one-row bias per kv head: with shares, summed per query head, then over the group.
     pytest.param(Dims(1, 40, 70, heads_q=4, heads_kv=2, head_dim=40), "BxHkxLqxLk",
                  "1xHkx1xLk", True, id="kv_row"),
+    # A one-row bias shared by batch and heads: the merge sums the group, torch the rest.
+    pytest.param(Dims(2, 30, 45, heads_q=4, heads_kv=2, head_dim=40), None, "1x1x1xLk", False,
+                 id="row_shared"),
     # A full bias per query head: dq stores each tile once.
     pytest.param(Dims(2, 33, 47, heads_q=6, heads_kv=2, head_dim=16), None, "BxHqxLqxLk",
                  False, id="q_full"),
@@ -55,6 +58,8 @@ def test_head_shares_give_the_reference_gradients(dims, mask_axes, bias_axes, ca
     run_backward(q, k, v, mask if mask_axes else None, bias, causal)
     group = dims.heads_q // dims.heads_kv
     assert [plan.head_shares for plan in made] == [group if split else 1]
+    # One-row biases: with shares the group's rows are summed by the merge launch.
+    assert made[0].group_rows == (split and bias_axes.endswith("x1xLk"))
 
 
 @pytest.mark.usefixtures("no_kept_plans")
