@@ -327,6 +327,29 @@ def assert_same_bits(first: Grads, second: Grads) -> None:
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
+def assert_deterministic_grads(q, k, v, mask, bias, causal) -> None:
+    """Two deterministic backward runs of one problem and one grad_out agree bit for bit."""
+    grad_out = torch.randn(q.shape, device=q.device).to(q.dtype)
+    first, second = (grads_of(dmattn_func, q, k, v, mask, bias, causal, None, grad_out,
+                              deterministic=True) for _ in range(2))
+    assert_same_bits(first, second)
+
+
+def record_backward_plans(monkeypatch) -> list:
+    """A list that every ``BackwardPlan`` made from now on (in this test) is appended to."""
+    from kernels import backward
+
+    made = []
+
+    class Recorded(backward.BackwardPlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(backward, "BackwardPlan", Recorded)
+    return made
+
+
 @dataclass
 class BackwardRun:
     grads: Grads

@@ -16,7 +16,8 @@ import torch
 from attn_helpers import (BROADCAST_BATCH, BROADCAST_COLS, BROADCAST_DIMS, BROADCAST_HEADS,
                           BROADCAST_ROWS, CAUSAL, DTYPES, Dims, HEADS, HEAD_DIMS, LONG_SEQLEN_K,
                           MASKED, MASKED_BAND, OPERAND_FORMS, QKV_LAYOUTS,
-                          assert_close_to_reference, assert_no_lq_lk_allocation, assert_same_bits,
+                          assert_close_to_reference, assert_deterministic_grads,
+                          assert_no_lq_lk_allocation, assert_same_bits,
                           grads_of, in_form,
                           masked_band_problem, nan_in_band, random_bias, random_mask,
                           random_problem, random_qkv, run_backward)
@@ -71,10 +72,7 @@ def test_decode_key_split_is_deterministic(device):
     dims = Dims(1, 1, 1031, heads_q=4, heads_kv=2, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, mask="BxHkxLqxLk",
                                          bias="BxHkx1xLk", keep=0.5)
-    grad_out = torch.randn(q.shape, device=device).to(q.dtype)
-    first, second = (grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out,
-                              deterministic=True) for _ in range(2))
-    assert_same_bits(first, second)
+    assert_deterministic_grads(q, k, v, mask, bias, True)
 
 
 @pytest.mark.parametrize("batch,seqlen_q,heads,small_grid", [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import Dims, random_problem, run_backward
+from attn_helpers import Dims, random_problem, record_backward_plans, run_backward
 from kernels import backward
 
 # (dims, mask axes or None, bias axes or None, causal): what a plan change could break.
@@ -34,14 +34,7 @@ CASES = [
 def test_both_launch_plans_give_the_reference_gradients(dims, mask_axes, bias_axes, causal,
                                                          fused, device, monkeypatch):
     monkeypatch.setattr(backward, "FUSE_MAX_WAVES", 10**9 if fused else 0)
-    made = []
-
-    class Recorded(backward.BackwardPlan):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(backward, "BackwardPlan", Recorded)
+    made = record_backward_plans(monkeypatch)
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device,
                                          mask=mask_axes or "1x1x1x1", bias=bias_axes or "1x1x1x1",
                                          keep=0.6)

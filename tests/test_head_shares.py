@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import Dims, assert_same_bits, grads_of, random_problem, run_backward
-from kernels import backward, dmattn_func
+from attn_helpers import (Dims, assert_deterministic_grads, random_problem,
+                          record_backward_plans, run_backward)
+from kernels import backward
 from kernels._checks import AttnShape
 
 # (dims, mask axes or None, bias axes or None, causal)
@@ -35,15 +36,7 @@ def _forced(monkeypatch, split: bool) -> list:
     returns the list they are recorded in."""
     monkeypatch.setattr(backward, "FUSE_MAX_WAVES", 0)
     monkeypatch.setattr(backward, "DKDV_SHARE_WAVES", 10**9 if split else 0)
-    made = []
-
-    class Recorded(backward.BackwardPlan):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(backward, "BackwardPlan", Recorded)
-    return made
+    return record_backward_plans(monkeypatch)
 
 
 @pytest.mark.usefixtures("no_kept_plans")  # a kept plan would keep its launch plan
@@ -69,10 +62,7 @@ def test_head_shares_are_deterministic(device, monkeypatch):
     dims = Dims(1, 37, 61, heads_q=4, heads_kv=2, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, mask="BxHkxLqxLk",
                                          bias="1xHkx1xLk", keep=0.5)
-    grad_out = torch.randn(q.shape, device=device).to(q.dtype)
-    first, second = (grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out,
-                              deterministic=True) for _ in range(2))
-    assert_same_bits(first, second)
+    assert_deterministic_grads(q, k, v, mask, bias, True)
     assert made and made[0].head_shares == 2
 
 
