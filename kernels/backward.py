@@ -284,11 +284,12 @@ class BackwardPlan:
         # delta (written by dq, read by dkdv; the fused launch needs none), dq's split-K
         # partials, dk's and dv's head-share partials and the group's bias-gradient rows live
         # within one call.
-        kv_part_shape = (2, self.head_shares, shape.batch * shape.heads_kv, shape.seqlen_k,
-                         block_d)
+        kv_part_shape = (self.head_shares, shape.batch * shape.heads_kv, shape.seqlen_k, block_d)
+        shares = self.head_shares > 1
         specs = {"delta": None if self.fused else fwd.lse_shape,
                  "dq_part": self.dq_part_shape if self.splits > 1 else None,
-                 "kv_part": kv_part_shape if self.head_shares > 1 else None,
+                 "dk_part": kv_part_shape if shares else None,
+                 "dv_part": kv_part_shape if shares else None,
                  "dbias_rows": group_rows_shape if self.group_rows else None}
         self._scratch_names = [name for name, spec in specs.items() if spec is not None]
         self._scratch = Scratch(fwd.device, *((specs[name], torch.float32)
@@ -316,8 +317,8 @@ class BackwardPlan:
         scratch = dict(zip(self._scratch_names, self._scratch.buffers()))
         # Pointer arguments a launch does not read get any tensor (lse).
         dq_part = scratch.get("dq_part", lse)
-        kv_part = scratch.get("kv_part")
-        dk_out, dv_out = (kv_part[0], kv_part[1]) if kv_part is not None else (dk, dv)
+        # dkdv writes its head shares' partials, or else dk and dv themselves.
+        dk_out, dv_out = scratch.get("dk_part", dk), scratch.get("dv_part", dv)
         dbias_rows = scratch.get("dbias_rows")
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
         q_table = lse if self.q_table is None else self.q_table
