@@ -20,9 +20,8 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous
                       dot_options, edge_slots, grid_chunk_rows, is_interpreted, key_splits,
                       multiprocessors, operand_pointer, padded_head_dim, strides3)
 from ._scratch import Scratch
-from .backward_kernels import (attn_bwd_dkdv_kernel, attn_bwd_dkdv_merge_kernel,
-                               attn_bwd_dq_kernel, attn_bwd_dq_merge_kernel,
-                               attn_bwd_fused_kernel)
+from .backward_kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_fused_kernel
+from .backward_merge_kernels import attn_bwd_dkdv_merge_kernel, attn_bwd_dq_merge_kernel
 
 
 # dkdv's usual key block at 64 < D <= 128; the grid it gives decides ``small_grid``.

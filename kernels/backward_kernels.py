@@ -9,10 +9,10 @@ Two launches, FlashAttention-2 style (three with split-K dq):
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
    atomics and no (B, Lk, Hq, D) temporary. A grid too small to fill the GPU splits the group's
    heads into shares instead, and ``attn_bwd_dkdv_merge_kernel`` sums the shares' fp32
-   partials in order. It also sums the gradient of a one-row bias
-   (B, H, 1, Lk). A full-size bias's gradient tiles are dS itself, and the dq kernel writes
-   them (the dkdv kernel only when ``deterministic=True`` must add several in order; see
-   ``_dbias``).
+   partials in order (both merges live in ``backward_merge_kernels``). It also sums the
+   gradient of a one-row bias (B, H, 1, Lk). A full-size bias's gradient tiles are dS itself,
+   and the dq kernel writes them (the dkdv kernel only when ``deterministic=True`` must add
+   several in order; see ``_dbias``).
 On small grids, where host time decides, ``attn_bwd_fused_kernel`` runs both kinds of program
 in one launch, each computing delta itself.
 
@@ -28,81 +28,6 @@ from ._score import (block_at, block_list_row, causal_block_split, causal_query_
                      clamp_index, grid_position, interior_span, load_bias, mma, operand_base,
                      probs_from_lse, query_tile_scores, scores_log2, split_rows, split_share,
                      tile_offsets, visible_keys, write_tile)
-
-
-@triton.jit
-def _sum_partials(part_ptr, offs_m, m_ok, bh, num_bh, seqlen, num_splits,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The fp32 sum, in split order, of row block ``offs_m`` of (batch x head) row ``bh`` over
-    a partial buffer laid out (splits, num_bh, seqlen, BLOCK_D)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    total = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for split in range(num_splits):
-        part_rows = split_rows(split, bh, num_bh, seqlen) + offs_m
-        total += tl.load(part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
-                         mask=m_ok[:, None], other=0.0)
-    return total
-
-
-@triton.jit
-def _store_rows(ptr, bh, heads, offs_m, m_ok, values, stride_b, stride_m, stride_h,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Store rows ``offs_m`` of (batch x head) row ``bh`` into a (B, L, H, D) gradient."""
-    offs_d = tl.arange(0, BLOCK_D)
-    tl.store(operand_base(ptr, bh // heads, bh % heads, 1, stride_b, stride_h)
-             + tile_offsets(offs_m[:, None], offs_d[None, :], stride_m, 1),
-             values.to(ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def attn_bwd_dq_merge_kernel(
-    dq_ptr, dq_part_ptr,
-    stride_dq_b, stride_dq_m, stride_dq_h,
-    heads_q, seqlen_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dq = the sum of the key shares' fp32 partials (split-K dq), in split order."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    m_ok = offs_m < seqlen_q
-    dq = _sum_partials(dq_part_ptr, offs_m, m_ok, bh, tl.num_programs(1), seqlen_q, num_splits,
-                       BLOCK_M, BLOCK_D)
-    _store_rows(dq_ptr, bh, heads_q, offs_m, m_ok, dq, stride_dq_b, stride_dq_m, stride_dq_h,
-                HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def attn_bwd_dkdv_merge_kernel(
-    dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr, dbias_ptr, dbias_rows_ptr,
-    stride_dk_b, stride_dk_n, stride_dk_h,
-    stride_dv_b, stride_dv_n, stride_dv_h,
-    heads_kv, group_size, seqlen_k, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dk and dv = the sums of the head shares' fp32 partials, in share order; axis 2 picks
-    dk (0) or dv (1), so that both take one launch. A third slice (axis 2 = 2), where the grid
-    has one, sums each GQA group's one-row bias gradients: fp32 rows (B * Hq, Lk), one per
-    query head, into rows (B * Hk, Lk) of ``dbias_ptr``, in head order."""
-    offs_n = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    n_ok = offs_n < seqlen_k
-    if tl.program_id(2) == 2:
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for g in range(group_size):
-            total += tl.load(dbias_rows_ptr + (bh * group_size + g).to(tl.int64) * seqlen_k
-                             + offs_n, mask=n_ok, other=0.0)
-        tl.store(dbias_ptr + bh.to(tl.int64) * seqlen_k + offs_n,
-                 total.to(dbias_ptr.dtype.element_ty), mask=n_ok)
-    elif tl.program_id(2) == 0:
-        dk = _sum_partials(dk_part_ptr, offs_n, n_ok, bh, tl.num_programs(1), seqlen_k,
-                           num_splits, BLOCK_M, BLOCK_D)
-        _store_rows(dk_ptr, bh, heads_kv, offs_n, n_ok, dk, stride_dk_b, stride_dk_n,
-                    stride_dk_h, HEAD_DIM, BLOCK_D)
-    else:
-        dv = _sum_partials(dv_part_ptr, offs_n, n_ok, bh, tl.num_programs(1), seqlen_k,
-                           num_splits, BLOCK_M, BLOCK_D)
-        _store_rows(dv_ptr, bh, heads_kv, offs_n, n_ok, dv, stride_dv_b, stride_dv_n,
-                    stride_dv_h, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
