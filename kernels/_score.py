@@ -47,7 +47,7 @@ def tile_offsets(rows, cols, stride_rows, stride_cols):
 @triton.jit
 def visible_keys(m_idx, n_idx, seqlen_q, seqlen_k, mask_ptrs,
                  HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 INTERIOR: tl.constexpr = False):
+                 INTERIOR: tl.constexpr = False, GUARD_KEYS: tl.constexpr = False):
     """Which (query, key) pairs of the tile take part: in range, kept by the mask, causal.
 
     ``m_idx`` / ``n_idx`` are broadcast-shaped query and key positions (either orientation).
@@ -57,9 +57,14 @@ def visible_keys(m_idx, n_idx, seqlen_q, seqlen_k, mask_ptrs,
     An INTERIOR tile lies inside both lengths and wholly below the causal diagonal (see
     ``interior_span``): only the mask decides, and its pointers must already be clamped into
     range, because the load has no predicate. Callers skip this for interior tiles without a mask.
+    GUARD_KEYS: the key positions are not clamped (dkdv's (n, m) tiles, see
+    ``_attn_bwd_dkdv_program``), so an interior load is predicated on the key range alone.
     """
     if INTERIOR:
-        keep = tl.load(mask_ptrs) != 0
+        if GUARD_KEYS:
+            keep = tl.load(mask_ptrs, mask=n_idx < seqlen_k, other=0) != 0
+        else:
+            keep = tl.load(mask_ptrs) != 0
     else:
         keep = (m_idx < seqlen_q) & (n_idx < seqlen_k)
         if HAS_MASK:
@@ -100,19 +105,20 @@ def clamp_index(idx, length):
 
 @triton.jit
 def load_bias(bias_ptrs, keep, keys_in_range, BIAS_ROW: tl.constexpr,
-              INTERIOR: tl.constexpr = False):
+              INTERIOR: tl.constexpr = False, GUARD_KEYS: tl.constexpr = False):
     """Bias values for a tile.
 
     With BIAS_ROW (a bias with one query row, e.g. flash-dmattn's (B, Hk, 1, Lk)) the pointers
     are a single key row, [1, N] or [N, 1], loaded once and broadcast by the score add. A full
     tile of identical addresses cost 0.23 ms of 0.59 ms at L=16384, D=64 on an H100.
-    Interior tiles (clamped pointers, see ``visible_keys``) load without a predicate.
+    Interior tiles (clamped pointers, see ``visible_keys``) load without a predicate, or with
+    GUARD_KEYS (unclamped keys) on ``keys_in_range`` alone.
     """
     # One return statement: compiled Triton (3.6+) rejects returns of different shapes even
     # under a constexpr branch; the interpreter does not.
-    if INTERIOR:
+    if INTERIOR and not GUARD_KEYS:
         bias = tl.load(bias_ptrs)
-    elif BIAS_ROW:
+    elif BIAS_ROW or INTERIOR:
         bias = tl.load(bias_ptrs, mask=keys_in_range, other=0.0)
     else:
         bias = tl.load(bias_ptrs, mask=keep, other=0.0)

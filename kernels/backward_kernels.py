@@ -42,15 +42,18 @@ def _attn_bwd_dkdv_inner(
     INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
+    MASK_KEYS_CLAMPED: tl.constexpr,
 ):
     """Accumulate one query head's contribution to a key block's dk, dv (and dbias).
 
     Works in the (n, m) orientation. Pointers address query block 0; blocks are
     ``first_block + i`` or the i-th entry of the transposed active-tile list. INTERIOR query
-    blocks are whole and below the diagonal: no per-pair range or causal test (mask and bias
-    pointers are key-clamped by the caller; key rows past seqlen_k are never stored).
+    blocks are whole and below the diagonal: no per-pair range or causal test, only the key
+    range guards their mask and bias loads (key rows past seqlen_k are never stored).
     DELTA_FROM_OUT: delta = rowsum(dO * O) is computed here from the output tile instead of
     read from what the dq kernel stored (the fused launch, where dq runs alongside).
+    MASK_KEYS_CLAMPED: the mask pointers' keys are clamped into range, so interior mask loads
+    need no predicate (see ``_attn_bwd_dkdv_program``); bias keys never are.
     """
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
@@ -63,7 +66,8 @@ def _attn_bwd_dkdv_inner(
         if HAS_MASK or not INTERIOR:
             keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
                                 mask_ptrs + start_m.to(tl.int64) * stride_mask_m,
-                                HAS_MASK, CAUSAL_TILES, INTERIOR)
+                                HAS_MASK, CAUSAL_TILES, INTERIOR,
+                                GUARD_KEYS=not MASK_KEYS_CLAMPED)
         if INTERIOR:
             q_in_range = d_ok[None, :]
         else:
@@ -72,7 +76,7 @@ def _attn_bwd_dkdv_inner(
         bias = 0.0
         if HAS_BIAS:
             bias = load_bias(bias_ptrs + start_m.to(tl.int64) * stride_bias_m, keep,
-                             n_ok[:, None], BIAS_ROW, INTERIOR)
+                             n_ok[:, None], BIAS_ROW, INTERIOR, GUARD_KEYS=True)
         qk_t = mma(k, tl.trans(q), DOT_PRECISION, WIDEN_DOTS)
         s_t = scores_log2(qk_t, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
         p_t = probs_from_lse(s_t, tl.load(lse_ptr + offs_m, mask=m_ok, other=0.0)[None, :])
@@ -203,8 +207,6 @@ def _attn_bwd_dkdv_program(
         bias_cols = tl.zeros([1, 1], dtype=tl.int32)
     else:
         bias_cols = offs_m0[None, :]
-    # Mask and bias keys past seqlen_k read the last key: interior tiles load unpredicated.
-    safe_n = clamp_index(offs_n, seqlen_k)
     # Query blocks [first, full_from) straddle the diagonal; [full_from, interior_end) need no
     # per-pair test; a partial last query block needs the range test again.
     first, full_from, num_blocks = causal_query_split(start_n, BLOCK_M, BLOCK_N, seqlen_q,
@@ -213,6 +215,18 @@ def _attn_bwd_dkdv_program(
     # One-row bias gradient: summed over queries here, and over the group's query heads too
     # when they share a gradient row (DBIAS_SUM_GROUP), so that no reduction follows.
     dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # The key is the contiguous axis of these (n, m) tiles, unlike the (m, n) kernels' clamped
+    # query rows, and a clamped index has no known contiguity: its loads are scalar. So bias
+    # keys are never clamped, and interior loads are predicated on the key range instead
+    # (GUARD_KEYS), which keeps them vectorized when seqlen_k is a multiple of 16. Mask keys
+    # are clamped in one case: a one-row bias on a head-share grid, where the vectorized mask
+    # made dkdv slower on the H100 (128 -> 178 us at B1 H8/2 L2048 topk; results/notes.md,
+    # change 27), while every other case probed was as fast or faster (topk 112 -> 92 us).
+    MASK_KEYS_CLAMPED: tl.constexpr = BIAS_ROW and SPLIT_HEADS
+    if MASK_KEYS_CLAMPED:
+        mask_keys = clamp_index(offs_n, seqlen_k)
+    else:
+        mask_keys = offs_n
     heads_per_share = group_size // num_shares
     for g in range(share * heads_per_share, (share + 1) * heads_per_share):
         h = hk * group_size + g
@@ -224,9 +238,9 @@ def _attn_bwd_dkdv_program(
         o_ptrs = operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h) \
             + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_o_m, 1)
         mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
-            + tile_offsets(safe_n[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
+            + tile_offsets(mask_keys[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
         bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-            + tile_offsets(safe_n[:, None], bias_cols, stride_bias_n, stride_bias_m)
+            + tile_offsets(offs_n[:, None], bias_cols, stride_bias_n, stride_bias_m)
         dbias_ptrs = operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h) \
             + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_db_n, stride_db_m)
         lse_row = lse_ptr + bh.to(tl.int64) * seqlen_q
@@ -251,7 +265,8 @@ def _attn_bwd_dkdv_program(
                 bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
                 block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
                 BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
-                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT)
+                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT,
+                MASK_KEYS_CLAMPED)
             # The partial tiles' three spans, as slices of the list.
             edge_list, edge_first, edge_count = block_list + full, 0, lo - full
             inner_list, inner_first, inner_count = block_list + lo, 0, hi - lo
@@ -269,7 +284,8 @@ def _attn_bwd_dkdv_program(
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             edge_list, edge_first, edge_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT,
+            MASK_KEYS_CLAMPED)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
             dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
             q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
@@ -277,7 +293,8 @@ def _attn_bwd_dkdv_program(
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             inner_list, inner_first, inner_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT,
+            MASK_KEYS_CLAMPED)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
             dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
             q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
@@ -285,7 +302,8 @@ def _attn_bwd_dkdv_program(
             bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
             tail_list, tail_first, tail_count, seqlen_q, seqlen_k, qk_scale,
             BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, False, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT)
+            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT,
+            MASK_KEYS_CLAMPED)
         if HAS_DBIAS and DBIAS_REDUCE_M and not DBIAS_SUM_GROUP:
             # Row (b, hq) of a (B, Hq, 1, Lk) buffer: a single writer, no atomics.
             tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
