@@ -131,6 +131,7 @@ class ActivityMap:
     sub_rows: int
     sub_cols: int
     _lists: dict = field(default_factory=dict, compare=False, repr=False)
+    _partial_shares: dict = field(default_factory=dict, compare=False, repr=False)
 
     def lists(self, block_rows: int, block_cols: int, transposed: bool) -> BlockLists:
         """The lists for (block_rows x block_cols) tiles, built on first use and kept: a
@@ -139,6 +140,21 @@ class ActivityMap:
         if key not in self._lists:
             self._lists[key] = lists_from_activity(self, block_rows, block_cols, transposed)
         return self._lists[key]
+
+    def count_partial_share(self, block_rows: int, block_cols: int, transposed: bool) -> float:
+        """Count, and keep, which share of the active tiles in these lists are partial (read
+        mask bytes) rather than full. This reads the counts back to the host, a device sync,
+        so only ``prepare_mask`` calls it; calls read the kept value with ``partial_share``."""
+        key = (block_rows, block_cols, bool(transposed))
+        counts = self.lists(*key).counts.to(torch.int64)
+        active, full = counts.sum(dim=tuple(range(counts.dim() - 1))).tolist()
+        self._partial_shares[key] = (active - full) / active if active else 0.0
+        return self._partial_shares[key]
+
+    def partial_share(self, block_rows: int, block_cols: int, transposed: bool) -> float | None:
+        """The share counted by ``count_partial_share``, or None where it was not counted
+        (a mask read within the call, where a sync would stall the host)."""
+        return self._partial_shares.get((block_rows, block_cols, bool(transposed)))
 
 
 @dataclass(frozen=True)

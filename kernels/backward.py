@@ -96,8 +96,31 @@ def backward_lists(activity: ActivityMap | None, cfg_kv: BackwardConfig,
 
 def prepare_backward_lists(activity: ActivityMap, shape: AttnShape, dtype: torch.dtype,
                            device: torch.device) -> None:
-    """Build (and keep in ``activity``) both backward kernels' lists ahead of the call."""
-    backward_lists(activity, *configs_for(shape, dtype, device))
+    """Build (and keep in ``activity``) both backward kernels' lists ahead of the call, and
+    count the share of partial tiles in dkdv's, which picks its pipeline depth."""
+    cfg_kv, cfg_q = configs_for(shape, dtype, device)
+    backward_lists(activity, cfg_kv, cfg_q)
+    activity.count_partial_share(cfg_kv.block_n, cfg_kv.block_m, transposed=True)
+
+
+# dkdv's pipeline stages at 64 < D <= 128 in 16-bit where most of its tiles are partial: each
+# such tile loads a mask tile beside q and dO, and there 2 stages beat 3 by 5-14% (topk masks:
+# D 80, 96, 128 at L4096, gqa B2 H16/4 L4096, seqlen L16384), where on full tiles 3 stayed
+# ahead (gqa H32/8 L8192 block_topk by 6%, no mask at L8192 by 4%; results/notes.md,
+# change 28). A mask read within the call has no count: it gets 2, as a dynamic (topk) mask's
+# tiles are mostly partial.
+PARTIAL_TILES_DKDV_STAGES = 2
+
+
+def dkdv_stages(cfg_kv: BackwardConfig, block_d: int, dtype: torch.dtype,
+                activity: ActivityMap | None) -> int:
+    """Pipeline stages of the (unfused) dkdv launch."""
+    if activity is None or dtype == torch.float32 or not 64 < block_d <= 128:
+        return cfg_kv.num_stages
+    share = activity.partial_share(cfg_kv.block_n, cfg_kv.block_m, transposed=True)
+    if share is not None and share <= 0.5:
+        return cfg_kv.num_stages
+    return min(cfg_kv.num_stages, PARTIAL_TILES_DKDV_STAGES)
 
 
 def dq_key_splits(shape: AttnShape, cfg_q: BackwardConfig, device: torch.device) -> int:
@@ -246,7 +269,8 @@ class BackwardPlan:
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
                 **dkdv_dbias_consts, EDGE_SLOTS=kv_edge_slots,
                 SPLIT_HEADS=self.head_shares > 1,
-                num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
+                num_warps=cfg_kv.num_warps,
+                num_stages=dkdv_stages(cfg_kv, block_d, fwd.dtype, fwd.activity), **common,
             )
             for batch_start in (range(shape.batch) if serialize_batch else (0,))
             for head_start in (range(shape.heads_kv) if serialize_heads else (0,))

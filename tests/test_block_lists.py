@@ -121,3 +121,37 @@ def test_lists_need_tiles_made_of_map_tiles(device):
     activity = tile_activity(checked.mask, checked.shape, 16, 32, False)
     with pytest.raises(ValueError, match="not made of"):
         lists_from_activity(activity, 16, 16, False)
+
+
+def test_partial_share_counts_the_tiles_that_read_mask_bytes(device):
+    """The share of partial tiles among active ones, over all list rows, as counted in torch
+    from the mask; only a counted share is reported (a call never syncs to count one)."""
+    dims = Dims(1, 290, 300, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = _mask_with_both_kinds(dims, device)
+    checked = check_inputs(q, k, v, mask, None, None)
+    activity = tile_activity(checked.mask, checked.shape, 16, 16, True)
+    assert activity.partial_share(32, 16, True) is None
+    rows = torch.arange(dims.seqlen_q, device=device)[:, None]
+    cols = torch.arange(dims.seqlen_k, device=device)[None, :]
+    visible = (mask[0, 0] & (cols <= rows + dims.seqlen_k - dims.seqlen_q)).T.cpu()
+    lists = _expected_lists(visible, 32, 16)
+    full = sum(len(f) for f, _ in lists)
+    partial = sum(len(p) for _, p in lists)
+    assert 0 < full and 0 < partial
+    assert activity.count_partial_share(32, 16, True) == pytest.approx(partial / (full + partial))
+    assert activity.partial_share(32, 16, True) == activity.count_partial_share(32, 16, True)
+    assert activity.partial_share(32, 16, False) is None
+
+
+@pytest.mark.parametrize("keep,share", [("blocks", 0.0), ("none", 0.0)])
+def test_partial_share_of_block_sparse_and_empty_masks(keep, share, device):
+    dims = Dims(1, 64, 96, heads_q=1, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = torch.zeros(dims.full_operand_shape("Hk"), dtype=torch.bool, device=device)
+    if keep == "blocks":
+        mask[..., :32, 32:64] = True
+        mask[..., 32:, :32] = True
+    checked = check_inputs(q, k, v, mask, None, None)
+    activity = tile_activity(checked.mask, checked.shape, 16, 16, False)
+    assert activity.count_partial_share(32, 32, True) == share

@@ -149,3 +149,48 @@ def test_a_prepared_mask_keeps_its_plans_and_refuses_a_later_write(device):
     mask[0, 0, 0, :] = False
     with pytest.raises(ValueError, match="attn_mask: the mask was written in place"):
         dmattn_func(q, k, v, prepared, is_causal=True)
+
+
+def _activity(mask, device):
+    from kernels._blocks import tile_activity
+    from kernels._checks import check_inputs
+
+    dims = Dims(1, mask.shape[2], mask.shape[3], heads_q=1, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    checked = check_inputs(q, k, v, mask, None, None)
+    return tile_activity(checked.mask, checked.shape, 16, 16, False)
+
+
+def test_dkdv_pipeline_depth_follows_its_partial_tile_share(device):
+    """Two stages where dkdv's tiles are mostly partial (or were not counted: a mask read in
+    the call), the config's own where they are mostly full, and outside 64 < D <= 128 in
+    16-bit, which is all that was measured."""
+    from kernels.backward import BackwardConfig, dkdv_stages
+
+    cfg = BackwardConfig(32, 64, 4, 3)
+    element = _activity(random_mask((1, 1, 128, 128), device, keep=0.3), device)
+    blocks = torch.zeros((1, 1, 128, 128), dtype=torch.bool, device=device)
+    blocks[..., :64, 64:] = True  # whole (32 query, 64 key) tiles
+    blocks[..., 96:, :64] = True
+    block_sparse = _activity(blocks, device)
+    uncounted = _activity(blocks, device)
+    assert element.count_partial_share(64, 32, True) > 0.5
+    assert block_sparse.count_partial_share(64, 32, True) == 0.0
+    assert dkdv_stages(cfg, 128, torch.bfloat16, element) == 2
+    assert dkdv_stages(cfg, 128, torch.float16, block_sparse) == 3
+    assert dkdv_stages(cfg, 128, torch.bfloat16, uncounted) == 2
+    assert dkdv_stages(cfg, 128, torch.bfloat16, None) == 3
+    assert dkdv_stages(cfg, 128, torch.float32, element) == 3
+    assert dkdv_stages(cfg, 64, torch.bfloat16, element) == 3
+    assert dkdv_stages(cfg, 256, torch.bfloat16, element) == 3
+    assert dkdv_stages(BackwardConfig(16, 32, 4, 1), 128, torch.bfloat16, element) == 1
+
+
+def test_prepare_mask_counts_dkdv_partial_tiles(device):
+    from kernels.backward import configs_for
+
+    q, k, v = random_qkv(DIMS, torch.bfloat16, device)
+    prepared = prepare_mask(random_mask(DIMS.full_operand_shape("Hk"), device), q, k)
+    cfg_kv, _ = configs_for(prepared.shape, q.dtype, q.device)
+    share = prepared.activity.partial_share(cfg_kv.block_n, cfg_kv.block_m, True)
+    assert share is not None and 0.0 <= share <= 1.0
