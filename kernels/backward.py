@@ -100,7 +100,14 @@ def prepare_backward_lists(activity: ActivityMap, shape: AttnShape, dtype: torch
     count the share of partial tiles in dkdv's, which picks its pipeline depth."""
     cfg_kv, cfg_q = configs_for(shape, dtype, device)
     backward_lists(activity, cfg_kv, cfg_q)
-    activity.count_partial_share(cfg_kv.block_n, cfg_kv.block_m, transposed=True)
+    # Counting reads back to the host, which a CUDA graph capture forbids; left uncounted, the
+    # share counts as mostly partial (``dkdv_stages``).
+    if not graph_capturing(device):
+        activity.count_partial_share(cfg_kv.block_n, cfg_kv.block_m, transposed=True)
+
+
+def graph_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # dkdv's pipeline stages at 64 < D <= 128 in 16-bit where most of its tiles are partial: each

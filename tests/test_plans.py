@@ -194,3 +194,22 @@ def test_prepare_mask_counts_dkdv_partial_tiles(device):
     cfg_kv, _ = configs_for(prepared.shape, q.dtype, q.device)
     share = prepared.activity.partial_share(cfg_kv.block_n, cfg_kv.block_m, True)
     assert share is not None and 0.0 <= share <= 1.0
+
+
+def test_prepare_mask_in_a_graph_capture_leaves_the_share_uncounted(device, monkeypatch):
+    """Counting syncs, which a CUDA graph capture forbids: a mask prepared while one is being
+    captured is not counted (dkdv then takes the depth of a mostly partial mask)."""
+    from kernels import backward
+
+    q, k, v = random_qkv(DIMS, torch.bfloat16, device)
+    mask = random_mask(DIMS.full_operand_shape("Hk"), device)
+    cfg_kv, _ = backward.configs_for(DIMS, q.dtype, q.device)
+    if device.type == "cuda":
+        prepare_mask(mask, q, k)  # compile the list kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            prepared = prepare_mask(mask, q, k)
+    else:  # no graphs off CUDA: the check itself is what is tested
+        monkeypatch.setattr(backward, "graph_capturing", lambda device: True)
+        prepared = prepare_mask(mask, q, k)
+    assert prepared.activity.partial_share(cfg_kv.block_n, cfg_kv.block_m, True) is None
