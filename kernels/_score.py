@@ -58,7 +58,7 @@ def visible_keys(m_idx, n_idx, seqlen_q, seqlen_k, mask_ptrs,
     ``interior_span``): only the mask decides, and its pointers must already be clamped into
     range, because the load has no predicate. Callers skip this for interior tiles without a mask.
     GUARD_KEYS: the key positions are not clamped (dkdv's (n, m) tiles, see
-    ``_attn_bwd_dkdv_program``), so an interior load is predicated on the key range alone.
+    ``attn_bwd_dkdv_program``), so an interior load is predicated on the key range alone.
     """
     if INTERIOR:
         if GUARD_KEYS:

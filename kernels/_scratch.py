@@ -29,6 +29,12 @@ MAX_KEPT_BYTES = 32 * 2**20
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def graph_capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured on the current stream: allocations belong to the graph,
+    and reading device memory back to the host is forbidden."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _current_stream(index: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(index)
@@ -55,7 +61,7 @@ class Scratch:
         """The buffers for a call enqueued now, on the current stream."""
         if not self.specs:
             return ()
-        if not self.keep or torch.cuda.is_current_stream_capturing():
+        if not self.keep or graph_capturing(self.device):
             return self._allocate()
         key = _current_stream(self.device.index)
         kept = self._by_stream.get(key)

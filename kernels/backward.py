@@ -1,4 +1,4 @@
-"""The backward's host side: tile configs, plans and launches of ``backward_kernels``.
+"""The backward's host side: tile configs, plans and launches of the backward kernels.
 
 A ``BackwardPlan`` is worked out once per forward plan and gradient signature: the configs,
 the active-tile lists (from the forward's activity map, never the mask), the bias-gradient
@@ -19,8 +19,9 @@ from ._dbias import broadcast_args, plan_dbias
 from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
                       dot_options, edge_slots, grid_chunk_rows, is_interpreted, key_splits,
                       multiprocessors, operand_pointer, padded_head_dim, strides3)
-from ._scratch import Scratch
-from .backward_kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_fused_kernel
+from ._scratch import Scratch, graph_capturing
+from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
+from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
 from .backward_merge_kernels import attn_bwd_dkdv_merge_kernel, attn_bwd_dq_merge_kernel
 
 
@@ -104,10 +105,6 @@ def prepare_backward_lists(activity: ActivityMap, shape: AttnShape, dtype: torch
     # share counts as mostly partial (``dkdv_stages``).
     if not graph_capturing(device):
         activity.count_partial_share(cfg_kv.block_n, cfg_kv.block_m, transposed=True)
-
-
-def graph_capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # dkdv's pipeline stages at 64 < D <= 128 in 16-bit where most of its tiles are partial: each
