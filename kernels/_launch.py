@@ -266,6 +266,10 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
     _run_compiled(hit, _grid3(grid), args, device)
 
 
+_data_ptr = torch.Tensor.data_ptr
+_alignment = (15).__and__  # an address's offset from 16-byte alignment
+
+
 class PlannedLaunch:
     """A launch planned once per call signature: the grid, every scalar argument, the
     constexprs and the options are fixed, and each call passes only the kernel's pointer
@@ -279,20 +283,24 @@ class PlannedLaunch:
     def __init__(self, kernel, grid: tuple, scalars: tuple, num_warps: int = 4,
                  num_stages: int = 3, **constexprs):
         self.kernel = kernel
+        self.interpreted = is_interpreted(kernel)
         self.grid = _grid3(grid)
         self.scalars = tuple(scalars)
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
         self._compiled: dict = {}
 
     def __call__(self, *pointers: torch.Tensor) -> None:
-        if is_interpreted(self.kernel) or not _direct_launch_available():
+        if self.interpreted or not _direct_launch_available():
             self.kernel[self.grid](*map(_kernel_arg, pointers), *self.scalars, **self.options)
             return
-        device = _driver.active.get_current_device()
+        # torch's own device query: Triton's (through its driver proxy) took 0.57 us per call
+        # on the H100 host against 0.32 (results/notes.md, change 29).
+        device = torch.cuda.current_device()
         # The launcher takes addresses as plain ints too, which skips its per-tensor
         # ``data_ptr()`` call and pointer-attribute query (we read the addresses anyway).
-        addresses = [t.data_ptr() for t in pointers]
-        key = (device, *[a & 15 for a in addresses])
+        # ``map`` over C callables: no Python frame per pointer.
+        addresses = list(map(_data_ptr, pointers))
+        key = (device, *map(_alignment, addresses))
         hit = self._compiled.get(key)
         if hit is None:
             self._compiled[key] = _jit_launch(self.kernel, self.grid, pointers + self.scalars,

@@ -385,7 +385,9 @@ class ForwardPlan:
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, or None without ``keep_lse``) for
         tensors of this plan's signature; ``mask`` is the bool mask (or its uint8 view) and
         ``bias`` the bias, either may be None."""
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        # ``new_empty`` takes dtype and device from ``query`` (the plan's own): 2.9 us of host
+        # per call against 3.9 for ``torch.empty`` with both named (change 29).
+        out = query.new_empty(self.out_shape)
         if keep_lse:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
             parts = self._scratch.buffers()

@@ -81,13 +81,17 @@ class _DMAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
-                deterministic):
+                deterministic, return_lse):
         plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
                                                    is_causal, softmax_scale, for_backward=True)
         out, lse = plan.run(query, key, value, mask, attn_bias)
+        # The LSE is saved either way; it is an output only when asked for. Each output is
+        # one more tensor for autograd to wrap and track on every call.
         ctx.save_for_backward(query, key, value, out, lse, mask, attn_bias)
         ctx.plan = plan
         ctx.deterministic = deterministic
+        if not return_lse:
+            return out
         ctx.mark_non_differentiable(lse)
         # The LSE's gradient is never used: without this, autograd fills a zero tensor for it
         # on every backward (a torch op of host time).
@@ -95,15 +99,15 @@ class _DMAttnFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out, *grad_lse):
         if grad_out is None:  # only the LSE reached the loss: nothing depends on the inputs
-            return None, None, None, None, None, None, None, None
+            return (None,) * 9
         query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
         dq, dk, dv, dbias = attention_backward(
             ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
             ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
         )
-        return dq, dk, dv, None, dbias, None, None, None
+        return dq, dk, dv, None, dbias, None, None, None, None
 
 
 def _needs_grad(*tensors) -> bool:
@@ -153,13 +157,13 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     """
     attn_bias = _compact_bias(attn_bias)
     if _needs_grad(query, key, value, attn_bias):
-        out, lse = _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias,
-                                         bool(is_causal), softmax_scale, bool(deterministic))
-    else:  # no graph to record: skip autograd.Function's own host time
-        plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
-                                                   bool(is_causal), softmax_scale,
-                                                   for_backward=False)
-        out, lse = plan.run(query, key, value, mask, attn_bias, keep_lse=return_lse)
+        return _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, bool(is_causal),
+                                     softmax_scale, bool(deterministic), bool(return_lse))
+    # No graph to record: skip autograd.Function's own host time.
+    plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
+                                               bool(is_causal), softmax_scale,
+                                               for_backward=False)
+    out, lse = plan.run(query, key, value, mask, attn_bias, keep_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -251,6 +251,27 @@ def test_bias_without_grad_gets_none(device):
     assert all(t.grad is not None for t in (q, k, v))
 
 
+def test_grads_with_and_without_returned_lse_agree(device):
+    """With ``return_lse=True`` the graph has a second, non-differentiable output; the output's
+    gradients are the same bits as without it, and the LSE equals the no-grad call's."""
+    dims = Dims(1, 17, 33, heads_q=4, heads_kv=2, head_dim=24)
+    q, k, v, mask, bias = random_problem(
+        dims, torch.float16, device, mask="BxHkxLqxLk", bias="1xHkx1xLk")
+    grad_out = torch.randn(q.shape, device=device).to(q.dtype)
+
+    def with_lse(*args, **kwargs):
+        out, lse = dmattn_func(*args, return_lse=True, **kwargs)
+        assert out.requires_grad and not lse.requires_grad
+        assert torch.equal(lse, dmattn_func(*(a.detach() if isinstance(a, torch.Tensor) else a
+                                              for a in args), return_lse=True)[1])
+        return out
+
+    plain = grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out)
+    returned = grads_of(with_lse, q, k, v, mask, bias, True, None, grad_out)
+    assert all(torch.isfinite(g).all() for _, g in plain.named())
+    assert_same_bits(plain, returned)
+
+
 def test_bias_grad_alone(device):
     """Only the bias requires grad: it still gets the right gradient."""
     dims = Dims(1, 17, 33, heads_q=2, heads_kv=1, head_dim=16)
