@@ -235,6 +235,12 @@ def _jit_launch(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
     return compiled, tail
 
 
+def _current_device() -> int:
+    # torch's own query: Triton's, through its driver proxy, took 0.57 us per call on the H100
+    # host against 0.32 (results/notes.md, change 29). Both return the same index.
+    return torch.cuda.current_device()
+
+
 def _run_compiled(hit: tuple, grid: tuple, args: tuple, device: int) -> None:
     compiled, tail = hit
     compiled.run(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device),
@@ -254,7 +260,7 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
     if is_interpreted(kernel) or not _direct_launch_available():
         kernel[grid](*map(_kernel_arg, args), **options)
         return
-    device = _driver.active.get_current_device()
+    device = _current_device()
     key = (device, num_warps, num_stages, tuple(constexprs.values()), _arg_signature(args))
     cache = _compiled.setdefault(kernel, OrderedDict())
     hit = cache.get(key)
@@ -293,9 +299,7 @@ class PlannedLaunch:
         if self.interpreted or not _direct_launch_available():
             self.kernel[self.grid](*map(_kernel_arg, pointers), *self.scalars, **self.options)
             return
-        # torch's own device query: Triton's (through its driver proxy) took 0.57 us per call
-        # on the H100 host against 0.32 (results/notes.md, change 29).
-        device = torch.cuda.current_device()
+        device = _current_device()
         # The launcher takes addresses as plain ints too, which skips its per-tensor
         # ``data_ptr()`` call and pointer-attribute query (we read the addresses anyway).
         # ``map`` over C callables: no Python frame per pointer.
