@@ -13,7 +13,7 @@ broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
   buffer once per element; when that is the bias's own shape, in the bias dtype, so the buffer
   is the gradient and no reduction or cast follows (each is a torch op of host time). Where
   dkdv splits the group's heads over programs, they write a row per query head to scratch and
-  the dk/dv merge launch sums each group's rows into that buffer instead.
+  the last share of each key block sums its group's rows into that buffer instead.
 * full (Lq, Lk) bias: tiles are written into the bias's own shape. When every element has one
   contributor they are stored in the bias dtype directly; otherwise added into an fp32
   accumulator of the bias's shape. By default the dq kernel writes them: its programs run in

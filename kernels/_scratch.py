@@ -1,5 +1,5 @@
-"""Scratch buffers that live within one call: split-K partials, the backward's delta, and an
-LSE that nobody asked for.
+"""Scratch buffers that live within one call: split-K partials and their arrival counters, the
+backward's delta, and an LSE that nobody asked for.
 
 A plan keeps its scratch per CUDA stream and hands the same buffers to its next call on that
 stream. Stream order makes that safe: every kernel that reads the buffers in one call is
@@ -54,7 +54,10 @@ class Scratch:
         self._by_stream: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _allocate(self) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(shape, dtype=dtype, device=self.device)
+        # Integer buffers are split programs' arrival counters (``backward_merge_kernels``):
+        # they must start at zero, and the kernels leave them at zero for the next call.
+        return tuple((torch.zeros if not dtype.is_floating_point else torch.empty)(
+                         shape, dtype=dtype, device=self.device)
                      for shape, dtype in self.specs)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:

@@ -3,8 +3,9 @@
 A ``BackwardPlan`` is worked out once per forward plan and gradient signature: the configs,
 the active-tile lists (from the forward's activity map, never the mask), the bias-gradient
 plan, grids and every scalar argument. A repeat backward only allocates and launches: dq
-(it also stores delta) then dkdv, or on a grid of one wave both as one fused launch; then the
-merges: dq's when it split the keys, dk's and dv's when dkdv split its GQA group's heads.
+(it also stores delta) then dkdv, or on a grid of one wave both as one fused launch. Where dq
+splits the keys or dkdv its GQA group's heads, the split programs merge their partials within
+the launch (``backward_merge_kernels``), so no merge launch follows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous
 from ._scratch import Scratch, graph_capturing
 from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
-from .backward_merge_kernels import attn_bwd_dkdv_merge_kernel, attn_bwd_dq_merge_kernel
 
 
 # dkdv's usual key block at 64 < D <= 128; the grid it gives decides ``small_grid``.
@@ -131,8 +131,9 @@ def dq_key_splits(shape: AttnShape, cfg_q: BackwardConfig, device: torch.device)
     """How many key shares the dq kernel splits into (1: none), as the forward's split-K.
 
     A share gets at least 8 key blocks: dq's 32-key blocks are half the forward's 64, and a
-    share of fewer than ~256 keys saves less GPU time than its partial buffer and merge launch
-    cost on the host (seqlen L256: 8 blocks, so no split; results/notes.md, change 21).
+    share of fewer than ~256 keys saves less GPU time than its partials and their merge cost
+    (seqlen L256: 8 blocks, so no split; results/notes.md, change 21; the merge was a launch
+    of its own then, and is folded into the dq programs since change 30).
     """
     programs = ceil_div(shape.seqlen_q, cfg_q.block_m) * shape.batch * shape.heads_q
     return key_splits(programs, ceil_div(shape.seqlen_k, cfg_q.block_n),
@@ -163,10 +164,8 @@ def fuse_backward(cfg_kv: BackwardConfig, cfg_q: BackwardConfig, programs: int,
 # query heads one after another. Where that grid is short of the GPU (B1 H8/2 L2048: 64
 # programs on 132 multiprocessors), the group's heads are split into shares, one program per
 # share, up to this many waves of programs; each share writes fp32 partials of dk and dv and
-# one merge launch sums them (results/notes.md, change 26).
+# the last share of each key block sums them (results/notes.md, changes 26 and 30).
 DKDV_SHARE_WAVES = 2
-# Key rows per program of the dk/dv merge launch.
-MERGE_ROWS = 64
 
 
 def dkdv_head_shares(shape: AttnShape, programs: int, device: torch.device) -> int:
@@ -212,8 +211,8 @@ class BackwardPlan:
         self.kv_table = kv_lists.table if kv_lists is not None else None
         self.q_table = q_lists.table if q_lists is not None else None
 
-        # Grid sizes decide the launch plan: fused, or dq then dkdv (its group's heads split
-        # into shares when its grid is small), each possibly with a merge launch.
+        # Grid sizes decide the launch plan: fused, or dq then dkdv; either way dkdv splits
+        # its group's heads into shares when its grid is small.
         sms = multiprocessors(fwd.device, interpreted)
         key_blocks = ceil_div(shape.seqlen_k, cfg_kv.block_n)
         rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
@@ -228,11 +227,11 @@ class BackwardPlan:
                  and fuse_backward(cfg_kv, cfg_q, key_blocks * pairs + dq_programs, fwd.device))
         # A program may only own part of the group when nothing it writes needs the whole group:
         # dkdv's own full-size dbias tiles (deterministic, several contributors) do.
-        splittable = not fused and not (self.dbias and self.dbias.dkdv_tiles)
+        splittable = not (self.dbias and self.dbias.dkdv_tiles)
         self.head_shares = (dkdv_head_shares(shape, key_blocks * pairs, fwd.device)
                             if splittable else 1)
         # A one-row gradient summed over the group: with shares, rows per query head go to
-        # scratch and the dk/dv merge sums them into the plan's buffer.
+        # scratch and each key block's last share sums them into the plan's buffer.
         self.group_rows = self.head_shares > 1 and bool(self.dbias and self.dbias.sum_group)
         group_rows_shape = (shape.batch, shape.heads_q, 1, shape.seqlen_k)
 
@@ -272,7 +271,7 @@ class BackwardPlan:
                  self.head_shares),
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
                 **dkdv_dbias_consts, EDGE_SLOTS=kv_edge_slots,
-                SPLIT_HEADS=self.head_shares > 1,
+                SPLIT_HEADS=self.head_shares > 1, GROUP_ROWS=self.group_rows,
                 num_warps=cfg_kv.num_warps,
                 num_stages=dkdv_stages(cfg_kv, block_d, fwd.dtype, fwd.activity), **common,
             )
@@ -293,79 +292,65 @@ class BackwardPlan:
         )
         self.fused = None
         if fused:
+            # A one-row bias gradient (the only kind with group rows) is dkdv's alone, so the
+            # launch's dbias arguments are dkdv's.
+            dkdv_programs = key_blocks * pairs * self.head_shares
             self.fused = PlannedLaunch(
-                attn_bwd_fused_kernel, (key_blocks * pairs + dq_programs,),
-                (*operands, *dbias_target, *q_list_strides, *kv_list_strides, *inputs,
+                attn_bwd_fused_kernel, (dkdv_programs + dq_programs,),
+                (*operands, *dkdv_dbias_target, *q_list_strides, *kv_list_strides, *inputs,
                  *out_strides, *strides3(dq), *strides3(dk), *strides3(dv),
                  # ``sizes`` with heads_kv after heads_q: the fused kernel lays dkdv's pairs
                  # out itself, where the dkdv launch is given them per launch.
                  shape.heads_q, shape.heads_kv, *sizes[1:],
-                 key_blocks * pairs, rows_grid[0], rows_grid[1], self.splits),
+                 dkdv_programs, self.head_shares, rows_grid[0], rows_grid[1], self.splits),
                 KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
                 Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
-                **dbias_consts, **dq_dbias_consts,
+                **dkdv_dbias_consts, **dq_dbias_consts,
                 KV_EDGE_SLOTS=kv_edge_slots, Q_EDGE_SLOTS=q_edge_slots,
-                SPLIT_KEYS=self.splits > 1,
+                SPLIT_KEYS=self.splits > 1, SPLIT_HEADS=self.head_shares > 1,
+                GROUP_ROWS=self.group_rows,
                 num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
             )
         # delta (written by dq, read by dkdv; the fused launch needs none), dq's split-K
         # partials, dk's and dv's head-share partials and the group's bias-gradient rows live
-        # within one call.
+        # within one call; the split programs' counters start at zero and are left at zero.
         kv_part_shape = (self.head_shares, shape.batch * shape.heads_kv, shape.seqlen_k, block_d)
         shares = self.head_shares > 1
-        specs = {"delta": None if self.fused else fwd.lse_shape,
-                 "dq_part": self.dq_part_shape if self.splits > 1 else None,
-                 "dk_part": kv_part_shape if shares else None,
-                 "dv_part": kv_part_shape if shares else None,
-                 "dbias_rows": group_rows_shape if self.group_rows else None}
+        split = self.splits > 1
+        specs = {"delta": None if self.fused else (fwd.lse_shape, torch.float32),
+                 "dq_part": (self.dq_part_shape, torch.float32) if split else None,
+                 "dq_count": ((rows_grid[0] * rows_grid[1],), torch.int32) if split else None,
+                 "dk_part": (kv_part_shape, torch.float32) if shares else None,
+                 "dv_part": (kv_part_shape, torch.float32) if shares else None,
+                 "kv_count": ((key_blocks * pairs,), torch.int32) if shares else None,
+                 "dbias_rows": (group_rows_shape, torch.float32) if self.group_rows else None}
         self._scratch_names = [name for name, spec in specs.items() if spec is not None]
-        self._scratch = Scratch(fwd.device, *((specs[name], torch.float32)
-                                              for name in self._scratch_names))
-        self.dq_merge = None
-        if self.splits > 1:
-            self.dq_merge = PlannedLaunch(
-                attn_bwd_dq_merge_kernel, rows_grid,
-                (*strides3(dq), shape.heads_q, shape.seqlen_q, self.splits),
-                HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_q.block_m,
-            )
-        self.kv_merge = None
-        if self.head_shares > 1:
-            self.kv_merge = PlannedLaunch(
-                attn_bwd_dkdv_merge_kernel,
-                (ceil_div(shape.seqlen_k, MERGE_ROWS), shape.batch * shape.heads_kv,
-                 3 if self.group_rows else 2),
-                (*strides3(dk), *strides3(dv), shape.heads_kv, shape.group_size,
-                 shape.seqlen_k, self.head_shares),
-                HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=MERGE_ROWS,
-            )
+        self._scratch = Scratch(fwd.device, *(specs[name] for name in self._scratch_names))
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
         """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
         scratch = dict(zip(self._scratch_names, self._scratch.buffers()))
         # Pointer arguments a launch does not read get any tensor (lse).
-        dq_part = scratch.get("dq_part", lse)
-        # dkdv writes its head shares' partials, or else dk and dv themselves.
-        dk_out, dv_out = scratch.get("dk_part", dk), scratch.get("dv_part", dv)
-        dbias_rows = scratch.get("dbias_rows")
+        dq_part, dq_count = scratch.get("dq_part", lse), scratch.get("dq_count", lse)
+        dk_part, dv_part = scratch.get("dk_part", lse), scratch.get("dv_part", lse)
+        kv_count = scratch.get("kv_count", lse)
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
         q_table = lse if self.q_table is None else self.q_table
         kv_table = lse if self.kv_table is None else self.kv_table
         dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
+        # With group rows, dkdv writes a row per query head and sums each group's into dbias.
+        dkdv_dbias = scratch.get("dbias_rows", dbias)
         if self.fused is not None:
-            self.fused(query, key, value, out, grad_out, lse, dq, dq_part, dk, dv, mask, bias,
-                       dbias, q_table, kv_table)
+            self.fused(query, key, value, out, grad_out, lse, dq, dq_part, dk, dv, dk_part,
+                       dv_part, mask, bias, dkdv_dbias, q_table, kv_table, dq_count, kv_count,
+                       dbias)
         else:
             delta = scratch["delta"]
             self.dq(query, key, value, out, grad_out, lse, delta, dq, dq_part, mask, bias,
-                    dbias, q_table)
+                    dbias, q_table, dq_count)
             for dkdv in self.dkdv:
-                dkdv(query, key, value, grad_out, lse, delta, dk, dv, dk_out, dv_out, mask, bias,
-                     dbias if dbias_rows is None else dbias_rows, kv_table)
-        if self.dq_merge is not None:
-            self.dq_merge(dq, dq_part)
-        if self.kv_merge is not None:
-            self.kv_merge(dk, dv, dk_out, dv_out, dbias,
-                          lse if dbias_rows is None else dbias_rows)
+                dkdv(query, key, value, grad_out, lse, delta, dk, dv, dk_part, dv_part, mask,
+                     bias, dkdv_dbias, kv_table, kv_count, dbias)
         return self.dbias.finish(dbias) if self.dbias is not None else None
 
 

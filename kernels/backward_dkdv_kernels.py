@@ -9,7 +9,9 @@ import triton.language as tl
 
 from ._score import (block_at, block_list_row, causal_query_split, clamp_index, grid_position,
                      interior_span, load_bias, mma, operand_base, probs_from_lse, scores_log2,
-                     split_rows, tile_offsets, visible_keys, write_tile)
+                     tile_offsets, visible_keys, write_tile)
+from .backward_merge_kernels import (last_share_arrived, store_gradient_rows, store_partial,
+                                     sum_group_rows, sum_partials)
 
 
 @triton.jit
@@ -85,7 +87,7 @@ def _attn_bwd_dkdv_inner(
 @triton.jit
 def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr,
-    mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+    mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr, dbias_sum_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
@@ -104,22 +106,23 @@ def attn_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr, SPLIT_HEADS: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
 ):
     """dk, dv (and dbias) of one key block per program, reading the delta dq stored. The
     output pointer and strides that only the fused launch reads are given dO's.
 
     SPLIT_HEADS: a grid row is a (pair, share) of ``head_shares`` shares of the GQA group's
-    query heads, and each program writes fp32 partials of dk and dv that
-    ``attn_bwd_dkdv_merge_kernel`` sums, so that a grid of few (batch, kv head) pairs still
-    fills the GPU."""
+    query heads, so that a grid of few (batch, kv head) pairs still fills the GPU; the shares'
+    partials are summed within the launch (see ``attn_bwd_dkdv_program``)."""
     # Earlier key blocks see more queries under causal: n ascending is already longest first.
-    n_block, row = grid_position(tl.program_id(0), tl.cdiv(seqlen_k, BLOCK_N), chunk_rows,
-                                 False)
+    key_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    n_block, row = grid_position(tl.program_id(0), key_blocks, chunk_rows, False)
     attn_bwd_dkdv_program(
         n_block, row // head_shares, row % head_shares, head_shares,
+        tl.num_programs(0) // key_blocks // head_shares,
         q_ptr, k_ptr, v_ptr, do_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         dk_part_ptr, dv_part_ptr,
-        mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+        mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr, dbias_sum_ptr,
         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
         stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
         stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
@@ -132,15 +135,15 @@ def attn_bwd_dkdv_kernel(
         batch_start, head_start, heads_per_launch,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
         DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
-        DBIAS_ACCUMULATE, EDGE_SLOTS, False, SPLIT_HEADS)
+        DBIAS_ACCUMULATE, EDGE_SLOTS, False, SPLIT_HEADS, GROUP_ROWS)
 
 
 @triton.jit
 def attn_bwd_dkdv_program(
-    n_block, pair, share, num_shares,
+    n_block, pair, share, num_shares, num_pairs,
     q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     dk_part_ptr, dv_part_ptr,
-    mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+    mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr, dbias_sum_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
@@ -160,10 +163,15 @@ def attn_bwd_dkdv_program(
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
-    SPLIT_HEADS: tl.constexpr,
+    SPLIT_HEADS: tl.constexpr, GROUP_ROWS: tl.constexpr,
 ):
-    """Key block ``n_block`` of (batch, kv head) pair ``pair`` of the launch, over share
-    ``share`` of ``num_shares`` of its group's query heads (see SPLIT_HEADS)."""
+    """Key block ``n_block`` of (batch, kv head) pair ``pair`` of the launch's ``num_pairs``,
+    over share ``share`` of ``num_shares`` of its group's query heads.
+
+    SPLIT_HEADS: each share writes fp32 partials of dk and dv, and the last share of the key
+    block to finish sums them and stores dk and dv (``backward_merge_kernels``). GROUP_ROWS: the
+    shares wrote a one-row bias gradient per query head (``dbias_ptr``, fp32 rows (B * Hq, Lk));
+    that last share also sums its group's rows into row ``pair`` of ``dbias_sum_ptr``."""
     start_n = n_block * BLOCK_N
     # ``pair`` enumerates (batch, kv head) pairs of this launch; deterministic dbias for a
     # shared bias launches one slice at a time (batch_start / head_start) in a fixed order.
@@ -299,18 +307,23 @@ def attn_bwd_dkdv_program(
 
     # q.k was scaled in the forward, so dK picks up the scale once here.
     dk *= sm_scale
+    store = True
     if SPLIT_HEADS:
-        # (shares, launch pairs, Lk, BLOCK_D) fp32 partials; the padded columns are written too
-        # (zeros), so the merge reads only written elements.
-        part_rows = split_rows(share, pair, tl.num_programs(0) // tl.cdiv(seqlen_k, BLOCK_N)
-                               // num_shares, seqlen_k) + offs_n
-        part_offsets = tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1)
-        tl.store(dk_part_ptr + part_offsets, dk, mask=n_ok[:, None])
-        tl.store(dv_part_ptr + part_offsets, dv, mask=n_ok[:, None])
-    else:
-        tl.store(operand_base(dk_ptr, b, hk, 1, stride_dk_b, stride_dk_h)
-                 + tile_offsets(offs_n[:, None], offs_d[None, :], stride_dk_n, 1),
-                 dk.to(dk_ptr.dtype.element_ty), mask=kv_in_range)
-        tl.store(operand_base(dv_ptr, b, hk, 1, stride_dv_b, stride_dv_h)
-                 + tile_offsets(offs_n[:, None], offs_d[None, :], stride_dv_n, 1),
-                 dv.to(dv_ptr.dtype.element_ty), mask=kv_in_range)
+        # (shares, launch pairs, Lk, BLOCK_D) fp32 partials; the last share sums them.
+        store_partial(dk_part_ptr, dk, offs_n, n_ok, share, pair, num_pairs, seqlen_k, BLOCK_D)
+        store_partial(dv_part_ptr, dv, offs_n, n_ok, share, pair, num_pairs, seqlen_k, BLOCK_D)
+        store = last_share_arrived(count_ptr + pair * tl.cdiv(seqlen_k, BLOCK_N) + n_block,
+                                   num_shares)
+        if store:
+            dk = sum_partials(dk_part_ptr, offs_n, n_ok, pair, num_pairs, seqlen_k, num_shares,
+                              BLOCK_N, BLOCK_D)
+            dv = sum_partials(dv_part_ptr, offs_n, n_ok, pair, num_pairs, seqlen_k, num_shares,
+                              BLOCK_N, BLOCK_D)
+            if GROUP_ROWS:
+                sum_group_rows(dbias_ptr, dbias_sum_ptr, pair, group_size, offs_n, n_ok,
+                               seqlen_k, BLOCK_N)
+    if store:
+        store_gradient_rows(dk_ptr, b, hk, offs_n, dk, kv_in_range, stride_dk_b, stride_dk_n,
+                            stride_dk_h, BLOCK_D)
+        store_gradient_rows(dv_ptr, b, hk, offs_n, dv, kv_in_range, stride_dv_b, stride_dv_n,
+                            stride_dv_h, BLOCK_D)

@@ -1,19 +1,19 @@
 """The backward's dq and fused Triton kernels (dkdv's are in ``backward_dkdv_kernels``);
 ``backward`` plans and launches them.
 
-Two launches, FlashAttention-2 style (three with split-K dq):
+Two launches, FlashAttention-2 style:
 1. ``attn_bwd_dq_kernel``: one program per (query block, b, q head), looping over keys. It
    first computes delta = rowsum(dO * O), one fp32 per (b, hq, m), and stores it for dkdv. A
    grid too small to fill the GPU (decode) also splits the keys, as the forward does: each
-   share writes an fp32 partial of dq and ``attn_bwd_dq_merge_kernel`` sums them in order.
+   share writes an fp32 partial of dq, and the last share of a row block sums them in order.
 2. ``attn_bwd_dkdv_kernel``: one program per (key block, b, kv head). It loops over the query
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
    atomics and no (B, Lk, Hq, D) temporary. A grid too small to fill the GPU splits the group's
-   heads into shares instead, and ``attn_bwd_dkdv_merge_kernel`` sums the shares' fp32
-   partials in order (both merges live in ``backward_merge_kernels``). It also sums the
-   gradient of a one-row bias (B, H, 1, Lk). A full-size bias's gradient tiles are dS itself,
-   and the dq kernel writes them (the dkdv kernel only when ``deterministic=True`` must add
-   several in order; see ``_dbias``).
+   heads into shares instead, and the last share of a key block sums the shares' fp32
+   partials in order (both merges: ``backward_merge_kernels``). It also sums the gradient of
+   a one-row bias (B, H, 1, Lk). A full-size bias's gradient tiles are dS itself, and the dq
+   kernel writes them (the dkdv kernel only when ``deterministic=True`` must add several in
+   order; see ``_dbias``).
 On small grids, where host time decides, ``attn_bwd_fused_kernel`` runs both kinds of program
 in one launch, each computing delta itself.
 
@@ -27,8 +27,10 @@ import triton.language as tl
 
 from ._score import (block_at, block_list_row, causal_block_split, clamp_index, grid_position,
                      interior_span, mma, operand_base, probs_from_lse, query_tile_scores,
-                     split_rows, split_share, tile_offsets, write_tile)
+                     split_share, tile_offsets, write_tile)
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
+from .backward_merge_kernels import (last_share_arrived, store_gradient_rows, store_partial,
+                                     sum_partials)
 
 
 @triton.jit
@@ -69,7 +71,7 @@ def _attn_bwd_dq_inner(
 @triton.jit
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
-    mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+    mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
@@ -90,14 +92,14 @@ def attn_bwd_dq_kernel(
 ):
     """dq of one query block per program; it also stores delta for the dkdv launch."""
     # Split-K (decode): axis 2 takes a contiguous share of this row block's key blocks (list
-    # positions with a mask) and writes an fp32 partial; the merge kernel sums them in order.
+    # positions with a mask) and writes an fp32 partial; the last share sums them in order.
     # Later query blocks see more keys under causal: they start first.
     row_blocks = tl.cdiv(seqlen_q, BLOCK_M)
     m_block, bh = grid_position(tl.program_id(0), row_blocks, chunk_rows, IS_CAUSAL)
     _attn_bwd_dq_program(
         m_block, bh, tl.program_id(2), tl.num_programs(2), tl.num_programs(0) // row_blocks,
         q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
-        mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+        mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr,
         stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
         stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
         stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
@@ -114,7 +116,7 @@ def attn_bwd_dq_kernel(
 def _attn_bwd_dq_program(
     m_block, bh, split, num_splits, num_bh,
     q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_part_ptr,
-    mask_ptr, bias_ptr, dbias_ptr, list_ptr,
+    mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
@@ -225,22 +227,25 @@ def _attn_bwd_dq_program(
         DOT_PRECISION, WIDEN_DOTS, DQ_DBIAS, DBIAS_ATOMIC)
 
     dq *= sm_scale
+    store = True
     if SPLIT_KEYS:
         # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32. Every share writes its rows, an empty
-        # share zeros, so the merge kernel never reads an unwritten element.
-        part_rows = split_rows(split, bh, num_bh, seqlen_q) + offs_m
-        tl.store(dq_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
-                 dq, mask=m_ok[:, None])
-    else:
-        tl.store(operand_base(dq_ptr, b, h, 1, stride_dq_b, stride_dq_h)
-                 + tile_offsets(offs_m[:, None], offs_d[None, :], stride_dq_m, 1),
-                 dq.to(dq_ptr.dtype.element_ty), mask=q_in_range)
-
+        # share zeros, and the last share of the row block to finish sums them in order.
+        store_partial(dq_part_ptr, dq, offs_m, m_ok, split, bh, num_bh, seqlen_q, BLOCK_D)
+        store = last_share_arrived(count_ptr + bh * tl.cdiv(seqlen_q, BLOCK_M) + m_block,
+                                   num_splits)
+        if store:
+            dq = sum_partials(dq_part_ptr, offs_m, m_ok, bh, num_bh, seqlen_q, num_splits,
+                              BLOCK_M, BLOCK_D)
+    if store:
+        store_gradient_rows(dq_ptr, b, h, offs_m, dq, q_in_range, stride_dq_b, stride_dq_m,
+                            stride_dq_h, BLOCK_D)
 
 @triton.jit
 def attn_bwd_fused_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dq_part_ptr, dk_ptr, dv_ptr,
-    mask_ptr, bias_ptr, dbias_ptr, q_list_ptr, kv_list_ptr,
+    dk_part_ptr, dv_part_ptr, mask_ptr, bias_ptr, dbias_ptr, q_list_ptr, kv_list_ptr,
+    dq_count_ptr, kv_count_ptr, dbias_sum_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
@@ -255,7 +260,7 @@ def attn_bwd_fused_kernel(
     stride_dk_b, stride_dk_n, stride_dk_h,
     stride_dv_b, stride_dv_n, stride_dv_h,
     heads_q, heads_kv, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    dkdv_programs, dq_row_blocks, num_bh, dq_splits,
+    dkdv_programs, head_shares, dq_row_blocks, num_bh, dq_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
     Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr,
@@ -264,19 +269,23 @@ def attn_bwd_fused_kernel(
     HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr, DQ_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
     KV_EDGE_SLOTS: tl.constexpr, Q_EDGE_SLOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    SPLIT_HEADS: tl.constexpr, GROUP_ROWS: tl.constexpr,
 ):
     """The dkdv and dq programs of one backward in a single launch, for grids too small to
     hide a launch's host time (results/notes.md, change 23). The dkdv programs come first, as
     each walks every query block of its group and so runs longest. Neither side reads the
-    other's output: each computes delta = rowsum(dO * O) itself."""
+    other's output: each computes delta = rowsum(dO * O) itself. Split dkdv (head shares) and
+    dq (key shares) programs merge their partials as in the separate launches."""
     pid = tl.program_id(0)
     if pid < dkdv_programs:
         key_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
+        row = pid // key_blocks
         attn_bwd_dkdv_program(
-            pid % key_blocks, pid // key_blocks, 0, 1,
+            pid % key_blocks, row // head_shares, row % head_shares, head_shares,
+            dkdv_programs // key_blocks // head_shares,
             q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, lse_ptr, dk_ptr, dv_ptr,
-            dk_ptr, dv_ptr,
-            mask_ptr, bias_ptr, dbias_ptr, kv_list_ptr,
+            dk_part_ptr, dv_part_ptr,
+            mask_ptr, bias_ptr, dbias_ptr, kv_list_ptr, kv_count_ptr, dbias_sum_ptr,
             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
             stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
             stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
@@ -289,7 +298,7 @@ def attn_bwd_fused_kernel(
             0, 0, heads_kv,
             HEAD_DIM, BLOCK_D, KV_BLOCK_M, KV_BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
             DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
-            DBIAS_ACCUMULATE, KV_EDGE_SLOTS, True, False)
+            DBIAS_ACCUMULATE, KV_EDGE_SLOTS, True, SPLIT_HEADS, GROUP_ROWS)
     else:
         rest = pid - dkdv_programs
         m_block = rest % dq_row_blocks
@@ -297,7 +306,7 @@ def attn_bwd_fused_kernel(
         _attn_bwd_dq_program(
             m_block, rest % num_bh, rest // num_bh, dq_splits, num_bh,
             q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, lse_ptr, dq_ptr, dq_part_ptr,
-            mask_ptr, bias_ptr, dbias_ptr, q_list_ptr,
+            mask_ptr, bias_ptr, dbias_ptr, q_list_ptr, dq_count_ptr,
             stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
             stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
             stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,

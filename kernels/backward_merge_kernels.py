@@ -1,8 +1,15 @@
-"""The backward's merge kernels: each sums, in a fixed order, the fp32 partials that a split
-backward launch wrote, and stores the gradient. dq's come from the dq kernel's key shares
-(split-K, decode); dk's and dv's, and a one-row bias gradient's group rows, from dkdv's shares
-of its GQA group's query heads. ``backward`` plans and launches them after the producing
-kernels."""
+"""Merging a split backward's fp32 partials inside the launch that wrote them.
+
+Where a backward grid is too small to fill the GPU it splits work that writes one gradient
+tile: dq's key axis (split-K, decode) and dkdv's GQA group of query heads. Each share writes an
+fp32 partial, counts itself in on a per-tile counter, and the last share of a tile to arrive
+sums the partials in share order and stores the gradient. The sum's order is fixed whichever
+program arrives last, so the result is bitwise reproducible, and no merge launch follows (one
+launch of host time less per backward; results/notes.md, change 30).
+
+The counters are int32 scratch that starts at zero; the last program of each tile resets its
+counter, so a plan's kept scratch is ready for its next call.
+"""
 
 import triton
 import triton.language as tl
@@ -11,8 +18,25 @@ from ._score import operand_base, split_rows, tile_offsets
 
 
 @triton.jit
-def _sum_partials(part_ptr, offs_m, m_ok, bh, num_bh, seqlen, num_splits,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def last_share_arrived(counter_ptr, num_shares):
+    """Count this program's share of a tile in; True in the last of the ``num_shares`` programs
+    to arrive, which then reads every share's partial.
+
+    The barrier orders every warp's partial stores before the one thread that does the atomic
+    add; its release (acq_rel, GPU scope) publishes them, and its acquire in the last program
+    makes the other shares' stores visible there. Partials are read back with ``.cg`` loads
+    (L2, never a stale L1 line)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == num_shares - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def sum_partials(part_ptr, offs_m, m_ok, bh, num_bh, seqlen, num_splits,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """The fp32 sum, in split order, of row block ``offs_m`` of (batch x head) row ``bh`` over
     a partial buffer laid out (splits, num_bh, seqlen, BLOCK_D)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -20,66 +44,39 @@ def _sum_partials(part_ptr, offs_m, m_ok, bh, num_bh, seqlen, num_splits,
     for split in range(num_splits):
         part_rows = split_rows(split, bh, num_bh, seqlen) + offs_m
         total += tl.load(part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
-                         mask=m_ok[:, None], other=0.0)
+                         mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
     return total
 
 
 @triton.jit
-def _store_rows(ptr, bh, heads, offs_m, m_ok, values, stride_b, stride_m, stride_h,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Store rows ``offs_m`` of (batch x head) row ``bh`` into a (B, L, H, D) gradient."""
+def store_partial(part_ptr, values, offs_m, m_ok, split, bh, num_bh, seqlen,
+                  BLOCK_D: tl.constexpr):
+    """Store a share's fp32 partial rows (padded columns too, as zeros: ``sum_partials`` reads
+    only written elements)."""
     offs_d = tl.arange(0, BLOCK_D)
-    tl.store(operand_base(ptr, bh // heads, bh % heads, 1, stride_b, stride_h)
+    part_rows = split_rows(split, bh, num_bh, seqlen) + offs_m
+    tl.store(part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1), values,
+             mask=m_ok[:, None])
+
+
+@triton.jit
+def sum_group_rows(rows_ptr, sum_ptr, pair, group_size, offs_n, n_ok, seqlen_k,
+                   BLOCK_N: tl.constexpr):
+    """Row ``pair`` (a (batch, kv head) pair) of a (B * Hk, Lk) one-row bias gradient: the sum,
+    in head order, of the group's fp32 rows in (B * Hq, Lk) ``rows_ptr``."""
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(group_size):
+        total += tl.load(rows_ptr + (pair * group_size + g).to(tl.int64) * seqlen_k + offs_n,
+                         mask=n_ok, other=0.0, cache_modifier=".cg")
+    tl.store(sum_ptr + pair.to(tl.int64) * seqlen_k + offs_n,
+             total.to(sum_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def store_gradient_rows(ptr, b, h, offs_m, values, in_range, stride_b, stride_m, stride_h,
+                        BLOCK_D: tl.constexpr):
+    """Rows ``offs_m`` of head ``h`` of batch ``b`` of a (B, L, H, D) gradient."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(operand_base(ptr, b, h, 1, stride_b, stride_h)
              + tile_offsets(offs_m[:, None], offs_d[None, :], stride_m, 1),
-             values.to(ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def attn_bwd_dq_merge_kernel(
-    dq_ptr, dq_part_ptr,
-    stride_dq_b, stride_dq_m, stride_dq_h,
-    heads_q, seqlen_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dq = the sum of the key shares' fp32 partials (split-K dq), in split order."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    m_ok = offs_m < seqlen_q
-    dq = _sum_partials(dq_part_ptr, offs_m, m_ok, bh, tl.num_programs(1), seqlen_q, num_splits,
-                       BLOCK_M, BLOCK_D)
-    _store_rows(dq_ptr, bh, heads_q, offs_m, m_ok, dq, stride_dq_b, stride_dq_m, stride_dq_h,
-                HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def attn_bwd_dkdv_merge_kernel(
-    dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr, dbias_ptr, dbias_rows_ptr,
-    stride_dk_b, stride_dk_n, stride_dk_h,
-    stride_dv_b, stride_dv_n, stride_dv_h,
-    heads_kv, group_size, seqlen_k, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dk and dv = the sums of the head shares' fp32 partials, in share order; axis 2 picks
-    dk (0) or dv (1), so that both take one launch. A third slice (axis 2 = 2), where the grid
-    has one, sums each GQA group's one-row bias gradients: fp32 rows (B * Hq, Lk), one per
-    query head, into rows (B * Hk, Lk) of ``dbias_ptr``, in head order."""
-    offs_n = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    n_ok = offs_n < seqlen_k
-    if tl.program_id(2) == 2:
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for g in range(group_size):
-            total += tl.load(dbias_rows_ptr + (bh * group_size + g).to(tl.int64) * seqlen_k
-                             + offs_n, mask=n_ok, other=0.0)
-        tl.store(dbias_ptr + bh.to(tl.int64) * seqlen_k + offs_n,
-                 total.to(dbias_ptr.dtype.element_ty), mask=n_ok)
-    elif tl.program_id(2) == 0:
-        dk = _sum_partials(dk_part_ptr, offs_n, n_ok, bh, tl.num_programs(1), seqlen_k,
-                           num_splits, BLOCK_M, BLOCK_D)
-        _store_rows(dk_ptr, bh, heads_kv, offs_n, n_ok, dk, stride_dk_b, stride_dk_n,
-                    stride_dk_h, HEAD_DIM, BLOCK_D)
-    else:
-        dv = _sum_partials(dv_part_ptr, offs_n, n_ok, bh, tl.num_programs(1), seqlen_k,
-                           num_splits, BLOCK_M, BLOCK_D)
-        _store_rows(dv_ptr, bh, heads_kv, offs_n, n_ok, dv, stride_dv_b, stride_dv_n,
-                    stride_dv_h, HEAD_DIM, BLOCK_D)
+             values.to(ptr.dtype.element_ty), mask=in_range)

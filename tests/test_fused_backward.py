@@ -22,7 +22,7 @@ CASES = [
     # A per-kv-head full bias: the group's heads add into one tile (load-add-store).
     pytest.param(Dims(1, 20, 97, heads_q=4, heads_kv=1, head_dim=80), "1x1xLqxLk", "1xHkxLqxLk",
                  False, id="mqa-full-bias"),
-    # Decode over many keys: dq splits the keys (partials and a merge launch).
+    # Decode over many keys: dq splits the keys (partials the last share sums).
     pytest.param(Dims(1, 1, 1031, heads_q=4, heads_kv=2, head_dim=40), "BxHkxLqxLk",
                  "BxHkx1xLk", True, id="decode-split"),
 ]

@@ -1,5 +1,5 @@
 """dkdv with its GQA group's query heads split into shares: each share's program writes fp32
-partials of dk and dv and a merge launch sums them. Whether a shape splits depends on its grid
+partials of dk and dv, and the last share of each key block to finish sums them. Whether a shape splits depends on its grid
 and the GPU, so each case runs with the split forced on and off and checks every gradient
 against float64 autograd of the reference; the bias kinds cover each way its gradient is made
 (summed rows, dq-written tiles with and without atomics, dkdv-written tiles)."""
@@ -11,7 +11,7 @@ import torch
 
 from attn_helpers import (Dims, assert_deterministic_grads, random_problem,
                           record_backward_plans, run_backward)
-from kernels import backward
+from kernels import backward, prepare_mask
 from kernels._checks import AttnShape
 
 # (dims, mask axes or None, bias axes or None, causal)
@@ -19,7 +19,7 @@ CASES = [
     # A one-row bias per kv head: with shares, summed per query head, then over the group.
     pytest.param(Dims(1, 40, 70, heads_q=4, heads_kv=2, head_dim=40), "BxHkxLqxLk",
                  "1xHkx1xLk", True, id="kv_row"),
-    # A one-row bias shared by batch and heads: the merge sums the group, torch the rest.
+    # A one-row bias shared by batch and heads: dkdv sums the group, torch the rest.
     pytest.param(Dims(2, 30, 45, heads_q=4, heads_kv=2, head_dim=40), None, "1x1x1xLk", False,
                  id="row_shared"),
     # A full bias per query head: dq stores each tile once.
@@ -31,10 +31,10 @@ CASES = [
 ]
 
 
-def _forced(monkeypatch, split: bool) -> list:
-    """Plans made from now on split dkdv as far as the group allows (or never), never fused;
-    returns the list they are recorded in."""
-    monkeypatch.setattr(backward, "FUSE_MAX_WAVES", 0)
+def _forced(monkeypatch, split: bool, fused: bool = False) -> list:
+    """Plans made from now on split dkdv as far as the group allows (or never), fused with dq
+    in one launch or not; returns the list they are recorded in."""
+    monkeypatch.setattr(backward, "FUSE_MAX_WAVES", 10**9 if fused else 0)
     monkeypatch.setattr(backward, "DKDV_SHARE_WAVES", 10**9 if split else 0)
     return record_backward_plans(monkeypatch)
 
@@ -51,19 +51,39 @@ def test_head_shares_give_the_reference_gradients(dims, mask_axes, bias_axes, ca
     run_backward(q, k, v, mask if mask_axes else None, bias, causal)
     group = dims.heads_q // dims.heads_kv
     assert [plan.head_shares for plan in made] == [group if split else 1]
-    # One-row biases: with shares the group's rows are summed by the merge launch.
+    # One-row biases: with shares, each key block's last share sums the group's rows.
     assert made[0].group_rows == (split and bias_axes.endswith("x1xLk"))
 
 
 @pytest.mark.usefixtures("no_kept_plans")
-def test_head_shares_are_deterministic(device, monkeypatch):
-    """The shares' partials are summed in share order: two runs give identical bits."""
-    made = _forced(monkeypatch, True)
+@pytest.mark.parametrize("bias_axes", ("1xHkx1xLk", "BxHqxLqxLk"), ids=("kv_row", "q_full"))
+def test_head_shares_in_the_fused_launch(bias_axes, device, monkeypatch):
+    """The fused launch's dkdv programs split the group too, and merge like the dkdv launch
+    (with a one-row bias, its group rows as well), beside split-K dq programs."""
+    made = _forced(monkeypatch, True, fused=True)
+    monkeypatch.setattr(backward, "dq_key_splits", lambda *args: 3)
+    dims = Dims(1, 9, 150, heads_q=4, heads_kv=2, head_dim=40)
+    q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
+                                         bias=bias_axes, keep=0.6)
+    run_backward(q, k, v, mask, bias, True)
+    assert [(plan.fused is not None, plan.head_shares, plan.splits) for plan in made] == \
+        [(True, 2, 3)]
+    assert made[0].group_rows == (bias_axes == "1xHkx1xLk")
+
+
+@pytest.mark.usefixtures("no_kept_plans")
+@pytest.mark.parametrize("fused", (False, True), ids=("separate", "fused"))
+def test_head_shares_are_deterministic(fused, device, monkeypatch):
+    """The shares' partials are summed in share order whichever share finishes last: two runs
+    give identical bits. The mask is prepared, so both runs share one plan: on a GPU the
+    second run reuses the plan's kept arrival counters, which the first must have left at
+    zero."""
+    made = _forced(monkeypatch, True, fused)
     dims = Dims(1, 37, 61, heads_q=4, heads_kv=2, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, mask="BxHkxLqxLk",
                                          bias="1xHkx1xLk", keep=0.5)
-    assert_deterministic_grads(q, k, v, mask, bias, True)
-    assert made and made[0].head_shares == 2
+    assert_deterministic_grads(q, k, v, prepare_mask(mask, q, k, True), bias, True)
+    assert [(plan.head_shares, plan.fused is not None) for plan in made] == [(2, fused)]
 
 
 @pytest.mark.usefixtures("no_kept_plans")
