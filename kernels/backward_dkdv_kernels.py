@@ -8,10 +8,10 @@ import triton
 import triton.language as tl
 
 from ._score import (block_at, block_list_row, causal_query_split, clamp_index, grid_position,
-                     interior_span, load_bias, mma, operand_base, probs_from_lse, scores_log2,
-                     tile_offsets, visible_keys, write_tile)
-from .backward_merge_kernels import (last_share_arrived, store_gradient_rows, store_partial,
-                                     sum_group_rows, sum_partials)
+                     interior_span, last_share_arrived, load_bias, mma, operand_base,
+                     probs_from_lse, scores_log2, tile_offsets, visible_keys, write_tile)
+from .backward_merge_kernels import (store_gradient_rows, store_partial, sum_group_rows,
+                                     sum_partials)
 
 
 @triton.jit

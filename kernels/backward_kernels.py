@@ -26,11 +26,10 @@ import triton
 import triton.language as tl
 
 from ._score import (block_at, block_list_row, causal_block_split, clamp_index, grid_position,
-                     interior_span, mma, operand_base, probs_from_lse, query_tile_scores,
-                     split_share, tile_offsets, write_tile)
+                     interior_span, last_share_arrived, mma, operand_base, probs_from_lse,
+                     query_tile_scores, split_share, tile_offsets, write_tile)
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
-from .backward_merge_kernels import (last_share_arrived, store_gradient_rows, store_partial,
-                                     sum_partials)
+from .backward_merge_kernels import store_gradient_rows, store_partial, sum_partials
 
 
 @triton.jit

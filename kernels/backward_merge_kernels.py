@@ -8,30 +8,14 @@ program arrives last, so the result is bitwise reproducible, and no merge launch
 launch of host time less per backward; results/notes.md, change 30).
 
 The counters are int32 scratch that starts at zero; the last program of each tile resets its
-counter, so a plan's kept scratch is ready for its next call.
+counter (``_score.last_share_arrived``), so a plan's kept scratch is ready for its next call.
+The forward's split-K combines its partials the same way.
 """
 
 import triton
 import triton.language as tl
 
 from ._score import operand_base, split_rows, tile_offsets
-
-
-@triton.jit
-def last_share_arrived(counter_ptr, num_shares):
-    """Count this program's share of a tile in; True in the last of the ``num_shares`` programs
-    to arrive, which then reads every share's partial.
-
-    The barrier orders every warp's partial stores before the one thread that does the atomic
-    add; its release (acq_rel, GPU scope) publishes them, and its acquire in the last program
-    makes the other shares' stores visible there. Partials are read back with ``.cg`` loads
-    (L2, never a stale L1 line)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == num_shares - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
 
 
 @triton.jit

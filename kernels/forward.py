@@ -21,8 +21,8 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, bias_has_one_row, ce
                       operand_args, operand_pointer, padded_head_dim, strides3)
 from ._scratch import Scratch
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
-                     grid_position, interior_span, mma, operand_base, query_tile_scores,
-                     row_offsets, split_rows, split_share, tile_offsets)
+                     grid_position, interior_span, last_share_arrived, mma, operand_base,
+                     query_tile_scores, row_offsets, split_share, tile_offsets)
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _attn_fwd_inner(
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr, bias_ptr, list_ptr,
-    out_part_ptr, lse_part_ptr,
+    out_part_ptr, lse_part_ptr, count_ptr,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
     stride_list_b, stride_list_h, stride_list_m,
@@ -183,14 +183,21 @@ def _attn_fwd_kernel(
     # LSE rows of (B, Hq, Lq). The row predicate keeps a partial last block from writing into
     # the next head's rows (the LSE race seen in other Triton attention ports).
     lse_rows = (b * heads_q + heads).to(tl.int64) * seqlen_q + offs_m
+    store = True
     if SPLIT_KEYS:
-        # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32; _attn_fwd_combine_kernel merges them.
+        # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32; the last split of the tile to finish
+        # combines them (``backward_merge_kernels`` describes the pattern).
         num_bh = tl.num_programs(0) // tl.cdiv(seqlen_q, QUERY_ROWS) * GROUP_PACK
-        part_rows = split_rows(split, b * heads_q + heads, num_bh, seqlen_q) + offs_m
-        tl.store(out_part_ptr + tile_offsets(part_rows[:, None], offs_d[None, :], BLOCK_D, 1),
-                 out, mask=row_ok[:, None])
-        tl.store(lse_part_ptr + part_rows, lse, mask=row_ok)
-    else:
+        part_stride = num_bh.to(tl.int64) * seqlen_q
+        tl.store(out_part_ptr + tile_offsets((split * part_stride + lse_rows)[:, None],
+                                             offs_d[None, :], BLOCK_D, 1), out,
+                 mask=row_ok[:, None])
+        tl.store(lse_part_ptr + split * part_stride + lse_rows, lse, mask=row_ok)
+        store = last_share_arrived(count_ptr + tl.program_id(0), num_splits)
+        if store:
+            out, lse = _combine_splits(out_part_ptr, lse_part_ptr, lse_rows, part_stride,
+                                       row_ok, num_splits, BLOCK_M, BLOCK_D)
+    if store:
         tl.store(out_ptr + b.to(tl.int64) * stride_o_b
                  + row_offsets(offs_m, heads, 1, stride_o_m, stride_o_h)[:, None]
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -199,42 +206,30 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _attn_fwd_combine_kernel(
-    out_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
-    stride_o_b, stride_o_m, stride_o_h,
-    heads_q, seqlen_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """Merge split-K partials: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    num_bh = tl.num_programs(1)
+def _combine_splits(out_part_ptr, lse_part_ptr, rows, part_stride, row_ok, num_splits,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(out, lse) of partial ``rows`` merged over the key splits: out = sum_s exp(lse_s - lse)
+    * out_s, lse = logsumexp_s lse_s. Split s's rows are ``s * part_stride + rows``."""
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < seqlen_q
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in range(num_splits):
-        row = split_rows(s, bh, num_bh, seqlen_q)
-        m = tl.maximum(m, tl.load(lse_part_ptr + row + offs_m, mask=row_ok, other=float("-inf")))
+        m = tl.maximum(m, tl.load(lse_part_ptr + s * part_stride + rows, mask=row_ok,
+                                  other=float("-inf"), cache_modifier=".cg"))
     m_shift = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights stay 0
     weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in range(num_splits):
-        row = split_rows(s, bh, num_bh, seqlen_q)
-        w = tl.exp(tl.load(lse_part_ptr + row + offs_m, mask=row_ok, other=float("-inf"))
-                   - m_shift)
-        part = tl.load(out_part_ptr + tile_offsets((row + offs_m)[:, None], offs_d[None, :],
-                                                   BLOCK_D, 1), mask=row_ok[:, None], other=0.0)
+        w = tl.exp(tl.load(lse_part_ptr + s * part_stride + rows, mask=row_ok,
+                           other=float("-inf"), cache_modifier=".cg") - m_shift)
+        part = tl.load(out_part_ptr + tile_offsets((s * part_stride + rows)[:, None],
+                                                   offs_d[None, :], BLOCK_D, 1),
+                       mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         weight_sum += w
         acc += w[:, None] * part
     empty = weight_sum == 0.0
     out = acc / tl.where(empty, 1.0, weight_sum)[:, None]
     lse = tl.where(empty, float("-inf"), m_shift + tl.log(tl.where(empty, 1.0, weight_sum)))
-    b = bh // heads_q
-    h = bh % heads_q
-    tl.store(operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h)
-             + tile_offsets(offs_m[:, None], offs_d[None, :], stride_o_m, 1),
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
-    tl.store(lse_ptr + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
+    return out, lse
 
 
 @dataclass(frozen=True)
@@ -367,18 +362,13 @@ class ForwardPlan:
             EDGE_SLOTS=edge_slots(query_rows, cfg.block_n),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        # Split-K partials, and an LSE for calls that neither return nor save one, are scratch.
-        parts = (((self.part_shape, torch.float32), (self.part_shape[:3], torch.float32))
+        # Split-K partials and their tiles' arrival counters, and an LSE for calls that
+        # neither return nor save one, are scratch.
+        parts = (((self.part_shape, torch.float32), (self.part_shape[:3], torch.float32),
+                  ((self.main.grid[0],), torch.int32))
                  if self.splits > 1 else ())
         self._scratch = Scratch(query.device, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
-        self.combine = None
-        if self.splits > 1:
-            self.combine = PlannedLaunch(
-                _attn_fwd_combine_kernel, (ceil_div(shape.seqlen_q, 16), num_bh),
-                (*out_strides, shape.heads_q, shape.seqlen_q, self.splits),
-                HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=16,
-            )
 
     def run(self, query, key, value, mask, bias,
             keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -393,12 +383,11 @@ class ForwardPlan:
             parts = self._scratch.buffers()
         else:
             lse, *parts = self._scratch_with_lse.buffers()
-        out_part, lse_part = parts if parts else (lse, lse)
+        out_part, lse_part, counts = parts if parts else (lse, lse, lse)
         self.main(query, key, value, out, lse, operand_pointer(mask, out),
                   operand_pointer(bias, out),
-                  lse if self.list_table is None else self.list_table, out_part, lse_part)
-        if self.combine is not None:
-            self.combine(out_part, lse_part, out, lse)
+                  lse if self.list_table is None else self.list_table, out_part, lse_part,
+                  counts)
         return out, (lse if keep_lse else None)
 
 
