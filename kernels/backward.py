@@ -23,6 +23,7 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous
 from ._scratch import Scratch, graph_capturing
 from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
+from .backward_packed import PackedBackwardPlan, packs_rows
 
 
 # dkdv's usual key block at 64 < D <= 128; the grid it gives decides ``small_grid``.
@@ -368,8 +369,11 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
     signature = (grad_out.stride(), grad_out.dtype, bool(deterministic), bool(bias_needs_grad))
     plan = fwd.backward_plans.get(signature)
     if plan is None:
-        plan = BackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv, deterministic,
-                            bias_needs_grad)
+        if packs_rows(fwd):
+            plan = PackedBackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv)
+        else:
+            plan = BackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv, deterministic,
+                                bias_needs_grad)
         fwd.backward_plans[signature] = plan
     dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv)
     return dq, dk, dv, dbias

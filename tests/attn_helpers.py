@@ -335,18 +335,19 @@ def assert_deterministic_grads(q, k, v, mask, bias, causal) -> None:
     assert_same_bits(first, second)
 
 
-def record_backward_plans(monkeypatch) -> list:
-    """A list that every ``BackwardPlan`` made from now on (in this test) is appended to."""
+def record_backward_plans(monkeypatch, kind: str = "BackwardPlan") -> list:
+    """A list that every backward plan of class ``kind`` (``BackwardPlan`` or
+    ``PackedBackwardPlan``) made from now on (in this test) is appended to."""
     from kernels import backward
 
     made = []
 
-    class Recorded(backward.BackwardPlan):
+    class Recorded(getattr(backward, kind)):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(backward, "BackwardPlan", Recorded)
+    monkeypatch.setattr(backward, kind, Recorded)
     return made
 
 
