@@ -162,7 +162,10 @@ def packed_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> Packed
         return PackedConfig(16, 4, 1)  # small blocks: test shapes span many, and key shares
     if dtype == torch.float32 or block_d > 128:
         return PackedConfig(32, 4, 2)
-    return PackedConfig(64, 4, 3)
+    # H100, B1 H32/8 D128 bf16, GPU time (flushed) at Lk 4096 / 65536 / 524288: 8 warps
+    # 21.0 / 203 / 1531 us, 4 warps 25.3 / 226 / 1700; 128-key blocks (8 warps, 2 stages)
+    # 30.3 / 223 / 1664; 32-key blocks 26.8 / 209 / 1528 (results/notes.md, change 31).
+    return PackedConfig(64, 8, 3)
 
 
 class PackedBackwardPlan:

@@ -15,12 +15,14 @@ from attn_helpers import (CAUSAL, DTYPES, Dims, assert_deterministic_grads, rand
 from kernels import backward_packed
 from kernels._checks import AttnShape
 
-# (dims, whether the keys must split into shares)
+# (dims, whether the keys split into shares: on the GPU and under the interpreter alike, which
+# differ in key block and multiprocessor count)
 CASES = [
     pytest.param(Dims(1, 1, 1031, heads_q=4, heads_kv=2, head_dim=40), True, id="gqa-split"),
     pytest.param(Dims(2, 1, 97, heads_q=8, heads_kv=8, head_dim=80), False, id="mha"),
     pytest.param(Dims(1, 1, 513, heads_q=16, heads_kv=1, head_dim=64), True, id="mqa16-split"),
-    pytest.param(Dims(1, 3, 300, heads_q=6, heads_kv=2, head_dim=128), True, id="lq3-g3-split"),
+    pytest.param(Dims(1, 3, 1100, heads_q=6, heads_kv=2, head_dim=128), True, id="lq3-g3-split"),
+    pytest.param(Dims(1, 1, 2050, heads_q=2, heads_kv=2, head_dim=256), True, id="d256-split"),
     pytest.param(Dims(3, 4, 17, heads_q=4, heads_kv=1, head_dim=16), False, id="lq4-rows16"),
     pytest.param(Dims(1, 1, 1, heads_q=2, heads_kv=1, head_dim=40), False, id="one-key"),
 ]
