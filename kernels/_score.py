@@ -287,32 +287,6 @@ def split_share(total, split, num_splits):
 
 
 @triton.jit
-def split_rows(split, bh, num_bh, seqlen_q):
-    """First row of (batch x head) row ``bh``'s key share ``split`` in a split-K partial buffer
-    laid out (splits, num_bh, seqlen_q, ...): what the attention kernels write and the merge
-    kernels read."""
-    return (split * num_bh + bh).to(tl.int64) * seqlen_q
-
-
-@triton.jit
-def last_share_arrived(counter_ptr, num_shares):
-    """Count this program's share of a split tile in; True in the last of the ``num_shares``
-    programs to arrive, which then reads every share's partial and stores the tile (the
-    arrival counters start at zero, and the last program leaves its counter at zero).
-
-    The barrier orders every warp's partial stores before the one thread that does the atomic
-    add; its release (acq_rel, GPU scope) publishes them, and its acquire in the last program
-    makes the other shares' stores visible there. Partials are read back with ``.cg`` loads
-    (L2, never a stale L1 line)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == num_shares - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
-
-
-@triton.jit
 def grid_position(pid, blocks, chunk_rows, LAST_FIRST: tl.constexpr):
     """(block, row) of program ``pid`` in a 1-D grid of ``blocks`` blocks for each of its rows
     (a row is a (batch, head) pair, or a (batch, kv head) pair in dkdv).

@@ -54,7 +54,7 @@ class Scratch:
         self._by_stream: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _allocate(self) -> tuple[torch.Tensor, ...]:
-        # Integer buffers are split programs' arrival counters (``backward_merge_kernels``):
+        # Integer buffers are split programs' arrival counters (``_partials``):
         # they must start at zero, and the kernels leave them at zero for the next call.
         return tuple((torch.zeros if not dtype.is_floating_point else torch.empty)(
                          shape, dtype=dtype, device=self.device)

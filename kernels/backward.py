@@ -5,7 +5,7 @@ the active-tile lists (from the forward's activity map, never the mask), the bia
 plan, grids and every scalar argument. A repeat backward only allocates and launches: dq
 (it also stores delta) then dkdv, or on a grid of one wave both as one fused launch. Where dq
 splits the keys or dkdv its GQA group's heads, the split programs merge their partials within
-the launch (``backward_merge_kernels``), so no merge launch follows.
+the launch (``_partials``), so no merge launch follows.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ class BackwardPlan:
             for head_start in (range(shape.heads_kv) if serialize_heads else (0,))
         ]
 
-        self.dq_part_shape = (self.splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d)
+        dq_part_shape = (self.splits, shape.batch * shape.heads_q, shape.seqlen_q, block_d)
         self.dq = PlannedLaunch(
             attn_bwd_dq_kernel, (rows_grid[0] * rows_grid[1], 1, self.splits),
             (*operands, *dbias_target, *q_list_strides, *inputs, *out_strides, *strides3(dq),
@@ -319,7 +319,7 @@ class BackwardPlan:
         shares = self.head_shares > 1
         split = self.splits > 1
         specs = {"delta": None if self.fused else (fwd.lse_shape, torch.float32),
-                 "dq_part": (self.dq_part_shape, torch.float32) if split else None,
+                 "dq_part": (dq_part_shape, torch.float32) if split else None,
                  "dq_count": ((rows_grid[0] * rows_grid[1],), torch.int32) if split else None,
                  "dk_part": (kv_part_shape, torch.float32) if shares else None,
                  "dv_part": (kv_part_shape, torch.float32) if shares else None,

@@ -8,9 +8,9 @@ import triton
 import triton.language as tl
 
 from ._score import (block_at, block_list_row, causal_query_split, clamp_index, grid_position,
-                     interior_span, last_share_arrived, load_bias, mma, operand_base,
+                     interior_span, load_bias, mma, operand_base,
                      probs_from_lse, scores_log2, tile_offsets, visible_keys, write_tile)
-from .backward_merge_kernels import (store_gradient_rows, store_partial, sum_group_rows,
+from ._partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
                                      sum_partials)
 
 
@@ -169,7 +169,7 @@ def attn_bwd_dkdv_program(
     over share ``share`` of ``num_shares`` of its group's query heads.
 
     SPLIT_HEADS: each share writes fp32 partials of dk and dv, and the last share of the key
-    block to finish sums them and stores dk and dv (``backward_merge_kernels``). GROUP_ROWS: the
+    block to finish sums them and stores dk and dv (``_partials``). GROUP_ROWS: the
     shares wrote a one-row bias gradient per query head (``dbias_ptr``, fp32 rows (B * Hq, Lk));
     that last share also sums its group's rows into row ``pair`` of ``dbias_sum_ptr``."""
     start_n = n_block * BLOCK_N

@@ -10,7 +10,7 @@ Two launches, FlashAttention-2 style:
    heads of its GQA group and over query blocks, so dk and dv are reduced in registers: no
    atomics and no (B, Lk, Hq, D) temporary. A grid too small to fill the GPU splits the group's
    heads into shares instead, and the last share of a key block sums the shares' fp32
-   partials in order (both merges: ``backward_merge_kernels``). It also sums the gradient of
+   partials in order (both merges: ``_partials``). It also sums the gradient of
    a one-row bias (B, H, 1, Lk). A full-size bias's gradient tiles are dS itself, and the dq
    kernel writes them (the dkdv kernel only when ``deterministic=True`` must add several in
    order; see ``_dbias``).
@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from ._score import (block_at, block_list_row, causal_block_split, clamp_index, grid_position,
-                     interior_span, last_share_arrived, mma, operand_base, probs_from_lse,
+                     interior_span, mma, operand_base, probs_from_lse,
                      query_tile_scores, split_share, tile_offsets, write_tile)
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
-from .backward_merge_kernels import store_gradient_rows, store_partial, sum_partials
+from ._partials import last_share_arrived, store_gradient_rows, store_partial, sum_partials
 
 
 @triton.jit

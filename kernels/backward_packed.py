@@ -9,7 +9,7 @@ group: row r is query position r // G of query head hk * G + r % G. One program 
 of the key blocks of one (batch, kv head): for each block it forms scores, probabilities and
 dS for all of the group's rows at once, stores that block's dk and dv whole (no other program
 touches them, so no partials) and adds the block's part of dq to a register tile. Key shares
-merge their dq partials as the split backward does (``backward_merge_kernels``): the last share
+merge their dq partials as the split backward does (``_partials``): the last share
 of a group to arrive sums them in share order, so results are bitwise reproducible.
 
 Used without a mask and without a bias (``packs_rows``); those calls keep the general path,
@@ -29,9 +29,9 @@ from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_op
                       is_interpreted, key_splits, multiprocessors, next_power_of_2,
                       padded_head_dim, strides3)
 from ._scratch import Scratch
-from ._score import (last_share_arrived, mma, operand_base, probs_from_lse, row_offsets,
-                     scores_log2, split_share, tile_offsets, visible_keys)
-from .backward_merge_kernels import store_partial, sum_partials
+from ._partials import last_share_arrived, store_partial, sum_partials
+from ._score import (mma, operand_base, probs_from_lse, row_offsets, scores_log2, split_share,
+                     tile_offsets, visible_keys)
 
 
 @triton.jit

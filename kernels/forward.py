@@ -19,9 +19,10 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, bias_has_one_row, ce
                       contiguous_strides, dot_options, edge_slots, grid_chunk_rows,
                       is_interpreted, key_splits, multiprocessors, next_power_of_2,
                       operand_args, operand_pointer, padded_head_dim, strides3)
+from ._partials import last_share_arrived, split_rows, store_partial
 from ._scratch import Scratch
 from ._score import (LN2, block_at, block_list_row, causal_block_split, clamp_index,
-                     grid_position, interior_span, last_share_arrived, mma, operand_base,
+                     grid_position, interior_span, mma, operand_base,
                      query_tile_scores, row_offsets, split_share, tile_offsets)
 
 
@@ -182,21 +183,20 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     # LSE rows of (B, Hq, Lq). The row predicate keeps a partial last block from writing into
     # the next head's rows (the LSE race seen in other Triton attention ports).
-    lse_rows = (b * heads_q + heads).to(tl.int64) * seqlen_q + offs_m
+    bh = b * heads_q + heads  # each row's (batch x head) row
+    lse_rows = bh.to(tl.int64) * seqlen_q + offs_m
     store = True
     if SPLIT_KEYS:
-        # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32; the last split of the tile to finish
-        # combines them (``backward_merge_kernels`` describes the pattern).
+        # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32 (and (splits, B*Hq, Lq) for the LSE);
+        # the last split of the tile to finish combines them (``_partials``).
         num_bh = tl.num_programs(0) // tl.cdiv(seqlen_q, QUERY_ROWS) * GROUP_PACK
-        part_stride = num_bh.to(tl.int64) * seqlen_q
-        tl.store(out_part_ptr + tile_offsets((split * part_stride + lse_rows)[:, None],
-                                             offs_d[None, :], BLOCK_D, 1), out,
-                 mask=row_ok[:, None])
-        tl.store(lse_part_ptr + split * part_stride + lse_rows, lse, mask=row_ok)
+        store_partial(out_part_ptr, out, offs_m, row_ok, split, bh, num_bh, seqlen_q, BLOCK_D)
+        tl.store(lse_part_ptr + split_rows(split, bh, num_bh, seqlen_q) + offs_m, lse,
+                 mask=row_ok)
         store = last_share_arrived(count_ptr + tl.program_id(0), num_splits)
         if store:
-            out, lse = _combine_splits(out_part_ptr, lse_part_ptr, lse_rows, part_stride,
-                                       row_ok, num_splits, BLOCK_M, BLOCK_D)
+            out, lse = _combine_splits(out_part_ptr, lse_part_ptr, offs_m, row_ok, bh, num_bh,
+                                       seqlen_q, num_splits, BLOCK_M, BLOCK_D)
     if store:
         tl.store(out_ptr + b.to(tl.int64) * stride_o_b
                  + row_offsets(offs_m, heads, 1, stride_o_m, stride_o_h)[:, None]
@@ -206,23 +206,24 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _combine_splits(out_part_ptr, lse_part_ptr, rows, part_stride, row_ok, num_splits,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(out, lse) of partial ``rows`` merged over the key splits: out = sum_s exp(lse_s - lse)
-    * out_s, lse = logsumexp_s lse_s. Split s's rows are ``s * part_stride + rows``."""
+def _combine_splits(out_part_ptr, lse_part_ptr, offs_m, row_ok, bh, num_bh, seqlen_q,
+                    num_splits, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(out, lse) of rows ``offs_m`` of (batch x head) rows ``bh`` merged over the key splits'
+    partials (laid out as ``_partials.split_rows`` says): out = sum_s exp(lse_s - lse) * out_s,
+    lse = logsumexp_s lse_s."""
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_part_ptr + s * part_stride + rows, mask=row_ok,
-                                  other=float("-inf"), cache_modifier=".cg"))
+        m = tl.maximum(m, tl.load(lse_part_ptr + split_rows(s, bh, num_bh, seqlen_q) + offs_m,
+                                  mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
     m_shift = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights stay 0
     weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in range(num_splits):
-        w = tl.exp(tl.load(lse_part_ptr + s * part_stride + rows, mask=row_ok,
-                           other=float("-inf"), cache_modifier=".cg") - m_shift)
-        part = tl.load(out_part_ptr + tile_offsets((s * part_stride + rows)[:, None],
-                                                   offs_d[None, :], BLOCK_D, 1),
+        rows = split_rows(s, bh, num_bh, seqlen_q) + offs_m
+        w = tl.exp(tl.load(lse_part_ptr + rows, mask=row_ok, other=float("-inf"),
+                           cache_modifier=".cg") - m_shift)
+        part = tl.load(out_part_ptr + tile_offsets(rows[:, None], offs_d[None, :], BLOCK_D, 1),
                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         weight_sum += w
         acc += w[:, None] * part

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import Dims, assert_close_to_reference, grads_of, random_qkv
+from attn_helpers import Dims, assert_close_to_reference, grads_of, random_bias, random_qkv
 from kernels import _scratch, attention_reference, dmattn_func, interface
 from kernels._scratch import Scratch
+from kernels.backward_packed import PackedBackwardPlan
 
 SPECS = (((3, 5), torch.float32), ((7,), torch.int32))
 # Decode rows over enough keys that the forward and dq split the keys (split-K partials are
@@ -78,17 +79,26 @@ def test_back_to_back_split_calls_each_match_the_reference(device):
 
 
 @pytest.mark.usefixtures("no_kept_plans")
-def test_back_to_back_split_backwards_each_match_the_reference(device):
+@pytest.mark.parametrize("bias", (None, "kv_row"), ids=("packed", "general"))
+def test_back_to_back_split_backwards_each_match_the_reference(bias, device):
+    """Without a bias the decode backward is the packed launch (its key shares' dq partials are
+    scratch); a bias takes the general one, whose dq splits the keys."""
     problems = [random_qkv(DECODE, torch.bfloat16, device) for _ in range(3)]
+    biases = [None if bias is None
+              else random_bias(DECODE.operand_shape("1", "Hk", "1", "Lk"), torch.bfloat16, device)
+              for _ in problems]
     grad_outs = [torch.randn_like(q) for q, _, _ in problems]
     # All three backwards are enqueued before any reference work.
-    grads = [grads_of(dmattn_func, q, k, v, None, None, True, None, g)
-             for (q, k, v), g in zip(problems, grad_outs)]
+    grads = [grads_of(dmattn_func, q, k, v, None, b, True, None, g)
+             for (q, k, v), b, g in zip(problems, biases, grad_outs)]
     fwd_plan = next(iter(interface._plans.values()))
-    assert next(iter(fwd_plan.backward_plans.values())).splits > 1, "dq must split the keys"
-    for (q, k, v), g, got in zip(problems, grad_outs, grads):
-        truth = grads_of(attention_reference, q.float(), k.float(), v.float(), None, None, True,
+    plan = next(iter(fwd_plan.backward_plans.values()))
+    assert isinstance(plan, PackedBackwardPlan) == (bias is None)
+    assert plan.splits > 1, "the backward must split the keys"
+    for (q, k, v), b, g, got in zip(problems, biases, grad_outs, grads):
+        upcast = None if b is None else b.float()
+        truth = grads_of(attention_reference, q.float(), k.float(), v.float(), None, upcast, True,
                          None, g.double())
-        low = grads_of(attention_reference, q, k, v, None, None, True, None, g, upcast=False)
+        low = grads_of(attention_reference, q, k, v, None, b, True, None, g, upcast=False)
         for (name, a), (_, t), (_, lo) in zip(got.named(), truth.named(), low.named()):
             assert_close_to_reference(name, a, t, lo, torch.bfloat16)

@@ -1,21 +1,48 @@
-"""Merging a split backward's fp32 partials inside the launch that wrote them.
+"""Split programs' fp32 partials: storing them, merging them inside the launch that wrote them,
+and storing the finished gradient rows.
 
-Where a backward grid is too small to fill the GPU it splits work that writes one gradient
-tile: dq's key axis (split-K, decode) and dkdv's GQA group of query heads. Each share writes an
-fp32 partial, counts itself in on a per-tile counter, and the last share of a tile to arrive
-sums the partials in share order and stores the gradient. The sum's order is fixed whichever
-program arrives last, so the result is bitwise reproducible, and no merge launch follows (one
-launch of host time less per backward; results/notes.md, change 30).
+Where a grid is too small to fill the GPU, several programs share work that ends in one output
+tile: the forward's and dq's key axis (split-K, decode), dkdv's GQA group of query heads, and
+the packed backward's key blocks. Each share stores an fp32 partial, counts itself in on a
+per-tile counter (``last_share_arrived``), and the last share of a tile to arrive reads every
+share's partial in share order and stores the result. The order is fixed whichever program
+arrives last, so results are bitwise reproducible, and no merge launch follows (one launch of
+host time less per call; results/notes.md, change 30).
 
 The counters are int32 scratch that starts at zero; the last program of each tile resets its
-counter (``_score.last_share_arrived``), so a plan's kept scratch is ready for its next call.
-The forward's split-K combines its partials the same way.
+counter, so a plan's kept scratch is ready for its next call.
 """
 
 import triton
 import triton.language as tl
 
-from ._score import operand_base, split_rows, tile_offsets
+from ._score import operand_base, tile_offsets
+
+
+@triton.jit
+def split_rows(split, bh, num_bh, seqlen_q):
+    """First row of (batch x head) row ``bh``'s key share ``split`` in a split-K partial buffer
+    laid out (splits, num_bh, seqlen_q, ...): what the attention kernels write and the merge
+    kernels read."""
+    return (split * num_bh + bh).to(tl.int64) * seqlen_q
+
+
+@triton.jit
+def last_share_arrived(counter_ptr, num_shares):
+    """Count this program's share of a split tile in; True in the last of the ``num_shares``
+    programs to arrive, which then reads every share's partial and stores the tile (the
+    arrival counters start at zero, and the last program leaves its counter at zero).
+
+    The barrier orders every warp's partial stores before the one thread that does the atomic
+    add; its release (acq_rel, GPU scope) publishes them, and its acquire in the last program
+    makes the other shares' stores visible there. Partials are read back with ``.cg`` loads
+    (L2, never a stale L1 line)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == num_shares - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
 
 
 @triton.jit
