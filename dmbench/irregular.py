@@ -1,7 +1,7 @@
 """The built-in suite of hard shapes behind ``dmbench equiv --irregular``.
 
 It covers: odd and unequal lengths (Lq > Lk gives rows that see nothing under causality),
-Lq = 1, Lk = 4095, D = 40/80/96/192/256, MHA/GQA/MQA, all 24 broadcast shapes of the mask and
+Lq = 1 (with and without a mask or bias), Lk = 4095, D = 40/80/96/192/256, MHA/GQA/MQA, all 24 broadcast shapes of the mask and
 of the bias, fully masked rows (every ``random`` mask with a query axis has them), window >= Lk,
 every mask kind and all three dtypes.
 
@@ -47,6 +47,10 @@ def irregular_cases(large: bool) -> tuple[Case, ...]:
         Case(batch, *gqa, lq, 1, 32, None, False, "fp16", "random", bias="kv_full"),
         Case(1, 2, 2, _scaled(large, 97, 4095), _scaled(large, 97, 4095), 80, None, True, "bf16",
              "none", bias="none"),
+        # Decode without mask or bias: the packed backward, over many key shares, and with
+        # three query rows per head of the group.
+        Case(batch, *gqa, 1, long_k, 80, None, True, "bf16", "none", bias="none"),
+        Case(batch, *gqa, 3, lk, 40, None, True, "fp16", "none", bias="none"),
     ]
 
     # Head dims that are not powers of two, and the largest one.
