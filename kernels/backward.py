@@ -5,7 +5,8 @@ the active-tile lists (from the forward's activity map, never the mask), the bia
 plan, grids and every scalar argument. A repeat backward only allocates and launches: dq
 (it also stores delta) then dkdv, or on a grid of one wave both as one fused launch. Where dq
 splits the keys or dkdv its GQA group's heads, the split programs merge their partials within
-the launch (``_partials``), so no merge launch follows.
+the launch (``_partials``), so no merge launch follows. A backward without mask or bias whose GQA
+group has at most 16 query rows (decode) takes one packed launch instead (``backward_packed``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The general backward runs dq programs (query blocks, walking keys) and dkdv programs (key
 blocks, walking query blocks), so each reads K and V once: twice in all. With Lq = 1 there is
-nothing to compute besides those reads and the dk, dv writes, and at Lk = 65536 that second
-read was a third of the backward's 777 us (results/notes.md, change 31). Here, as in the
+little to compute besides those reads and the dk, dv writes, so the second read is a third of
+the backward's bytes (at B1 H32/8 Lk 65536 D128: 805 MB, and 537 MB read once; the general path
+took 770 us on an H100, this one 203; results/notes.md, change 31). Here, as in the
 forward's GROUP_PACK tiles, a tile's rows are every (query position, query head) of one GQA
 group: row r is query position r // G of query head hk * G + r % G. One program owns a share
 of the key blocks of one (batch, kv head): for each block it forms scores, probabilities and
