@@ -144,7 +144,8 @@ def key_splits(programs: int, key_blocks: int, multiprocessor_count: int,
     merge stays cheap. From half a wave up, the split's partial buffers, extra launch and merge
     cost more than the idle multiprocessors: B1 H8/2 L2048 with a mask is 128 programs on 132,
     a 58 us attention kernel plus a 7 us merge and ~25 us of host time (results/notes.md,
-    change 20).
+    change 20; the merge was a launch of its own then, and is folded into the split programs
+    since change 30).
     """
     if 2 * programs > multiprocessor_count:
         return 1

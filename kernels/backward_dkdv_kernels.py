@@ -7,11 +7,11 @@ Axis letters: b batch, h head, m query position, n key position, d head dim.
 import triton
 import triton.language as tl
 
-from ._score import (block_at, block_list_row, causal_query_split, clamp_index, grid_position,
-                     interior_span, load_bias, mma, operand_base,
-                     probs_from_lse, scores_log2, tile_offsets, visible_keys, write_tile)
 from ._partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
-                                     sum_partials)
+                        sum_partials)
+from ._score import (block_at, block_list_row, causal_query_split, clamp_index, grid_position,
+                     interior_span, load_bias, mma, operand_base, probs_from_lse, scores_log2,
+                     tile_offsets, visible_keys, write_tile)
 
 
 @triton.jit

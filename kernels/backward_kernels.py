@@ -25,11 +25,11 @@ Axis letters: b batch, h head, m query position, n key position, d head dim.
 import triton
 import triton.language as tl
 
-from ._score import (block_at, block_list_row, causal_block_split, clamp_index, grid_position,
-                     interior_span, mma, operand_base, probs_from_lse,
-                     query_tile_scores, split_share, tile_offsets, write_tile)
-from .backward_dkdv_kernels import attn_bwd_dkdv_program
 from ._partials import last_share_arrived, store_gradient_rows, store_partial, sum_partials
+from ._score import (block_at, block_list_row, causal_block_split, clamp_index, grid_position,
+                     interior_span, mma, operand_base, probs_from_lse, query_tile_scores,
+                     split_share, tile_offsets, write_tile)
+from .backward_dkdv_kernels import attn_bwd_dkdv_program
 
 
 @triton.jit
@@ -239,6 +239,7 @@ def _attn_bwd_dq_program(
     if store:
         store_gradient_rows(dq_ptr, b, h, offs_m, dq, q_in_range, stride_dq_b, stride_dq_m,
                             stride_dq_h, BLOCK_D)
+
 
 @triton.jit
 def attn_bwd_fused_kernel(
