@@ -72,11 +72,15 @@ class DbiasPlan:
         return torch.zeros(self.buffer_shape, dtype=self.buffer_dtype, device=device)
 
     def finish(self, buffer: torch.Tensor) -> torch.Tensor:
-        """Turn the kernel's ``buffer`` into the gradient, in the bias's own shape and dtype."""
-        t = buffer
-        if tuple(t.shape) != self.bias_shape:
-            t = reduce_partial(t, self.bias_shape)
-        return t if t.dtype == self.bias_dtype else t.to(self.bias_dtype)
+        return finish_gradient(buffer, self.bias_shape, self.bias_dtype)
+
+
+def finish_gradient(buffer: torch.Tensor, bias_shape: tuple[int, ...], bias_dtype) -> torch.Tensor:
+    """Turn a kernel's ``buffer`` into the gradient, in the bias's own shape and dtype."""
+    t = buffer
+    if tuple(t.shape) != bias_shape:
+        t = reduce_partial(t, bias_shape)
+    return t if t.dtype == bias_dtype else t.to(bias_dtype)
 
 
 def reduce_partial(partial: torch.Tensor, bias_shape) -> torch.Tensor:
@@ -143,3 +147,53 @@ def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bia
     # Deterministic: dkdv sums a group's heads in order; other programs' slices serialize.
     return DbiasPlan(False, False, False, False, tuple(bias_shape), torch.float32, target, True,
                      False, shared_batch, shared_heads, **common)
+
+
+@dataclass(frozen=True)
+class PackedDbias:
+    """The packed backward's bias gradient (``backward_packed``). Its programs own whole
+    (batch, kv head) groups of rows and whole key blocks, so each element of its (B, heads,
+    rows, Lk) buffer has one writer and is stored once, never accumulated:
+
+    * ``sum_rows``: every row of a program's tile reads one bias row (a bias with 1 or Hk heads
+      and one query row, or any such bias at Lq = 1): the tile's dS is summed over its rows,
+      one buffer row per (batch, kv head).
+    * otherwise each tile row has its own bias element (a bias with a head per query head, or
+      MHA, and a query axis of Lq): dS is stored as it is.
+    """
+
+    sum_rows: bool
+    buffer_shape: tuple[int, ...]
+    buffer_dtype: torch.dtype
+    target: OperandArgs
+    bias_shape: tuple[int, ...]
+    bias_dtype: torch.dtype
+
+    def allocate(self, device) -> torch.Tensor:
+        return torch.empty(self.buffer_shape, dtype=self.buffer_dtype, device=device)
+
+    def finish(self, buffer: torch.Tensor) -> torch.Tensor:
+        return finish_gradient(buffer, self.bias_shape, self.bias_dtype)
+
+
+def plan_packed_dbias(bias_shape: tuple[int, ...], shape: AttnShape, bias_dtype,
+                      interpreted: bool = False) -> PackedDbias | None:
+    """The packed backward's plan for a bias of ``bias_shape`` whose key axis is not broadcast,
+    or None where its rows neither all share one gradient row nor each own one (a (B, Hk, Lq,
+    Lk) bias with Lq > 1 sums pairs of rows; a (B, Hq, 1, Lk) one with Lq > 1 sums rows of a
+    head): such calls take the general backward. ``interpreted`` as in ``plan_dbias``."""
+    _, bh, bm, _ = bias_shape
+    rows = 1 if bm == 1 else shape.seqlen_q
+    mha = shape.group_size == 1
+    # The tile's heads (one GQA group) share a bias head, or each has its own.
+    sum_rows = (bh != shape.heads_q or mha) and rows == 1
+    if not (sum_rows or ((bh == shape.heads_q or mha) and rows == shape.seqlen_q)):
+        return None
+    heads = shape.heads_kv if sum_rows else shape.heads_q
+    buffer = (shape.batch, heads, rows, shape.seqlen_k)
+    final = buffer == tuple(bias_shape) and not (sum_rows and interpreted
+                                                 and bias_dtype == torch.bfloat16)
+    view = (shape.batch, shape.heads_q, shape.seqlen_q, shape.seqlen_k)
+    return PackedDbias(sum_rows, buffer, bias_dtype if final else torch.float32,
+                       broadcast_args(buffer, view, shape.heads_q // heads),
+                       tuple(bias_shape), bias_dtype)

@@ -71,6 +71,21 @@ def store_partial(part_ptr, values, offs_m, m_ok, split, bh, num_bh, seqlen,
 
 
 @triton.jit
+def merge_shares(part_ptr, count_ptr, values, offs_m, m_ok, split, num_splits, bh, num_bh,
+                 seqlen, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(values, last) for share ``split`` of a split tile: store this share's partial rows and
+    count it in on ``count_ptr``; in the last share to arrive (``last``), ``values`` becomes
+    the sum of every share's partial in share order, which the caller then stores. Partials are
+    laid out (splits, num_bh, seqlen, BLOCK_D) as ``split_rows`` says."""
+    store_partial(part_ptr, values, offs_m, m_ok, split, bh, num_bh, seqlen, BLOCK_D)
+    last = last_share_arrived(count_ptr, num_splits)
+    if last:
+        values = sum_partials(part_ptr, offs_m, m_ok, bh, num_bh, seqlen, num_splits, BLOCK_M,
+                              BLOCK_D)
+    return values, last
+
+
+@triton.jit
 def sum_group_rows(rows_ptr, sum_ptr, pair, group_size, offs_n, n_ok, seqlen_k,
                    BLOCK_N: tl.constexpr):
     """Row ``pair`` (a (batch, kv head) pair) of a (B * Hk, Lk) one-row bias gradient: the sum,

@@ -5,8 +5,9 @@ the active-tile lists (from the forward's activity map, never the mask), the bia
 plan, grids and every scalar argument. A repeat backward only allocates and launches: dq
 (it also stores delta) then dkdv, or on a grid of one wave both as one fused launch. Where dq
 splits the keys or dkdv its GQA group's heads, the split programs merge their partials within
-the launch (``_partials``), so no merge launch follows. A backward without mask or bias whose GQA
-group has at most 16 query rows (decode) takes one packed launch instead (``backward_packed``).
+the launch (``_partials``), so no merge launch follows. A backward whose GQA group has at most
+16 query rows (decode) takes one packed launch instead (``backward_packed``), unless its bias
+gradient would need more than one writer per element.
 """
 
 from __future__ import annotations
@@ -370,8 +371,9 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
     signature = (grad_out.stride(), grad_out.dtype, bool(deterministic), bool(bias_needs_grad))
     plan = fwd.backward_plans.get(signature)
     if plan is None:
-        if packs_rows(fwd):
-            plan = PackedBackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv)
+        if packs_rows(fwd, bias_needs_grad):
+            plan = PackedBackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv,
+                                      bias_needs_grad)
         else:
             plan = BackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv, deterministic,
                                 bias_needs_grad)

@@ -25,7 +25,7 @@ Axis letters: b batch, h head, m query position, n key position, d head dim.
 import triton
 import triton.language as tl
 
-from ._partials import last_share_arrived, store_gradient_rows, store_partial, sum_partials
+from ._partials import merge_shares, store_gradient_rows
 from ._score import (block_at, block_list_row, causal_block_split, clamp_index, grid_position,
                      interior_span, mma, operand_base, probs_from_lse, query_tile_scores,
                      split_share, tile_offsets, write_tile)
@@ -230,12 +230,9 @@ def _attn_bwd_dq_program(
     if SPLIT_KEYS:
         # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32. Every share writes its rows, an empty
         # share zeros, and the last share of the row block to finish sums them in order.
-        store_partial(dq_part_ptr, dq, offs_m, m_ok, split, bh, num_bh, seqlen_q, BLOCK_D)
-        store = last_share_arrived(count_ptr + bh * tl.cdiv(seqlen_q, BLOCK_M) + m_block,
-                                   num_splits)
-        if store:
-            dq = sum_partials(dq_part_ptr, offs_m, m_ok, bh, num_bh, seqlen_q, num_splits,
-                              BLOCK_M, BLOCK_D)
+        dq, store = merge_shares(dq_part_ptr, count_ptr + bh * tl.cdiv(seqlen_q, BLOCK_M)
+                                 + m_block, dq, offs_m, m_ok, split, num_splits, bh, num_bh,
+                                 seqlen_q, BLOCK_M, BLOCK_D)
     if store:
         store_gradient_rows(dq_ptr, b, h, offs_m, dq, q_in_range, stride_dq_b, stride_dq_m,
                             stride_dq_h, BLOCK_D)

@@ -13,8 +13,11 @@ touches them, so no partials) and adds the block's part of dq to a register tile
 merge their dq partials as the split backward does (``_partials``): the last share
 of a group to arrive sums them in share order, so results are bitwise reproducible.
 
-Used without a mask and without a bias (``packs_rows``); those calls keep the general path,
-which walks only a mask's active tiles and owns the bias gradient's reductions.
+A mask is read densely, a tile per key block, rather than through the active-tile lists: keys
+that no row keeps skip their K and V reads and store zero dk and dv. A bias is added as
+in the forward, and its gradient (dS) is stored per key block by the one program that owns it
+(``_dbias.PackedDbias``); a bias whose gradient would sum rows of several programs or pairs of
+a tile's rows keeps the general path (``packs_rows``).
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape
-from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
-                      is_interpreted, key_splits, multiprocessors, next_power_of_2,
-                      padded_head_dim, strides3)
+from ._dbias import PackedDbias, plan_dbias, plan_packed_dbias
+from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
+                      dot_options, is_interpreted, key_splits, multiprocessors, next_power_of_2,
+                      operand_pointer, padded_head_dim, strides3)
+from ._partials import merge_shares
 from ._scratch import Scratch
-from ._partials import last_share_arrived, store_partial, sum_partials
-from ._score import (mma, operand_base, probs_from_lse, row_offsets, scores_log2, split_share,
-                     tile_offsets, visible_keys)
+from ._score import (clamp_index, load_bias, mma, operand_base, probs_from_lse, row_offsets,
+                     scores_log2, split_share, tile_offsets, visible_keys)
 
 
 @triton.jit
@@ -46,7 +50,10 @@ def _group_rows(ptr, b, offs_m, heads, stride_b, stride_m, stride_h):
 @triton.jit
 def attn_bwd_packed_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, dq_part_ptr,
-    count_ptr,
+    count_ptr, mask_ptr, bias_ptr, dbias_ptr,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
+    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
     stride_q_b, stride_q_m, stride_q_h,
     stride_k_b, stride_k_n, stride_k_h,
     stride_v_b, stride_v_n, stride_v_h,
@@ -58,11 +65,13 @@ def attn_bwd_packed_kernel(
     heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+    DBIAS_SUM_ROWS: tl.constexpr, DBIAS_PER_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
 ):
-    """dk and dv of key share ``program_id(0)`` of (batch, kv head) ``program_id(1)``, and its
-    part of the group's dq."""
+    """dk and dv of key share ``program_id(0)`` of (batch, kv head) ``program_id(1)``, its
+    part of the group's dq, and its key blocks' part of the bias gradient."""
     split = tl.program_id(0)
     num_splits = tl.num_programs(0)
     pair = tl.program_id(1)
@@ -75,6 +84,8 @@ def attn_bwd_packed_kernel(
     offs_m = rows // group_size
     heads = first_head + rows % group_size
     row_ok = offs_m < seqlen_q
+    # Mask and bias rows past seqlen_q read the last row (never used: those rows score -inf).
+    safe_m = clamp_index(offs_m, seqlen_q)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -98,20 +109,49 @@ def attn_bwd_packed_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_dk_n, 1)
     dv_ptrs = operand_base(dv_ptr, b, first_head, group_size, stride_dv_b, stride_dv_h) \
         + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_dv_n, 1)
+    key_cols = offs_n0.to(tl.int64)[None, :]
+    mask_ptrs = _group_rows(mask_ptr, b, safe_m, heads // mask_head_div, stride_mask_b,
+                            stride_mask_m, stride_mask_h) + key_cols * stride_mask_n
+    if BIAS_ROW:  # one bias row for the whole tile: addressed once (see ``load_bias``)
+        bias_ptrs = operand_base(bias_ptr, b, first_head, bias_head_div, stride_bias_b,
+                                 stride_bias_h) + key_cols * stride_bias_n
+    else:
+        bias_ptrs = _group_rows(bias_ptr, b, safe_m, heads // bias_head_div, stride_bias_b,
+                                stride_bias_m, stride_bias_h) + key_cols * stride_bias_n
+    if DBIAS_SUM_ROWS:  # the (batch, kv head)'s one gradient row
+        dbias_ptrs = operand_base(dbias_ptr, b, first_head, dbias_head_div, stride_db_b,
+                                  stride_db_h) + key_cols * stride_db_n
+    else:  # a gradient row per tile row
+        dbias_ptrs = _group_rows(dbias_ptr, b, safe_m, heads // dbias_head_div, stride_db_b,
+                                 stride_db_m, stride_db_h) + key_cols * stride_db_n
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = split_share(tl.cdiv(seqlen_k, BLOCK_N), split, num_splits)
     for block in range(lo, hi):
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
-        kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
-        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_in_range, other=0.0)
-        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
-        # Rows past Lq and keys past Lk score -inf, so they add nothing anywhere below.
-        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, q_ptr, False,
+        keys_ok = (offs_n < seqlen_k)[None, :]
+        # Rows past Lq, keys past Lk and masked pairs score -inf, so they add nothing below.
+        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n, HAS_MASK,
                             IS_CAUSAL)
-        s = scores_log2(mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS), keep, 0.0, qk_scale,
-                        False)
+        kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+        if HAS_MASK:
+            # Keys that no row keeps skip their K and V reads (a topk mask keeps few keys per
+            # block, a block-sparse one whole blocks or none). The predicate is constant
+            # along D, so the loads stay vectorized. Such keys' dk and dv come out zero and
+            # are stored all the same: no other program writes them.
+            kv_read = kv_in_range & (tl.max(keep.to(tl.int32), 0) > 0)[:, None]
+        else:
+            kv_read = kv_in_range
+        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_read, other=0.0)
+        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_read, other=0.0)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep, keys_ok,
+                             BIAS_ROW)
+        s = scores_log2(mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS), keep, bias, qk_scale,
+                        HAS_BIAS)
         p = probs_from_lse(s, lse[:, None])
         dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
         ds = p * (dp - delta[:, None])
@@ -121,17 +161,21 @@ def attn_bwd_packed_kernel(
                  mask=kv_in_range)
         tl.store(dv_ptrs + start_n.to(tl.int64) * stride_dv_n, dv.to(dv_ptr.dtype.element_ty),
                  mask=kv_in_range)
+        # The bias gradient is dS itself (the bias adds to the scaled scores).
+        if DBIAS_SUM_ROWS:
+            tl.store(dbias_ptrs + start_n.to(tl.int64) * stride_db_n,
+                     tl.sum(ds, 0)[None, :].to(dbias_ptr.dtype.element_ty), mask=keys_ok)
+        if DBIAS_PER_ROW:
+            tl.store(dbias_ptrs + start_n.to(tl.int64) * stride_db_n,
+                     ds.to(dbias_ptr.dtype.element_ty), mask=row_ok[:, None] & keys_ok)
         dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
 
     dq *= sm_scale
     store = True
     if SPLIT_KEYS:
         # Partials are (splits, B * Hk, BLOCK_M, BLOCK_D) fp32, one tile per share and group.
-        store_partial(dq_part_ptr, dq, rows, row_ok, split, pair, num_pairs, BLOCK_M, BLOCK_D)
-        store = last_share_arrived(count_ptr + pair, num_splits)
-        if store:
-            dq = sum_partials(dq_part_ptr, rows, row_ok, pair, num_pairs, BLOCK_M, num_splits,
-                              BLOCK_M, BLOCK_D)
+        dq, store = merge_shares(dq_part_ptr, count_ptr + pair, dq, rows, row_ok, split,
+                                 num_splits, pair, num_pairs, BLOCK_M, BLOCK_M, BLOCK_D)
     if store:
         tl.store(_group_rows(dq_ptr, b, offs_m, heads, stride_dq_b, stride_dq_m, stride_dq_h)
                  + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_range)
@@ -142,11 +186,27 @@ def attn_bwd_packed_kernel(
 PACKED_MAX_ROWS = 16
 
 
-def packs_rows(fwd) -> bool:
-    """Whether the backward of forward plan ``fwd`` takes the packed launch."""
+def packed_dbias(fwd, bias_needs_grad: bool):
+    """The bias gradient's plan for the packed backward of forward plan ``fwd``: a
+    ``PackedDbias``, or the general ``DbiasPlan`` of an exactly-zero gradient (a bias
+    broadcast along keys), or None without one."""
+    if not bias_needs_grad:
+        return None
+    interpreted = is_interpreted(attn_bwd_packed_kernel)
+    if fwd.bias_shape[3] == 1:
+        return plan_dbias(fwd.bias_shape, fwd.bias.head_div, fwd.shape, fwd.dtype, False,
+                          interpreted)
+    return plan_packed_dbias(fwd.bias_shape, fwd.shape, fwd.dtype, interpreted)
+
+
+def packs_rows(fwd, bias_needs_grad: bool = False) -> bool:
+    """Whether the backward of forward plan ``fwd`` takes the packed launch: its GQA group has
+    at most ``PACKED_MAX_ROWS`` query rows, and a bias gradient, if wanted, has one writer
+    per element (``plan_packed_dbias``)."""
     shape = fwd.shape
-    return (fwd.mask is None and fwd.bias is None
-            and shape.seqlen_q * shape.group_size <= PACKED_MAX_ROWS)
+    if shape.seqlen_q * shape.group_size > PACKED_MAX_ROWS:
+        return False
+    return not bias_needs_grad or packed_dbias(fwd, bias_needs_grad) is not None
 
 
 @dataclass(frozen=True)
@@ -173,7 +233,7 @@ class PackedBackwardPlan:
     """The packed backward's launch for one forward plan and gradient signature; the same
     ``run`` as ``backward.BackwardPlan``."""
 
-    def __init__(self, fwd, grad_out, query, key, value, dq, dk, dv):
+    def __init__(self, fwd, grad_out, query, key, value, dq, dk, dv, bias_needs_grad: bool):
         shape: AttnShape = fwd.shape
         interpreted = is_interpreted(attn_bwd_packed_kernel)
         block_d = padded_head_dim(shape.head_dim)
@@ -184,13 +244,22 @@ class PackedBackwardPlan:
         # forward's split-K.
         self.splits = key_splits(pairs, ceil_div(shape.seqlen_k, cfg.block_n),
                                  multiprocessors(fwd.device, interpreted))
+        self.device = fwd.device
+        self.dbias = packed_dbias(fwd, bias_needs_grad)
+        writes_dbias = isinstance(self.dbias, PackedDbias)
         self.launch = PlannedLaunch(
             attn_bwd_packed_kernel, (self.splits, pairs),
-            (*strides3(query), *strides3(key), *strides3(value), *strides3(grad_out),
+            (*(fwd.mask or ABSENT_OPERAND).as_args(), *(fwd.bias or ABSENT_OPERAND).as_args(),
+             *(self.dbias.target if writes_dbias else ABSENT_OPERAND).as_args(),
+             *strides3(query), *strides3(key), *strides3(value), *strides3(grad_out),
              *contiguous_strides(fwd.out_shape)[:3], *strides3(dq), *strides3(dk),
              *strides3(dv), shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
              fwd.softmax_scale * LOG2E, fwd.softmax_scale),
             HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            HAS_MASK=fwd.mask is not None, HAS_BIAS=fwd.bias is not None,
+            BIAS_ROW=fwd.bias_one_row and fwd.bias.head_div % shape.group_size == 0,
+            DBIAS_SUM_ROWS=writes_dbias and self.dbias.sum_rows,
+            DBIAS_PER_ROW=writes_dbias and not self.dbias.sum_rows,
             IS_CAUSAL=fwd.is_causal, **dot_options(fwd.dtype, interpreted),
             SPLIT_KEYS=self.splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -201,7 +270,9 @@ class PackedBackwardPlan:
               ((pairs,), torch.int32)) if split else ())
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
-        """Fill ``dq``, ``dk``, ``dv``; there is no bias, so no bias gradient (None)."""
+        """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
         dq_part, counts = self._scratch.buffers() or (lse, lse)
-        self.launch(query, key, value, out, grad_out, lse, dq, dk, dv, dq_part, counts)
-        return None
+        dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
+        self.launch(query, key, value, out, grad_out, lse, dq, dk, dv, dq_part, counts,
+                    operand_pointer(mask, lse), operand_pointer(bias, lse), dbias)
+        return self.dbias.finish(dbias) if self.dbias is not None else None

@@ -1,18 +1,20 @@
-"""The packed backward (``kernels.backward_packed``): a few query rows per GQA group (decode)
-without a mask or bias, one launch in which each program owns a share of the key blocks of one
-(batch, kv head), writes their dk and dv whole and adds its part of the group's dq. Every
-case checks that the packed plan was the one made, and every gradient against float64
-autograd of the reference; odd key lengths leave partial last blocks, and long ones split the
-keys into shares whose dq partials must all land in the sum."""
+"""The packed backward (``kernels.backward_packed``): a few query rows per GQA group (decode),
+one launch in which each program owns a share of the key blocks of one (batch, kv head), writes
+their dk and dv whole, adds its part of the group's dq, and stores its blocks' part of the bias
+gradient. Every case checks that the packed plan was the one made, and every gradient against
+float64 autograd of the reference; odd key lengths leave partial last blocks, and long ones
+split the keys into shares whose dq partials must all land in the sum. Masks of every head
+layout are read densely, and blocks that no row keeps must read no K or V."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attn_helpers import (CAUSAL, DTYPES, Dims, assert_deterministic_grads, random_qkv,
+from attn_helpers import (CAUSAL, DTYPES, MASKED_BAND, Dims, assert_deterministic_grads,
+                          grads_of, nan_in_band, random_mask, random_problem, random_qkv,
                           record_backward_plans, run_backward)
-from kernels import backward_packed
+from kernels import backward_packed, dmattn_func
 from kernels._checks import AttnShape
 
 # (dims, whether the keys split into shares: on the GPU and under the interpreter alike, which
@@ -75,22 +77,138 @@ def test_packed_split_is_deterministic(device, packed_plans):
     assert packed_plans and all(plan.splits > 1 for plan in packed_plans)
 
 
+# (dims, mask shape, bias shape): decode and few-row shapes with each head layout of a mask
+# and each bias gradient the packed launch writes (one row per group, a row per tile row, zero).
+MASKED_CASES = [
+    pytest.param(Dims(2, 1, 1031, heads_q=8, heads_kv=2, head_dim=64), "BxHkx1xLk", "BxHkx1xLk",
+                 id="decode-gqa-kvrow-split"),
+    pytest.param(Dims(1, 1, 300, heads_q=4, heads_kv=1, head_dim=40), "1xHqx1xLk", "1xHqx1xLk",
+                 id="decode-mqa-per-head"),
+    pytest.param(Dims(2, 1, 97, heads_q=4, heads_kv=4, head_dim=80), "Bx1x1xLk", "1x1x1xLk",
+                 id="decode-mha-shared"),
+    pytest.param(Dims(1, 3, 515, heads_q=6, heads_kv=2, head_dim=16), "1xHkxLqxLk", "Bx1x1xLk",
+                 id="lq3-g3-one-row"),
+    pytest.param(Dims(2, 4, 65, heads_q=4, heads_kv=1, head_dim=16), "BxHqxLqxLk", "BxHqxLqxLk",
+                 id="lq4-full-per-row"),
+    pytest.param(Dims(1, 2, 200, heads_q=4, heads_kv=4, head_dim=40), "Bx1xLqxLk", "Bx1xLqxLk",
+                 id="lq2-mha-head-shared"),
+    pytest.param(Dims(1, 1, 150, heads_q=2, heads_kv=1, head_dim=40), "BxHkx1xLk", "BxHkx1x1",
+                 id="decode-key-broadcast-zero"),
+]
+
+
+@pytest.mark.parametrize("dims,mask_shape,bias_shape", MASKED_CASES)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_packed_masked_biased_grads(dims, mask_shape, bias_shape, causal, device, packed_plans):
+    q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask_shape, bias_shape,
+                                         keep=0.3)
+    run_backward(q, k, v, mask, bias, causal)
+    assert len(packed_plans) == 1, "this call should take the packed backward"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_bias_grad_dtypes(dtype, device, packed_plans):
+    """The one-row gradient is stored in the bias dtype where it is the bias's own shape."""
+    dims = Dims(1, 1, 1031, heads_q=8, heads_kv=2, head_dim=40)
+    q, k, v, mask, bias = random_problem(dims, dtype, device, "BxHkx1xLk", "BxHkx1xLk")
+    run_backward(q, k, v, mask, bias, True)
+    assert len(packed_plans) == 1 and packed_plans[0].splits > 1
+
+
+def test_packed_bias_without_grad(device, packed_plans):
+    """A bias that needs no gradient is added, with rows of their own (no one-row bias)."""
+    dims = Dims(2, 2, 333, heads_q=8, heads_kv=4, head_dim=40)
+    q, k, v, mask, bias = random_problem(dims, torch.float16, device, "1xHkxLqxLk",
+                                         "BxHqxLqxLk")
+    grad_out = torch.randn(q.shape, device=device).to(q.dtype)
+
+    def with_fixed_bias(q, k, v, mask, _, causal, scale, **kwargs):
+        return dmattn_func(q, k, v, mask, bias, causal, scale, **kwargs)
+
+    got = grads_of(with_fixed_bias, q, k, v, mask, None, True, None, grad_out)
+    # The same call with the bias as a leaf, checked against the reference.
+    run = run_backward(q, k, v, mask, bias, True, grad_out=grad_out)
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(getattr(got, name), getattr(run.grads, name)), name
+    assert len(packed_plans) == 2
+
+
+def test_packed_expanded_bias_grad(device, packed_plans):
+    """A stride-0 expand() of a (B, Hk, 1, Lk) bias gets its gradient in the base's shape."""
+    dims = Dims(2, 1, 260, heads_q=8, heads_kv=2, head_dim=16)
+    q, k, v, mask, bias = random_problem(dims, torch.float32, device, "BxHkx1xLk", "BxHkx1xLk")
+    run_backward(q, k, v, mask, bias, False,
+                 bias_view=lambda t: t.expand(dims.batch, dims.heads_kv, 1, dims.seqlen_k))
+    assert len(packed_plans) == 1
+
+
+def test_packed_masked_blocks_read_no_keys_or_values(device, packed_plans):
+    """Keys 128..255 are masked for every row and hold NaN: blocks that no row keeps skip
+    their K and V reads, so no gradient turns NaN, and their dk and dv are zero."""
+    dims = Dims(1, 1, 384, heads_q=4, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = random_mask(dims.operand_shape("1", "1", "1", "Lk"), device)
+    mask[..., MASKED_BAND] = False
+    band = MASKED_BAND
+    grad_out = torch.randn(q.shape, device=device)
+    clean = grads_of(dmattn_func, q, k, v, mask, None, False, None, grad_out)
+    poisoned = grads_of(dmattn_func, q, nan_in_band(k), nan_in_band(v), mask, None, False, None,
+                        grad_out)
+    assert len(packed_plans) == 2  # an unprepared mask: a plan per call
+    assert torch.equal(poisoned.dq, clean.dq)
+    assert torch.equal(poisoned.dk, clean.dk) and torch.equal(poisoned.dv, clean.dv)
+    assert (clean.dk[:, band] == 0).all() and (clean.dv[:, band] == 0).all()
+
+
+def test_packed_masked_split_is_deterministic(device, packed_plans):
+    dims = Dims(1, 1, 1031, heads_q=4, heads_kv=1, head_dim=40)
+    q, k, v, mask, bias = random_problem(dims, torch.float16, device, "1x1x1xLk", "1xHkx1xLk")
+    assert_deterministic_grads(q, k, v, mask, bias, True)
+    assert packed_plans and all(plan.splits > 1 for plan in packed_plans)
+
+
+@pytest.mark.parametrize("bias_shape", ["BxHkxLqxLk", "BxHqx1xLk"])
+def test_bias_grads_packing_cannot_write_take_the_general_path(bias_shape, device,
+                                                                 packed_plans, monkeypatch):
+    """Lq = 3 with G = 3: a (B, Hk, Lq, Lk) gradient sums each query's 3 heads, a (B, Hq, 1, Lk)
+    one each head's 3 queries; both keep the general backward."""
+    general = record_backward_plans(monkeypatch, "BackwardPlan")
+    dims = Dims(1, 3, 70, heads_q=6, heads_kv=2, head_dim=16)
+    q, k, v, mask, bias = random_problem(dims, torch.float32, device, "1xHkxLqxLk", bias_shape)
+    run_backward(q, k, v, mask, bias, True)
+    assert not packed_plans and len(general) == 1
+
+
+class _Bias:
+    def __init__(self, head_div):
+        self.head_div = head_div
+
+
 class _Plan:
     """The fields ``packs_rows`` reads from a forward plan."""
 
-    def __init__(self, seqlen_q, heads_q, heads_kv, mask=None, bias=None):
+    def __init__(self, seqlen_q, heads_q, heads_kv, bias_shape=None):
         self.shape = AttnShape(1, seqlen_q, 4096, heads_q, heads_kv, 128)
-        self.mask, self.bias = mask, bias
+        self.dtype = torch.bfloat16
+        self.bias_shape = bias_shape
+        self.bias = None if bias_shape is None else _Bias(heads_q // bias_shape[1])
 
 
-@pytest.mark.parametrize("plan,packs", [
-    (_Plan(1, 32, 8), True),
-    (_Plan(1, 16, 1), True),  # MQA: 16 rows, one tile
-    (_Plan(4, 16, 4), True),
-    (_Plan(5, 16, 4), False),  # 20 rows
-    (_Plan(1, 32, 1), False),  # 32 heads in a group
-    (_Plan(1, 32, 8, mask=object()), False),
-    (_Plan(1, 32, 8, bias=object()), False),
+@pytest.mark.parametrize("plan,bias_grad,packs", [
+    (_Plan(1, 32, 8), False, True),
+    (_Plan(1, 16, 1), False, True),  # MQA: 16 rows, one tile
+    (_Plan(4, 16, 4), False, True),
+    (_Plan(5, 16, 4), False, False),  # 20 rows
+    (_Plan(1, 32, 1), False, False),  # 32 heads in a group
+    (_Plan(1, 32, 8, (1, 8, 1, 4096)), True, True),  # one gradient row per group
+    (_Plan(1, 32, 8, (1, 32, 1, 4096)), True, True),  # a row per query head
+    (_Plan(1, 32, 8, (1, 1, 1, 1)), True, True),  # broadcast along keys: zero
+    (_Plan(4, 16, 4, (1, 4, 1, 4096)), True, True),
+    (_Plan(4, 16, 4, (1, 16, 4, 4096)), True, True),
+    (_Plan(4, 16, 4, (1, 4, 4, 4096)), True, False),  # a query's 4 heads sum
+    (_Plan(4, 16, 4, (1, 4, 4, 4096)), False, True),  # ... unless no gradient is wanted
+    (_Plan(4, 16, 4, (1, 16, 1, 4096)), True, False),  # a head's 4 queries sum
+    (_Plan(4, 4, 4, (1, 1, 4, 4096)), True, True),  # MHA: each row its own, heads summed after
 ])
-def test_which_calls_pack(plan, packs):
-    assert backward_packed.packs_rows(plan) == packs
+def test_which_calls_pack(plan, bias_grad, packs):
+    assert backward_packed.packs_rows(plan, bias_grad) == packs

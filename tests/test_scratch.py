@@ -17,6 +17,7 @@ SPECS = (((3, 5), torch.float32), ((7,), torch.int32))
 # Decode rows over enough keys that the forward and dq split the keys (split-K partials are
 # scratch) on an H100 and under the interpreter, which reports 16 multiprocessors.
 DECODE = Dims(batch=1, seqlen_q=1, seqlen_k=1100, heads_q=4, heads_kv=2, head_dim=16)
+FEW_ROWS = Dims(batch=1, seqlen_q=9, seqlen_k=1100, heads_q=4, heads_kv=2, head_dim=16)
 
 
 def _distinct(first, second) -> bool:
@@ -79,21 +80,24 @@ def test_back_to_back_split_calls_each_match_the_reference(device):
 
 
 @pytest.mark.usefixtures("no_kept_plans")
-@pytest.mark.parametrize("bias", (None, "kv_row"), ids=("packed", "general"))
-def test_back_to_back_split_backwards_each_match_the_reference(bias, device):
-    """Without a bias the decode backward is the packed launch (its key shares' dq partials are
-    scratch); a bias takes the general one, whose dq splits the keys."""
-    problems = [random_qkv(DECODE, torch.bfloat16, device) for _ in range(3)]
-    biases = [None if bias is None
-              else random_bias(DECODE.operand_shape("1", "Hk", "1", "Lk"), torch.bfloat16, device)
-              for _ in problems]
+@pytest.mark.parametrize("dims,bias,packed", [
+    pytest.param(DECODE, False, True, id="packed"),
+    pytest.param(DECODE, True, True, id="packed-bias"),
+    pytest.param(FEW_ROWS, True, False, id="general"),
+])
+def test_back_to_back_split_backwards_each_match_the_reference(dims, bias, packed, device):
+    """Decode's backward is the packed launch (its key shares' dq partials are scratch); a few
+    rows more than it packs take the general one, whose dq splits the keys."""
+    problems = [random_qkv(dims, torch.bfloat16, device) for _ in range(3)]
+    biases = [random_bias(dims.operand_shape("1", "Hk", "1", "Lk"), torch.bfloat16, device)
+              if bias else None for _ in problems]
     grad_outs = [torch.randn_like(q) for q, _, _ in problems]
     # All three backwards are enqueued before any reference work.
     grads = [grads_of(dmattn_func, q, k, v, None, b, True, None, g)
              for (q, k, v), b, g in zip(problems, biases, grad_outs)]
     fwd_plan = next(iter(interface._plans.values()))
     plan = next(iter(fwd_plan.backward_plans.values()))
-    assert isinstance(plan, PackedBackwardPlan) == (bias is None)
+    assert isinstance(plan, PackedBackwardPlan) == packed
     assert plan.splits > 1, "the backward must split the keys"
     for (q, k, v), b, g, got in zip(problems, biases, grad_outs, grads):
         upcast = None if b is None else b.float()
