@@ -179,9 +179,10 @@ class PackedDbias:
 def plan_packed_dbias(bias_shape: tuple[int, ...], shape: AttnShape, bias_dtype,
                       interpreted: bool = False) -> PackedDbias | None:
     """The packed backward's plan for a bias of ``bias_shape`` whose key axis is not broadcast,
-    or None where its rows neither all share one gradient row nor each own one (a (B, Hk, Lq,
-    Lk) bias with Lq > 1 sums pairs of rows; a (B, Hq, 1, Lk) one with Lq > 1 sums rows of a
-    head): such calls take the general backward. ``interpreted`` as in ``plan_dbias``."""
+    or None where its rows neither all share one gradient row nor each own one (with G > 1
+    and Lq > 1, a (B, Hk, Lq, Lk) bias sums each query's G head rows, a (B, Hq, 1, Lk) one each
+    head's Lq rows): such calls take the general backward. ``interpreted`` as in
+    ``plan_dbias``."""
     _, bh, bm, _ = bias_shape
     rows = 1 if bm == 1 else shape.seqlen_q
     mha = shape.group_size == 1

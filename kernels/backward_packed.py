@@ -16,8 +16,9 @@ of a group to arrive sums them in share order, so results are bitwise reproducib
 A mask is read densely, a tile per key block, rather than through the active-tile lists: keys
 that no row keeps skip their K and V reads and store zero dk and dv. A bias is added as
 in the forward, and its gradient (dS) is stored per key block by the one program that owns it
-(``_dbias.PackedDbias``); a bias whose gradient would sum rows of several programs or pairs of
-a tile's rows keeps the general path (``packs_rows``).
+(``_dbias.PackedDbias``); a bias whose gradient would sum some but not all of a tile's rows
+(with G > 1 and Lq > 1: a (B, Hk, Lq, Lk) bias, or a (B, Hq, 1, Lk) one) keeps the general
+path (``packs_rows``).
 """
 
 from __future__ import annotations
