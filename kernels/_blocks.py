@@ -132,6 +132,7 @@ class ActivityMap:
     sub_cols: int
     _lists: dict = field(default_factory=dict, compare=False, repr=False)
     _partial_shares: dict = field(default_factory=dict, compare=False, repr=False)
+    _live_shares: dict = field(default_factory=dict, compare=False, repr=False)
 
     def lists(self, block_rows: int, block_cols: int, transposed: bool) -> BlockLists:
         """The lists for (block_rows x block_cols) tiles, built on first use and kept: a
@@ -155,6 +156,26 @@ class ActivityMap:
         """The share counted by ``count_partial_share``, or None where it was not counted
         (a mask read within the call, where a sync would stall the host)."""
         return self._partial_shares.get((block_rows, block_cols, bool(transposed)))
+
+    def count_live_share(self, block_cols: int, heads_per_tile: int) -> float | None:
+        """Count, and keep, which share of the (all query rows, ``block_cols`` keys) tiles of
+        each group of ``heads_per_tile`` consecutive mask heads hold a visible pair: the packed
+        backward's key blocks (``backward_packed``). A device sync, as ``count_partial_share``;
+        None where the map's tiles do not divide such a block."""
+        batch, heads, _, cols = self.active.shape
+        if block_cols % self.sub_cols or heads % heads_per_tile:
+            return None
+        per_block = block_cols // self.sub_cols
+        live = (self.active > 0).any(dim=2).to(torch.int8)  # (Bm, Hm, map cols)
+        live = torch.nn.functional.pad(live, (0, (-cols) % per_block))
+        live = live.view(batch, heads // heads_per_tile, heads_per_tile, -1, per_block)
+        share = live.amax(dim=(2, 4)).float().mean().item()
+        self._live_shares[(block_cols, heads_per_tile)] = share
+        return share
+
+    def live_share(self, block_cols: int, heads_per_tile: int) -> float | None:
+        """The share counted by ``count_live_share``, or None where it was not counted."""
+        return self._live_shares.get((block_cols, heads_per_tile))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous
 from ._scratch import Scratch, graph_capturing
 from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
-from .backward_packed import PackedBackwardPlan, packs_rows
+from .backward_packed import PackedBackwardPlan, count_live_blocks, packs_rows
 
 
 # dkdv's usual key block at 64 < D <= 128; the grid it gives decides ``small_grid``.
@@ -100,14 +100,16 @@ def backward_lists(activity: ActivityMap | None, cfg_kv: BackwardConfig,
 
 def prepare_backward_lists(activity: ActivityMap, shape: AttnShape, dtype: torch.dtype,
                            device: torch.device) -> None:
-    """Build (and keep in ``activity``) both backward kernels' lists ahead of the call, and
-    count the share of partial tiles in dkdv's, which picks its pipeline depth."""
+    """Build (and keep in ``activity``) both backward kernels' lists ahead of the call, count
+    the share of partial tiles in dkdv's, which picks its pipeline depth, and for decode
+    shapes the share of live key blocks, which picks how the packed launch skips."""
     cfg_kv, cfg_q = configs_for(shape, dtype, device)
     backward_lists(activity, cfg_kv, cfg_q)
     # Counting reads back to the host, which a CUDA graph capture forbids; left uncounted, the
     # share counts as mostly partial (``dkdv_stages``).
     if not graph_capturing(device):
         activity.count_partial_share(cfg_kv.block_n, cfg_kv.block_m, transposed=True)
+        count_live_blocks(activity, shape, dtype)
 
 
 # dkdv's pipeline stages at 64 < D <= 128 in 16-bit where most of its tiles are partial: each

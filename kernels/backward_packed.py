@@ -69,7 +69,7 @@ def attn_bwd_packed_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     DBIAS_SUM_ROWS: tl.constexpr, DBIAS_PER_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, SKIP_DEAD_BLOCKS: tl.constexpr,
 ):
     """dk and dv of key share ``program_id(0)`` of (batch, kv head) ``program_id(1)``, its
     part of the group's dq, and its key blocks' part of the bias gradient."""
@@ -137,27 +137,37 @@ def attn_bwd_packed_kernel(
                             mask_ptrs + start_n.to(tl.int64) * stride_mask_n, HAS_MASK,
                             IS_CAUSAL)
         kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
-        if HAS_MASK:
-            # Keys that no row keeps skip their K and V reads (a topk mask keeps few keys per
-            # block, a block-sparse one whole blocks or none). The predicate is constant
-            # along D, so the loads stay vectorized. Such keys' dk and dv come out zero and
-            # are stored all the same: no other program writes them.
-            kv_read = kv_in_range & (tl.max(keep.to(tl.int32), 0) > 0)[:, None]
+        live = True
+        if SKIP_DEAD_BLOCKS:
+            live = tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0
+        if live:
+            if HAS_MASK and not SKIP_DEAD_BLOCKS:
+                # Keys that no row keeps skip their K and V reads (a topk mask keeps few keys
+                # per block). The predicate is constant along D, so the loads stay vectorized.
+                # Such keys' dk and dv come out zero and are stored all the same: no other
+                # program writes them.
+                kv_read = kv_in_range & (tl.max(keep.to(tl.int32), 0) > 0)[:, None]
+            else:
+                kv_read = kv_in_range
+            k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_read, other=0.0)
+            v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_read, other=0.0)
+            bias = 0.0
+            if HAS_BIAS:
+                bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
+                                 keys_ok, BIAS_ROW)
+            s = scores_log2(mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS), keep, bias,
+                            qk_scale, HAS_BIAS)
+            p = probs_from_lse(s, lse[:, None])
+            dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
+            ds = p * (dp - delta[:, None])
+            dv = mma(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, WIDEN_DOTS)
+            dk = mma(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, WIDEN_DOTS) * sm_scale
+            dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
         else:
-            kv_read = kv_in_range
-        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_read, other=0.0)
-        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_read, other=0.0)
-        bias = 0.0
-        if HAS_BIAS:
-            bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep, keys_ok,
-                             BIAS_ROW)
-        s = scores_log2(mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS), keep, bias, qk_scale,
-                        HAS_BIAS)
-        p = probs_from_lse(s, lse[:, None])
-        dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
-        ds = p * (dp - delta[:, None])
-        dv = mma(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, WIDEN_DOTS)
-        dk = mma(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, WIDEN_DOTS) * sm_scale
+            # A block that no row keeps: no K or V read, no dots; its keys' gradients are 0.
+            ds = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         tl.store(dk_ptrs + start_n.to(tl.int64) * stride_dk_n, dk.to(dk_ptr.dtype.element_ty),
                  mask=kv_in_range)
         tl.store(dv_ptrs + start_n.to(tl.int64) * stride_dv_n, dv.to(dv_ptr.dtype.element_ty),
@@ -169,7 +179,6 @@ def attn_bwd_packed_kernel(
         if DBIAS_PER_ROW:
             tl.store(dbias_ptrs + start_n.to(tl.int64) * stride_db_n,
                      ds.to(dbias_ptr.dtype.element_ty), mask=row_ok[:, None] & keys_ok)
-        dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
 
     dq *= sm_scale
     store = True
@@ -230,6 +239,40 @@ def packed_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> Packed
     return PackedConfig(64, 8, 3)
 
 
+# With at most this share of a prepared mask's key blocks live, the packed launch branches
+# around dead blocks; above it, it reads every block and predicates K and V per key. The
+# branch costs the loop its software pipelining (each live block waits for its mask tile): on
+# seqlen's decode shape (B1 H32/8 Lq1 Lk65536 D128, H100) it took 331 us on a topk mask
+# (nearly every block live) where the predicate took 241, and 121 on block_topk with 1/16 of
+# the blocks live where the predicate took 240 (results/notes.md, changes 32 and 33).
+LIVE_SHARE_FOR_BRANCH = 0.5
+
+
+def _tile_heads(shape: AttnShape, mask_heads: int) -> int:
+    """Mask heads within one packed tile: a tile spans the G query heads of one kv head."""
+    return shape.group_size if mask_heads == shape.heads_q else 1
+
+
+def count_live_blocks(activity, shape: AttnShape, dtype: torch.dtype) -> None:
+    """At ``prepare_mask`` time, for a shape the packed backward takes: count (a device sync,
+    once) which share of its key blocks a prepared mask leaves live."""
+    if shape.seqlen_q * shape.group_size > PACKED_MAX_ROWS:
+        return
+    cfg = packed_config(padded_head_dim(shape.head_dim), dtype,
+                        is_interpreted(attn_bwd_packed_kernel))
+    activity.count_live_share(cfg.block_n, _tile_heads(shape, activity.active.shape[1]))
+
+
+def skips_dead_blocks(activity, shape: AttnShape, block_n: int) -> bool:
+    """Whether the packed launch branches around dead key blocks: only for a prepared mask
+    counted at most ``LIVE_SHARE_FOR_BRANCH`` live (a mask read within the call is not
+    counted, since counting stalls the host)."""
+    if activity is None:
+        return False
+    share = activity.live_share(block_n, _tile_heads(shape, activity.active.shape[1]))
+    return share is not None and share <= LIVE_SHARE_FOR_BRANCH
+
+
 class PackedBackwardPlan:
     """The packed backward's launch for one forward plan and gradient signature; the same
     ``run`` as ``backward.BackwardPlan``."""
@@ -262,7 +305,9 @@ class PackedBackwardPlan:
             DBIAS_SUM_ROWS=writes_dbias and self.dbias.sum_rows,
             DBIAS_PER_ROW=writes_dbias and not self.dbias.sum_rows,
             IS_CAUSAL=fwd.is_causal, **dot_options(fwd.dtype, interpreted),
-            SPLIT_KEYS=self.splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT_KEYS=self.splits > 1,
+            SKIP_DEAD_BLOCKS=skips_dead_blocks(fwd.activity, shape, cfg.block_n),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         split = self.splits > 1
         self._scratch = Scratch(

@@ -14,7 +14,7 @@ import torch
 from attn_helpers import (CAUSAL, DTYPES, MASKED_BAND, Dims, assert_deterministic_grads,
                           grads_of, nan_in_band, random_mask, random_problem, random_qkv,
                           record_backward_plans, run_backward)
-from kernels import backward_packed, dmattn_func
+from kernels import backward_packed, dmattn_func, prepare_mask
 from kernels._checks import AttnShape
 
 # (dims, whether the keys split into shares: on the GPU and under the interpreter alike, which
@@ -165,6 +165,112 @@ def test_packed_masked_split_is_deterministic(device, packed_plans):
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, "1x1x1xLk", "1xHkx1xLk")
     assert_deterministic_grads(q, k, v, mask, bias, True)
     assert packed_plans and all(plan.splits > 1 for plan in packed_plans)
+
+
+# Blocks of this many keys are live or dead as a whole in ``block_sparse_mask``: a multiple of
+# the packed key block on the GPU (64) and under the interpreter (16).
+SPARSE_BLOCK = 64
+
+
+def block_sparse_mask(dims: Dims, shape: tuple, device, live: float) -> torch.Tensor:
+    """A mask of ``shape`` (key axis Lk) whose ``SPARSE_BLOCK``-key blocks are each live with
+    probability ``live`` (the first one always), random keys kept within a live block."""
+    blocks = -(-dims.seqlen_k // SPARSE_BLOCK)
+    block_live = torch.rand(*shape[:3], blocks, device=device) < live
+    block_live[..., 0] = True
+    keys = block_live.repeat_interleave(SPARSE_BLOCK, dim=-1)[..., :dims.seqlen_k]
+    return keys & random_mask(shape, device, keep=0.5)
+
+
+def dead_block_keys(mask: torch.Tensor) -> torch.Tensor:
+    """Keys of the ``SPARSE_BLOCK``-key blocks that no row of any batch or head keeps. (A
+    dead key inside a live block may be read: its probability is 0, but 0 x NaN is NaN.)"""
+    keys = mask.shape[-1]
+    kept = mask.any(dim=2).any(dim=1).any(dim=0)
+    padded = torch.nn.functional.pad(kept, (0, -keys % SPARSE_BLOCK))
+    dead = ~padded.view(-1, SPARSE_BLOCK).any(dim=1)
+    return dead.repeat_interleave(SPARSE_BLOCK)[:keys]
+
+
+def _skips(plan) -> bool:
+    return plan.launch.options["SKIP_DEAD_BLOCKS"]
+
+
+# (dims, mask shape, bias shape) of block-sparse decode: the mask is prepared, so its live key
+# blocks are counted. Each row and head keeps a tenth of the blocks, so that a tile's union over
+# its rows and heads stays under half live, and the launch branches around the dead ones.
+SPARSE_CASES = [
+    pytest.param(Dims(2, 1, 1031, heads_q=8, heads_kv=2, head_dim=64), "BxHkx1xLk", "BxHkx1xLk",
+                 id="decode-gqa-kvrow-split"),
+    pytest.param(Dims(1, 1, 700, heads_q=4, heads_kv=1, head_dim=40), "1xHqx1xLk", "1xHqx1xLk",
+                 id="decode-mqa-per-head"),
+    pytest.param(Dims(1, 3, 515, heads_q=6, heads_kv=2, head_dim=16), "1xHkxLqxLk", "Bx1x1xLk",
+                 id="lq3-g3-one-row"),
+]
+
+
+@pytest.mark.parametrize("dims,mask_shape,bias_shape", SPARSE_CASES)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_packed_prepared_block_sparse_skips_dead_blocks(dims, mask_shape, bias_shape, causal,
+                                                        device, packed_plans):
+    q, k, v, _, bias = random_problem(dims, torch.bfloat16, device, mask_shape, bias_shape)
+    mask = block_sparse_mask(dims, dims.operand_shape(*mask_shape.split("x")), device, 0.1)
+    prepared = prepare_mask(mask, q, k, causal)
+
+    def with_prepared(q, k, v, _, bias, causal, scale, **kwargs):
+        return dmattn_func(q, k, v, prepared, bias, causal, scale, **kwargs)
+
+    run_backward(q, k, v, mask, bias, causal, func=with_prepared)
+    assert len(packed_plans) == 1 and _skips(packed_plans[0])
+
+
+def test_packed_skipped_blocks_read_no_keys_or_values(device, packed_plans):
+    """Dead blocks hold NaN keys and values: a skipped block reads neither, so no gradient
+    turns NaN, and its dk and dv are stored as zeros."""
+    dims = Dims(1, 1, 1031, heads_q=4, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    mask = block_sparse_mask(dims, dims.operand_shape("1", "1", "1", "Lk"), device, 0.25)
+    dead = dead_block_keys(mask)
+    assert dead.any()
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[:, dead] = float("nan")
+    poisoned_v[:, dead] = float("nan")
+    prepared = prepare_mask(mask, q, k)
+    grad_out = torch.randn(q.shape, device=device)
+    clean = grads_of(dmattn_func, q, k, v, prepared, None, False, None, grad_out)
+    poisoned = grads_of(dmattn_func, q, poisoned_k, poisoned_v, prepared, None, False, None,
+                        grad_out)
+    assert len(packed_plans) == 1 and _skips(packed_plans[0])  # one plan, kept by the mask
+    assert torch.equal(poisoned.dq, clean.dq)
+    assert torch.equal(poisoned.dk, clean.dk) and torch.equal(poisoned.dv, clean.dv)
+    assert (clean.dk[:, dead] == 0).all() and (clean.dv[:, dead] == 0).all()
+
+
+@pytest.mark.parametrize("live,prepared,skips", [
+    pytest.param(0.25, True, True, id="prepared-sparse"),
+    pytest.param(1.0, True, False, id="prepared-dense"),  # every block live: the predicate
+    pytest.param(0.25, False, False, id="unprepared"),  # not counted: the predicate
+])
+def test_which_masks_skip_dead_blocks(live, prepared, skips, device, packed_plans):
+    dims = Dims(1, 1, 520, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = block_sparse_mask(dims, dims.operand_shape("1", "Hk", "1", "Lk"), device, live)
+    attn_mask = prepare_mask(mask, q, k) if prepared else mask
+    grads_of(dmattn_func, q, k, v, attn_mask, None, False, None, torch.randn_like(q))
+    assert len(packed_plans) == 1 and _skips(packed_plans[0]) == skips
+
+
+def test_live_share_counts_blocks_live_in_any_head_of_a_tile(device):
+    """A (1, Hq, 1, Lk) mask with G = 2: a tile's block is live where either head keeps a key."""
+    dims = Dims(1, 1, 256, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, _ = random_qkv(dims, torch.float16, device)
+    mask = torch.zeros(1, 4, 1, 256, dtype=torch.bool, device=device)
+    mask[0, 0, 0, 0] = mask[0, 1, 0, 64] = mask[0, 3, 0, 130] = True
+    activity = prepare_mask(mask, q, k).activity
+    # Tiles (heads 0-1, heads 2-3) x four 64-key blocks: three of the eight are live.
+    assert activity.count_live_share(64, 2) == 3 / 8
+    assert activity.count_live_share(64, 1) == 3 / 16
+    assert activity.count_live_share(128, 2) == 2 / 4  # keys 0 and 64 share a block
 
 
 @pytest.mark.parametrize("bias_shape", ["BxHkxLqxLk", "BxHqx1xLk"])
