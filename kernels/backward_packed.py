@@ -14,7 +14,9 @@ merge their dq partials as the split backward does (``_partials``): the last sha
 of a group to arrive sums them in share order, so results are bitwise reproducible.
 
 A mask is read densely, a tile per key block, rather than through the active-tile lists: keys
-that no row keeps skip their K and V reads and store zero dk and dv. A bias is added as
+that no row keeps skip their K and V reads and store zero dk and dv. Where a prepared mask
+leaves at most half the key blocks live, the launch instead branches around whole dead blocks
+(``skips_dead_blocks``). A bias is added as
 in the forward, and its gradient (dS) is stored per key block by the one program that owns it
 (``_dbias.PackedDbias``); a bias whose gradient would sum some but not all of a tile's rows
 (with G > 1 and Lq > 1: a (B, Hk, Lq, Lk) bias, or a (B, Hq, 1, Lk) one) keeps the general
@@ -242,9 +244,9 @@ def packed_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> Packed
 # With at most this share of a prepared mask's key blocks live, the packed launch branches
 # around dead blocks; above it, it reads every block and predicates K and V per key. The
 # branch costs the loop its software pipelining (each live block waits for its mask tile): on
-# seqlen's decode shape (B1 H32/8 Lq1 Lk65536 D128, H100) it took 331 us on a topk mask
-# (nearly every block live) where the predicate took 241, and 121 on block_topk with 1/16 of
-# the blocks live where the predicate took 240 (results/notes.md, changes 32 and 33).
+# seqlen's decode shape (B1 H32/8 Lq1 Lk65536 D128, H100) a topk mask, nearly every block
+# live, took 331 us with the branch and 241 with the predicate; a block_sparse one with 1/16
+# of the blocks live took 157 and 233 (results/notes.md, changes 32 and 33).
 LIVE_SHARE_FOR_BRANCH = 0.5
 
 
