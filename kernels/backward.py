@@ -25,7 +25,7 @@ from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous
 from ._scratch import Scratch, graph_capturing
 from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
-from .backward_packed import PackedBackwardPlan, count_live_blocks, packs_rows
+from .backward_packed import PackedBackwardPlan, count_live_blocks, packed_route
 
 
 # dkdv's usual key block at 64 < D <= 128; the grid it gives decides ``small_grid``.
@@ -373,9 +373,9 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
     signature = (grad_out.stride(), grad_out.dtype, bool(deterministic), bool(bias_needs_grad))
     plan = fwd.backward_plans.get(signature)
     if plan is None:
-        if packs_rows(fwd, bias_needs_grad):
-            plan = PackedBackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv,
-                                      bias_needs_grad)
+        packs, packed_dbias = packed_route(fwd, bias_needs_grad)
+        if packs:
+            plan = PackedBackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv, packed_dbias)
         else:
             plan = BackwardPlan(fwd, grad_out, query, key, value, dq, dk, dv, deterministic,
                                 bias_needs_grad)

@@ -20,7 +20,7 @@ leaves at most half the key blocks live, the launch instead branches around whol
 in the forward, and its gradient (dS) is stored per key block by the one program that owns it
 (``_dbias.PackedDbias``); a bias whose gradient would sum some but not all of a tile's rows
 (with G > 1 and Lq > 1: a (B, Hk, Lq, Lk) bias, or a (B, Hq, 1, Lk) one) keeps the general
-path (``packs_rows``).
+path (``packed_route``).
 """
 
 from __future__ import annotations
@@ -211,14 +211,16 @@ def packed_dbias(fwd, bias_needs_grad: bool):
     return plan_packed_dbias(fwd.bias_shape, fwd.shape, fwd.dtype, interpreted)
 
 
-def packs_rows(fwd, bias_needs_grad: bool = False) -> bool:
-    """Whether the backward of forward plan ``fwd`` takes the packed launch: its GQA group has
-    at most ``PACKED_MAX_ROWS`` query rows, and a bias gradient, if wanted, has one writer
-    per element (``plan_packed_dbias``)."""
+def packed_route(fwd, bias_needs_grad: bool = False) -> tuple[bool, object]:
+    """(whether the backward of forward plan ``fwd`` takes the packed launch, the bias
+    gradient's plan for it from ``packed_dbias``). It does where its GQA group has at most
+    ``PACKED_MAX_ROWS`` query rows and a bias gradient, if wanted, has one writer per element
+    (``plan_packed_dbias``)."""
     shape = fwd.shape
     if shape.seqlen_q * shape.group_size > PACKED_MAX_ROWS:
-        return False
-    return not bias_needs_grad or packed_dbias(fwd, bias_needs_grad) is not None
+        return False, None
+    dbias = packed_dbias(fwd, bias_needs_grad)
+    return not bias_needs_grad or dbias is not None, dbias
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,7 @@ class PackedBackwardPlan:
     """The packed backward's launch for one forward plan and gradient signature; the same
     ``run`` as ``backward.BackwardPlan``."""
 
-    def __init__(self, fwd, grad_out, query, key, value, dq, dk, dv, bias_needs_grad: bool):
+    def __init__(self, fwd, grad_out, query, key, value, dq, dk, dv, dbias):
         shape: AttnShape = fwd.shape
         interpreted = is_interpreted(attn_bwd_packed_kernel)
         block_d = padded_head_dim(shape.head_dim)
@@ -291,7 +293,7 @@ class PackedBackwardPlan:
         self.splits = key_splits(pairs, ceil_div(shape.seqlen_k, cfg.block_n),
                                  multiprocessors(fwd.device, interpreted))
         self.device = fwd.device
-        self.dbias = packed_dbias(fwd, bias_needs_grad)
+        self.dbias = dbias  # from ``packed_route``
         writes_dbias = isinstance(self.dbias, PackedDbias)
         self.launch = PlannedLaunch(
             attn_bwd_packed_kernel, (self.splits, pairs),

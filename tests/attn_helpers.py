@@ -123,11 +123,12 @@ def masked_band_problem(dtype, device):
     return q, k, v, mask
 
 
-def nan_in_band(t: torch.Tensor) -> torch.Tensor:
-    """A copy of a (B, L, H, D) key or value with NaN at the keys in MASKED_BAND: a kernel that
-    loads them, or multiplies them by a zero probability, produces NaN."""
+def nan_in_band(t: torch.Tensor, keys=MASKED_BAND) -> torch.Tensor:
+    """A copy of a (B, L, H, D) key or value with NaN at ``keys`` (an index along L, by default
+    MASKED_BAND): a kernel that loads them, or multiplies them by a zero probability, produces
+    NaN."""
     poisoned = t.clone()
-    poisoned[:, MASKED_BAND] = math.nan
+    poisoned[:, keys] = math.nan
     return poisoned
 
 

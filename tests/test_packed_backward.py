@@ -230,14 +230,11 @@ def test_packed_skipped_blocks_read_no_keys_or_values(device, packed_plans):
     mask = block_sparse_mask(dims, dims.operand_shape("1", "1", "1", "Lk"), device, 8)
     dead = dead_block_keys(mask)
     assert dead.any()
-    poisoned_k, poisoned_v = k.clone(), v.clone()
-    poisoned_k[:, dead] = float("nan")
-    poisoned_v[:, dead] = float("nan")
     prepared = prepare_mask(mask, q, k)
     grad_out = torch.randn(q.shape, device=device)
     clean = grads_of(dmattn_func, q, k, v, prepared, None, False, None, grad_out)
-    poisoned = grads_of(dmattn_func, q, poisoned_k, poisoned_v, prepared, None, False, None,
-                        grad_out)
+    poisoned = grads_of(dmattn_func, q, nan_in_band(k, dead), nan_in_band(v, dead), prepared,
+                        None, False, None, grad_out)
     assert len(packed_plans) == 1 and _skips(packed_plans[0])  # one plan, kept by the mask
     assert torch.equal(poisoned.dq, clean.dq)
     assert torch.equal(poisoned.dk, clean.dk) and torch.equal(poisoned.dv, clean.dv)
@@ -289,7 +286,7 @@ class _Bias:
 
 
 class _Plan:
-    """The fields ``packs_rows`` reads from a forward plan."""
+    """The fields ``packed_route`` reads from a forward plan."""
 
     def __init__(self, seqlen_q, heads_q, heads_kv, bias_shape=None):
         self.shape = AttnShape(1, seqlen_q, 4096, heads_q, heads_kv, 128)
@@ -315,4 +312,4 @@ class _Plan:
     (_Plan(4, 4, 4, (1, 1, 4, 4096)), True, True),  # MHA: each row its own, heads summed after
 ])
 def test_which_calls_pack(plan, bias_grad, packs):
-    assert backward_packed.packs_rows(plan, bias_grad) == packs
+    assert backward_packed.packed_route(plan, bias_grad)[0] == packs
