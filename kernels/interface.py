@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from ._checks import check_inputs
 from ._launch import ensure_runnable
 from .backward import attention_backward, backward_tiles
@@ -124,11 +125,28 @@ def _compact_bias(attn_bias):
     base = getattr(attn_bias, "_base", None)
     if base is None or base.dim() != 4 or not attn_bias.requires_grad:
         return attn_bias
+    if torch.compiler.is_compiling():
+        return _traced_compact_bias(attn_bias, base)
     try:
         same = base.expand(attn_bias.shape)
     except RuntimeError:
         return attn_bias
     if same.stride() == attn_bias.stride() and same.data_ptr() == attn_bias.data_ptr():
+        return base
+    return attn_bias
+
+
+def _traced_compact_bias(attn_bias, base):
+    """``_compact_bias`` as torch.compile can trace it: sizes and strides only.
+
+    A failed ``expand`` cannot be caught in a traced call, so expandability is tested first,
+    and storage offsets cannot be read, so a view with the sizes and strides of an expand() of
+    its base is taken to be one. Another such view would have to be an ``as_strided`` at
+    another offset into a base whose storage extends past its own elements.
+    """
+    if any(b != 1 and b != s for b, s in zip(base.shape, attn_bias.shape)):
+        return attn_bias
+    if base.expand(attn_bias.shape).stride() == attn_bias.stride():
         return base
     return attn_bias
 
@@ -156,6 +174,9 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     output 0, LSE -inf and zero gradients.
     """
     attn_bias = _compact_bias(attn_bias)
+    if torch.compiler.is_compiling():
+        return ops.dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal,
+                                 softmax_scale, return_lse, deterministic)
     if _needs_grad(query, key, value, attn_bias):
         return _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, bool(is_causal),
                                      softmax_scale, bool(deterministic), bool(return_lse))
