@@ -139,11 +139,16 @@ def _compact_bias(attn_bias):
 def _traced_compact_bias(attn_bias, base):
     """``_compact_bias`` as torch.compile can trace it: sizes and strides only.
 
-    A failed ``expand`` cannot be caught in a traced call, so expandability is tested first,
-    and storage offsets cannot be read, so a view with the sizes and strides of an expand() of
-    its base is taken to be one. Another such view would have to be an ``as_strided`` at
-    another offset into a base whose storage extends past its own elements.
+    Views with no broadcast (stride 0) axis are left as they are before any size is compared:
+    each comparison is a guard of the compiled graph, and a slice of the bias to the call's
+    key length would otherwise recompile when it happens to span the whole bias. A failed
+    ``expand`` cannot be caught in a traced call, so expandability is tested first, and storage
+    offsets cannot be read, so a view with the sizes and strides of an expand() of its base is
+    taken to be one (another such view would have to be an ``as_strided`` at another offset
+    into a base whose storage extends past its own elements).
     """
+    if 0 not in attn_bias.stride():
+        return attn_bias
     if any(b != 1 and b != s for b, s in zip(base.shape, attn_bias.shape)):
         return attn_bias
     if base.expand(attn_bias.shape).stride() == attn_bias.stride():

@@ -1,0 +1,271 @@
+"""torch.compile of dmattn_func: the custom ops of ``kernels.ops`` inside a captured graph.
+
+A compiled module must capture whole (fullgraph, one graph, no breaks), give bit for bit the
+eager module's outputs and gradients (both reach the same host layer), meet the accuracy rule,
+and under ``dynamic=True`` keep one graph while the sequence lengths change. The CPU runs use
+``backend="aot_eager"`` (Dynamo capture and AOTAutograd, no code generation; the kernels run
+under Triton's interpreter), and one case runs Inductor, to which the ops are opaque.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from kernels import attention_reference, dmattn_func, ops, prepare_mask
+
+from attn_helpers import (Dims, assert_close_to_reference, grads_of, random_bias, random_mask,
+                          random_qkv)
+
+DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)  # GQA
+# Bias shapes as axis tokens (batch 1/B, heads 1/Hk/Hq, query 1/Lq, key 1/Lk): every size of
+# every axis at least once (the eager tests cover all combinations; what a traced call adds is
+# the fake bias gradient in the bias's own shape).
+BIAS_SHAPES = ("BxHkx1xLk", "1x1xLqxLk", "BxHqxLqxLk", "1xHkxLqx1", "Bx1x1xLk", "1x1x1x1")
+# (is_causal, return_lse, deterministic) of the calls, each setting flipped at least once.
+OPTIONS = (
+    pytest.param(dict(is_causal=True, return_lse=True, deterministic=True), id="causal-lse-det"),
+    pytest.param(dict(is_causal=False, return_lse=False, deterministic=False), id="plain"),
+    pytest.param(dict(is_causal=True, return_lse=False, deterministic=False, softmax_scale=0.5),
+                 id="causal-scale"),
+)
+# (seqlen_q, seqlen_k) of successive calls to one dynamic-shape compiled module.
+LENGTHS = ((17, 33), (25, 41), (9, 50))
+BACKENDS = ("aot_eager", pytest.param("inductor", marks=pytest.mark.slow))
+NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: no cached graph of another test, no recompile limit
+    reached across tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def whole(bias, q, k):
+    return bias
+
+
+def expanded(bias, q, k):
+    """A stride-0 expand() of the parameter to the call's full size (eager hands the kernel
+    the parameter itself; the traced call must too)."""
+    heads = q.shape[2] if bias.shape[1] == 1 else bias.shape[1]
+    return bias.expand(q.shape[0], heads, q.shape[1], k.shape[1])
+
+
+def key_prefix(bias, q, k):
+    """The first seqlen_k keys of a per-key parameter longer than any call's keys."""
+    return bias[..., :k.shape[1]]
+
+
+class Attention(torch.nn.Module):
+    """dmattn_func with a trainable bias parameter, passed as ``bias_view(bias, q, k)``."""
+
+    def __init__(self, bias: torch.Tensor, bias_view=whole, **options):
+        super().__init__()
+        self.bias = torch.nn.Parameter(bias.clone())
+        self.bias_view = bias_view
+        self.options = options
+
+    def forward(self, q, k, v, mask):
+        result = dmattn_func(q, k, v, attn_mask=mask, attn_bias=self.bias_view(self.bias, q, k),
+                             **self.options)
+        return result if isinstance(result, tuple) else (result,)
+
+
+def compile_counted(module, backend: str = "aot_eager", dynamic: bool = False):
+    """``module`` compiled whole (fullgraph), and the counter of the graphs it compiled."""
+    counter = CompileCounterWithBackend(backend)
+    return torch.compile(module, backend=counter, fullgraph=True, dynamic=dynamic), counter
+
+
+def run(module, q, k, v, mask, grad_out) -> dict:
+    """Outputs and gradients (query, key, value, bias parameter) of one call and backward."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    bias = module.bias  # a compiled module's attributes are its original's
+    bias.grad = None
+    outputs = module(q, k, v, mask)
+    outputs[0].backward(grad_out)
+    return dict(zip(NAMES, (outputs[0], outputs[1] if len(outputs) > 1 else None,
+                            q.grad, k.grad, v.grad, bias.grad)))
+
+
+def assert_bitwise_equal(compiled: dict, eager: dict) -> None:
+    for name in NAMES:
+        a, b = compiled[name], eager[name]
+        assert (a is None) == (b is None), f"{name}: only one run returned it"
+        if a is not None:
+            assert a.shape == b.shape and a.stride() == b.stride(), f"{name} layout differs"
+            assert torch.equal(a, b), f"{name} differs between compiled and eager runs"
+
+
+def assert_within_rule(results: dict, q, k, v, mask, bias, grad_out, is_causal=False,
+                       softmax_scale=None, **_) -> None:
+    """The accuracy rule against the float64 reference, for every output and gradient."""
+    upcast = [t.detach().float() for t in (q, k, v, bias)]
+    truth = attention_reference(*upcast[:3], mask, upcast[3], is_causal, softmax_scale,
+                                return_lse=True)
+    low = attention_reference(q, k, v, mask, bias, is_causal, softmax_scale, return_lse=True,
+                              upcast=False)
+    ref_grads = grads_of(attention_reference, *upcast[:3], mask, upcast[3], is_causal,
+                         softmax_scale, grad_out.double())
+    low_grads = grads_of(attention_reference, q, k, v, mask, bias, is_causal, softmax_scale,
+                         grad_out, upcast=False)
+    references = dict(zip(NAMES[:2], truth)) | dict(ref_grads.named())
+    baselines = dict(zip(NAMES[:2], low)) | dict(low_grads.named())
+    for name, reference in references.items():
+        if results[name] is not None:
+            assert_close_to_reference(name, results[name], reference, baselines[name], q.dtype)
+
+
+def problem(dims: Dims, bias_shape: str, device, dtype=torch.float16):
+    q, k, v = random_qkv(dims, dtype, device)
+    mask = random_mask(dims.operand_shape("B", "1", "Lq", "Lk"), device)
+    bias = random_bias(dims.operand_shape(*bias_shape.split("x")), dtype, device)
+    grad_out = torch.randn(q.shape, device=device).to(dtype)
+    return q, k, v, mask, bias, grad_out
+
+
+def op_calls(gm: torch.fx.GraphModule, op) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+
+
+@pytest.mark.parametrize("bias_shape", BIAS_SHAPES)
+def test_compiled_module_matches_eager_bit_for_bit(bias_shape, device):
+    q, k, v, mask, bias, grad_out = problem(DIMS, bias_shape, device)
+    options = dict(is_causal=True, return_lse=True, deterministic=True)
+    module = Attention(bias, **options)
+    compiled, counter = compile_counted(module)
+    got = run(compiled, q, k, v, mask, grad_out)
+    assert counter.frame_count == 1
+    assert len(op_calls(counter.graphs[0], torch.ops.dmattn.fwd)) == 1
+    assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
+    assert_within_rule(got, q, k, v, mask, bias, grad_out, **options)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_compiled_options_match_eager(options, device):
+    q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+    module = Attention(bias, **options)
+    compiled, counter = compile_counted(module)
+    got = run(compiled, q, k, v, mask, grad_out)
+    assert counter.frame_count == 1
+    assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
+
+
+def test_explain_finds_one_graph_and_no_break(device):
+    q, k, v, mask, bias, _ = problem(DIMS, "1x1xLqxLk", device)
+    q.requires_grad_()
+    module = Attention(bias, expanded, is_causal=True, return_lse=True)
+    explained = torch._dynamo.explain(module)(q, k, v, mask)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("bias_shape", ("BxHkx1xLk", "1x1xLqxLk"))
+def test_expanded_bias_reaches_the_op_compact(bias_shape, device):
+    """An expand()ed bias parameter: the op gets the parameter's own shape, so its gradient is
+    made in that shape (no full-size gradient summed down by autograd), as in eager calls."""
+    q, k, v, mask, bias, grad_out = problem(DIMS, bias_shape, device)
+    module = Attention(bias, expanded, is_causal=True, deterministic=True)
+    compiled, counter = compile_counted(module)
+    got = run(compiled, q, k, v, mask, grad_out)
+    (call,) = op_calls(counter.graphs[0], torch.ops.dmattn.fwd)
+    passed_bias = call.args[len(call.args) - len(ops.OPERANDS) + ops.OPERANDS.index("attn_bias")]
+    assert tuple(passed_bias.meta["example_value"].shape) == tuple(bias.shape)
+    assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_lengths_compile_once(backend, device):
+    """Three calls with new query and key lengths: one graph, each call equal to eager."""
+    dims = DIMS
+    # Longer than every call's keys: a slice that spans the whole parameter is contiguous and
+    # the others are not, a distinction torch guards on by itself.
+    longest = max(lk for _, lk in LENGTHS) + 7
+    bias = random_bias((dims.batch, dims.heads_kv, 1, longest), torch.float16, device)
+    module = Attention(bias, key_prefix, is_causal=True, return_lse=True, deterministic=True)
+    compiled, counter = compile_counted(module, backend, dynamic=True)
+    for seqlen_q, seqlen_k in LENGTHS:
+        dims = Dims(DIMS.batch, seqlen_q, seqlen_k, DIMS.heads_q, DIMS.heads_kv, DIMS.head_dim)
+        q, k, v, mask, _, grad_out = problem(dims, "1x1x1x1", device)
+        got = run(compiled, q, k, v, mask, grad_out)
+        assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(LENGTHS)} lengths"
+
+
+def test_prepared_mask_travels_as_its_tensor(device):
+    q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+    prepared = prepare_mask(mask, q, k, is_causal=True)
+    module = Attention(bias, is_causal=True, return_lse=True, deterministic=True)
+    compiled, counter = compile_counted(module)
+    got = run(compiled, q, k, v, prepared, grad_out)
+    assert counter.frame_count == 1
+    assert_bitwise_equal(got, run(module, q, k, v, prepared, grad_out))
+    assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
+
+
+def test_without_mask_or_bias(device):
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+    grad_out = torch.randn(q.shape, device=device).to(q.dtype)
+
+    def attend(q, k, v):
+        return dmattn_func(q, k, v, is_causal=True)
+
+    results = []
+    for func in (torch.compile(attend, backend="aot_eager", fullgraph=True), attend):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = func(*leaves)
+        results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_eager_calls_do_not_use_the_ops(monkeypatch, device):
+    """Eager calls keep their own autograd.Function: with every way into the ops broken, they
+    still run forward and backward; a compiled call does reach them."""
+    def broken(*args, **kwargs):
+        raise AssertionError("the custom ops were called")
+
+    for name in ("dmattn_traced", "_forward_impl", "_backward_impl"):
+        monkeypatch.setattr(ops, name, broken)
+    q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+    module = Attention(bias, is_causal=True)
+    run(module, q, k, v, mask, grad_out)
+    with pytest.raises(Exception, match="the custom ops were called"):
+        compile_counted(module)[0](q, k, v, mask)
+
+
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
+def test_bad_bias_shape_fails_while_tracing_with_the_eager_message(dynamic, device):
+    q, k, v, mask, _, _ = problem(DIMS, "BxHkx1xLk", device)
+    bad = random_bias((DIMS.batch, DIMS.heads_kv, 2, DIMS.seqlen_k), torch.float16, device)
+    module = Attention(bad)
+    with pytest.raises(ValueError) as eager:
+        module(q, k, v, mask)
+    compiled, _ = compile_counted(module, dynamic=dynamic)
+    with pytest.raises(Exception, match=re.escape(str(eager.value))):
+        compiled(q, k, v, mask)
+
+
+def test_fake_implementations_agree_with_the_kernels(device):
+    """torch.library's own checks: schema, fake outputs (shapes, strides, dtypes) against the
+    real ones, the autograd registration, and AOT tracing with dynamic shapes."""
+    dims = Dims(batch=2, seqlen_q=9, seqlen_k=17, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device, layout="bhld")
+    mask = random_mask(dims.operand_shape("1", "Hk", "Lq", "Lk"), device)
+    bias = random_bias(dims.operand_shape("B", "1", "1", "Lk"), torch.float32, device)
+    q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
+    torch.library.opcheck(torch.ops.dmattn.fwd.default, (q, k, v, True, None, False, mask, bias))
+    # The backward op has no backward of its own (no double backward): plain tensors.
+    q, k, v, bias = (t.detach() for t in (q, k, v, bias))
+    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, mask, bias)
+    for bias_needs_grad in (True, False):
+        torch.library.opcheck(torch.ops.dmattn.bwd.default,
+                              (torch.randn_like(out), q, k, v, out, lse, True, None, False,
+                               bias_needs_grad, mask, bias))
