@@ -14,6 +14,8 @@ import re
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from kernels import attention_reference, dmattn_func, ops, prepare_mask
 
@@ -269,3 +271,47 @@ def test_fake_implementations_agree_with_the_kernels(device):
         torch.library.opcheck(torch.ops.dmattn.bwd.default,
                               (torch.randn_like(out), q, k, v, out, lse, True, None, False,
                                bias_needs_grad, mask, bias))
+
+
+class SyncWatch(TorchDispatchMode):
+    """Records every op run while active that makes the host wait for the device: a value read
+    back (``.item()``), an output sized by data, or a copy to the host (on a GPU; a CPU
+    tensor's ``.tolist()`` reaches no op at all)."""
+
+    READS_BACK = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal",
+                  "unique", "_unique2")
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        on_device = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                     and t.device.type != "cpu"]
+        to_host = on_device and any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                    for t in tree_leaves(result))
+        if func.overloadpacket.__name__ in self.READS_BACK or to_host:
+            self.syncs.append(str(func))
+        return result
+
+
+def test_ops_never_wait_for_the_device(device):
+    """Neither op reads device memory back to the host, with a mask read within the call (the
+    most host-side work), so a CUDA graph can capture both. On a GPU, capture and replay them."""
+    q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+    args = (True, None, True, mask, bias)
+    with SyncWatch() as watch:
+        out, lse = torch.ops.dmattn.fwd(q, k, v, *args)
+        grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *args[:3], True, *args[3:])
+    assert not watch.syncs, f"ops that wait for the device: {watch.syncs}"
+    if device.type != "cuda":
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dmattn.fwd(q, k, v, *args)
+        captured += torch.ops.dmattn.bwd(grad_out, q, k, v, *captured, *args[:3], True,
+                                         *args[3:])
+    graph.replay()
+    for got, want in zip(captured, (out, lse, *grads)):
+        assert torch.equal(got, want)
