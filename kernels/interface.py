@@ -177,8 +177,13 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
 
     Scores are ``softmax_scale * q.k + bias``, masked pairs are -inf. Rows that see no key give
     output 0, LSE -inf and zero gradients.
+
+    Under ``torch.compile`` a call is the custom ops ``dmattn::fwd`` and ``dmattn::bwd``
+    (``kernels.ops``): one graph, no breaks, bit for bit the eager results.
     """
     attn_bias = _compact_bias(attn_bias)
+    # A call torch.compile traces becomes the custom ops of ``ops``; eager calls never reach
+    # them (nor their host time).
     if torch.compiler.is_compiling():
         return ops.dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal,
                                  softmax_scale, return_lse, deterministic)

@@ -32,10 +32,14 @@ What an op cannot carry, and what that costs:
 * The LSE is always an output of ``fwd`` (the backward needs it); a call that did not ask for
   it gets it allocated anyway.
 
-The ops take tensors and scalars only. Each optional tensor argument is named in
-``OPERANDS``; each form of ``attn_mask`` the public function accepts is a row of
-``MASK_FORMS``, saying which of those arguments it travels in. A new mask form made of tensors
-is one more row there, plus its argument names in ``OPERANDS``.
+The ops take tensors and scalars only. A mask crosses as the optional tensor arguments of its
+carrier (``MASK_ARGS``), and each kind of ``attn_mask`` the public function accepts is a row of
+``MASK_FORMS`` naming its carrier. A new mask form made of tensors is one more carrier, whose
+argument names join the schemas through ``OPERANDS``, and one more row.
+
+Importing ``kernels`` registers both ops in torch's process-wide operator registry: an op must
+exist before ``torch.compile`` traces a call to it. This module reads the planner from
+``interface`` at call time; ``interface`` imports this module to route traced calls.
 
 Neither op reads device memory back to the host (no synchronization), so a CUDA graph can
 capture them.
@@ -46,7 +50,6 @@ from __future__ import annotations
 from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 from torch import Tensor
@@ -58,27 +61,29 @@ from .prepared import PreparedMask
 
 NAMESPACE = "dmattn"
 
-# The ops' optional tensor arguments, in schema order, after the scalars: the tensors of every
-# mask form, then the bias.
-OPERANDS = ("attn_mask", "attn_bias")
-Operands = namedtuple("Operands", OPERANDS)
-
 
 @dataclass(frozen=True)
-class MaskForm:
-    """One kind of object ``attn_mask`` may be, and how it crosses the op boundary."""
+class MaskArgs:
+    """A mask as the ops carry it: the optional tensor arguments it fills, and what the host
+    layer is handed as ``attn_mask`` when they arrive."""
 
-    kind: type
-    args: tuple[str, ...]  # the ``OPERANDS`` it travels in
-    to_tensors: Callable  # the caller's mask -> its tensors, in ``args`` order
-    to_host: Callable  # those tensors -> the host layer's ``attn_mask``
+    names: tuple[str, ...]
+    to_host: Callable
 
 
+BOOL_MASK = MaskArgs(("attn_mask",), lambda mask: mask)
+# Every way the ops carry a mask; their arguments come first among the optional ones.
+MASK_ARGS = (BOOL_MASK,)
+# Each kind of ``attn_mask`` the public function accepts: (its type, how the ops carry it, its
+# tensors in that carrier's order).
 MASK_FORMS = (
-    MaskForm(Tensor, ("attn_mask",), lambda mask: (mask,), lambda mask: mask),
-    # Its mask tensor only: see the module docstring for what that costs.
-    MaskForm(PreparedMask, ("attn_mask",), lambda mask: (mask.mask,), lambda mask: mask),
+    (Tensor, BOOL_MASK, lambda mask: (mask,)),
+    # Its mask tensor alone: see the module docstring for what that costs.
+    (PreparedMask, BOOL_MASK, lambda mask: (mask.mask,)),
 )
+# The ops' optional tensor arguments, in schema order, after the scalars.
+OPERANDS = (*(name for carrier in MASK_ARGS for name in carrier.names), "attn_bias")
+Operands = namedtuple("Operands", OPERANDS)
 
 
 def operands_of(attn_mask, attn_bias) -> Operands:
@@ -86,20 +91,22 @@ def operands_of(attn_mask, attn_bias) -> Operands:
     slots = dict.fromkeys(OPERANDS)
     slots["attn_bias"] = attn_bias
     if attn_mask is not None:
-        form = next((f for f in MASK_FORMS if isinstance(attn_mask, f.kind)), None)
-        if form is None:
-            raise TypeError(f"attn_mask must be a torch.Tensor, a PreparedMask or None, got "
+        for kind, carrier, tensors in MASK_FORMS:
+            if isinstance(attn_mask, kind):
+                slots.update(zip(carrier.names, tensors(attn_mask)))
+                break
+        else:  # eager's message (``_checks``), which names the tensor it would take
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got "
                             f"{type(attn_mask).__name__}")
-        slots.update(zip(form.args, form.to_tensors(attn_mask)))
     return Operands(**slots)
 
 
 def host_mask(operands: Operands):
-    """What the host layer takes as ``attn_mask``: the first form whose tensors are all given."""
-    for form in MASK_FORMS:
-        tensors = [getattr(operands, name) for name in form.args]
+    """The host layer's ``attn_mask``: from the first carrier whose tensors all arrived."""
+    for carrier in MASK_ARGS:
+        tensors = [getattr(operands, name) for name in carrier.names]
         if all(t is not None for t in tensors):
-            return form.to_host(*tensors)
+            return carrier.to_host(*tensors)
     return None
 
 
@@ -123,12 +130,20 @@ def _backward_impl(grad_out, query, key, value, out, lse, attn_mask, attn_bias, 
 
 # -- schemas
 
-_OPTIONAL = ", ".join(f"Tensor? {name}" for name in OPERANDS)
-_FLAGS = "bool is_causal, float? softmax_scale, bool deterministic"
-FWD_SCHEMA = f"(Tensor query, Tensor key, Tensor value, {_FLAGS}, {_OPTIONAL}) -> (Tensor, Tensor)"
-BWD_SCHEMA = (f"(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-              f"Tensor lse, {_FLAGS}, bool bias_needs_grad, {_OPTIONAL}) "
-              f"-> (Tensor, Tensor, Tensor, Tensor)")
+def _schema(params: tuple[tuple[str, str], ...], returns: str) -> str:
+    return "(" + ", ".join(f"{kind} {name}" for kind, name in params) + f") -> {returns}"
+
+
+_FLAGS = (("bool", "is_causal"), ("float?", "softmax_scale"), ("bool", "deterministic"))
+_OPTIONAL = tuple(("Tensor?", name) for name in OPERANDS)
+_FWD_PARAMS = (("Tensor", "query"), ("Tensor", "key"), ("Tensor", "value"), *_FLAGS, *_OPTIONAL)
+_BWD_PARAMS = (("Tensor", "grad_out"), ("Tensor", "query"), ("Tensor", "key"),
+               ("Tensor", "value"), ("Tensor", "out"), ("Tensor", "lse"), *_FLAGS,
+               ("bool", "bias_needs_grad"), *_OPTIONAL)
+FWD_SCHEMA = _schema(_FWD_PARAMS, "(Tensor, Tensor)")
+BWD_SCHEMA = _schema(_BWD_PARAMS, "(Tensor, Tensor, Tensor, Tensor)")
+# Where fwd's bias sits among its inputs (for ``needs_input_grad``).
+_BIAS_INPUT = [name for _, name in _FWD_PARAMS].index("attn_bias")
 
 
 def _no_dbias(query: Tensor) -> Tensor:
@@ -138,17 +153,17 @@ def _no_dbias(query: Tensor) -> Tensor:
 
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=(), schema=FWD_SCHEMA)
 def attention_fwd(query, key, value, is_causal, softmax_scale, deterministic, *operands):
-    ops = Operands(*operands)
-    return _forward_impl(query, key, value, host_mask(ops), ops.attn_bias, is_causal,
+    optional = Operands(*operands)
+    return _forward_impl(query, key, value, host_mask(optional), optional.attn_bias, is_causal,
                          softmax_scale)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::bwd", mutates_args=(), schema=BWD_SCHEMA)
 def attention_bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
                   deterministic, bias_needs_grad, *operands):
-    ops = Operands(*operands)
-    dq, dk, dv, dbias = _backward_impl(grad_out, query, key, value, out, lse, host_mask(ops),
-                                       ops.attn_bias, is_causal, softmax_scale, deterministic,
+    optional = Operands(*operands)
+    dq, dk, dv, dbias = _backward_impl(grad_out, query, key, value, out, lse,
+                                       host_mask(optional), optional.attn_bias, is_causal, softmax_scale, deterministic,
                                        bias_needs_grad)
     return dq, dk, dv, _no_dbias(query) if dbias is None else dbias
 
@@ -169,11 +184,11 @@ def _hinted(t: Tensor | None) -> Tensor | None:
                                dtype=t.dtype, device=t.device)
 
 
-def _check_fake(query, key, value, ops: Operands, softmax_scale) -> None:
+def _check_fake(query, key, value, optional: Operands, softmax_scale) -> None:
     """The eager checks, so that a traced call with bad inputs fails with eager's message while
     it is traced, on the sizes it is traced with. The real op checks again when it runs,
     whatever sizes it gets (and skips nothing: sizes only known from data are checked there)."""
-    tensors = (query, key, value, ops.attn_mask, ops.attn_bias)
+    tensors = (query, key, value, optional.attn_mask, optional.attn_bias)
     sizes = [s for t in tensors if t is not None for s in (*t.shape, *t.stride())]
     if any(_hint(s) is None for s in sizes):
         return
@@ -193,17 +208,14 @@ def _attention_fwd_fake(query, key, value, is_causal, softmax_scale, determinist
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
                         deterministic, bias_needs_grad, *operands):
-    ops = Operands(*operands)
+    optional = Operands(*operands)
     dq, dk, dv = (torch.empty_like(t) for t in (query, key, value))
     if not bias_needs_grad:
         return dq, dk, dv, _no_dbias(query)
-    return dq, dk, dv, ops.attn_bias.new_empty(ops.attn_bias.shape)
+    return dq, dk, dv, optional.attn_bias.new_empty(optional.attn_bias.shape)
 
 
 # -- autograd
-
-_BIAS_INDEX = 6 + OPERANDS.index("attn_bias")  # fwd's inputs: query, key, value, 3 scalars
-
 
 def _setup_context(ctx, inputs, output):
     query, key, value, is_causal, softmax_scale, deterministic, *operands = inputs
@@ -215,8 +227,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, *operands = ctx.saved_tensors
-    ops = Operands(*operands)
-    bias_needs_grad = ops.attn_bias is not None and ctx.needs_input_grad[_BIAS_INDEX]
+    optional = Operands(*operands)
+    bias_needs_grad = optional.attn_bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
     dq, dk, dv, dbias = attention_bwd(grad_out, query, key, value, out, lse, *ctx.flags,
                                       bias_needs_grad, *operands)
     grads = dict.fromkeys(OPERANDS)
@@ -228,12 +240,9 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _scale_arg(softmax_scale) -> float | None:
-    # The schema's ``float?``: eager's type and finiteness errors for anything else.
-    if softmax_scale is None:
-        return None
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, Real):
-        resolve_scale(softmax_scale, 1)  # raises eager's TypeError
-    return float(softmax_scale)
+    """The schema's ``float?``: eager's TypeError or ValueError for anything but a finite real
+    number (``resolve_scale``; the head dim it takes only matters for None)."""
+    return None if softmax_scale is None else resolve_scale(softmax_scale, head_dim=1)
 
 
 def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
