@@ -125,33 +125,11 @@ def _compact_bias(attn_bias):
     base = getattr(attn_bias, "_base", None)
     if base is None or base.dim() != 4 or not attn_bias.requires_grad:
         return attn_bias
-    if torch.compiler.is_compiling():
-        return _traced_compact_bias(attn_bias, base)
     try:
         same = base.expand(attn_bias.shape)
     except RuntimeError:
         return attn_bias
     if same.stride() == attn_bias.stride() and same.data_ptr() == attn_bias.data_ptr():
-        return base
-    return attn_bias
-
-
-def _traced_compact_bias(attn_bias, base):
-    """``_compact_bias`` as torch.compile can trace it: sizes and strides only.
-
-    Views with no broadcast (stride 0) axis are left as they are before any size is compared:
-    each comparison is a guard of the compiled graph, and a slice of the bias to the call's
-    key length would otherwise recompile when it happens to span the whole bias. A failed
-    ``expand`` cannot be caught in a traced call, so expandability is tested first, and storage
-    offsets cannot be read, so a view with the sizes and strides of an expand() of its base is
-    taken to be one (another such view would have to be an ``as_strided`` at another offset
-    into a base whose storage extends past its own elements).
-    """
-    if 0 not in attn_bias.stride():
-        return attn_bias
-    if any(b != 1 and b != s for b, s in zip(base.shape, attn_bias.shape)):
-        return attn_bias
-    if base.expand(attn_bias.shape).stride() == attn_bias.stride():
         return base
     return attn_bias
 
@@ -181,12 +159,12 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     Under ``torch.compile`` a call is the custom ops ``dmattn::fwd`` and ``dmattn::bwd``
     (``kernels.ops``): one graph, no breaks, bit for bit the eager results.
     """
-    attn_bias = _compact_bias(attn_bias)
-    # A call torch.compile traces becomes the custom ops of ``ops``; eager calls never reach
-    # them (nor their host time).
+    # A call torch.compile traces becomes the custom ops; eager calls never reach them (nor
+    # their host time).
     if torch.compiler.is_compiling():
         return ops.dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal,
                                  softmax_scale, return_lse, deterministic)
+    attn_bias = _compact_bias(attn_bias)
     if _needs_grad(query, key, value, attn_bias):
         return _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, bool(is_causal),
                                      softmax_scale, bool(deterministic), bool(return_lse))

@@ -3,9 +3,9 @@
 Two ops, both opaque to the compiler (Inductor calls them as they are):
 
 * ``dmattn::fwd(query, key, value, is_causal, softmax_scale, deterministic, attn_mask,
-  attn_bias) -> (out, lse)``
+  attn_bias, bias_base) -> (out, lse)``
 * ``dmattn::bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
-  deterministic, bias_needs_grad, attn_mask, attn_bias) -> (dq, dk, dv, dbias)``
+  deterministic, bias_needs_grad, attn_mask, attn_bias, bias_base) -> (dq, dk, dv, dbias)``
 
 Each has a fake implementation (output shapes, strides and dtypes without running a kernel, and
 the eager input checks), and ``fwd`` has its autograd formula, which calls ``bwd``.
@@ -29,6 +29,10 @@ What an op cannot carry, and what that costs:
   the forward and again in the backward, as an unprepared mask is read. Its prepared lists go
   unused, and so do its checks against the call's shapes and against writes since
   ``prepare_mask`` (the op reads the mask as it is now).
+* An ``expand()``ed bias view crosses with its base (``bias_base_of``), which gets the
+  gradient in its own shape, as eager calls do. Where the compiler cannot follow the view to
+  its base (a view made outside the compiled function), the view gets a full-size gradient,
+  which autograd sums down to the base: pass the base itself, which the kernels broadcast.
 * The LSE is always an output of ``fwd`` (the backward needs it); a call that did not ask for
   it gets it allocated anyway.
 
@@ -81,15 +85,16 @@ MASK_FORMS = (
     # Its mask tensor alone: see the module docstring for what that costs.
     (PreparedMask, BOOL_MASK, lambda mask: (mask.mask,)),
 )
-# The ops' optional tensor arguments, in schema order, after the scalars.
-OPERANDS = (*(name for carrier in MASK_ARGS for name in carrier.names), "attn_bias")
+# The ops' optional tensor arguments, in schema order, after the scalars. ``bias_base`` is the
+# tensor ``attn_bias`` is an expand() of, where the traced call could tell (``bias_base_of``).
+OPERANDS = (*(name for carrier in MASK_ARGS for name in carrier.names), "attn_bias", "bias_base")
 Operands = namedtuple("Operands", OPERANDS)
 
 
 def operands_of(attn_mask, attn_bias) -> Operands:
     """The ops' optional tensor arguments for a call's ``attn_mask`` and ``attn_bias``."""
     slots = dict.fromkeys(OPERANDS)
-    slots["attn_bias"] = attn_bias
+    slots["attn_bias"], slots["bias_base"] = attn_bias, bias_base_of(attn_bias)
     if attn_mask is not None:
         for kind, carrier, tensors in MASK_FORMS:
             if isinstance(attn_mask, kind):
@@ -108,6 +113,46 @@ def host_mask(operands: Operands):
         if all(t is not None for t in tensors):
             return carrier.to_host(*tensors)
     return None
+
+
+def bias_base_of(attn_bias) -> Tensor | None:
+    """What ``interface._compact_bias`` hands the kernel in eager calls, found in a traced one:
+    the tensor an ``expand()``ed bias requiring grad is a view of, or None.
+
+    The ops then make the bias gradient in the base's own shape and give it to the base, with
+    no full-size gradient for autograd to sum down. Only sizes and strides are read: each size
+    compared is a guard of the graph (a bias with no stride-0 axis, such as a slice to the
+    call's key length, is left before any), a failed ``expand()`` cannot be caught in a traced
+    call, and storage offsets cannot be read there: a view with the sizes and strides of an
+    expand() of its base is taken to be one (another would have to be an ``as_strided()`` at
+    another offset into a base whose storage reaches past its own elements). The view goes to
+    the ops too: where the compiler cannot follow ``_base`` (a view that is an input of the
+    compiled function, whose base reads as None when AOTAutograd traces), the ops take the
+    view, and autograd sums its gradient.
+    """
+    if attn_bias is None or not attn_bias.requires_grad or 0 not in attn_bias.stride():
+        return None
+    base = attn_bias._base
+    if base is None or base.dim() != 4:
+        return None
+    if any(b != 1 and b != s for b, s in zip(base.shape, attn_bias.shape)):
+        return None
+    # expand()'s strides, worked out rather than made: an expand() would be one more node.
+    strides = tuple(0 if b == 1 and s != 1 else stride
+                    for b, s, stride in zip(base.shape, attn_bias.shape, base.stride()))
+    return base if strides == attn_bias.stride() else None
+
+
+def bias_slot(optional: Operands) -> str:
+    """The operand the kernels read the bias from and whose gradient they make."""
+    return "bias_base" if optional.bias_base is not None else "attn_bias"
+
+
+def host_bias(optional: Operands) -> Tensor | None:
+    """The bias the host layer is handed: the base where the traced call found one. The real
+    tensors are not checked against the trace's reading: tools that run an op on copies of its
+    inputs (``torch.library.opcheck``) part a view from its base while keeping the values."""
+    return optional.attn_bias if optional.bias_base is None else optional.bias_base
 
 
 # -- the seam to the host layer: the only two functions here that launch kernels
@@ -142,8 +187,7 @@ _BWD_PARAMS = (("Tensor", "grad_out"), ("Tensor", "query"), ("Tensor", "key"),
                ("bool", "bias_needs_grad"), *_OPTIONAL)
 FWD_SCHEMA = _schema(_FWD_PARAMS, "(Tensor, Tensor)")
 BWD_SCHEMA = _schema(_BWD_PARAMS, "(Tensor, Tensor, Tensor, Tensor)")
-# Where fwd's bias sits among its inputs (for ``needs_input_grad``).
-_BIAS_INPUT = [name for _, name in _FWD_PARAMS].index("attn_bias")
+_FWD_INPUTS = tuple(name for _, name in _FWD_PARAMS)  # the order of ``needs_input_grad``
 
 
 def _no_dbias(query: Tensor) -> Tensor:
@@ -154,7 +198,7 @@ def _no_dbias(query: Tensor) -> Tensor:
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=(), schema=FWD_SCHEMA)
 def attention_fwd(query, key, value, is_causal, softmax_scale, deterministic, *operands):
     optional = Operands(*operands)
-    return _forward_impl(query, key, value, host_mask(optional), optional.attn_bias, is_causal,
+    return _forward_impl(query, key, value, host_mask(optional), host_bias(optional), is_causal,
                          softmax_scale)
 
 
@@ -163,7 +207,7 @@ def attention_bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scal
                   deterministic, bias_needs_grad, *operands):
     optional = Operands(*operands)
     dq, dk, dv, dbias = _backward_impl(grad_out, query, key, value, out, lse,
-                                       host_mask(optional), optional.attn_bias, is_causal, softmax_scale, deterministic,
+                                       host_mask(optional), host_bias(optional), is_causal, softmax_scale, deterministic,
                                        bias_needs_grad)
     return dq, dk, dv, _no_dbias(query) if dbias is None else dbias
 
@@ -212,7 +256,8 @@ def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softma
     dq, dk, dv = (torch.empty_like(t) for t in (query, key, value))
     if not bias_needs_grad:
         return dq, dk, dv, _no_dbias(query)
-    return dq, dk, dv, optional.attn_bias.new_empty(optional.attn_bias.shape)
+    bias = getattr(optional, bias_slot(optional))
+    return dq, dk, dv, bias.new_empty(bias.shape)
 
 
 # -- autograd
@@ -228,11 +273,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, *operands = ctx.saved_tensors
     optional = Operands(*operands)
-    bias_needs_grad = optional.attn_bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
+    slot = bias_slot(optional)
+    bias_needs_grad = (getattr(optional, slot) is not None
+                       and ctx.needs_input_grad[_FWD_INPUTS.index(slot)])
     dq, dk, dv, dbias = attention_bwd(grad_out, query, key, value, out, lse, *ctx.flags,
                                       bias_needs_grad, *operands)
     grads = dict.fromkeys(OPERANDS)
-    grads["attn_bias"] = dbias if bias_needs_grad else None
+    grads[slot] = dbias if bias_needs_grad else None
     return dq, dk, dv, None, None, None, *grads.values()
 
 

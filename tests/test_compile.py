@@ -169,18 +169,41 @@ def test_explain_finds_one_graph_and_no_break(device):
     assert explained.graph_count == 1
 
 
-@pytest.mark.parametrize("bias_shape", ("BxHkx1xLk", "1x1xLqxLk"))
-def test_expanded_bias_reaches_the_op_compact(bias_shape, device):
-    """An expand()ed bias parameter: the op gets the parameter's own shape, so its gradient is
-    made in that shape (no full-size gradient summed down by autograd), as in eager calls."""
+@pytest.mark.parametrize("bias_shape, backend", (
+    ("BxHkx1xLk", "aot_eager"), ("1x1xLqxLk", "aot_eager"),
+    pytest.param("BxHkx1xLk", "inductor", marks=pytest.mark.slow)))
+def test_expanded_bias_reaches_the_op_compact(bias_shape, backend, device):
+    """An expand()ed bias parameter: the op gets the parameter as the view's base, so the
+    gradient is made in the parameter's shape (no full-size gradient summed down by autograd),
+    as in eager calls."""
     q, k, v, mask, bias, grad_out = problem(DIMS, bias_shape, device)
     module = Attention(bias, expanded, is_causal=True, deterministic=True)
-    compiled, counter = compile_counted(module)
+    compiled, counter = compile_counted(module, backend)
     got = run(compiled, q, k, v, mask, grad_out)
     (call,) = op_calls(counter.graphs[0], torch.ops.dmattn.fwd)
-    passed_bias = call.args[len(call.args) - len(ops.OPERANDS) + ops.OPERANDS.index("attn_bias")]
-    assert tuple(passed_bias.meta["example_value"].shape) == tuple(bias.shape)
+    base = call.args[len(call.args) - len(ops.OPERANDS) + ops.OPERANDS.index("bias_base")]
+    assert tuple(base.meta["example_value"].shape) == tuple(bias.shape)
     assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
+
+
+def test_expanded_bias_made_outside_the_compiled_function(device):
+    """A view that is an input of the compiled function, whose base the compiler cannot
+    follow: the ops take the view, and the gradient still reaches its base, within the rule
+    (autograd sums it down, in another order than the kernel's own reduction)."""
+    q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+
+    def attend(q, k, v, mask, bias):
+        return dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
+
+    results = []
+    for func in (torch.compile(attend, backend="aot_eager", fullgraph=True), attend):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+        out, lse = func(*leaves[:3], mask, expanded(leaves[3], q, k))
+        results.append(dict(zip(NAMES, (out, lse, *torch.autograd.grad(out, leaves, grad_out)))))
+    got, eager = results
+    for name in NAMES[:-1]:
+        assert torch.equal(got[name], eager[name]), name
+    assert_within_rule(got, q, k, v, mask, bias, grad_out, is_causal=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -260,20 +283,24 @@ def test_bad_bias_shape_fails_while_tracing_with_the_eager_message(dynamic, devi
 
 def test_fake_implementations_agree_with_the_kernels(device):
     """torch.library's own checks: schema, fake outputs (shapes, strides, dtypes) against the
-    real ones, the autograd registration, and AOT tracing with dynamic shapes."""
+    real ones, the autograd registration, and AOT tracing with dynamic shapes; with the bias
+    alone and with an expand() of it beside it as its base."""
     dims = Dims(batch=2, seqlen_q=9, seqlen_k=17, heads_q=2, heads_kv=1, head_dim=16)
     q, k, v = random_qkv(dims, torch.float32, device, layout="bhld")
     mask = random_mask(dims.operand_shape("1", "Hk", "Lq", "Lk"), device)
     bias = random_bias(dims.operand_shape("B", "1", "1", "Lk"), torch.float32, device)
     q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
-    torch.library.opcheck(torch.ops.dmattn.fwd.default, (q, k, v, True, None, False, mask, bias))
+    for biases in ((bias, None), (expanded(bias, q, k), bias)):
+        torch.library.opcheck(torch.ops.dmattn.fwd.default,
+                              (q, k, v, True, None, False, mask, *biases))
     # The backward op has no backward of its own (no double backward): plain tensors.
     q, k, v, bias = (t.detach() for t in (q, k, v, bias))
-    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, mask, bias)
-    for bias_needs_grad in (True, False):
-        torch.library.opcheck(torch.ops.dmattn.bwd.default,
-                              (torch.randn_like(out), q, k, v, out, lse, True, None, False,
-                               bias_needs_grad, mask, bias))
+    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, mask, bias, None)
+    for biases in ((bias, None), (expanded(bias, q, k), bias)):
+        for bias_needs_grad in (True, False):
+            torch.library.opcheck(torch.ops.dmattn.bwd.default,
+                                  (torch.randn_like(out), q, k, v, out, lse, True, None, False,
+                                   bias_needs_grad, mask, *biases))
 
 
 class SyncWatch(TorchDispatchMode):
@@ -303,7 +330,7 @@ def test_ops_never_wait_for_the_device(device):
     """Neither op reads device memory back to the host, with a mask read within the call (the
     most host-side work), so a CUDA graph can capture both. On a GPU, capture and replay them."""
     q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
-    args = (True, None, True, mask, bias)
+    args = (True, None, True, mask, bias, None)
     with SyncWatch() as watch:
         out, lse = torch.ops.dmattn.fwd(q, k, v, *args)
         grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *args[:3], True, *args[3:])
