@@ -130,7 +130,8 @@ def bias_base_of(attn_bias) -> Tensor | None:
     compiled function, whose base reads as None when AOTAutograd traces), the ops take the
     view, and autograd sums its gradient.
     """
-    if attn_bias is None or not attn_bias.requires_grad or 0 not in attn_bias.stride():
+    if (not isinstance(attn_bias, Tensor) or not attn_bias.requires_grad
+            or 0 not in attn_bias.stride()):
         return None
     base = attn_bias._base
     if base is None or base.dim() != 4:
@@ -207,8 +208,8 @@ def attention_bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scal
                   deterministic, bias_needs_grad, *operands):
     optional = Operands(*operands)
     dq, dk, dv, dbias = _backward_impl(grad_out, query, key, value, out, lse,
-                                       host_mask(optional), host_bias(optional), is_causal, softmax_scale, deterministic,
-                                       bias_needs_grad)
+                                       host_mask(optional), host_bias(optional), is_causal,
+                                       softmax_scale, deterministic, bias_needs_grad)
     return dq, dk, dv, _no_dbias(query) if dbias is None else dbias
 
 
