@@ -250,11 +250,17 @@ def _attention_fwd_fake(query, key, value, is_causal, softmax_scale, determinist
     return out, lse
 
 
+def _grad_like(t: Tensor) -> Tensor:
+    # The kernels read a contiguous copy of an input whose last stride is not 1 (interface's
+    # ``_last_dim_contiguous``) and make its gradient like that copy.
+    return torch.empty_like(t if t.stride(-1) == 1 else t.contiguous())
+
+
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
                         deterministic, bias_needs_grad, *operands):
     optional = Operands(*operands)
-    dq, dk, dv = (torch.empty_like(t) for t in (query, key, value))
+    dq, dk, dv = (_grad_like(t) for t in (query, key, value))
     if not bias_needs_grad:
         return dq, dk, dv, _no_dbias(query)
     bias = getattr(optional, bias_slot(optional))

@@ -14,8 +14,9 @@ import re
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from kernels import attention_reference, dmattn_func, ops, prepare_mask
 
@@ -281,12 +282,27 @@ def test_bad_bias_shape_fails_while_tracing_with_the_eager_message(dynamic, devi
         compiled(q, k, v, mask)
 
 
+def assert_fake_matches_real(op, args) -> None:
+    """Each output of ``op`` on fake copies of ``args`` has the real output's shape, strides
+    and dtype."""
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*tree_map_only(torch.Tensor, mode.from_tensor, args))
+    for i, (f, r) in enumerate(zip(fake, real)):
+        assert (f.shape, f.dtype) == (r.shape, r.dtype), f"output {i}"
+        # The stride of an axis of size 1 never moves an address (torch's own checks skip it).
+        assert all(a == b for a, b, n in zip(f.stride(), r.stride(), r.shape) if n > 1), (
+            f"output {i}: fake strides {f.stride()}, real {r.stride()}")
+
+
 def test_fake_implementations_agree_with_the_kernels(device):
-    """torch.library's own checks: schema, fake outputs (shapes, strides, dtypes) against the
-    real ones, the autograd registration, and AOT tracing with dynamic shapes; with the bias
+    """torch.library's own checks (schema, fake outputs against real ones, the autograd
+    registration, AOT tracing with dynamic shapes) and the fake outputs' strides, with the bias
     alone and with an expand() of it beside it as its base."""
-    dims = Dims(batch=2, seqlen_q=9, seqlen_k=17, heads_q=2, heads_kv=1, head_dim=16)
+    dims = Dims(batch=2, seqlen_q=9, seqlen_k=17, heads_q=4, heads_kv=2, head_dim=16)
     q, k, v = random_qkv(dims, torch.float32, device, layout="bhld")
+    # A key whose head dim is not innermost in memory: the kernels read a contiguous copy.
+    k = k.permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)
     mask = random_mask(dims.operand_shape("1", "Hk", "Lq", "Lk"), device)
     bias = random_bias(dims.operand_shape("B", "1", "1", "Lk"), torch.float32, device)
     q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
@@ -296,11 +312,14 @@ def test_fake_implementations_agree_with_the_kernels(device):
     # The backward op has no backward of its own (no double backward): plain tensors.
     q, k, v, bias = (t.detach() for t in (q, k, v, bias))
     out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, mask, bias, None)
+    assert_fake_matches_real(torch.ops.dmattn.fwd.default,
+                             (q, k, v, True, None, False, mask, bias, None))
     for biases in ((bias, None), (expanded(bias, q, k), bias)):
         for bias_needs_grad in (True, False):
-            torch.library.opcheck(torch.ops.dmattn.bwd.default,
-                                  (torch.randn_like(out), q, k, v, out, lse, True, None, False,
-                                   bias_needs_grad, mask, *biases))
+            args = (torch.randn_like(out), q, k, v, out, lse, True, None, False,
+                    bias_needs_grad, mask, *biases)
+            torch.library.opcheck(torch.ops.dmattn.bwd.default, args)
+            assert_fake_matches_real(torch.ops.dmattn.bwd.default, args)
 
 
 class SyncWatch(TorchDispatchMode):
