@@ -255,6 +255,32 @@ def test_without_mask_or_bias(device):
         assert torch.equal(got, want)
 
 
+def test_compiled_inference_matches_eager(device):
+    """No gradient recorded: the ops' forward alone, against eager's no-grad path."""
+    q, k, v, mask, bias, _ = problem(DIMS, "1x1xLqxLk", device)
+
+    def attend(q, k, v, mask, bias):
+        return dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
+
+    compiled, counter = compile_counted(attend)
+    with torch.no_grad():
+        got, want = compiled(q, k, v, mask, bias), attend(q, k, v, mask, bias)
+    assert counter.frame_count == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("strict", (False, True), ids=("non_strict", "strict"))
+def test_export_captures_the_op(strict, device):
+    q, k, v, mask, bias, _ = problem(DIMS, "BxHkx1xLk", device)
+    module = Attention(bias, is_causal=True, return_lse=True)
+    exported = torch.export.export(module, (q, k, v, mask), strict=strict)
+    assert len(op_calls(exported.graph_module, torch.ops.dmattn.fwd)) == 1
+    with torch.no_grad():
+        for got, want in zip(exported.module()(q, k, v, mask), module(q, k, v, mask)):
+            assert torch.equal(got, want)
+
+
 def test_eager_calls_do_not_use_the_ops(monkeypatch, device):
     """Eager calls keep their own autograd.Function: with every way into the ops broken, they
     still run forward and backward; a compiled call does reach them."""
