@@ -3,12 +3,14 @@
 ``dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
 softmax_scale=None, return_lse=False, deterministic=False)``; ``triton_dmattn_func`` is the same
 function under flash-dmattn's name. ``prepare_mask`` reads a mask once for every call that
-shares it. ``attention_reference`` is the eager ground truth.
+shares it. ``schedule_for`` shows what a call will run (``kernels.schedule``).
+``attention_reference`` is the eager ground truth and ``tolerance`` the accuracy rule.
 """
 
-from .interface import dmattn_func, triton_dmattn_func
+from . import schedule, tolerance
+from .interface import dmattn_func, schedule_for, triton_dmattn_func
 from .prepared import PreparedMask, prepare_mask
 from .reference import attention_reference
 
 __all__ = ["dmattn_func", "triton_dmattn_func", "prepare_mask", "PreparedMask",
-           "attention_reference"]
+           "attention_reference", "schedule_for", "schedule", "tolerance"]
