@@ -74,8 +74,8 @@ def test_headline_summarizes_targets_from_the_rows(tmp_path):
     # dense has no peer rows at all: dashes, not "0 of 0".
     assert "| dense, fwd | 3 | – | – | – |" in text
     assert "of 0" not in text
-    assert "fwd: 1 of 2 rows at or above 450 TFLOP/s (lowest 440)" in text
-    assert "bwd: 1 of 1 rows at or above 250 TFLOP/s (lowest 300)" in text
+    assert ("- No mask, no bias, D128, L ≥ 4096: fwd 1 of 2 rows at or above 450 TFLOP/s "
+            "(lowest 440); bwd 1 of 1 rows at or above 250 TFLOP/s (lowest 300).") in text
     assert "docs/TARGETS.md" in text
     # The per-case rows are in the tables, not in the headline.
     case_row = "| 2.000 | 1.000 | 4.000 | 3.000 | – | 0.50× (sdpa) |"
@@ -104,10 +104,11 @@ def test_block_sparse_time_against_the_full_tile_row(tmp_path):
     assert "| 0.0625 | 0.200 | 0.100 | – | – |" in tables
     assert tables.count("time with every tile active") == 2
     headline = headline_markdown(collected)
-    assert ("(B2 H4/2 L1024 D64): at 0.0625 of the tiles ours takes 0.100 of its full-tile time; "
-            "the target (at most 0.125) is met.") in headline
-    assert ("(B2 H4/2 L2048 D64): at 0.0625 of the tiles ours takes 0.300 of its full-tile time; "
-            "the target (at most 0.125) is not met.") in headline
+    assert ("- Block-sparse (sparsity, B2 H4/2 L1024 D64, bias none): our time at 0.0625 of the "
+            "tiles ÷ with all of them, at most 0.125 wanted: fwd 0.100 (met).") in headline
+    assert "(sparsity, B2 H4/2 L2048 D64, bias none)" in headline
+    assert "fwd 0.300 (NOT met)." in headline
+    assert "L512" not in headline  # no full-tile row: no verdict
 
 
 def test_measured_on_names_device_versions_and_the_commit_range(tmp_path):
