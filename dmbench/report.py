@@ -28,7 +28,7 @@ from .errors import ConfigError
 from .results import Row, read_rows
 
 PEERS = ("sdpa", "flex", "fdma")
-SHOWN = ("triton", "sdpa", "flex", "fdma", "sdpa-dense")
+SHOWN = ("triton", "sdpa", "flex", "fdma", "sdpa-dense", "reference")
 TARGETS_DOC = "docs/TARGETS.md"
 # docs/TARGETS.md: FlashAttention-class TFLOP/s with no mask and no bias, D = 128, L >= 4096.
 DENSE_FLOOR_TFLOPS = {"fwd": 450.0, "bwd": 250.0}
@@ -118,8 +118,10 @@ def measured_on(rows: list[Row]) -> str:
     def versions(name):
         return "/".join(sorted({getattr(r, name) for r in rows}))
 
-    return (f"Measured on: {rows[0].gpu} (driver {versions('driver')}), torch {versions('torch')}, "
-            f"triton {versions('triton')}; {span}{dirty_note}.")
+    driver = versions("driver")
+    device = rows[0].gpu if driver in ("", "none", "unknown") else f"{rows[0].gpu} (driver {driver})"
+    return (f"Measured on: {device}, torch {versions('torch')}, triton {versions('triton')}; "
+            f"{span}{dirty_note}.")
 
 
 # -- the headline (README.md)
@@ -162,7 +164,7 @@ def targets_markdown(collected: Collected) -> list[str]:
 def _cpu_summary(collected: Collected) -> list[str]:
     lines = ["| sweep, mode | cases | backends |", "|---|---|---|"]
     for (sweep, mode), cases in sorted(collected.tables.items()):
-        backends = [b for b in SHOWN + ("reference",) if any(b in t for t in cases.values())]
+        backends = [b for b in SHOWN if any(b in t for t in cases.values())]
         lines.append(f"| {sweep}, {mode} | {len(cases)} | {', '.join(backends)} |")
     return lines
 
@@ -254,21 +256,26 @@ def tables_markdown(collected: Collected) -> str:
     parts = [measured_on(collected.rows), ""]
     if collected.interpreted:
         parts += [CPU_NOTE, ""]
-    parts.append("Median milliseconds, lower is better; **vs best peer** is the fastest of sdpa "
-                 "(float mask), flex and fdma that has a row, divided by ours (above 1 means we "
-                 "are faster), with that peer named; a dash means no row for that backend. "
-                 "sdpa-dense (no mask, no bias) is the dense ceiling, not a peer.")
+    if collected.interpreted:
+        parts.append("Median milliseconds of the interpreter; a dash means no row for that backend.")
+    else:
+        parts.append("Median milliseconds, lower is better; **vs best peer** is the fastest of "
+                     "sdpa (float mask), flex and fdma that has a row, divided by ours (above 1 "
+                     "means we are faster), with that peer named; a dash means no row for that "
+                     "backend. sdpa-dense (no mask, no bias) is the dense ceiling, not a peer.")
     parts += sparsity_markdown(collected.rows, collected.interpreted)
     for (sweep, mode), cases in sorted(collected.tables.items()):
         shown = [b for b in SHOWN if any(b in times for times in cases.values())]
+        ratio_column = [] if collected.interpreted else ["vs best peer"]
         parts.append(f"\n**{sweep}, {mode}**\n")
-        parts.append("| case | " + " | ".join(shown) + " | vs best peer |")
-        parts.append("|---" * (len(shown) + 2) + "|")
+        parts.append("| " + " | ".join(["case", *shown, *ratio_column]) + " |")
+        parts.append("|---" * (len(shown) + 1 + len(ratio_column)) + "|")
         for label, times in cases.items():
             cells = [f"{times[b]:.3f}" if b in times else "–" for b in shown]
-            best = _ratio_to_best_peer(times)
-            ratio = "–" if best is None else f"{best[0]:.2f}× ({best[1]})"
-            parts.append(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
+            if ratio_column:
+                best = _ratio_to_best_peer(times)
+                cells.append("–" if best is None else f"{best[0]:.2f}× ({best[1]})")
+            parts.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(parts) + "\n"
 
 

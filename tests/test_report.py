@@ -138,6 +138,9 @@ def test_cpu_rows_get_no_targets_and_say_they_are_not_performance_numbers(tmp_pa
         assert "target" not in text.replace("no target is checked", "")
         assert "faster than every peer" not in text
     assert "| smoke, fwd | 3 | triton, sdpa, fdma |" in headline_markdown(collected)
+    tables = tables_markdown(collected)
+    assert "vs best peer" not in tables and "×" not in tables
+    assert "| B1 H4/2 L64 D64 topk W32 kv_row causal | 50.000 | 1.000 | 90.000 |" in tables
 
 
 def test_rows_of_two_devices_are_refused(tmp_path):
