@@ -227,3 +227,17 @@ def test_report_tables_path_problems_exit_2(tmp_path, where):
     result = runner.invoke(app, ["report", *args, "--readme", str(readme)])
     assert result.exit_code == ExitCode.USAGE, result.output
     assert "--tables" in result.output and "Traceback" not in result.output
+
+
+def test_report_print_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    readme = _readme(tmp_path / "README.md")
+    before = readme.read_text()
+    csv_path = _csv(tmp_path / "results" / "test-gpu" / "s-fwd.csv",
+                    _rows(_masked(0), "s", "fwd", {"triton": 1.0, "flex": 2.0}))
+    result = runner.invoke(app, ["report", str(csv_path), "--print"])
+    assert result.exit_code == 0, result.output
+    assert "| s, fwd | 1 | 1 of 1 | 2.00× – 2.00× | – |" in result.output
+    assert "| B1 H4/2 L64 D64 topk W32 kv_row causal | 1.000 | 2.000 | 2.00× (flex) |" in result.output
+    assert readme.read_text() == before
+    assert sorted(p.name for p in csv_path.parent.iterdir()) == ["s-fwd.csv"]
