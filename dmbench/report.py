@@ -83,7 +83,8 @@ def collect(csv_paths: list[Path]) -> Collected:
 
 
 def _shape_label(row) -> str:
-    lengths = f"L{row.seqlen_q}" if row.seqlen_q == row.seqlen_k else f"Lq{row.seqlen_q} Lk{row.seqlen_k}"
+    lengths = (f"L{row.seqlen_q}" if row.seqlen_q == row.seqlen_k
+               else f"Lq{row.seqlen_q} Lk{row.seqlen_k}")
     return f"B{row.batch} H{row.heads_q}/{row.heads_kv} {lengths} D{row.head_dim}"
 
 
@@ -113,13 +114,15 @@ def measured_on(rows: list[Row]) -> str:
         span = (f"{len(commits)} commits, {commits[0]} ({first_seen[commits[0]]}) to "
                 f"{commits[-1]} ({first_seen[commits[-1]]})")
     dirty = sum(r.git_dirty for r in rows)
-    dirty_note = f"; {dirty} of {len(rows)} rows from a tree with uncommitted changes" if dirty else ""
+    dirty_note = (f"; {dirty} of {len(rows)} rows from a tree with uncommitted changes"
+                  if dirty else "")
 
     def versions(name):
         return "/".join(sorted({getattr(r, name) for r in rows}))
 
     driver = versions("driver")
-    device = rows[0].gpu if driver in ("", "none", "unknown") else f"{rows[0].gpu} (driver {driver})"
+    device = (rows[0].gpu if driver in ("", "none", "unknown")
+              else f"{rows[0].gpu} (driver {driver})")
     return (f"Measured on: {device}, torch {versions('torch')}, triton {versions('triton')}; "
             f"{span}{dirty_note}.")
 
@@ -218,7 +221,8 @@ def sparsity_lines(rows) -> list[str]:
         if "triton" in target and "triton" in full:
             ratio = target["triton"] / full["triton"]
             verdict = "met" if ratio <= SPARSE_MAX_RATIO else "NOT met"
-            label = f"{row.sweep}, {_shape_label(row)}{' causal' if row.causal else ''}, bias {row.bias}"
+            causal = " causal" if row.causal else ""
+            label = f"{row.sweep}, {_shape_label(row)}{causal}, bias {row.bias}"
             by_shape[label].append(f"{row.mode} {ratio:.3f} ({verdict})")
     return [f"- Block-sparse ({label}): our time at {SPARSE_FRACTION:.4f} of the tiles ÷ with "
             f"all of them, at most {SPARSE_MAX_RATIO:.3f} wanted: {', '.join(modes)}."
@@ -257,7 +261,8 @@ def tables_markdown(collected: Collected) -> str:
     if collected.interpreted:
         parts += [CPU_NOTE, ""]
     if collected.interpreted:
-        parts.append("Median milliseconds of the interpreter; a dash means no row for that backend.")
+        parts.append("Median milliseconds under the interpreter; a dash means no row for that "
+                     "backend.")
     else:
         parts.append("Median milliseconds, lower is better; **vs best peer** is the fastest of "
                      "sdpa (float mask), flex and fdma that has a row, divided by ours (above 1 "
