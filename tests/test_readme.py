@@ -16,11 +16,14 @@ from dmbench.report import HEADLINE, TABLES, collect, headline_markdown, tables_
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "results").rglob("*.md"))]
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "results").rglob("*.md"))]
 # Files that were never part of this repository; citing them leaves a reader with nothing.
 FOREIGN = ("SPEC", "METHOD.md", "KINDS.md", "HOPPER.md", "DEVELOPERS")
-SETUP_COMMANDS = ('pip install torch==2.13.0 && pip install -e ".[test]" && dmbench fwd sweeps/smoke.yaml',
-                  "TRITON_INTERPRET=1 python -m pytest -q")
+SETUP_COMMANDS = (
+    'pip install torch==2.13.0 && pip install -e ".[test]" && dmbench fwd sweeps/smoke.yaml',
+    "TRITON_INTERPRET=1 python -m pytest -q",
+)
 
 
 def _python_blocks(text: str) -> list[str]:
