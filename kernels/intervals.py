@@ -40,7 +40,7 @@ def _check_index_tensor(name: str, t) -> None:
         raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class IntervalBlockBounds:
     """Per-key-block bounds of a :class:`KeyIntervals`, each int32 (Bm', Hm', num_blocks) with
     the leading axes of :meth:`KeyIntervals.kernel_operand`.
@@ -84,7 +84,7 @@ class IntervalBlockBounds:
         return active, full
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KeyIntervals:
     """A mask given per key as the run of query rows that sees it: row ``i`` sees key ``j`` iff
     ``start[b, h, j] <= i < end[b, h, j]`` (``start >= end``: no row does).

@@ -82,35 +82,28 @@ def _check_window(window) -> int:
     return window
 
 
-def _intervals(bias: torch.Tensor, window: int, is_causal: bool, seqlen_q, seqlen_k,
-               key_start, local, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """start and end (R, n) int64 in each sequence's row coordinates. ``bias`` (R, n) holds
-    one or more sequences side by side: key p belongs to the sequence of keys
-    [key_start[p], key_start[p] + seqlen_k[p]), is its ``local[p]``-th key, and the sequence
-    has ``seqlen_q[p]`` rows (each an int or an (n,) tensor)."""
+def _intervals(bias: torch.Tensor, window: int, is_causal: bool, keys: PackedKeys,
+               packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """start and end, (R, n) int64 in each sequence's own row coordinates, for the bias
+    (R, n) of the keys ``keys`` describes (one sequence, or several packed when ``packed``)."""
     rows, n = bias.shape
-    order = _rank_order(bias, group)
+    order = _rank_order(bias, keys.seq.expand(rows, n) if packed else None)
     rank = torch.empty_like(order).scatter_(
         -1, order, torch.arange(n, device=bias.device).expand(rows, n))
-    # The keys that beat p are ranked key_start[p] .. rank[p] - 1 (its own sequence's ranks
-    # begin where its positions begin).
-    lo = torch.as_tensor(key_start, device=bias.device).expand(rows, n)
-    beaten_by = rank - lo
-    kept_all = beaten_by < window
-    offset = seqlen_k - seqlen_q
+    # A sequence's ranks begin where its positions begin, so the keys that beat key p are
+    # those ranked key_start[p] .. rank[p] - 1.
+    lo = keys.key_start.expand(rows, n)
+    kept_all = rank - lo < window
+    seqlen_q = keys.seqlen_q.expand(rows, n)
     if not is_causal:
-        start = torch.zeros_like(rank)
-        end = torch.where(kept_all, torch.as_tensor(seqlen_q, device=bias.device),
-                          torch.zeros_like(rank))
-        return start, end.expand(rows, n)
-    local = torch.as_tensor(local, device=bias.device).expand(rows, n)
-    start = (local - offset).clamp(min=0)
-    k = torch.full_like(rank, window - 1)
-    # Keys with fewer than W beating keys ask too; their answer is not used.
-    wth = _kth_smallest(order, lo.contiguous(), rank, k) - lo
-    # That key becomes visible at row wth - offset, the first row where j is not kept.
-    end = torch.where(kept_all, seqlen_q + torch.zeros_like(rank), (wth - offset).clamp(min=0))
-    end = torch.minimum(end, seqlen_q + torch.zeros_like(rank))
+        return torch.zeros_like(rank), torch.where(kept_all, seqlen_q, 0)
+    offset = keys.seqlen_k - keys.seqlen_q
+    start = (keys.local - offset).clamp(min=0).expand(rows, n)
+    # Keys with fewer than W beating keys ask too (any k, lo <= hi is a valid query); their
+    # answer is not used.
+    wth = _kth_smallest(order, lo.contiguous(), rank, torch.full_like(rank, window - 1)) - lo
+    # The W-th beating key becomes visible at row wth - offset: the first row without p.
+    end = torch.where(kept_all, seqlen_q, torch.minimum((wth - offset).clamp(min=0), seqlen_q))
     return start, end
 
 
@@ -160,9 +153,9 @@ def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
         seqlen_q = lk
     if isinstance(seqlen_q, bool) or not isinstance(seqlen_q, int) or seqlen_q < 1:
         raise ValueError(f"seqlen_q must be a positive int or None, got {seqlen_q!r}")
-    local = torch.arange(lk, device=bias.device)
-    start, end = _intervals(bias.reshape(b * h, lk), window, is_causal, seqlen_q, lk,
-                            key_start=0, local=local, group=None)
+    keys = PackedKeys.build(torch.tensor([0, seqlen_q], device=bias.device),
+                            torch.tensor([0, lk], device=bias.device), lk)
+    start, end = _intervals(bias.reshape(b * h, lk), window, is_causal, keys, packed=False)
     return KeyIntervals(start.reshape(b, h, lk).to(torch.int32),
                         end.reshape(b, h, lk).to(torch.int32))
 
@@ -185,7 +178,5 @@ def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals
     if total_k == 0:
         raise ValueError("cu_seqlens_k: the packed keys must not all be empty (total_k = 0)")
     keys = PackedKeys.build(cu_seqlens_q, cu_seqlens_k, total_k)
-    start, end = _intervals(bias, window, is_causal, keys.seqlen_q, keys.seqlen_k,
-                            key_start=keys.key_start, local=keys.local,
-                            group=keys.seq.expand(heads, total_k))
+    start, end = _intervals(bias, window, is_causal, keys, packed=True)
     return KeyIntervals(start[None].to(torch.int32), end[None].to(torch.int32))

@@ -84,6 +84,9 @@ def varlen_call(attention, query, key, value, cu_seqlens_q, cu_seqlens_k, max_se
             raise ValueError(f"{name} must be on query's device {query.device}, got {t.device}")
     total_q, heads_q, _ = query.shape
     total_k, heads_kv, _ = key.shape
+    if total_q == 0 or total_k == 0:
+        raise ValueError(f"query and key must each hold at least one packed row, got total_q = "
+                         f"{total_q} and total_k = {total_k}")
     if max(total_q, total_k) > INT32_MAX:
         raise ValueError(f"query and key must hold fewer than 2**31 packed rows, got "
                          f"{total_q} and {total_k}")
@@ -123,7 +126,7 @@ def dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen
     Args:
         query: (total_q, heads_q, head_dim); key, value: (total_k, heads_kv, head_dim).
         cu_seqlens_q, cu_seqlens_k: int32 (n + 1,) offsets, starting at 0, non-decreasing,
-            ending at total_q / total_k; sequences of length 0 are allowed.
+            ending at total_q / total_k (both at least 1); sequences of length 0 are allowed.
         max_seqlen_q, max_seqlen_k: upper bounds on the sequence lengths (checked).
         attn_mask: None, or ``KeyIntervals`` of shape (1, Hm, total_k), Hm in {1, heads_kv,
             heads_q}, in each sequence's own row coordinates (row 0 = its first query).

@@ -17,6 +17,7 @@ from kernels import (
     attention_reference,
     attention_varlen_reference,
     dmattn_varlen_func,
+    topk_intervals,
 )
 from kernels.packed_seqlens import check_cu_seqlens
 from kernels.tolerance import check_tensor
@@ -148,6 +149,21 @@ def test_packed_reference_equals_each_sequence(lengths, is_causal, mask_heads, b
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def test_topk_intervals_serve_as_the_varlen_mask():
+    lengths = PACKED[0].values[0]
+    problem, _, _ = packed_problem(lengths, torch.float32, "cpu")
+    cu_q, cu_k = problem[3], problem[4]
+    bias = torch.randn(HEADS_KV, int(cu_k[-1]))
+    mask = topk_intervals(bias, 2, is_causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = run_packed(attention_reference, problem, mask, bias, True, upcast=True)
+    ref_out, ref_lse = attention_varlen_reference(*problem[:5], attn_mask=mask, attn_bias=bias,
+                                                  is_causal=True, return_lse=True)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    # Every row of the first sequence (5 rows, 5 keys, causal) sees key 0 at least.
+    assert torch.isfinite(lse[:, :5]).all()
+
+
 # -- bad input
 def test_rejects_bad_input():
     (q, k, v, cu_q, cu_k, max_q, max_k), _, bias = packed_problem(
@@ -185,6 +201,8 @@ def test_rejects_bad_input():
         (dict(attn_bias=bias[:, :8]), ValueError, "total_k = 9"),
         (dict(attn_bias=bias.expand(3, 9)), ValueError, r"heads in \[1, 2, 4\]"),
         (dict(attn_bias=bias.tolist()), TypeError, "attn_bias must be a torch.Tensor"),
+        (dict(query=q[:0], cu_seqlens_q=torch.zeros(3, dtype=torch.int32)), ValueError,
+         "total_q = 0"),
     ]
     for change, error, message in cases:
         with pytest.raises(error, match=message):
