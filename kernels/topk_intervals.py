@@ -35,8 +35,8 @@ def _kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     """Per row r and query q: the k[r, q]-th smallest (from 0) of ``values[r, lo:hi]``.
 
     ``values``: (R, n) int64 in [0, n), distinct within a row. ``lo``, ``hi``, ``k``: (R, m)
-    int64 with 0 <= lo, k < hi - lo, hi <= n for the queries whose answer is used; other
-    queries return some value in [0, 2**bits).
+    int64 with 0 <= lo <= hi <= n (every query stays inside the arrays). The answer is the
+    k-th smallest when 0 <= k < hi - lo, and some value in [0, 2**bits) otherwise.
     """
     rows, n = values.shape
     bits = max(1, (n - 1).bit_length())
@@ -47,7 +47,7 @@ def _kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     for level in range(bits):
         shift = bits - 1 - level
         bit = (current >> shift) & 1
-        torch.cumsum(1 - bit, dim=1, out=zeros_before[:, 1:])
+        zeros_before[:, 1:] = torch.cumsum(1 - bit, dim=1)
         zeros_total = zeros_before[:, -1:]
         # -- step every query into the half (0 bits first) that holds its answer
         zeros_lo = zeros_before.gather(1, lo)
