@@ -38,7 +38,8 @@ from enum import Enum
 import torch
 
 from ._checks import AttnShape
-from ._launch import OperandArgs, contiguous_strides
+from ._launch import contiguous_strides
+from ._operands import Layout
 
 
 class DbiasMode(str, Enum):
@@ -67,7 +68,7 @@ class DbiasPlan:
     mode: DbiasMode
     buffer_shape: tuple[int, ...]  # what the kernel writes into: partial, accumulator or grad
     buffer_dtype: torch.dtype
-    target: OperandArgs  # the buffer seen as a (B, heads, Lq, Lk) broadcast view
+    target: Layout  # the buffer seen as a (B, heads, Lq, Lk) broadcast view
     bias_shape: tuple[int, ...]
     bias_dtype: torch.dtype
     serialize_batch: bool = False  # DKDV_TILES_ORDERED: one dkdv launch per batch ...
@@ -142,11 +143,11 @@ def reduce_partial(partial: torch.Tensor, bias_shape) -> torch.Tensor:
 
 
 def broadcast_args(buffer_shape: tuple[int, ...], view_shape: tuple[int, ...],
-                    head_div: int) -> OperandArgs:
+                    head_div: int) -> Layout:
     """Kernel args of a contiguous buffer of ``buffer_shape`` expanded to ``view_shape``
     (stride 0 along the expanded axes, as ``Tensor.expand`` gives)."""
     strides = contiguous_strides(buffer_shape)
-    return OperandArgs(*(0 if size == 1 and to != 1 else stride
+    return Layout(*(0 if size == 1 and to != 1 else stride
                          for size, to, stride in zip(buffer_shape, view_shape, strides)),
                        head_div)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from ._checks import BroadcastOperand
+from ._operands import ABSENT, Layout
 from .tuning import INTERPRETED_MULTIPROCESSORS
 
 
@@ -55,31 +55,13 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-@dataclass(frozen=True)
-class OperandArgs:
-    """Four strides and the head divisor of an optional mask or bias's broadcast view, as
-    kernel args. The pointer itself is passed per call (see ``PlannedLaunch``)."""
-
-    stride_b: int
-    stride_h: int
-    stride_m: int
-    stride_n: int
-    head_div: int
-
-    def as_args(self) -> tuple:
-        return (self.stride_b, self.stride_h, self.stride_m, self.stride_n, self.head_div)
-
-
-ABSENT_OPERAND = OperandArgs(0, 0, 0, 0, 1)
-
-
-def operand_args(op: BroadcastOperand | None) -> OperandArgs:
-    """Kernel arguments for a broadcast view. An absent operand gets zeros; its pointer is a
+def operand_args(op: BroadcastOperand | None) -> Layout:
+    """The ``Layout`` of a broadcast view; ``ABSENT`` for an absent operand, whose pointer is a
     placeholder that the kernel never dereferences (HAS_MASK / HAS_BIAS are compile-time
     False)."""
     if op is None:
-        return ABSENT_OPERAND
-    return OperandArgs(*op.view.stride(), op.head_div)
+        return ABSENT
+    return Layout(*op.view.stride(), op.head_div)
 
 
 def operand_pointer(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -94,11 +76,6 @@ def _kernel_arg(a):
     # load in every Triton version). Only the JIT and interpreter paths need this: the direct
     # path passes addresses, so a repeat call makes no view (a torch op of host time).
     return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype == torch.bool else a
-
-
-def strides3(t: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, seq, head) strides of a (B, L, H, D) tensor whose head_dim stride is 1."""
-    return t.stride(0), t.stride(1), t.stride(2)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -222,36 +199,39 @@ _alignment = (15).__and__  # an address's offset from 16-byte alignment
 
 class PlannedLaunch:
     """A launch planned once per call signature: the grid, every scalar argument, the
-    constexprs and the options are fixed, and each call passes only the kernel's pointer
-    arguments, which are its leading parameters, in order.
+    constexprs and the options are fixed, and each call passes only the kernel's tensors, which
+    its first parameter takes as one ``pointers`` NamedTuple (``_operands``).
 
     The plan's owner guarantees the pointers' dtypes (they follow from the call signature), so
     the only thing left that Triton specializes on is each pointer's 16-byte alignment: one
     compiled kernel is kept per alignment pattern and device.
     """
 
-    def __init__(self, kernel, grid: tuple, scalars: tuple, num_warps: int = 4,
-                 num_stages: int = 3, **constexprs):
+    def __init__(self, kernel, grid: tuple, pointers: type, scalars: tuple,
+                 num_warps: int = 4, num_stages: int = 3, **constexprs):
         self.kernel = kernel
         self.interpreted = is_interpreted(kernel)
         self.grid = _grid3(grid)
+        self.pointers = pointers
         self.scalars = tuple(scalars)
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
         self._compiled: dict = {}
 
-    def __call__(self, *pointers: torch.Tensor) -> None:
+    def __call__(self, *tensors: torch.Tensor) -> None:
         if self.interpreted or not _direct_launch_available():
-            self.kernel[self.grid](*map(_kernel_arg, pointers), *self.scalars, **self.options)
+            self.kernel[self.grid](self.pointers(*map(_kernel_arg, tensors)), *self.scalars,
+                                   **self.options)
             return
         device = _current_device()
         # The launcher takes addresses as plain ints too, which skips its per-tensor
         # ``data_ptr()`` call and pointer-attribute query (we read the addresses anyway).
         # ``map`` over C callables: no Python frame per pointer.
-        addresses = list(map(_data_ptr, pointers))
+        addresses = tuple(map(_data_ptr, tensors))
         key = (device, *map(_alignment, addresses))
         hit = self._compiled.get(key)
         if hit is None:
-            self._compiled[key] = _jit_launch(self.kernel, self.grid, pointers + self.scalars,
-                                              self.options)
+            self._compiled[key] = _jit_launch(
+                self.kernel, self.grid, (self.pointers(*map(_kernel_arg, tensors)),
+                                         *self.scalars), self.options)
             return
-        _run_compiled(hit, self.grid, (*addresses, *self.scalars), device)
+        _run_compiled(hit, self.grid, (addresses, *self.scalars), device)

@@ -16,9 +16,11 @@ from dataclasses import replace
 import torch
 
 from ._blocks import ActivityMap, BlockLists, block_list_strides
-from ._dbias import broadcast_args
-from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
-                      dot_options, operand_pointer, strides3)
+from ._dbias import DbiasMode, broadcast_args
+from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
+                      operand_pointer)
+from ._operands import (ABSENT, BackwardLayouts, BackwardStrides, DkdvPointers, DqPointers,
+                        FusedPointers, SeqStrides, seq_strides, sizes_of)
 from ._scratch import Scratch, graph_capturing
 from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
@@ -52,19 +54,6 @@ def prepare_backward_lists(activity: ActivityMap, problem: Problem) -> None:
                                       packed_tile_heads(problem, activity.active.shape[1]))
 
 
-def dbias_flags(plan) -> dict:
-    """The dkdv body's bias-gradient constexprs for a ``DbiasPlan`` (or None: no gradient)."""
-    return dict(HAS_DBIAS=plan is not None and not plan.is_zero and not plan.in_dq,
-                DBIAS_REDUCE_M=bool(plan and plan.reduce_m),
-                DBIAS_SUM_GROUP=bool(plan and plan.sum_group),
-                DBIAS_ACCUMULATE=bool(plan and plan.dkdv_tiles))
-
-
-def dq_dbias_flags(plan) -> dict:
-    """The dq body's: whether it writes the bias gradient's tiles, and whether atomically."""
-    return dict(DQ_DBIAS=bool(plan and plan.in_dq), DBIAS_ATOMIC=bool(plan and plan.atomic))
-
-
 class BackwardPlan:
     """A Schedule's general backward (routes ``fused`` and ``dq+dkdv``) for one forward plan
     and one gradient signature (grad_out's strides and dtype), worked out once: lists, grids and
@@ -95,47 +84,43 @@ class BackwardPlan:
         self.group_rows = bwd.dkdv_group_rows
         group_rows_shape = (shape.batch, shape.heads_q, 1, shape.seqlen_k)
 
-        operands = ((fwd.mask or ABSENT_OPERAND).as_args()
-                    + (fwd.bias or ABSENT_OPERAND).as_args())
-        inputs = (*strides3(query), *strides3(key), *strides3(value), *strides3(grad_out))
-        sizes = (shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-                 fwd.softmax_scale * LOG2E, fwd.softmax_scale)
+        strides = BackwardStrides(
+            q=seq_strides(query), k=seq_strides(key), v=seq_strides(value),
+            do=seq_strides(grad_out), out=SeqStrides(*contiguous_strides(fwd.out_shape)[:3]),
+            dq=seq_strides(dq), dk=seq_strides(dk), dv=seq_strides(dv))
+        plan = self.dbias
+        layouts = BackwardLayouts(
+            mask=fwd.mask or ABSENT, bias=fwd.bias or ABSENT,
+            dbias=plan.target if plan else ABSENT,
+            q_lists=block_list_strides(q_lists, shape.batch),
+            kv_lists=block_list_strides(kv_lists, shape.batch))
+        dbias_mode = (plan.mode if plan else DbiasMode.NONE).value
+        # With group rows, dkdv writes a one-row gradient per query head into scratch rows of
+        # (B, Hq, 1, Lk) and the last share of each key block sums its group's rows.
+        dkdv_layouts, dkdv_dbias_mode = layouts, dbias_mode
+        if self.group_rows:
+            dkdv_layouts = layouts._replace(
+                dbias=broadcast_args(group_rows_shape, group_rows_shape, 1))
+            dkdv_dbias_mode = DbiasMode.DKDV_ROWS.value
+        sizes = sizes_of(shape)
+        scales = (fwd.softmax_scale * LOG2E, fwd.softmax_scale)
         common = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
                       HAS_MASK=fwd.mask is not None, HAS_BIAS=fwd.bias is not None,
                       BIAS_ROW=fwd.bias_one_row, IS_CAUSAL=fwd.is_causal,
                       **dot_options(fwd.dtype, problem.interpreted))
-
-        plan = self.dbias
-        dbias_target = (plan.target if plan else ABSENT_OPERAND).as_args()
-        dbias_consts = dbias_flags(plan)
-        dkdv_dbias_target, dkdv_dbias_consts = dbias_target, dbias_consts
-        if self.group_rows:
-            dkdv_dbias_target = broadcast_args(group_rows_shape, group_rows_shape, 1).as_args()
-            dkdv_dbias_consts = dict(dbias_consts, DBIAS_SUM_GROUP=False)
-        dq_dbias_consts = dq_dbias_flags(plan)
-        kv_list_strides = block_list_strides(kv_lists, shape.batch)
-        q_list_strides = block_list_strides(q_lists, shape.batch)
-        out_strides = contiguous_strides(fwd.out_shape)[:3]
         # The kernels' EDGE_SLOTS: list entries read from each end to find the interior span.
         kv_edge_slots = edge_slots(cfg_kv.block_n, cfg_kv.block_m)
         q_edge_slots = edge_slots(cfg_q.block_m, cfg_q.block_n)
         self.fused = self.dq = None
         self.dkdv = []
         if bwd.route is BackwardRoute.FUSED:
-            # A one-row bias gradient (the only kind with group rows) is dkdv's alone, so the
-            # launch's dbias arguments are dkdv's.
             dkdv_programs = key_blocks * pairs * self.head_shares
             self.fused = PlannedLaunch(
-                attn_bwd_fused_kernel, (dkdv_programs + dq_programs,),
-                (*operands, *dkdv_dbias_target, *q_list_strides, *kv_list_strides, *inputs,
-                 *out_strides, *strides3(dq), *strides3(dk), *strides3(dv),
-                 # ``sizes`` with heads_kv after heads_q: the fused kernel lays dkdv's pairs
-                 # out itself, where the dkdv launch is given them per launch.
-                 shape.heads_q, shape.heads_kv, *sizes[1:],
-                 dkdv_programs, self.head_shares, rows_grid[0], rows_grid[1], self.splits),
+                attn_bwd_fused_kernel, (dkdv_programs + dq_programs,), FusedPointers,
+                (strides, dkdv_layouts, sizes, *scales, dkdv_programs, self.head_shares,
+                 rows_grid[0], rows_grid[1], self.splits),
                 KV_BLOCK_M=cfg_kv.block_m, KV_BLOCK_N=cfg_kv.block_n,
-                Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n,
-                **dkdv_dbias_consts, **dq_dbias_consts,
+                Q_BLOCK_M=cfg_q.block_m, Q_BLOCK_N=cfg_q.block_n, DBIAS_MODE=dkdv_dbias_mode,
                 KV_EDGE_SLOTS=kv_edge_slots, Q_EDGE_SLOTS=q_edge_slots,
                 SPLIT_KEYS=self.splits > 1, SPLIT_HEADS=self.head_shares > 1,
                 GROUP_ROWS=self.group_rows,
@@ -147,29 +132,27 @@ class BackwardPlan:
             dkdv_rows = pairs * self.head_shares
             self.dkdv = [
                 PlannedLaunch(
-                    attn_bwd_dkdv_kernel, (key_blocks * dkdv_rows,),
-                    (*operands, *dkdv_dbias_target, *kv_list_strides, *inputs,
-                     *strides3(dk), *strides3(dv), *sizes,
-                     batch_start, head_start, heads_per_launch,
+                    attn_bwd_dkdv_kernel, (key_blocks * dkdv_rows,), DkdvPointers,
+                    (strides, dkdv_layouts, sizes, *scales, batch_start, head_start,
+                     heads_per_launch,
                      grid_chunk_rows(dkdv_rows, key_blocks, self.head_shares, fwd.is_causal,
                                      sms),
                      self.head_shares),
-                    BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n,
-                    **dkdv_dbias_consts, EDGE_SLOTS=kv_edge_slots,
-                    SPLIT_HEADS=self.head_shares > 1, GROUP_ROWS=self.group_rows,
+                    BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, DBIAS_MODE=dkdv_dbias_mode,
+                    EDGE_SLOTS=kv_edge_slots, SPLIT_HEADS=self.head_shares > 1,
+                    GROUP_ROWS=self.group_rows,
                     num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
                 )
                 for batch_start in (range(shape.batch) if bwd.dkdv_launch_per_batch else (0,))
                 for head_start in (range(shape.heads_kv) if bwd.dkdv_launch_per_head else (0,))
             ]
             self.dq = PlannedLaunch(
-                attn_bwd_dq_kernel, (rows_grid[0] * rows_grid[1], 1, self.splits),
-                (*operands, *dbias_target, *q_list_strides, *inputs, *out_strides,
-                 *strides3(dq), *sizes,
+                attn_bwd_dq_kernel, (rows_grid[0] * rows_grid[1], 1, self.splits), DqPointers,
+                (strides, layouts, sizes, *scales,
                  grid_chunk_rows(rows_grid[1], rows_grid[0], shape.group_size, fwd.is_causal,
                                  sms)),
-                BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n,
-                EDGE_SLOTS=q_edge_slots, SPLIT_KEYS=self.splits > 1, **dq_dbias_consts,
+                BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, EDGE_SLOTS=q_edge_slots,
+                SPLIT_KEYS=self.splits > 1, DBIAS_MODE=dbias_mode,
                 num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages, **common,
             )
         # delta (written by dq, read by dkdv; the fused launch needs none), dq's split-K
@@ -203,7 +186,7 @@ class BackwardPlan:
         # With group rows, dkdv writes a row per query head and sums each group's into dbias.
         dkdv_dbias = scratch.get("dbias_rows", dbias)
         if self.fused is not None:
-            self.fused(query, key, value, out, grad_out, lse, dq, dq_part, dk, dv, dk_part,
+            self.fused(query, key, value, out, grad_out, lse, lse, dq, dq_part, dk, dv, dk_part,
                        dv_part, mask, bias, dkdv_dbias, q_table, kv_table, dq_count, kv_count,
                        dbias)
         else:
@@ -211,8 +194,8 @@ class BackwardPlan:
             self.dq(query, key, value, out, grad_out, lse, delta, dq, dq_part, mask, bias,
                     dbias, q_table, dq_count)
             for dkdv in self.dkdv:
-                dkdv(query, key, value, grad_out, lse, delta, dk, dv, dk_part, dv_part, mask,
-                     bias, dkdv_dbias, kv_table, kv_count, dbias)
+                dkdv(query, key, value, grad_out, grad_out, lse, delta, dk, dv, dk_part, dv_part,
+                     mask, bias, dkdv_dbias, kv_table, kv_count, dbias)
         return self.dbias.finish(dbias) if self.dbias is not None else None
 
 

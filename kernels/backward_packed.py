@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from ._dbias import DbiasMode
-from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, contiguous_strides, dot_options,
-                      operand_pointer, strides3)
+from ._launch import LOG2E, PlannedLaunch, contiguous_strides, dot_options, operand_pointer
+from ._operands import (ABSENT, NO_LISTS, BackwardLayouts, BackwardStrides, PackedPointers,
+                        SeqStrides, seq_strides, sizes_of)
 from ._scratch import Scratch
 from .backward_packed_kernels import attn_bwd_packed_kernel
 from .schedule import BackwardSchedule
@@ -28,20 +29,22 @@ class PackedBackwardPlan:
         self.device = fwd.device
         self.dbias = bwd.dbias
         writes_dbias = self.dbias is not None and self.dbias.packed
+        strides = BackwardStrides(
+            q=seq_strides(query), k=seq_strides(key), v=seq_strides(value),
+            do=seq_strides(grad_out), out=SeqStrides(*contiguous_strides(fwd.out_shape)[:3]),
+            dq=seq_strides(dq), dk=seq_strides(dk), dv=seq_strides(dv))
+        layouts = BackwardLayouts(
+            mask=fwd.mask or ABSENT, bias=fwd.bias or ABSENT,
+            dbias=self.dbias.target if writes_dbias else ABSENT, q_lists=NO_LISTS,
+            kv_lists=NO_LISTS)
         self.launch = PlannedLaunch(
-            attn_bwd_packed_kernel, (self.splits, pairs),
-            (*(fwd.mask or ABSENT_OPERAND).as_args(), *(fwd.bias or ABSENT_OPERAND).as_args(),
-             *(self.dbias.target if writes_dbias else ABSENT_OPERAND).as_args(),
-             *strides3(query), *strides3(key), *strides3(value), *strides3(grad_out),
-             *contiguous_strides(fwd.out_shape)[:3], *strides3(dq), *strides3(dk),
-             *strides3(dv), shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-             fwd.softmax_scale * LOG2E, fwd.softmax_scale),
+            attn_bwd_packed_kernel, (self.splits, pairs), PackedPointers,
+            (strides, layouts, sizes_of(shape), fwd.softmax_scale * LOG2E, fwd.softmax_scale),
             HEAD_DIM=shape.head_dim, BLOCK_D=problem.block_d, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n,
             HAS_MASK=fwd.mask is not None, HAS_BIAS=fwd.bias is not None,
             BIAS_ROW=fwd.bias_one_row and problem.bias.shared_by(shape.group_size),
-            DBIAS_SUM_ROWS=writes_dbias and self.dbias.mode is DbiasMode.PACKED_SUMMED_ROWS,
-            DBIAS_PER_ROW=writes_dbias and self.dbias.mode is DbiasMode.PACKED_ROWS,
+            DBIAS_MODE=self.dbias.mode.value if writes_dbias else DbiasMode.NONE.value,
             IS_CAUSAL=fwd.is_causal, **dot_options(fwd.dtype, problem.interpreted),
             SPLIT_KEYS=self.splits > 1,
             SKIP_DEAD_BLOCKS=bwd.packed_skips_dead_blocks,

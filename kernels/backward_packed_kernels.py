@@ -27,43 +27,45 @@ import triton
 import triton.language as tl
 
 from ._partials import merge_shares
-from ._score import (clamp_index, load_bias, mma, operand_base, probs_from_lse, row_offsets,
-                     scores_log2, split_share, tile_offsets, visible_keys)
+from ._score import (block_spans, clamp_index, head_base, load_bias, mma, probs_from_lse,
+                     row_offsets, scores_log2, seq_base, tile_offsets, visible_keys)
 
 
 @triton.jit
-def _group_rows(ptr, b, offs_m, heads, stride_b, stride_m, stride_h):
-    """Pointers to the packed rows (query position ``offs_m``, query head ``heads``) of batch
-    ``b`` of a (B, L, H, D) tensor, shaped [rows, 1] for a tile's column offsets."""
+def _group_rows(ptr, b, offs_m, heads, strides):
+    """Pointers to the packed rows (query position ``offs_m``, head ``heads``) of batch ``b``
+    of a tensor with (batch, position, head) ``strides``, shaped [rows, 1] for a tile's column
+    offsets."""
+    stride_b, stride_m, stride_h = strides
     return ptr + b.to(tl.int64) * stride_b \
         + row_offsets(offs_m, heads, 1, stride_m, stride_h)[:, None]
 
 
 @triton.jit
+def _layout_rows(ptr, layout, b, offs_m, heads):
+    """``_group_rows`` of a broadcast operand of ``layout`` (``_operands.Layout``)."""
+    return _group_rows(ptr, b, offs_m, heads // layout.head_div,
+                       (layout.stride_b, layout.stride_m, layout.stride_h))
+
+
+@triton.jit
 def attn_bwd_packed_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, dq_part_ptr,
-    count_ptr, mask_ptr, bias_ptr, dbias_ptr,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
-    stride_q_b, stride_q_m, stride_q_h,
-    stride_k_b, stride_k_n, stride_k_h,
-    stride_v_b, stride_v_n, stride_v_h,
-    stride_do_b, stride_do_m, stride_do_h,
-    stride_o_b, stride_o_m, stride_o_h,
-    stride_dq_b, stride_dq_m, stride_dq_h,
-    stride_dk_b, stride_dk_n, stride_dk_h,
-    stride_dv_b, stride_dv_n, stride_dv_h,
-    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    ptrs, strides, layouts, sizes, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
-    DBIAS_SUM_ROWS: tl.constexpr, DBIAS_PER_ROW: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr, SKIP_DEAD_BLOCKS: tl.constexpr,
+    DBIAS_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, SPLIT_KEYS: tl.constexpr, SKIP_DEAD_BLOCKS: tl.constexpr,
 ):
     """dk and dv of key share ``program_id(0)`` of (batch, kv head) ``program_id(1)``, its
-    part of the group's dq, and its key blocks' part of the bias gradient."""
+    part of the group's dq, and its key blocks' part of the bias gradient. ``ptrs`` is a
+    ``_operands.PackedPointers``; DBIAS_MODE the ``_dbias.DbiasMode`` value."""
+    DBIAS_SUM_ROWS: tl.constexpr = DBIAS_MODE == "packed-summed-rows"
+    DBIAS_PER_ROW: tl.constexpr = DBIAS_MODE == "packed-rows"
+    seqlen_q = sizes.seqlen_q
+    seqlen_k = sizes.seqlen_k
+    group_size = sizes.group_size
+    heads_q = sizes.heads_q
     split = tl.program_id(0)
     num_splits = tl.num_programs(0)
     pair = tl.program_id(1)
@@ -83,50 +85,57 @@ def attn_bwd_packed_kernel(
     d_ok = offs_d < HEAD_DIM
 
     in_range = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(_group_rows(q_ptr, b, offs_m, heads, stride_q_b, stride_q_m, stride_q_h)
+    q = tl.load(_group_rows(ptrs.q, b, offs_m, heads, strides.q)
                 + offs_d[None, :], mask=in_range, other=0.0)
-    do = tl.load(_group_rows(do_ptr, b, offs_m, heads, stride_do_b, stride_do_m, stride_do_h)
+    do = tl.load(_group_rows(ptrs.do, b, offs_m, heads, strides.do)
                  + offs_d[None, :], mask=in_range, other=0.0)
-    o = tl.load(_group_rows(out_ptr, b, offs_m, heads, stride_o_b, stride_o_m, stride_o_h)
+    o = tl.load(_group_rows(ptrs.out, b, offs_m, heads, strides.out)
                 + offs_d[None, :], mask=in_range, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse = tl.load(lse_ptr + (b * heads_q + heads).to(tl.int64) * seqlen_q + offs_m, mask=row_ok,
+    lse = tl.load(ptrs.lse + (b * heads_q + heads).to(tl.int64) * seqlen_q + offs_m, mask=row_ok,
                   other=0.0)
 
-    k_ptrs = operand_base(k_ptr, b, first_head, group_size, stride_k_b, stride_k_h) \
-        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
-    v_ptrs = operand_base(v_ptr, b, first_head, group_size, stride_v_b, stride_v_h) \
-        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
-    dk_ptrs = operand_base(dk_ptr, b, first_head, group_size, stride_dk_b, stride_dk_h) \
-        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_dk_n, 1)
-    dv_ptrs = operand_base(dv_ptr, b, first_head, group_size, stride_dv_b, stride_dv_h) \
-        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_dv_n, 1)
+    kv_head = pair % heads_kv
+    k_ptrs = seq_base(ptrs.k, strides.k, b, kv_head) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], strides.k.stride_l, 1)
+    v_ptrs = seq_base(ptrs.v, strides.v, b, kv_head) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], strides.v.stride_l, 1)
+    dk_ptrs = seq_base(ptrs.dk, strides.dk, b, kv_head) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], strides.dk.stride_l, 1)
+    dv_ptrs = seq_base(ptrs.dv, strides.dv, b, kv_head) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], strides.dv.stride_l, 1)
     key_cols = offs_n0.to(tl.int64)[None, :]
-    mask_ptrs = _group_rows(mask_ptr, b, safe_m, heads // mask_head_div, stride_mask_b,
-                            stride_mask_m, stride_mask_h) + key_cols * stride_mask_n
+    mask_layout, bias_layout, dbias_layout = layouts.mask, layouts.bias, layouts.dbias
+    mask_ptrs = _layout_rows(ptrs.mask, mask_layout, b, safe_m, heads) \
+        + key_cols * mask_layout.stride_n
     if BIAS_ROW:  # one bias row for the whole tile: addressed once (see ``load_bias``)
-        bias_ptrs = operand_base(bias_ptr, b, first_head, bias_head_div, stride_bias_b,
-                                 stride_bias_h) + key_cols * stride_bias_n
+        bias_ptrs = head_base(ptrs.bias, bias_layout, b, first_head) \
+            + key_cols * bias_layout.stride_n
     else:
-        bias_ptrs = _group_rows(bias_ptr, b, safe_m, heads // bias_head_div, stride_bias_b,
-                                stride_bias_m, stride_bias_h) + key_cols * stride_bias_n
+        bias_ptrs = _layout_rows(ptrs.bias, bias_layout, b, safe_m, heads) \
+            + key_cols * bias_layout.stride_n
     if DBIAS_SUM_ROWS:  # the (batch, kv head)'s one gradient row
-        dbias_ptrs = operand_base(dbias_ptr, b, first_head, dbias_head_div, stride_db_b,
-                                  stride_db_h) + key_cols * stride_db_n
+        dbias_ptrs = head_base(ptrs.dbias, dbias_layout, b, first_head) \
+            + key_cols * dbias_layout.stride_n
     else:  # a gradient row per tile row
-        dbias_ptrs = _group_rows(dbias_ptr, b, safe_m, heads // dbias_head_div, stride_db_b,
-                                 stride_db_m, stride_db_h) + key_cols * stride_db_n
+        dbias_ptrs = _layout_rows(ptrs.dbias, dbias_layout, b, safe_m, heads) \
+            + key_cols * dbias_layout.stride_n
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = split_share(tl.cdiv(seqlen_k, BLOCK_N), split, num_splits)
+    # The walk is this program's share of the key blocks, dense: every key is tested per pair
+    # (the tile's rows are several queries and heads, so no block is interior to all of them).
+    _, _, _, _, lo, _, hi = block_spans(
+        ptrs.mask, layouts.kv_lists, 1, b, first_head, 0, 0, split, num_splits, seqlen_q,
+        seqlen_k, LOOP_ROWS=BLOCK_M, STEP_ROWS=BLOCK_N, IS_CAUSAL=False, HAS_MASK=False,
+        EDGE_SLOTS=1, TRANSPOSED=False)
     for block in range(lo, hi):
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
         keys_ok = (offs_n < seqlen_k)[None, :]
         # Rows past Lq, keys past Lk and masked pairs score -inf, so they add nothing below.
         keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n, HAS_MASK,
-                            IS_CAUSAL)
+                            mask_ptrs + start_n.to(tl.int64) * mask_layout.stride_n,
+                            HAS_MASK=HAS_MASK, IS_CAUSAL=IS_CAUSAL)
         kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
         live = True
         if SKIP_DEAD_BLOCKS:
@@ -140,14 +149,14 @@ def attn_bwd_packed_kernel(
                 kv_read = kv_in_range & (tl.max(keep.to(tl.int32), 0) > 0)[:, None]
             else:
                 kv_read = kv_in_range
-            k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_read, other=0.0)
-            v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_read, other=0.0)
+            k = tl.load(k_ptrs + start_n.to(tl.int64) * strides.k.stride_l, mask=kv_read, other=0.0)
+            v = tl.load(v_ptrs + start_n.to(tl.int64) * strides.v.stride_l, mask=kv_read, other=0.0)
             bias = 0.0
             if HAS_BIAS:
-                bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
-                                 keys_ok, BIAS_ROW)
+                bias = load_bias(bias_ptrs + start_n.to(tl.int64) * bias_layout.stride_n, keep,
+                                 keys_ok, BIAS_ROW=BIAS_ROW)
             s = scores_log2(mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS), keep, bias,
-                            qk_scale, HAS_BIAS)
+                            qk_scale, HAS_BIAS=HAS_BIAS)
             p = probs_from_lse(s, lse[:, None])
             dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
             ds = p * (dp - delta[:, None])
@@ -159,27 +168,27 @@ def attn_bwd_packed_kernel(
             ds = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
             dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        tl.store(dk_ptrs + start_n.to(tl.int64) * stride_dk_n, dk.to(dk_ptr.dtype.element_ty),
-                 mask=kv_in_range)
-        tl.store(dv_ptrs + start_n.to(tl.int64) * stride_dv_n, dv.to(dv_ptr.dtype.element_ty),
-                 mask=kv_in_range)
+        tl.store(dk_ptrs + start_n.to(tl.int64) * strides.dk.stride_l,
+                 dk.to(ptrs.dk.dtype.element_ty), mask=kv_in_range)
+        tl.store(dv_ptrs + start_n.to(tl.int64) * strides.dv.stride_l,
+                 dv.to(ptrs.dv.dtype.element_ty), mask=kv_in_range)
         # The bias gradient is dS itself (the bias adds to the scaled scores).
         if DBIAS_SUM_ROWS:
-            tl.store(dbias_ptrs + start_n.to(tl.int64) * stride_db_n,
-                     tl.sum(ds, 0)[None, :].to(dbias_ptr.dtype.element_ty), mask=keys_ok)
+            tl.store(dbias_ptrs + start_n.to(tl.int64) * dbias_layout.stride_n,
+                     tl.sum(ds, 0)[None, :].to(ptrs.dbias.dtype.element_ty), mask=keys_ok)
         if DBIAS_PER_ROW:
-            tl.store(dbias_ptrs + start_n.to(tl.int64) * stride_db_n,
-                     ds.to(dbias_ptr.dtype.element_ty), mask=row_ok[:, None] & keys_ok)
+            tl.store(dbias_ptrs + start_n.to(tl.int64) * dbias_layout.stride_n,
+                     ds.to(ptrs.dbias.dtype.element_ty), mask=row_ok[:, None] & keys_ok)
 
     dq *= sm_scale
     store = True
     if SPLIT_KEYS:
         # Partials are (splits, B * Hk, BLOCK_M, BLOCK_D) fp32, one tile per share and group.
-        dq, store = merge_shares(dq_part_ptr, count_ptr + pair, dq, rows, row_ok, split,
+        dq, store = merge_shares(ptrs.dq_part, ptrs.counts + pair, dq, rows, row_ok, split,
                                  num_splits, pair, num_pairs, BLOCK_M, BLOCK_M, BLOCK_D)
     if store:
-        tl.store(_group_rows(dq_ptr, b, offs_m, heads, stride_dq_b, stride_dq_m, stride_dq_h)
-                 + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_range)
+        tl.store(_group_rows(ptrs.dq, b, offs_m, heads, strides.dq) + offs_d[None, :],
+                 dq.to(ptrs.dq.dtype.element_ty), mask=in_range)
 
 
 # Rows of a packed tile: Lq * G up to this many use the packed backward. 16 is the smallest

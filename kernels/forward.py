@@ -9,9 +9,9 @@ import torch
 
 from ._blocks import ActivityMap, block_list_strides, shared_granularity, tile_activity
 from ._checks import CheckedInputs
-from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
-                      dot_options, is_interpreted, multiprocessors, operand_args,
-                      operand_pointer, strides3)
+from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
+                      is_interpreted, multiprocessors, operand_args, operand_pointer)
+from ._operands import ABSENT, ForwardPointers, SeqStrides, seq_strides, sizes_of
 from ._scratch import Scratch
 from .forward_kernels import _attn_fwd_kernel
 from .schedule import Problem, Schedule, activity_tiles, problem_of, schedule
@@ -87,14 +87,13 @@ class ForwardPlan:
         self.out_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
         self.lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
         self.part_shape = (self.splits, num_bh, shape.seqlen_q, problem.block_d)
-        out_strides = contiguous_strides(self.out_shape)[:3]
+        out_strides = SeqStrides(*contiguous_strides(self.out_shape)[:3])
         self.main = PlannedLaunch(
             _attn_fwd_kernel, (row_blocks * (num_bh // pack), 1, self.splits),
-            (*(self.mask or ABSENT_OPERAND).as_args(), *(self.bias or ABSENT_OPERAND).as_args(),
-             *block_list_strides(lists, shape.batch),
-             *strides3(query), *strides3(key), *strides3(value), *out_strides,
-             shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-             problem.softmax_scale * LOG2E, fwd.chunk_rows),
+            ForwardPointers,
+            (seq_strides(query), seq_strides(key), seq_strides(value), out_strides,
+             self.mask or ABSENT, self.bias or ABSENT, block_list_strides(lists, shape.batch),
+             sizes_of(shape), problem.softmax_scale * LOG2E, fwd.chunk_rows),
             HEAD_DIM=shape.head_dim, BLOCK_D=problem.block_d,
             BLOCK_M=fwd.block_m, BLOCK_N=fwd.tile.block_n, GROUP_PACK=pack,
             HAS_MASK=problem.mask is not None, HAS_BIAS=problem.bias is not None,
