@@ -247,18 +247,21 @@ def fetch_peer_command(dest: Annotated[Path, typer.Option("--dest", help="Git-ig
 
 
 @app.command("report", epilog=EXIT_CODES_HELP)
-def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs (e.g. results/<gpu>/*.csv).")],
-           readme: Annotated[Optional[Path], typer.Option("--readme", help="Rewrite the headline section of this README (between its markers) instead of printing.")] = None):
-    """Headline tables (median ms per backend, ours vs the best peer) generated from CSVs."""
-    from .report import headline_markdown, update_readme
+def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs of one device (e.g. results/<gpu>/*.csv).")],
+           readme: Annotated[Optional[Path], typer.Option("--readme", help="README whose headline section (between its markers) to rewrite (default: README.md here; left alone for CPU rows).")] = None,
+           tables: Annotated[Optional[Path], typer.Option("--tables", help="Markdown file for the full tables (default: README.md in the CSVs' folder, created if absent).")] = None,
+           print_only: Annotated[bool, typer.Option("--print", help="Print the headline and the tables; write nothing.")] = False):
+    """Generate the README headline and the full per-case tables from result CSVs."""
+    from .report import collect, headline_markdown, tables_markdown, write_reports
 
     def work():
-        markdown = headline_markdown(list(csvs))
-        if readme is None:
-            _echo(markdown)
+        if print_only:
+            collected = collect(list(csvs))
+            _echo(headline_markdown(collected))
+            _echo(tables_markdown(collected))
         else:
-            update_readme(readme, markdown)
-            _echo(f"updated: {readme}")
+            for line in write_reports(list(csvs), readme, tables):
+                _echo(line)
         return ExitCode.OK
 
     _guarded(work)

@@ -3,12 +3,21 @@
 ``dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
 softmax_scale=None, return_lse=False, deterministic=False)``; ``triton_dmattn_func`` is the same
 function under flash-dmattn's name. ``prepare_mask`` reads a mask once for every call that
-shares it. ``attention_reference`` is the eager ground truth.
+shares it. ``KeyIntervals`` is a mask in O(Lk) memory (each key's run of query rows);
+``topk_intervals`` builds flash-dmattn's top-W dynamic mask as one. ``dmattn_varlen_func`` takes
+flash-attn's packed (varlen) layout. ``schedule_for`` shows what a call will run
+(``kernels.schedule``). ``attention_reference`` is the eager ground truth and ``tolerance`` the
+accuracy rule.
 """
 
-from .interface import dmattn_func, triton_dmattn_func
+from . import schedule, tolerance
+from .interface import dmattn_func, schedule_for, triton_dmattn_func
+from .intervals import KeyIntervals
 from .prepared import PreparedMask, prepare_mask
-from .reference import attention_reference
+from .reference import attention_reference, attention_varlen_reference
+from .topk_intervals import topk_intervals
+from .varlen import dmattn_varlen_func
 
-__all__ = ["dmattn_func", "triton_dmattn_func", "prepare_mask", "PreparedMask",
-           "attention_reference"]
+__all__ = ["dmattn_func", "triton_dmattn_func", "dmattn_varlen_func", "prepare_mask",
+           "PreparedMask", "KeyIntervals", "topk_intervals", "attention_reference",
+           "attention_varlen_reference", "schedule_for", "schedule", "tolerance"]

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
 from ._launch import ceil_div, launch, next_power_of_2, operand_args
+from ._operands import NO_LISTS, ListStrides
 from ._score import tile_offsets, visible_keys
 
 
@@ -197,15 +198,15 @@ class BlockLists:
         return self.table[..., 2:]
 
 
-def block_list_strides(lists: BlockLists | None, batch: int) -> tuple[int, int, int]:
-    """Kernel args: the (b, h, row) strides of the lists' table (its pointer is passed per
-    call). A batch-broadcast mask has one set of lists; batch stride 0 shares it across the
-    batch. Without a mask the kernels never read these (HAS_MASK is False)."""
+def block_list_strides(lists: BlockLists | None, batch: int) -> ListStrides:
+    """The (b, h, row) strides of the lists' table (its pointer is passed per call). A
+    batch-broadcast mask has one set of lists; batch stride 0 shares it across the batch.
+    Without a mask the kernels never read these (HAS_MASK is False)."""
     if lists is None:
-        return (0, 0, 0)
+        return NO_LISTS
     table = lists.table
     shared = table.shape[0] == 1 and batch > 1
-    return (0 if shared else table.stride(0), table.stride(1), table.stride(2))
+    return ListStrides(0 if shared else table.stride(0), table.stride(1), table.stride(2))
 
 
 def shared_granularity(tiles) -> tuple[int, int]:
@@ -233,7 +234,7 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     grid = (ceil_div(shape.seqlen_q, load_rows) * num_load_cols, mask_batch * mask_heads)
     launch(
         _tile_activity_kernel, grid,
-        mask.view, *args.as_args()[:4],
+        mask.view, *args[:4],
         active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
         SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
         IS_CAUSAL=bool(is_causal), num_warps=4,

@@ -151,3 +151,12 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {scale}")
     return scale
+
+
+def check_flags(**flags) -> None:
+    """Boolean arguments must be bools: a string such as "yes" is truthy and would otherwise be
+    taken silently."""
+    for name, value in flags.items():
+        if value.__class__ is not bool:
+            raise TypeError(f"{name} must be a bool (True or False), got "
+                            f"{type(value).__name__} {value!r}")

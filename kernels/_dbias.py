@@ -22,7 +22,7 @@ broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
   head, a batch- or head-shared bias) are always other dq programs and add atomically. The
   dkdv kernel instead walks a GQA group's query heads in one program over (key, query) tiles,
   i.e. across the bias's rows: at B1 H8/2 L2048 its kernel took 0.54-1.58 ms where a one-row
-  bias's took 0.23-0.36 (results/notes.md, change 26). It still writes them when
+  bias's took 0.23-0.36 on an H100. It still writes them when
   ``deterministic=True`` leaves several contributors: in-program repeats (the group's heads)
   use load-add-store, contributions from other programs one launch per colliding
   (batch, kv-head) slice, in a fixed order.
@@ -33,41 +33,83 @@ Partials are O(B·Hq·L), the same order as LSE; the reductions in torch are det
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from ._checks import AttnShape
-from ._launch import OperandArgs, contiguous_strides
+from ._launch import contiguous_strides
+from ._operands import Layout
+
+
+class DbiasMode(str, Enum):
+    """How the bias gradient is made (the module docstring says why each exists)."""
+
+    NONE = "none"  # no gradient wanted
+    ZERO = "zero"  # key-broadcast bias: exactly zero, no kernel work
+    DKDV_ROWS = "dkdv-rows"  # one-row bias: dkdv sums dS over queries, a row per query head
+    DKDV_GROUP_ROWS = "dkdv-group-rows"  # ... and over the GQA group: a row per kv head
+    DQ_TILES = "dq-tiles"  # full-size tiles stored by dq, one contributor per element
+    DQ_TILES_ATOMIC = "dq-tiles-atomic"  # ... several contributors: atomic adds into fp32
+    DKDV_TILES_ORDERED = "dkdv-tiles-ordered"  # deterministic, several contributors: dkdv
+    # adds the group's heads in order, colliding slices in serialized launches
+    PACKED_SUMMED_ROWS = "packed-summed-rows"  # packed launch: a tile's rows share one row
+    PACKED_ROWS = "packed-rows"  # packed launch: each tile row owns its own bias row
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
 class DbiasPlan:
     """How one call signature's bias gradient is made; it holds no tensors, so a plan serves
-    every call of its signature: each allocates its own ``buffer``."""
+    every call of its signature: each allocates its own buffer."""
 
-    is_zero: bool  # key-axis-broadcast bias: the gradient is exactly zero, no kernel work
-    reduce_m: bool  # dkdv kernel sums over queries before writing
-    in_dq: bool  # full-size tiles written by the dq kernel (else by dkdv)
-    sum_group: bool  # ... and over its group's query heads: one buffer row per kv head
+    mode: DbiasMode
     buffer_shape: tuple[int, ...]  # what the kernel writes into: partial, accumulator or grad
     buffer_dtype: torch.dtype
-    target: OperandArgs  # ``buffer`` seen as a (B, heads, Lq, Lk) broadcast view
-    accumulate: bool
-    atomic: bool
-    serialize_batch: bool
-    serialize_heads: bool
+    target: Layout  # the buffer seen as a (B, heads, Lq, Lk) broadcast view
     bias_shape: tuple[int, ...]
     bias_dtype: torch.dtype
+    serialize_batch: bool = False  # DKDV_TILES_ORDERED: one dkdv launch per batch ...
+    serialize_heads: bool = False  # ... and/or per kv head
+
+    @property
+    def is_zero(self) -> bool:
+        return self.mode is DbiasMode.ZERO
+
+    @property
+    def reduce_m(self) -> bool:
+        """dkdv sums dS over queries before writing."""
+        return self.mode in (DbiasMode.DKDV_ROWS, DbiasMode.DKDV_GROUP_ROWS)
+
+    @property
+    def sum_group(self) -> bool:
+        """... and over its GQA group's query heads: one buffer row per kv head."""
+        return self.mode is DbiasMode.DKDV_GROUP_ROWS
+
+    @property
+    def in_dq(self) -> bool:
+        return self.mode in (DbiasMode.DQ_TILES, DbiasMode.DQ_TILES_ATOMIC)
+
+    @property
+    def atomic(self) -> bool:
+        return self.mode is DbiasMode.DQ_TILES_ATOMIC
 
     @property
     def dkdv_tiles(self) -> bool:
-        """Whether the dkdv kernel writes full-size tiles (summing a group's heads in order)."""
-        return not (self.is_zero or self.reduce_m or self.in_dq)
+        """dkdv writes full-size tiles, summing a group's heads in order."""
+        return self.mode is DbiasMode.DKDV_TILES_ORDERED
+
+    @property
+    def packed(self) -> bool:
+        return self.mode in (DbiasMode.PACKED_SUMMED_ROWS, DbiasMode.PACKED_ROWS)
 
     def allocate(self, device) -> torch.Tensor:
-        # A summed row is stored once per element whether or not its tiles are active; tiles
-        # of a full-size gradient are written only where active, so the rest must be zero.
-        if self.reduce_m:
+        # Summed rows and packed rows are stored once per element whether or not their tiles
+        # are active; tiles of a full-size gradient are written only where active, so the rest
+        # must be zero.
+        if self.reduce_m or self.packed:
             return torch.empty(self.buffer_shape, dtype=self.buffer_dtype, device=device)
         return torch.zeros(self.buffer_shape, dtype=self.buffer_dtype, device=device)
 
@@ -101,11 +143,11 @@ def reduce_partial(partial: torch.Tensor, bias_shape) -> torch.Tensor:
 
 
 def broadcast_args(buffer_shape: tuple[int, ...], view_shape: tuple[int, ...],
-                    head_div: int) -> OperandArgs:
+                    head_div: int) -> Layout:
     """Kernel args of a contiguous buffer of ``buffer_shape`` expanded to ``view_shape``
     (stride 0 along the expanded axes, as ``Tensor.expand`` gives)."""
     strides = contiguous_strides(buffer_shape)
-    return OperandArgs(*(0 if size == 1 and to != 1 else stride
+    return Layout(*(0 if size == 1 and to != 1 else stride
                          for size, to, stride in zip(buffer_shape, view_shape, strides)),
                        head_div)
 
@@ -120,64 +162,43 @@ def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bia
     bb, bh, bm, bn = bias_shape
     common = dict(bias_shape=tuple(bias_shape), bias_dtype=bias_dtype)
     if bn == 1:
-        return DbiasPlan(True, False, False, False, tuple(bias_shape), bias_dtype,
-                         broadcast_args(bias_shape, bias_shape, 1),
-                         False, False, False, False, **common)
+        return DbiasPlan(DbiasMode.ZERO, tuple(bias_shape), bias_dtype,
+                         broadcast_args(bias_shape, bias_shape, 1), **common)
     if bm == 1 and shape.seqlen_q > 1:
         # Query heads of a group share a gradient row unless the bias has a head per query.
         sum_group = bh != shape.heads_q or shape.group_size == 1
         rows = (shape.batch, shape.heads_kv if sum_group else shape.heads_q, 1, shape.seqlen_k)
         final = rows == tuple(bias_shape) and not (interpreted and bias_dtype == torch.bfloat16)
-        return DbiasPlan(False, True, False, sum_group, rows,
-                         bias_dtype if final else torch.float32,
-                         broadcast_args(rows, rows, 1),
-                         False, False, False, False, **common)
+        return DbiasPlan(DbiasMode.DKDV_GROUP_ROWS if sum_group else DbiasMode.DKDV_ROWS,
+                         rows, bias_dtype if final else torch.float32,
+                         broadcast_args(rows, rows, 1), **common)
 
     view_shape = (shape.batch, bh, shape.seqlen_q, shape.seqlen_k)
     target = broadcast_args(bias_shape, view_shape, head_div)
-    shared_batch = bb == 1 and shape.batch > 1
-    shared_heads = bh == 1 and shape.heads_kv > 1
     contributors = (shape.batch // bb) * (shape.heads_q // bh)
     if contributors == 1:
-        return DbiasPlan(False, False, True, False, tuple(bias_shape), bias_dtype, target,
-                         False, False, False, False, **common)
+        return DbiasPlan(DbiasMode.DQ_TILES, tuple(bias_shape), bias_dtype, target, **common)
     if not deterministic:
-        return DbiasPlan(False, False, True, False, tuple(bias_shape), torch.float32, target,
-                         True, True, False, False, **common)
+        return DbiasPlan(DbiasMode.DQ_TILES_ATOMIC, tuple(bias_shape), torch.float32, target,
+                         **common)
     # Deterministic: dkdv sums a group's heads in order; other programs' slices serialize.
-    return DbiasPlan(False, False, False, False, tuple(bias_shape), torch.float32, target, True,
-                     False, shared_batch, shared_heads, **common)
+    return DbiasPlan(DbiasMode.DKDV_TILES_ORDERED, tuple(bias_shape), torch.float32, target,
+                     serialize_batch=bb == 1 and shape.batch > 1,
+                     serialize_heads=bh == 1 and shape.heads_kv > 1, **common)
 
 
-@dataclass(frozen=True)
-class PackedDbias:
-    """The packed backward's bias gradient (``backward_packed``). Its programs own whole
-    (batch, kv head) groups of rows and whole key blocks, so each element of its (B, heads,
-    rows, Lk) buffer has one writer and is stored once, never accumulated:
-
-    * ``sum_rows``: every row of a program's tile reads one bias row (a bias with 1 or Hk heads
-      and one query row, or any such bias at Lq = 1): the tile's dS is summed over its rows,
-      one buffer row per (batch, kv head).
-    * otherwise each tile row has its own bias element (a bias with a head per query head, or
-      MHA, and a query axis of Lq): dS is stored as it is.
-    """
-
-    sum_rows: bool
-    buffer_shape: tuple[int, ...]
-    buffer_dtype: torch.dtype
-    target: OperandArgs
-    bias_shape: tuple[int, ...]
-    bias_dtype: torch.dtype
-
-    def allocate(self, device) -> torch.Tensor:
-        return torch.empty(self.buffer_shape, dtype=self.buffer_dtype, device=device)
-
-    def finish(self, buffer: torch.Tensor) -> torch.Tensor:
-        return finish_gradient(buffer, self.bias_shape, self.bias_dtype)
+# The packed backward's bias gradient (``backward_packed``): its programs own whole (batch, kv
+# head) groups of rows and whole key blocks, so each element of its (B, heads, rows, Lk) buffer
+# has one writer and is stored once, never accumulated:
+# * PACKED_SUMMED_ROWS: every row of a program's tile reads one bias row (a bias with 1 or Hk
+#   heads and one query row, or any such bias at Lq = 1): the tile's dS is summed over its rows,
+#   one buffer row per (batch, kv head).
+# * PACKED_ROWS: each tile row has its own bias element (a bias with a head per query head, or
+#   MHA, and a query axis of Lq): dS is stored as it is.
 
 
 def plan_packed_dbias(bias_shape: tuple[int, ...], shape: AttnShape, bias_dtype,
-                      interpreted: bool = False) -> PackedDbias | None:
+                      interpreted: bool = False) -> DbiasPlan | None:
     """The packed backward's plan for a bias of ``bias_shape`` whose key axis is not broadcast,
     or None where its rows neither all share one gradient row nor each own one (with G > 1
     and Lq > 1, a (B, Hk, Lq, Lk) bias sums each query's G head rows, a (B, Hq, 1, Lk) one each
@@ -195,6 +216,7 @@ def plan_packed_dbias(bias_shape: tuple[int, ...], shape: AttnShape, bias_dtype,
     final = buffer == tuple(bias_shape) and not (sum_rows and interpreted
                                                  and bias_dtype == torch.bfloat16)
     view = (shape.batch, shape.heads_q, shape.seqlen_q, shape.seqlen_k)
-    return PackedDbias(sum_rows, buffer, bias_dtype if final else torch.float32,
-                       broadcast_args(buffer, view, shape.heads_q // heads),
-                       tuple(bias_shape), bias_dtype)
+    return DbiasPlan(DbiasMode.PACKED_SUMMED_ROWS if sum_rows else DbiasMode.PACKED_ROWS,
+                     buffer, bias_dtype if final else torch.float32,
+                     broadcast_args(buffer, view, shape.heads_q // heads),
+                     tuple(bias_shape), bias_dtype)

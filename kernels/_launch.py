@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
-from ._checks import BroadcastOperand, CheckedInputs
+from ._checks import BroadcastOperand
+from ._operands import ABSENT, Layout
+from .tuning import INTERPRETED_MULTIPROCESSORS
 
 
 def is_interpreted(kernel) -> bool:
@@ -49,43 +50,18 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def edge_slots(loop_rows: int, step_rows: int) -> int:
-    """List entries read from each end by ``interior_span``: a loop over ``step_rows``-sized
-    blocks crosses the causal diagonal of a ``loop_rows``-sized block in at most
-    ceil(loop_rows / step_rows) + 1 blocks; a partial last block is one of those or one more."""
-    return next_power_of_2(ceil_div(loop_rows, step_rows) + 2)
-
-
 def padded_head_dim(head_dim: int) -> int:
     # tl.dot needs every dimension >= 16 and power-of-two tiles; loads mask the padding.
     return max(16, next_power_of_2(head_dim))
 
 
-@dataclass(frozen=True)
-class OperandArgs:
-    """Four strides and the head divisor of an optional mask or bias's broadcast view, as
-    kernel args. The pointer itself is passed per call (see ``PlannedLaunch``)."""
-
-    stride_b: int
-    stride_h: int
-    stride_m: int
-    stride_n: int
-    head_div: int
-
-    def as_args(self) -> tuple:
-        return (self.stride_b, self.stride_h, self.stride_m, self.stride_n, self.head_div)
-
-
-ABSENT_OPERAND = OperandArgs(0, 0, 0, 0, 1)
-
-
-def operand_args(op: BroadcastOperand | None) -> OperandArgs:
-    """Kernel arguments for a broadcast view. An absent operand gets zeros; its pointer is a
+def operand_args(op: BroadcastOperand | None) -> Layout:
+    """The ``Layout`` of a broadcast view; ``ABSENT`` for an absent operand, whose pointer is a
     placeholder that the kernel never dereferences (HAS_MASK / HAS_BIAS are compile-time
     False)."""
     if op is None:
-        return ABSENT_OPERAND
-    return OperandArgs(*op.view.stride(), op.head_div)
+        return ABSENT
+    return Layout(*op.view.stride(), op.head_div)
 
 
 def operand_pointer(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -102,11 +78,6 @@ def _kernel_arg(a):
     return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype == torch.bool else a
 
 
-def strides3(t: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, seq, head) strides of a (B, L, H, D) tensor whose head_dim stride is 1."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape``."""
     strides, step = [], 1
@@ -116,16 +87,11 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def bias_has_one_row(checked: CheckedInputs) -> bool:
-    """The bias is broadcast over queries (flash-dmattn's default kv_row shape)."""
-    return checked.bias is not None and checked.bias.original_shape[2] == 1
-
-
 def multiprocessors(device: torch.device, interpreted: bool) -> int:
-    """Multiprocessor count, which sizes split-K. The interpreter pretends to have 16, so that
-    small CPU test shapes (decode rows over a few hundred keys) take the split path too."""
+    """Multiprocessor count, which sizes grids and key splits (see ``tuning`` for the
+    interpreter's)."""
     if interpreted:
-        return 16
+        return INTERPRETED_MULTIPROCESSORS
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _multiprocessors:  # the property lookup costs microseconds per call
         _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -135,57 +101,11 @@ def multiprocessors(device: torch.device, interpreted: bool) -> int:
 _multiprocessors: dict[int, int] = {}
 
 
-def key_splits(programs: int, key_blocks: int, multiprocessor_count: int,
-               min_blocks: int = 4) -> int:
-    """How many ways to split the key axis so that a small grid (decode) fills the GPU.
-
-    Splits only when the grid fills less than half the multiprocessors (decode), aims at two
-    programs per multiprocessor, and keeps at least ``min_blocks`` key blocks per split so the
-    merge stays cheap. From half a wave up, the split's partial buffers, extra launch and merge
-    cost more than the idle multiprocessors: B1 H8/2 L2048 with a mask is 128 programs on 132,
-    a 58 us attention kernel plus a 7 us merge and ~25 us of host time (results/notes.md,
-    change 20; the merge was a launch of its own then, and is folded into the split programs
-    since change 30).
-    """
-    if 2 * programs > multiprocessor_count:
-        return 1
-    return max(1, min(ceil_div(2 * multiprocessor_count, programs), key_blocks // min_blocks,
-                      128))
-
-
-# A causal grid runs in chunks of rows of at least this many programs per multiprocessor
-# (``grid_chunk_rows``). Probed with 2, 4, 8 and the whole grid as one chunk on dense, gqa,
-# seqlen and window causal rows (results/notes.md, change 24): 8 was best or within noise
-# of the best everywhere.
-CHUNK_PROGRAMS_PER_SM = 8
-
-
-def grid_chunk_rows(rows: int, blocks: int, group: int, uneven: bool,
-                    multiprocessor_count: int) -> int:
-    """Rows per chunk of a ``grid_position`` grid: ``rows`` rows of ``blocks`` programs each,
-    consecutive runs of ``group`` rows sharing K and V (a GQA group).
-
-    With even work per program, one row per chunk: the programs running together then belong
-    to one or two heads and share their K and V in L2. With uneven work (causal), a chunk
-    starts its longest programs first and ends on its shortest, which keeps the grid's last
-    wave short, but only if the chunk holds enough programs to fill the GPU several times
-    over; more rows than that only spread the programs running together over more heads.
-    """
-    if not uneven:
-        return 1
-    # The fewest whole groups that divide the rows into equal chunks and fill the GPU: a
-    # narrower last chunk would end the grid on its own longest programs.
-    for size in range(group, rows, group):
-        if rows % size == 0 and size * blocks >= CHUNK_PROGRAMS_PER_SM * multiprocessor_count:
-            return size
-    return rows
-
-
 # -- launching with less host time
 # ``kernel[grid](...)`` runs Triton's JIT dispatch on every call: it binds and specializes
 # each argument, builds a cache key and looks the compiled kernel up. On the H100 benchmark
 # host that is ~37 us per launch back to back and ~75 us inside a real call, against ~9 us for
-# the compiled kernel's own launcher (results/notes.md, change 18), and the backward makes
+# the compiled kernel's own launcher (triton 3.6), and the backward makes
 # three launches. ``launch`` does the dispatch once per argument signature and then calls the
 # compiled kernel's launcher directly.
 #
@@ -238,7 +158,7 @@ def _jit_launch(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
 
 def _current_device() -> int:
     # torch's own query: Triton's, through its driver proxy, took 0.57 us per call on the H100
-    # host against 0.32 (results/notes.md, change 29). Both return the same index.
+    # host against 0.32. Both return the same index.
     return torch.cuda.current_device()
 
 
@@ -279,36 +199,39 @@ _alignment = (15).__and__  # an address's offset from 16-byte alignment
 
 class PlannedLaunch:
     """A launch planned once per call signature: the grid, every scalar argument, the
-    constexprs and the options are fixed, and each call passes only the kernel's pointer
-    arguments, which are its leading parameters, in order.
+    constexprs and the options are fixed, and each call passes only the kernel's tensors, which
+    its first parameter takes as one ``pointers`` NamedTuple (``_operands``).
 
     The plan's owner guarantees the pointers' dtypes (they follow from the call signature), so
     the only thing left that Triton specializes on is each pointer's 16-byte alignment: one
     compiled kernel is kept per alignment pattern and device.
     """
 
-    def __init__(self, kernel, grid: tuple, scalars: tuple, num_warps: int = 4,
-                 num_stages: int = 3, **constexprs):
+    def __init__(self, kernel, grid: tuple, pointers: type, scalars: tuple,
+                 num_warps: int = 4, num_stages: int = 3, **constexprs):
         self.kernel = kernel
         self.interpreted = is_interpreted(kernel)
         self.grid = _grid3(grid)
+        self.pointers = pointers
         self.scalars = tuple(scalars)
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
         self._compiled: dict = {}
 
-    def __call__(self, *pointers: torch.Tensor) -> None:
+    def __call__(self, *tensors: torch.Tensor) -> None:
         if self.interpreted or not _direct_launch_available():
-            self.kernel[self.grid](*map(_kernel_arg, pointers), *self.scalars, **self.options)
+            self.kernel[self.grid](self.pointers(*map(_kernel_arg, tensors)), *self.scalars,
+                                   **self.options)
             return
         device = _current_device()
         # The launcher takes addresses as plain ints too, which skips its per-tensor
         # ``data_ptr()`` call and pointer-attribute query (we read the addresses anyway).
         # ``map`` over C callables: no Python frame per pointer.
-        addresses = list(map(_data_ptr, pointers))
+        addresses = tuple(map(_data_ptr, tensors))
         key = (device, *map(_alignment, addresses))
         hit = self._compiled.get(key)
         if hit is None:
-            self._compiled[key] = _jit_launch(self.kernel, self.grid, pointers + self.scalars,
-                                              self.options)
+            self._compiled[key] = _jit_launch(
+                self.kernel, self.grid, (self.pointers(*map(_kernel_arg, tensors)),
+                                         *self.scalars), self.options)
             return
-        _run_compiled(hit, self.grid, (*addresses, *self.scalars), device)
+        _run_compiled(hit, self.grid, (addresses, *self.scalars), device)

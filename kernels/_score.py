@@ -157,7 +157,7 @@ def query_tile_scores(q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n,
     if HAS_MASK or not INTERIOR:
         keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
                             mask_ptrs + start_n.to(tl.int64) * stride_mask_n,
-                            HAS_MASK, CAUSAL_TILES, INTERIOR)
+                            HAS_MASK=HAS_MASK, IS_CAUSAL=CAUSAL_TILES, INTERIOR=INTERIOR)
     if INTERIOR:
         kv_in_range = d_ok[None, :]
     else:
@@ -166,9 +166,10 @@ def query_tile_scores(q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n,
     bias = 0.0
     if HAS_BIAS:
         bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
-                         (offs_n < seqlen_k)[None, :], BIAS_ROW, INTERIOR)
+                         (offs_n < seqlen_k)[None, :], BIAS_ROW=BIAS_ROW, INTERIOR=INTERIOR)
     qk = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS)
-    s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
+    s = scores_log2(qk, keep, bias, qk_scale, HAS_BIAS=HAS_BIAS,
+                    APPLY_KEEP=HAS_MASK or not INTERIOR)
     return s, k, kv_in_range
 
 
@@ -307,3 +308,89 @@ def grid_position(pid, blocks, chunk_rows, LAST_FIRST: tl.constexpr):
     if LAST_FIRST:
         block = blocks - 1 - block
     return block, first_row + rest % width
+
+
+@triton.jit
+def head_base(ptr, layout, b, h):
+    """Base pointer of (batch b, query head h) in a broadcast operand of ``layout``
+    (``_operands.Layout``): query head h reads head h // head_div. 64-bit products: a bias of
+    (1, 32, 8192, 65536) has head offsets past 2**31."""
+    return operand_base(ptr, b, h, layout.head_div, layout.stride_b, layout.stride_h)
+
+
+@triton.jit
+def seq_base(ptr, strides, b, h):
+    """Base pointer of (batch b, head h) in a (B, L, H, D) tensor of ``strides``
+    (``_operands.SeqStrides``)."""
+    return operand_base(ptr, b, h, 1, strides.stride_b, strides.stride_h)
+
+
+@triton.jit
+def block_spans(lists_ptr, list_strides, head_div, b, h, block, start, split, num_splits,
+                seqlen_q, seqlen_k, LOOP_ROWS: tl.constexpr, STEP_ROWS: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, EDGE_SLOTS: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """The spans of blocks that a program walks: the one block walker of every kernel.
+
+    The program holds block ``block`` (``LOOP_ROWS`` query rows from ``start``; TRANSPOSED,
+    ``LOOP_ROWS`` keys) and walks ``STEP_ROWS``-sized blocks of the other axis. Returns
+    ``(list, full_lo, full_hi, lead_lo, inner_lo, inner_hi, tail_hi)``, the spans
+    full [full_lo, full_hi), lead [lead_lo, inner_lo), inner [inner_lo, inner_hi) and
+    tail [inner_hi, tail_hi), which ``span`` turns into loop arguments:
+
+    * with a mask they are positions in ``list``, this row's active-tile list (``_blocks``):
+      full tiles need no mask read and no per-pair test; the partial ones follow;
+    * without a mask, block indices (full is empty);
+    * lead: blocks on the causal diagonal before the interior (TRANSPOSED only); inner: blocks
+      inside both lengths with no causal test (only a mask decides); tail: the rest, tested per
+      pair (the diagonal and a partial last key block, or TRANSPOSED a partial last query
+      block).
+
+    Not TRANSPOSED, split-K cuts the positions into ``num_splits`` contiguous shares; the spans
+    cover share ``split``.
+    """
+    if TRANSPOSED:
+        lead_lo, inner_lo, num_blocks = causal_query_split(start, STEP_ROWS, LOOP_ROWS,
+                                                           seqlen_q, seqlen_k, IS_CAUSAL)
+        inner_hi = tl.maximum(seqlen_q // STEP_ROWS, inner_lo)
+    else:
+        inner_hi, num_blocks = causal_block_split(start, LOOP_ROWS, STEP_ROWS, seqlen_q,
+                                                  seqlen_k, IS_CAUSAL)
+        inner_hi = tl.minimum(inner_hi, seqlen_k // STEP_ROWS)
+        lead_lo = 0
+        inner_lo = 0
+    span_list = lists_ptr
+    full_lo = 0
+    full_hi = 0
+    tail_hi = num_blocks
+    if HAS_MASK:
+        span_list, tail_hi, full_hi = block_list_row(
+            lists_ptr, list_strides.stride_b, list_strides.stride_h, list_strides.stride_row,
+            b, h, head_div, block)
+        lo, hi = interior_span(span_list + full_hi, tail_hi - full_hi, inner_lo, inner_hi,
+                               EDGE_SLOTS)
+        lead_lo = full_hi
+        inner_lo = lo + full_hi
+        inner_hi = hi + full_hi
+    if not TRANSPOSED:
+        share_lo, tail_hi = split_share(tail_hi, split, num_splits)
+        full_lo = share_lo
+        full_hi = tl.minimum(tl.maximum(full_hi, share_lo), tail_hi)
+        inner_lo = tl.minimum(tl.maximum(inner_lo, share_lo), tail_hi)
+        inner_hi = tl.minimum(tl.maximum(inner_hi, share_lo), tail_hi)
+        lead_lo = inner_lo
+    return span_list, full_lo, full_hi, lead_lo, inner_lo, inner_hi, tail_hi
+
+
+@triton.jit
+def span(span_list, lo, hi, HAS_MASK: tl.constexpr):
+    """(list pointer, first block, count) of the span [lo, hi) of ``block_spans``, as an inner
+    loop's ``block_at`` reads them: list positions with a mask, block indices without."""
+    # One return statement: compiled Triton rejects returns of different types.
+    if HAS_MASK:
+        list_ptr = span_list + lo
+        first = 0
+    else:
+        list_ptr = span_list
+        first = lo
+    return list_ptr, first, hi - lo

@@ -1,6 +1,7 @@
 """The dkdv kernel: dk, dv (and the bias gradient's one-row sums) of one key block per
 program, in the transposed (n, m) orientation; ``backward_kernels`` describes the backward's
 launches, and its fused kernel runs ``attn_bwd_dkdv_program`` beside the dq program.
+Arguments are grouped as there (``_operands``).
 Axis letters: b batch, h head, m query position, n key position, d head dim.
 """
 
@@ -9,18 +10,15 @@ import triton.language as tl
 
 from ._partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
                         sum_partials)
-from ._score import (block_at, block_list_row, causal_query_split, clamp_index, grid_position,
-                     interior_span, load_bias, mma, operand_base, probs_from_lse, scores_log2,
-                     tile_offsets, visible_keys, write_tile)
+from ._score import (block_at, block_spans, clamp_index, grid_position, head_base, load_bias,
+                     mma, probs_from_lse, scores_log2, seq_base, span, tile_offsets,
+                     visible_keys, write_tile)
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-    q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m,
-    mask_ptrs, stride_mask_m, bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m,
-    lse_ptr, delta_ptr, block_list_ptr, first_block, num_blocks,
-    seqlen_q, seqlen_k, qk_scale,
+    dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_ptr, delta_ptr,
+    block_list_ptr, first_block, num_blocks, seqlen_q, seqlen_k, qk_scale,
     BLOCK_M: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
@@ -30,7 +28,8 @@ def _attn_bwd_dkdv_inner(
 ):
     """Accumulate one query head's contribution to a key block's dk, dv (and dbias).
 
-    Works in the (n, m) orientation. Pointers address query block 0; blocks are
+    Works in the (n, m) orientation. ``tiles`` are the (q, dO, O, mask, bias, dbias) tile
+    pointers at query block 0 and ``steps`` their strides along queries; blocks are
     ``first_block + i`` or the i-th entry of the transposed active-tile list. INTERIOR query
     blocks are whole and below the diagonal: no per-pair range or causal test, only the key
     range guards their mask and bias loads (key rows past seqlen_k are never stored).
@@ -39,6 +38,8 @@ def _attn_bwd_dkdv_inner(
     MASK_KEYS_CLAMPED: the mask pointers' keys are clamped into range, so interior mask loads
     need no predicate (see ``attn_bwd_dkdv_program``); bias keys never are.
     """
+    q_ptrs, do_ptrs, o_ptrs, mask_ptrs, bias_ptrs, dbias_ptrs = tiles
+    stride_q_m, stride_do_m, stride_o_m, stride_mask_m, stride_bias_m, stride_db_m = steps
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
         start_m = block * BLOCK_M
@@ -50,7 +51,7 @@ def _attn_bwd_dkdv_inner(
         if HAS_MASK or not INTERIOR:
             keep = visible_keys(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
                                 mask_ptrs + start_m.to(tl.int64) * stride_mask_m,
-                                HAS_MASK, CAUSAL_TILES, INTERIOR,
+                                HAS_MASK=HAS_MASK, IS_CAUSAL=CAUSAL_TILES, INTERIOR=INTERIOR,
                                 GUARD_KEYS=not MASK_KEYS_CLAMPED)
         if INTERIOR:
             q_in_range = d_ok[None, :]
@@ -60,9 +61,11 @@ def _attn_bwd_dkdv_inner(
         bias = 0.0
         if HAS_BIAS:
             bias = load_bias(bias_ptrs + start_m.to(tl.int64) * stride_bias_m, keep,
-                             n_ok[:, None], BIAS_ROW, INTERIOR, GUARD_KEYS=True)
+                             n_ok[:, None], BIAS_ROW=BIAS_ROW, INTERIOR=INTERIOR,
+                             GUARD_KEYS=True)
         qk_t = mma(k, tl.trans(q), DOT_PRECISION, WIDEN_DOTS)
-        s_t = scores_log2(qk_t, keep, bias, qk_scale, HAS_BIAS, HAS_MASK or not INTERIOR)
+        s_t = scores_log2(qk_t, keep, bias, qk_scale, HAS_BIAS=HAS_BIAS,
+                          APPLY_KEEP=HAS_MASK or not INTERIOR)
         p_t = probs_from_lse(s_t, tl.load(lse_ptr + offs_m, mask=m_ok, other=0.0)[None, :])
         do = tl.load(do_ptrs + start_m.to(tl.int64) * stride_do_m, mask=q_in_range, other=0.0)
         dv += mma(p_t.to(do.dtype), do, DOT_PRECISION, WIDEN_DOTS)
@@ -80,98 +83,74 @@ def _attn_bwd_dkdv_inner(
                 dbias_col += tl.sum(ds_t, 1)
             else:
                 write_tile(dbias_ptrs + start_m.to(tl.int64) * stride_db_m, ds_t,
-                           n_ok[:, None] & m_ok[None, :], DBIAS_ACCUMULATE, False)
+                           n_ok[:, None] & m_ok[None, :], ACCUMULATE=DBIAS_ACCUMULATE,
+                           ATOMIC=False)
     return dk, dv, dbias_col
+
+
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr,
-    mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr, dbias_sum_ptr,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
-    stride_list_b, stride_list_h, stride_list_n,
-    stride_q_b, stride_q_m, stride_q_h,
-    stride_k_b, stride_k_n, stride_k_h,
-    stride_v_b, stride_v_n, stride_v_h,
-    stride_do_b, stride_do_m, stride_do_h,
-    stride_dk_b, stride_dk_n, stride_dk_h,
-    stride_dv_b, stride_dv_n, stride_dv_h,
-    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    ptrs, strides, layouts, sizes, qk_scale, sm_scale,
     batch_start, head_start, heads_per_launch, chunk_rows, head_shares,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr, SPLIT_HEADS: tl.constexpr,
+    DBIAS_MODE: tl.constexpr, EDGE_SLOTS: tl.constexpr, SPLIT_HEADS: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
 ):
-    """dk, dv (and dbias) of one key block per program, reading the delta dq stored. The
-    output pointer and strides that only the fused launch reads are given dO's.
+    """dk, dv (and dbias) of one key block per program (``ptrs``: ``DkdvPointers``), reading
+    the delta dq stored.
 
     SPLIT_HEADS: a grid row is a (pair, share) of ``head_shares`` shares of the GQA group's
     query heads, so that a grid of few (batch, kv head) pairs still fills the GPU; the shares'
     partials are summed within the launch (see ``attn_bwd_dkdv_program``)."""
     # Earlier key blocks see more queries under causal: n ascending is already longest first.
-    key_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    key_blocks = tl.cdiv(sizes.seqlen_k, BLOCK_N)
     n_block, row = grid_position(tl.program_id(0), key_blocks, chunk_rows, False)
     attn_bwd_dkdv_program(
         n_block, row // head_shares, row % head_shares, head_shares,
-        tl.num_programs(0) // key_blocks // head_shares,
-        q_ptr, k_ptr, v_ptr, do_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-        dk_part_ptr, dv_part_ptr,
-        mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr, dbias_sum_ptr,
-        stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
-        stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-        stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
-        stride_list_b, stride_list_h, stride_list_n,
-        stride_q_b, stride_q_m, stride_q_h, stride_k_b, stride_k_n, stride_k_h,
-        stride_v_b, stride_v_n, stride_v_h, stride_do_b, stride_do_m, stride_do_h,
-        stride_do_b, stride_do_m, stride_do_h,
-        stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-        heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-        batch_start, head_start, heads_per_launch,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL,
-        DOT_PRECISION, WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_SUM_GROUP,
-        DBIAS_ACCUMULATE, EDGE_SLOTS, False, SPLIT_HEADS, GROUP_ROWS)
+        tl.num_programs(0) // key_blocks // head_shares, ptrs, strides, layouts, sizes,
+        qk_scale, sm_scale, batch_start, head_start, heads_per_launch,
+        HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW, IS_CAUSAL=IS_CAUSAL,
+        DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, DBIAS_MODE=DBIAS_MODE,
+        EDGE_SLOTS=EDGE_SLOTS, DELTA_FROM_OUT=False, SPLIT_HEADS=SPLIT_HEADS,
+        GROUP_ROWS=GROUP_ROWS)
 
 
 @triton.jit
 def attn_bwd_dkdv_program(
-    n_block, pair, share, num_shares, num_pairs,
-    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    dk_part_ptr, dv_part_ptr,
-    mask_ptr, bias_ptr, dbias_ptr, list_ptr, count_ptr, dbias_sum_ptr,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
-    stride_list_b, stride_list_h, stride_list_n,
-    stride_q_b, stride_q_m, stride_q_h,
-    stride_k_b, stride_k_n, stride_k_h,
-    stride_v_b, stride_v_n, stride_v_h,
-    stride_o_b, stride_o_m, stride_o_h,
-    stride_do_b, stride_do_m, stride_do_h,
-    stride_dk_b, stride_dk_n, stride_dk_h,
-    stride_dv_b, stride_dv_n, stride_dv_h,
-    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    batch_start, head_start, heads_per_launch,
+    n_block, pair, share, num_shares, num_pairs, ptrs, strides, layouts, sizes,
+    qk_scale, sm_scale, batch_start, head_start, heads_per_launch,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    HAS_DBIAS: tl.constexpr, DBIAS_REDUCE_M: tl.constexpr, DBIAS_SUM_GROUP: tl.constexpr,
-    DBIAS_ACCUMULATE: tl.constexpr, EDGE_SLOTS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
+    DBIAS_MODE: tl.constexpr, EDGE_SLOTS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
     SPLIT_HEADS: tl.constexpr, GROUP_ROWS: tl.constexpr,
 ):
     """Key block ``n_block`` of (batch, kv head) pair ``pair`` of the launch's ``num_pairs``,
-    over share ``share`` of ``num_shares`` of its group's query heads.
+    over share ``share`` of ``num_shares`` of its group's query heads. ``ptrs`` has the
+    fields of ``DkdvPointers``.
 
     SPLIT_HEADS: each share writes fp32 partials of dk and dv, and the last share of the key
     block to finish sums them and stores dk and dv (``_partials``). GROUP_ROWS: the
-    shares wrote a one-row bias gradient per query head (``dbias_ptr``, fp32 rows (B * Hq, Lk));
-    that last share also sums its group's rows into row ``pair`` of ``dbias_sum_ptr``."""
+    shares wrote a one-row bias gradient per query head (``ptrs.dbias``, fp32 rows
+    (B * Hq, Lk)); that last share also sums its group's rows into row ``pair`` of
+    ``ptrs.dbias_sum``."""
+    # The bias-gradient modes dkdv writes (``_dbias``): one-row sums over queries (and over
+    # the group when it shares a row), or full tiles added in order (deterministic).
+    DBIAS_REDUCE_M: tl.constexpr = (DBIAS_MODE == "dkdv-rows") | \
+        (DBIAS_MODE == "dkdv-group-rows")
+    DBIAS_SUM_GROUP: tl.constexpr = DBIAS_MODE == "dkdv-group-rows"
+    DBIAS_ACCUMULATE: tl.constexpr = DBIAS_MODE == "dkdv-tiles-ordered"
+    HAS_DBIAS: tl.constexpr = DBIAS_REDUCE_M | DBIAS_ACCUMULATE
+    seqlen_q = sizes.seqlen_q
+    seqlen_k = sizes.seqlen_k
+    group_size = sizes.group_size
     start_n = n_block * BLOCK_N
     # ``pair`` enumerates (batch, kv head) pairs of this launch; deterministic dbias for a
     # shared bias launches one slice at a time (batch_start / head_start) in a fixed order.
@@ -184,11 +163,11 @@ def attn_bwd_dkdv_program(
     d_ok = offs_d < HEAD_DIM
     n_ok = offs_n < seqlen_k
     kv_in_range = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(operand_base(k_ptr, b, hk, 1, stride_k_b, stride_k_h)
-                + tile_offsets(offs_n[:, None], offs_d[None, :], stride_k_n, 1),
+    k = tl.load(seq_base(ptrs.k, strides.k, b, hk)
+                + tile_offsets(offs_n[:, None], offs_d[None, :], strides.k.stride_l, 1),
                 mask=kv_in_range, other=0.0)
-    v = tl.load(operand_base(v_ptr, b, hk, 1, stride_v_b, stride_v_h)
-                + tile_offsets(offs_n[:, None], offs_d[None, :], stride_v_n, 1),
+    v = tl.load(seq_base(ptrs.v, strides.v, b, hk)
+                + tile_offsets(offs_n[:, None], offs_d[None, :], strides.v.stride_l, 1),
                 mask=kv_in_range, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -197,11 +176,6 @@ def attn_bwd_dkdv_program(
         bias_cols = tl.zeros([1, 1], dtype=tl.int32)
     else:
         bias_cols = offs_m0[None, :]
-    # Query blocks [first, full_from) straddle the diagonal; [full_from, interior_end) need no
-    # per-pair test; a partial last query block needs the range test again.
-    first, full_from, num_blocks = causal_query_split(start_n, BLOCK_M, BLOCK_N, seqlen_q,
-                                                      seqlen_k, IS_CAUSAL)
-    interior_end = tl.maximum(seqlen_q // BLOCK_M, full_from)
     # One-row bias gradient: summed over queries here, and over the group's query heads too
     # when they share a gradient row (DBIAS_SUM_GROUP), so that no reduction follows.
     dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -210,120 +184,114 @@ def attn_bwd_dkdv_program(
     # keys are never clamped, and interior loads are predicated on the key range instead
     # (GUARD_KEYS), which keeps them vectorized when seqlen_k is a multiple of 16. Mask keys
     # are clamped in one case: a one-row bias on a head-share grid, where the vectorized mask
-    # made dkdv slower on the H100 (128 -> 178 us at B1 H8/2 L2048 topk; results/notes.md,
-    # change 27), while every other case probed was as fast or faster (topk 112 -> 92 us).
+    # made dkdv slower on the H100 (128 -> 178 us at B1 H8/2 L2048 topk), while every other
+    # case probed was as fast or faster (topk 112 -> 92 us).
     MASK_KEYS_CLAMPED: tl.constexpr = BIAS_ROW and SPLIT_HEADS
     if MASK_KEYS_CLAMPED:
         mask_keys = clamp_index(offs_n, seqlen_k)
     else:
         mask_keys = offs_n
+    steps = (strides.q.stride_l, strides.do.stride_l, strides.out.stride_l,
+             layouts.mask.stride_m, layouts.bias.stride_m, layouts.dbias.stride_m)
     heads_per_share = group_size // num_shares
     for g in range(share * heads_per_share, (share + 1) * heads_per_share):
         h = hk * group_size + g
-        bh = b * heads_q + h
-        q_ptrs = operand_base(q_ptr, b, h, 1, stride_q_b, stride_q_h) \
-            + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_q_m, 1)
-        do_ptrs = operand_base(do_ptr, b, h, 1, stride_do_b, stride_do_h) \
-            + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_do_m, 1)
-        o_ptrs = operand_base(out_ptr, b, h, 1, stride_o_b, stride_o_h) \
-            + tile_offsets(offs_m0[:, None], offs_d[None, :], stride_o_m, 1)
-        mask_ptrs = operand_base(mask_ptr, b, h, mask_head_div, stride_mask_b, stride_mask_h) \
-            + tile_offsets(mask_keys[:, None], offs_m0[None, :], stride_mask_n, stride_mask_m)
-        bias_ptrs = operand_base(bias_ptr, b, h, bias_head_div, stride_bias_b, stride_bias_h) \
-            + tile_offsets(offs_n[:, None], bias_cols, stride_bias_n, stride_bias_m)
-        dbias_ptrs = operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h) \
-            + tile_offsets(offs_n[:, None], offs_m0[None, :], stride_db_n, stride_db_m)
-        lse_row = lse_ptr + bh.to(tl.int64) * seqlen_q
-        delta_row = delta_ptr + bh.to(tl.int64) * seqlen_q
+        bh = b * sizes.heads_q + h
+        q_ptrs = seq_base(ptrs.q, strides.q, b, h) \
+            + tile_offsets(offs_m0[:, None], offs_d[None, :], strides.q.stride_l, 1)
+        do_ptrs = seq_base(ptrs.do, strides.do, b, h) \
+            + tile_offsets(offs_m0[:, None], offs_d[None, :], strides.do.stride_l, 1)
+        o_ptrs = seq_base(ptrs.out, strides.out, b, h) \
+            + tile_offsets(offs_m0[:, None], offs_d[None, :], strides.out.stride_l, 1)
+        mask_ptrs = head_base(ptrs.mask, layouts.mask, b, h) \
+            + tile_offsets(mask_keys[:, None], offs_m0[None, :], layouts.mask.stride_n,
+                           layouts.mask.stride_m)
+        bias_ptrs = head_base(ptrs.bias, layouts.bias, b, h) \
+            + tile_offsets(offs_n[:, None], bias_cols, layouts.bias.stride_n,
+                           layouts.bias.stride_m)
+        dbias_ptrs = head_base(ptrs.dbias, layouts.dbias, b, h) \
+            + tile_offsets(offs_n[:, None], offs_m0[None, :], layouts.dbias.stride_n,
+                           layouts.dbias.stride_m)
+        tiles = (q_ptrs, do_ptrs, o_ptrs, mask_ptrs, bias_ptrs, dbias_ptrs)
+        lse_row = ptrs.lse + bh.to(tl.int64) * seqlen_q
+        delta_row = ptrs.delta + bh.to(tl.int64) * seqlen_q
         if not DBIAS_SUM_GROUP:
             dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
+        span_list, full_lo, full_hi, lead_lo, inner_lo, inner_hi, tail_hi = block_spans(
+            ptrs.kv_lists, layouts.kv_lists, layouts.mask.head_div, b, h, n_block, start_n, 0,
+            1, seqlen_q, seqlen_k, LOOP_ROWS=BLOCK_N, STEP_ROWS=BLOCK_M, IS_CAUSAL=IS_CAUSAL,
+            HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=True)
         if HAS_MASK:
-            block_list, count, full = block_list_row(
-                list_ptr, stride_list_b, stride_list_h, stride_list_n, b, h, mask_head_div,
-                n_block)
-            # List positions: [0, full) full tiles, read without the mask; then partial
-            # tiles: edge [full, lo), interior [lo, hi), edge again [hi, count).
-            lo, hi = interior_span(block_list + full, count - full, full_from, interior_end,
-                                   EDGE_SLOTS)
-            lo += full
-            hi += full
             # Full tiles: every pair visible, so no mask read and no per-pair test.
+            blocks, first, count = span(span_list, full_lo, full_hi, HAS_MASK)
             dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-                q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
-                stride_mask_m,
-                bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-                block_list, 0, full, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_M, False, HAS_BIAS, BIAS_ROW, False, True, True, DOT_PRECISION,
-                WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT,
-                MASK_KEYS_CLAMPED)
-            # The partial tiles' three spans, as slices of the list.
-            edge_list, edge_first, edge_count = block_list + full, 0, lo - full
-            inner_list, inner_first, inner_count = block_list + lo, 0, hi - lo
-            tail_list, tail_first, tail_count = block_list + hi, 0, count - hi
-        else:
-            # The same three spans as ranges of query blocks (the list pointer is unused).
-            edge_list, edge_first, edge_count = list_ptr, first, full_from - first
-            inner_list, inner_first, inner_count = list_ptr, full_from, interior_end - full_from
-            tail_list, tail_first, tail_count = list_ptr, interior_end, num_blocks - interior_end
+                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_row,
+                delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
+                BLOCK_M=BLOCK_M, HAS_MASK=False, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
+                CAUSAL_TILES=False, USE_LIST=True, INTERIOR=True, DOT_PRECISION=DOT_PRECISION,
+                WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS, DBIAS_REDUCE_M=DBIAS_REDUCE_M,
+                DBIAS_ACCUMULATE=DBIAS_ACCUMULATE, DELTA_FROM_OUT=DELTA_FROM_OUT,
+                MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
         # Blocks on the causal diagonal, interior blocks, then a partial last query block.
+        blocks, first, count = span(span_list, lead_lo, inner_lo, HAS_MASK)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-            q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
-            stride_mask_m,
-            bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-            edge_list, edge_first, edge_count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, IS_CAUSAL, HAS_MASK, False, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT,
-            MASK_KEYS_CLAMPED)
+            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_row,
+            delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_M=BLOCK_M, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
+            CAUSAL_TILES=IS_CAUSAL, USE_LIST=HAS_MASK, INTERIOR=False,
+            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS,
+            DBIAS_REDUCE_M=DBIAS_REDUCE_M, DBIAS_ACCUMULATE=DBIAS_ACCUMULATE,
+            DELTA_FROM_OUT=DELTA_FROM_OUT, MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
+        blocks, first, count = span(span_list, inner_lo, inner_hi, HAS_MASK)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-            q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
-            stride_mask_m,
-            bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-            inner_list, inner_first, inner_count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, True, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT,
-            MASK_KEYS_CLAMPED)
+            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_row,
+            delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_M=BLOCK_M, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
+            CAUSAL_TILES=False, USE_LIST=HAS_MASK, INTERIOR=True,
+            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS,
+            DBIAS_REDUCE_M=DBIAS_REDUCE_M, DBIAS_ACCUMULATE=DBIAS_ACCUMULATE,
+            DELTA_FROM_OUT=DELTA_FROM_OUT, MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
+        blocks, first, count = span(span_list, inner_hi, tail_hi, HAS_MASK)
         dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok,
-            q_ptrs, do_ptrs, o_ptrs, stride_q_m, stride_do_m, stride_o_m, mask_ptrs,
-            stride_mask_m,
-            bias_ptrs, stride_bias_m, dbias_ptrs, stride_db_m, lse_row, delta_row,
-            tail_list, tail_first, tail_count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_M, HAS_MASK, HAS_BIAS, BIAS_ROW, False, HAS_MASK, False, DOT_PRECISION,
-            WIDEN_DOTS, HAS_DBIAS, DBIAS_REDUCE_M, DBIAS_ACCUMULATE, DELTA_FROM_OUT,
-            MASK_KEYS_CLAMPED)
+            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_row,
+            delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
+            BLOCK_M=BLOCK_M, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
+            CAUSAL_TILES=False, USE_LIST=HAS_MASK, INTERIOR=False,
+            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS,
+            DBIAS_REDUCE_M=DBIAS_REDUCE_M, DBIAS_ACCUMULATE=DBIAS_ACCUMULATE,
+            DELTA_FROM_OUT=DELTA_FROM_OUT, MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
         if HAS_DBIAS and DBIAS_REDUCE_M and not DBIAS_SUM_GROUP:
             # Row (b, hq) of a (B, Hq, 1, Lk) buffer: a single writer, no atomics.
-            tl.store(operand_base(dbias_ptr, b, h, dbias_head_div, stride_db_b, stride_db_h)
-                     + offs_n.to(tl.int64) * stride_db_n,
-                     dbias_col.to(dbias_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(head_base(ptrs.dbias, layouts.dbias, b, h)
+                     + offs_n.to(tl.int64) * layouts.dbias.stride_n,
+                     dbias_col.to(ptrs.dbias.dtype.element_ty), mask=n_ok)
     if HAS_DBIAS and DBIAS_REDUCE_M and DBIAS_SUM_GROUP:
         # Row (b, hk) of a (B, Hk, 1, Lk) buffer, written once by this program.
-        tl.store(operand_base(dbias_ptr, b, hk, dbias_head_div, stride_db_b, stride_db_h)
-                 + offs_n.to(tl.int64) * stride_db_n,
-                 dbias_col.to(dbias_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(head_base(ptrs.dbias, layouts.dbias, b, hk)
+                 + offs_n.to(tl.int64) * layouts.dbias.stride_n,
+                 dbias_col.to(ptrs.dbias.dtype.element_ty), mask=n_ok)
 
     # q.k was scaled in the forward, so dK picks up the scale once here.
     dk *= sm_scale
     store = True
     if SPLIT_HEADS:
         # (shares, launch pairs, Lk, BLOCK_D) fp32 partials; the last share sums them.
-        store_partial(dk_part_ptr, dk, offs_n, n_ok, share, pair, num_pairs, seqlen_k, BLOCK_D)
-        store_partial(dv_part_ptr, dv, offs_n, n_ok, share, pair, num_pairs, seqlen_k, BLOCK_D)
-        store = last_share_arrived(count_ptr + pair * tl.cdiv(seqlen_k, BLOCK_N) + n_block,
-                                   num_shares)
+        store_partial(ptrs.dk_part, dk, offs_n, n_ok, share, pair, num_pairs, seqlen_k,
+                      BLOCK_D)
+        store_partial(ptrs.dv_part, dv, offs_n, n_ok, share, pair, num_pairs, seqlen_k,
+                      BLOCK_D)
+        store = last_share_arrived(ptrs.kv_counts + pair * tl.cdiv(seqlen_k, BLOCK_N)
+                                   + n_block, num_shares)
         if store:
-            dk = sum_partials(dk_part_ptr, offs_n, n_ok, pair, num_pairs, seqlen_k, num_shares,
-                              BLOCK_N, BLOCK_D)
-            dv = sum_partials(dv_part_ptr, offs_n, n_ok, pair, num_pairs, seqlen_k, num_shares,
-                              BLOCK_N, BLOCK_D)
+            dk = sum_partials(ptrs.dk_part, offs_n, n_ok, pair, num_pairs, seqlen_k,
+                              num_shares, BLOCK_N, BLOCK_D)
+            dv = sum_partials(ptrs.dv_part, offs_n, n_ok, pair, num_pairs, seqlen_k,
+                              num_shares, BLOCK_N, BLOCK_D)
             if GROUP_ROWS:
-                sum_group_rows(dbias_ptr, dbias_sum_ptr, pair, group_size, offs_n, n_ok,
+                sum_group_rows(ptrs.dbias, ptrs.dbias_sum, pair, group_size, offs_n, n_ok,
                                seqlen_k, BLOCK_N)
     if store:
-        store_gradient_rows(dk_ptr, b, hk, offs_n, dk, kv_in_range, stride_dk_b, stride_dk_n,
-                            stride_dk_h, BLOCK_D)
-        store_gradient_rows(dv_ptr, b, hk, offs_n, dv, kv_in_range, stride_dv_b, stride_dv_n,
-                            stride_dv_h, BLOCK_D)
+        store_gradient_rows(ptrs.dk, b, hk, offs_n, dk, kv_in_range, strides.dk.stride_b,
+                            strides.dk.stride_l, strides.dk.stride_h, BLOCK_D)
+        store_gradient_rows(ptrs.dv, b, hk, offs_n, dv, kv_in_range, strides.dv.stride_b,
+                            strides.dv.stride_l, strides.dv.stride_h, BLOCK_D)

@@ -1,322 +1,59 @@
-"""The backward of a few query rows per GQA group (decode), as one launch that reads K and V once.
-
-The general backward runs dq programs (query blocks, walking keys) and dkdv programs (key
-blocks, walking query blocks), so each reads K and V once: twice in all. With Lq = 1 there is
-little to compute besides those reads and the dk, dv writes, so the second read is a third of
-the backward's bytes (at B1 H32/8 Lk 65536 D128: 805 MB, and 537 MB read once; the general path
-took 770 us on an H100, this one 203; results/notes.md, change 31). Here, as in the
-forward's GROUP_PACK tiles, a tile's rows are every (query position, query head) of one GQA
-group: row r is query position r // G of query head hk * G + r % G. One program owns a share
-of the key blocks of one (batch, kv head): for each block it forms scores, probabilities and
-dS for all of the group's rows at once, stores that block's dk and dv whole (no other program
-touches them, so no partials) and adds the block's part of dq to a register tile. Key shares
-merge their dq partials as the split backward does (``_partials``): the last share
-of a group to arrive sums them in share order, so results are bitwise reproducible.
-
-A mask is read densely, a tile per key block, rather than through the active-tile lists: keys
-that no row keeps skip their K and V reads and store zero dk and dv. Where a prepared mask
-leaves at most half the key blocks live, the launch instead branches around whole dead blocks
-(``skips_dead_blocks``). A bias is added as
-in the forward, and its gradient (dS) is stored per key block by the one program that owns it
-(``_dbias.PackedDbias``); a bias whose gradient would sum some but not all of a tile's rows
-(with G > 1 and Lq > 1: a (B, Hk, Lq, Lk) bias, or a (B, Hq, 1, Lk) one) keeps the general
-path (``packed_route``).
-"""
+"""The packed decode backward's host side (route ``packed``): one launch over key shares of
+whole (batch, kv head) groups. The kernel, and why it exists, are in
+``backward_packed_kernels``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import triton
-import triton.language as tl
 
-from ._checks import AttnShape
-from ._dbias import PackedDbias, plan_dbias, plan_packed_dbias
-from ._launch import (ABSENT_OPERAND, LOG2E, PlannedLaunch, ceil_div, contiguous_strides,
-                      dot_options, is_interpreted, key_splits, multiprocessors, next_power_of_2,
-                      operand_pointer, padded_head_dim, strides3)
-from ._partials import merge_shares
+from ._dbias import DbiasMode
+from ._launch import LOG2E, PlannedLaunch, contiguous_strides, dot_options, operand_pointer
+from ._operands import (ABSENT, NO_LISTS, BackwardLayouts, BackwardStrides, PackedPointers,
+                        SeqStrides, seq_strides, sizes_of)
 from ._scratch import Scratch
-from ._score import (clamp_index, load_bias, mma, operand_base, probs_from_lse, row_offsets,
-                     scores_log2, split_share, tile_offsets, visible_keys)
-
-
-@triton.jit
-def _group_rows(ptr, b, offs_m, heads, stride_b, stride_m, stride_h):
-    """Pointers to the packed rows (query position ``offs_m``, query head ``heads``) of batch
-    ``b`` of a (B, L, H, D) tensor, shaped [rows, 1] for a tile's column offsets."""
-    return ptr + b.to(tl.int64) * stride_b \
-        + row_offsets(offs_m, heads, 1, stride_m, stride_h)[:, None]
-
-
-@triton.jit
-def attn_bwd_packed_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, dq_part_ptr,
-    count_ptr, mask_ptr, bias_ptr, dbias_ptr,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n, mask_head_div,
-    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n, bias_head_div,
-    stride_db_b, stride_db_h, stride_db_m, stride_db_n, dbias_head_div,
-    stride_q_b, stride_q_m, stride_q_h,
-    stride_k_b, stride_k_n, stride_k_h,
-    stride_v_b, stride_v_n, stride_v_h,
-    stride_do_b, stride_do_m, stride_do_h,
-    stride_o_b, stride_o_m, stride_o_h,
-    stride_dq_b, stride_dq_m, stride_dq_h,
-    stride_dk_b, stride_dk_n, stride_dk_h,
-    stride_dv_b, stride_dv_n, stride_dv_h,
-    heads_q, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
-    DBIAS_SUM_ROWS: tl.constexpr, DBIAS_PER_ROW: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr, SKIP_DEAD_BLOCKS: tl.constexpr,
-):
-    """dk and dv of key share ``program_id(0)`` of (batch, kv head) ``program_id(1)``, its
-    part of the group's dq, and its key blocks' part of the bias gradient."""
-    split = tl.program_id(0)
-    num_splits = tl.num_programs(0)
-    pair = tl.program_id(1)
-    num_pairs = tl.num_programs(1)
-    heads_kv = heads_q // group_size
-    b = pair // heads_kv
-    first_head = (pair % heads_kv) * group_size
-
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = rows // group_size
-    heads = first_head + rows % group_size
-    row_ok = offs_m < seqlen_q
-    # Mask and bias rows past seqlen_q read the last row (never used: those rows score -inf).
-    safe_m = clamp_index(offs_m, seqlen_q)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-
-    in_range = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(_group_rows(q_ptr, b, offs_m, heads, stride_q_b, stride_q_m, stride_q_h)
-                + offs_d[None, :], mask=in_range, other=0.0)
-    do = tl.load(_group_rows(do_ptr, b, offs_m, heads, stride_do_b, stride_do_m, stride_do_h)
-                 + offs_d[None, :], mask=in_range, other=0.0)
-    o = tl.load(_group_rows(out_ptr, b, offs_m, heads, stride_o_b, stride_o_m, stride_o_h)
-                + offs_d[None, :], mask=in_range, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse = tl.load(lse_ptr + (b * heads_q + heads).to(tl.int64) * seqlen_q + offs_m, mask=row_ok,
-                  other=0.0)
-
-    k_ptrs = operand_base(k_ptr, b, first_head, group_size, stride_k_b, stride_k_h) \
-        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_k_n, 1)
-    v_ptrs = operand_base(v_ptr, b, first_head, group_size, stride_v_b, stride_v_h) \
-        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_v_n, 1)
-    dk_ptrs = operand_base(dk_ptr, b, first_head, group_size, stride_dk_b, stride_dk_h) \
-        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_dk_n, 1)
-    dv_ptrs = operand_base(dv_ptr, b, first_head, group_size, stride_dv_b, stride_dv_h) \
-        + tile_offsets(offs_n0[:, None], offs_d[None, :], stride_dv_n, 1)
-    key_cols = offs_n0.to(tl.int64)[None, :]
-    mask_ptrs = _group_rows(mask_ptr, b, safe_m, heads // mask_head_div, stride_mask_b,
-                            stride_mask_m, stride_mask_h) + key_cols * stride_mask_n
-    if BIAS_ROW:  # one bias row for the whole tile: addressed once (see ``load_bias``)
-        bias_ptrs = operand_base(bias_ptr, b, first_head, bias_head_div, stride_bias_b,
-                                 stride_bias_h) + key_cols * stride_bias_n
-    else:
-        bias_ptrs = _group_rows(bias_ptr, b, safe_m, heads // bias_head_div, stride_bias_b,
-                                stride_bias_m, stride_bias_h) + key_cols * stride_bias_n
-    if DBIAS_SUM_ROWS:  # the (batch, kv head)'s one gradient row
-        dbias_ptrs = operand_base(dbias_ptr, b, first_head, dbias_head_div, stride_db_b,
-                                  stride_db_h) + key_cols * stride_db_n
-    else:  # a gradient row per tile row
-        dbias_ptrs = _group_rows(dbias_ptr, b, safe_m, heads // dbias_head_div, stride_db_b,
-                                 stride_db_m, stride_db_h) + key_cols * stride_db_n
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, hi = split_share(tl.cdiv(seqlen_k, BLOCK_N), split, num_splits)
-    for block in range(lo, hi):
-        start_n = block * BLOCK_N
-        offs_n = start_n + offs_n0
-        keys_ok = (offs_n < seqlen_k)[None, :]
-        # Rows past Lq, keys past Lk and masked pairs score -inf, so they add nothing below.
-        keep = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
-                            mask_ptrs + start_n.to(tl.int64) * stride_mask_n, HAS_MASK,
-                            IS_CAUSAL)
-        kv_in_range = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
-        live = True
-        if SKIP_DEAD_BLOCKS:
-            live = tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0
-        if live:
-            if HAS_MASK and not SKIP_DEAD_BLOCKS:
-                # Keys that no row keeps skip their K and V reads (a topk mask keeps few keys
-                # per block). The predicate is constant along D, so the loads stay vectorized.
-                # Such keys' dk and dv come out zero and are stored all the same: no other
-                # program writes them.
-                kv_read = kv_in_range & (tl.max(keep.to(tl.int32), 0) > 0)[:, None]
-            else:
-                kv_read = kv_in_range
-            k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_k_n, mask=kv_read, other=0.0)
-            v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_read, other=0.0)
-            bias = 0.0
-            if HAS_BIAS:
-                bias = load_bias(bias_ptrs + start_n.to(tl.int64) * stride_bias_n, keep,
-                                 keys_ok, BIAS_ROW)
-            s = scores_log2(mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS), keep, bias,
-                            qk_scale, HAS_BIAS)
-            p = probs_from_lse(s, lse[:, None])
-            dp = mma(do, tl.trans(v), DOT_PRECISION, WIDEN_DOTS)
-            ds = p * (dp - delta[:, None])
-            dv = mma(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, WIDEN_DOTS)
-            dk = mma(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, WIDEN_DOTS) * sm_scale
-            dq += mma(ds.to(k.dtype), k, DOT_PRECISION, WIDEN_DOTS)
-        else:
-            # A block that no row keeps: no K or V read, no dots; its keys' gradients are 0.
-            ds = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        tl.store(dk_ptrs + start_n.to(tl.int64) * stride_dk_n, dk.to(dk_ptr.dtype.element_ty),
-                 mask=kv_in_range)
-        tl.store(dv_ptrs + start_n.to(tl.int64) * stride_dv_n, dv.to(dv_ptr.dtype.element_ty),
-                 mask=kv_in_range)
-        # The bias gradient is dS itself (the bias adds to the scaled scores).
-        if DBIAS_SUM_ROWS:
-            tl.store(dbias_ptrs + start_n.to(tl.int64) * stride_db_n,
-                     tl.sum(ds, 0)[None, :].to(dbias_ptr.dtype.element_ty), mask=keys_ok)
-        if DBIAS_PER_ROW:
-            tl.store(dbias_ptrs + start_n.to(tl.int64) * stride_db_n,
-                     ds.to(dbias_ptr.dtype.element_ty), mask=row_ok[:, None] & keys_ok)
-
-    dq *= sm_scale
-    store = True
-    if SPLIT_KEYS:
-        # Partials are (splits, B * Hk, BLOCK_M, BLOCK_D) fp32, one tile per share and group.
-        dq, store = merge_shares(dq_part_ptr, count_ptr + pair, dq, rows, row_ok, split,
-                                 num_splits, pair, num_pairs, BLOCK_M, BLOCK_M, BLOCK_D)
-    if store:
-        tl.store(_group_rows(dq_ptr, b, offs_m, heads, stride_dq_b, stride_dq_m, stride_dq_h)
-                 + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_range)
-
-
-# Rows of a packed tile: Lq * G up to this many use the packed backward. 16 is the smallest
-# tile tl.dot takes, so decode (Lq = 1) packs any group of up to 16 query heads.
-PACKED_MAX_ROWS = 16
-
-
-def packed_dbias(fwd, bias_needs_grad: bool):
-    """The bias gradient's plan for the packed backward of forward plan ``fwd``: a
-    ``PackedDbias``, or the general ``DbiasPlan`` of an exactly-zero gradient (a bias
-    broadcast along keys), or None without one."""
-    if not bias_needs_grad:
-        return None
-    interpreted = is_interpreted(attn_bwd_packed_kernel)
-    if fwd.bias_shape[3] == 1:
-        return plan_dbias(fwd.bias_shape, fwd.bias.head_div, fwd.shape, fwd.dtype, False,
-                          interpreted)
-    return plan_packed_dbias(fwd.bias_shape, fwd.shape, fwd.dtype, interpreted)
-
-
-def packed_route(fwd, bias_needs_grad: bool = False) -> tuple[bool, object]:
-    """(whether the backward of forward plan ``fwd`` takes the packed launch, the bias
-    gradient's plan for it from ``packed_dbias``). It does where its GQA group has at most
-    ``PACKED_MAX_ROWS`` query rows and a bias gradient, if wanted, has one writer per element
-    (``plan_packed_dbias``)."""
-    shape = fwd.shape
-    if shape.seqlen_q * shape.group_size > PACKED_MAX_ROWS:
-        return False, None
-    dbias = packed_dbias(fwd, bias_needs_grad)
-    return not bias_needs_grad or dbias is not None, dbias
-
-
-@dataclass(frozen=True)
-class PackedConfig:
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def packed_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> PackedConfig:
-    """Key block, warps and stages. A program holds a BLOCK_N x BLOCK_D tile each of K, V, dk
-    and dv, so larger head dims and fp32 take half the keys."""
-    if interpreted:
-        return PackedConfig(16, 4, 1)  # small blocks: test shapes span many, and key shares
-    if dtype == torch.float32 or block_d > 128:
-        return PackedConfig(32, 4, 2)
-    # H100, B1 H32/8 D128 bf16, GPU time (flushed) at Lk 4096 / 65536 / 524288: 8 warps
-    # 21.0 / 203 / 1531 us, 4 warps 25.3 / 226 / 1700; 128-key blocks (8 warps, 2 stages)
-    # 30.3 / 223 / 1664; 32-key blocks 26.8 / 209 / 1528 (results/notes.md, change 31).
-    return PackedConfig(64, 8, 3)
-
-
-# With at most this share of a prepared mask's key blocks live, the packed launch branches
-# around dead blocks; above it, it reads every block and predicates K and V per key. The
-# branch costs the loop its software pipelining (each live block waits for its mask tile): on
-# seqlen's decode shape (B1 H32/8 Lq1 Lk65536 D128, H100) a topk mask, nearly every block
-# live, took 331 us with the branch and 241 with the predicate; a block_sparse one with 1/16
-# of the blocks live took 157 and 233 (results/notes.md, changes 32 and 33).
-LIVE_SHARE_FOR_BRANCH = 0.5
-
-
-def _tile_heads(shape: AttnShape, mask_heads: int) -> int:
-    """Mask heads within one packed tile: a tile spans the G query heads of one kv head."""
-    return shape.group_size if mask_heads == shape.heads_q else 1
-
-
-def count_live_blocks(activity, shape: AttnShape, dtype: torch.dtype) -> None:
-    """At ``prepare_mask`` time, for a shape the packed backward takes: count (a device sync,
-    once) which share of its key blocks a prepared mask leaves live."""
-    if shape.seqlen_q * shape.group_size > PACKED_MAX_ROWS:
-        return
-    cfg = packed_config(padded_head_dim(shape.head_dim), dtype,
-                        is_interpreted(attn_bwd_packed_kernel))
-    activity.count_live_share(cfg.block_n, _tile_heads(shape, activity.active.shape[1]))
-
-
-def skips_dead_blocks(activity, shape: AttnShape, block_n: int) -> bool:
-    """Whether the packed launch branches around dead key blocks: only for a prepared mask
-    counted at most ``LIVE_SHARE_FOR_BRANCH`` live (a mask read within the call is not
-    counted, since counting stalls the host)."""
-    if activity is None:
-        return False
-    share = activity.live_share(block_n, _tile_heads(shape, activity.active.shape[1]))
-    return share is not None and share <= LIVE_SHARE_FOR_BRANCH
+from .backward_packed_kernels import attn_bwd_packed_kernel
+from .schedule import BackwardSchedule
 
 
 class PackedBackwardPlan:
-    """The packed backward's launch for one forward plan and gradient signature; the same
+    """A Schedule's packed backward for one forward plan and gradient signature; the same
     ``run`` as ``backward.BackwardPlan``."""
 
-    def __init__(self, fwd, grad_out, query, key, value, dq, dk, dv, dbias):
-        shape: AttnShape = fwd.shape
-        interpreted = is_interpreted(attn_bwd_packed_kernel)
-        block_d = padded_head_dim(shape.head_dim)
-        block_m = max(16, next_power_of_2(shape.seqlen_q * shape.group_size))
-        cfg = packed_config(block_d, fwd.dtype, interpreted)
+    def __init__(self, fwd, bwd: BackwardSchedule, grad_out, query, key, value, dq, dk, dv):
+        shape = fwd.shape
+        problem = fwd.schedule.problem
+        tile = bwd.packed
         pairs = shape.batch * shape.heads_kv
-        # Shares of at least 4 key blocks, to about two programs per multiprocessor, as the
-        # forward's split-K.
-        self.splits = key_splits(pairs, ceil_div(shape.seqlen_k, cfg.block_n),
-                                 multiprocessors(fwd.device, interpreted))
+        self.schedule = bwd
+        self.splits = bwd.packed_key_splits
         self.device = fwd.device
-        self.dbias = dbias  # from ``packed_route``
-        writes_dbias = isinstance(self.dbias, PackedDbias)
+        self.dbias = bwd.dbias
+        writes_dbias = self.dbias is not None and self.dbias.packed
+        strides = BackwardStrides(
+            q=seq_strides(query), k=seq_strides(key), v=seq_strides(value),
+            do=seq_strides(grad_out), out=SeqStrides(*contiguous_strides(fwd.out_shape)[:3]),
+            dq=seq_strides(dq), dk=seq_strides(dk), dv=seq_strides(dv))
+        layouts = BackwardLayouts(
+            mask=fwd.mask or ABSENT, bias=fwd.bias or ABSENT,
+            dbias=self.dbias.target if writes_dbias else ABSENT, q_lists=NO_LISTS,
+            kv_lists=NO_LISTS)
         self.launch = PlannedLaunch(
-            attn_bwd_packed_kernel, (self.splits, pairs),
-            (*(fwd.mask or ABSENT_OPERAND).as_args(), *(fwd.bias or ABSENT_OPERAND).as_args(),
-             *(self.dbias.target if writes_dbias else ABSENT_OPERAND).as_args(),
-             *strides3(query), *strides3(key), *strides3(value), *strides3(grad_out),
-             *contiguous_strides(fwd.out_shape)[:3], *strides3(dq), *strides3(dk),
-             *strides3(dv), shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k,
-             fwd.softmax_scale * LOG2E, fwd.softmax_scale),
-            HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            attn_bwd_packed_kernel, (self.splits, pairs), PackedPointers,
+            (strides, layouts, sizes_of(shape), fwd.softmax_scale * LOG2E, fwd.softmax_scale),
+            HEAD_DIM=shape.head_dim, BLOCK_D=problem.block_d, BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
             HAS_MASK=fwd.mask is not None, HAS_BIAS=fwd.bias is not None,
-            BIAS_ROW=fwd.bias_one_row and fwd.bias.head_div % shape.group_size == 0,
-            DBIAS_SUM_ROWS=writes_dbias and self.dbias.sum_rows,
-            DBIAS_PER_ROW=writes_dbias and not self.dbias.sum_rows,
-            IS_CAUSAL=fwd.is_causal, **dot_options(fwd.dtype, interpreted),
+            BIAS_ROW=fwd.bias_one_row and problem.bias.shared_by(shape.group_size),
+            DBIAS_MODE=self.dbias.mode.value if writes_dbias else DbiasMode.NONE.value,
+            IS_CAUSAL=fwd.is_causal, **dot_options(fwd.dtype, problem.interpreted),
             SPLIT_KEYS=self.splits > 1,
-            SKIP_DEAD_BLOCKS=skips_dead_blocks(fwd.activity, shape, cfg.block_n),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SKIP_DEAD_BLOCKS=bwd.packed_skips_dead_blocks,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
         split = self.splits > 1
         self._scratch = Scratch(
             fwd.device,
-            *(((self.splits, pairs, block_m, block_d), torch.float32),
+            *(((self.splits, pairs, tile.block_m, problem.block_d), torch.float32),
               ((pairs,), torch.int32)) if split else ())
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):

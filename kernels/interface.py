@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from ._checks import check_inputs
+from ._checks import check_flags, check_inputs
 from ._launch import ensure_runnable
-from .backward import attention_backward, backward_tiles
-from .forward import ForwardPlan, _attn_fwd_kernel
+from .backward import attention_backward
+from .forward import ForwardPlan, plan_schedule
+from .forward_kernels import _attn_fwd_kernel
 from .prepared import PreparedMask
+from .schedule import normalize_options
 
 
 # Bound once: ~50 ns per eager call less than looking it up through ``torch.compiler`` (which
@@ -26,7 +28,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _signature(query, key, value, attn_bias, is_causal, softmax_scale) -> tuple | None:
+def _signature(query, key, value, attn_bias, is_causal, softmax_scale, deterministic=False,
+               bias_grad=False, options_key=()) -> tuple | None:
     """Everything a forward plan follows from, besides the mask: two calls with equal
     signatures pass or fail the input checks alike and get the same plan. None when the call
     cannot use a kept plan (an argument is not a tensor, or the scale not a plain number):
@@ -36,7 +39,7 @@ def _signature(query, key, value, attn_bias, is_causal, softmax_scale) -> tuple 
         return None
     if softmax_scale is not None and type(softmax_scale) not in (float, int):
         return None
-    return (bool(is_causal), softmax_scale,
+    return (is_causal, softmax_scale, deterministic, bias_grad, options_key,
             *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
 
@@ -47,35 +50,41 @@ def _remember(plans: dict, signature: tuple, plan: ForwardPlan) -> None:
 
 
 def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
-               for_backward: bool):
+               for_backward: bool, deterministic: bool = False, bias_grad: bool = False,
+               kernel_options=None):
     """(forward plan, query, key, value, mask tensor or None) for this call. A repeat
     signature reuses its plan with no checks or planning; otherwise the inputs are checked
-    (errors first) and a plan is made, and kept unless the mask was not prepared."""
+    (errors first), scheduled (``kernels.schedule``) and a plan is made, and kept unless the
+    mask was not prepared. ``for_backward``: a backward will follow (an unprepared mask's
+    activity map is then made fine enough for the backward's tiles too)."""
     prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
     if prepared is not None:
         prepared.check_fresh()
         attn_mask, plans = prepared.mask, prepared.plans
     else:
         plans = _plans if attn_mask is None else None  # an unprepared mask is read per call
+    options_key = tuple(sorted(kernel_options.items())) if kernel_options else ()
     signature = None
     if plans is not None:
-        signature = _signature(query, key, value, attn_bias, is_causal, softmax_scale)
+        signature = _signature(query, key, value, attn_bias, is_causal, softmax_scale,
+                               deterministic, bias_grad, options_key)
         plan = plans.get(signature) if signature is not None else None
         if plan is not None:
             return plan, query, key, value, attn_mask
 
     checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
+    options = normalize_options(kernel_options)
     copied = any(t.stride(-1) != 1 for t in (query, key, value))
     if copied:  # rare: copies never match the signature, so their plan is not kept
         query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
         checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
     ensure_runnable(_attn_fwd_kernel, query.device)
-    activity, later_tiles = None, ()
+    activity = None
     if prepared is not None:
         activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
-    elif attn_mask is not None and for_backward:
-        later_tiles = backward_tiles(checked.shape, query.dtype, query.device)
-    plan = ForwardPlan(checked, query, key, value, is_causal, activity, later_tiles)
+    sched = plan_schedule(checked, query, is_causal, deterministic, bias_grad, options,
+                          activity, with_backward=for_backward)
+    plan = ForwardPlan(checked, query, key, value, sched, options)
     if signature is not None and not copied:
         _remember(plans, signature, plan)
     return plan, query, key, value, attn_mask
@@ -86,9 +95,11 @@ class _DMAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
-                deterministic, return_lse):
+                deterministic, return_lse, kernel_options):
+        bias_grad = attn_bias is not None and attn_bias.requires_grad
         plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
-                                                   is_causal, softmax_scale, for_backward=True)
+                                                   is_causal, softmax_scale, True,
+                                                   deterministic, bias_grad, kernel_options)
         out, lse = plan.run(query, key, value, mask, attn_bias)
         # The LSE is saved either way; it is an output only when asked for. Each output is
         # one more tensor for autograd to wrap and track on every call.
@@ -106,13 +117,13 @@ class _DMAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *grad_lse):
         if grad_out is None:  # only the LSE reached the loss: nothing depends on the inputs
-            return (None,) * 9
+            return (None,) * 10
         query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
         dq, dk, dv, dbias = attention_backward(
             ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
             ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
         )
-        return dq, dk, dv, None, dbias, None, None, None, None
+        return dq, dk, dv, None, dbias, None, None, None, None, None
 
 
 def _needs_grad(*tensors) -> bool:
@@ -139,7 +150,7 @@ def _compact_bias(attn_bias):
 
 
 def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
-                softmax_scale=None, return_lse=False, deterministic=False):
+                softmax_scale=None, return_lse=False, deterministic=False, kernel_options=None):
     """Flash dynamic-mask attention.
 
     Args:
@@ -156,6 +167,9 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
         softmax_scale: None means 1/sqrt(head_dim); any finite float, 0.0 included, is used.
         return_lse: also return the float32 natural-log LSE of shape (batch, heads_q, seqlen_q).
         deterministic: make the gradients bitwise reproducible from run to run.
+        kernel_options: None, or a dict forcing schedule decisions (``kernels.schedule``'s
+            ``OPTION_NAMES``: the backward route, key splits, dkdv head shares); for tests
+            and tuning. ``kernels.schedule_for`` shows what a call will run.
 
     Scores are ``softmax_scale * q.k + bias``, masked pairs are -inf. Rows that see no key give
     output 0, LSE -inf and zero gradients.
@@ -163,19 +177,20 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     Under ``torch.compile`` a call is the custom ops ``dmattn::fwd`` and ``dmattn::bwd``
     (``kernels.ops``): one graph, no breaks, bit for bit the eager results.
     """
+    check_flags(is_causal=is_causal, return_lse=return_lse, deterministic=deterministic)
     # A call torch.compile or torch.export traces becomes the custom ops; eager calls never
     # reach them (nor their host time).
     if _is_compiling():
         return ops.dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal,
-                                 softmax_scale, return_lse, deterministic)
+                                 softmax_scale, return_lse, deterministic, kernel_options)
     attn_bias = _compact_bias(attn_bias)
     if _needs_grad(query, key, value, attn_bias):
-        return _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, bool(is_causal),
-                                     softmax_scale, bool(deterministic), bool(return_lse))
+        return _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, is_causal,
+                                     softmax_scale, deterministic, return_lse, kernel_options)
     # No graph to record: skip autograd.Function's own host time.
     plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
-                                               bool(is_causal), softmax_scale,
-                                               for_backward=False)
+                                               is_causal, softmax_scale, False,
+                                               kernel_options=kernel_options)
     out, lse = plan.run(query, key, value, mask, attn_bias, keep_lse=return_lse)
     return (out, lse) if return_lse else out
 
@@ -185,3 +200,19 @@ def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_cau
     """flash-dmattn's name and parameter order, so switching is a change of import."""
     return dmattn_func(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                        return_lse, deterministic)
+
+
+def schedule_for(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
+                 softmax_scale=None, deterministic=False, bias_requires_grad=None,
+                 kernel_options=None):
+    """The ``kernels.schedule.Schedule`` a ``dmattn_func`` call with these arguments runs:
+    ``print(schedule_for(q, k, v, ...))`` names its tiles, splits, backward route and bias
+    gradient mode. Nothing is launched except, for an unprepared mask, the pass that reads it.
+    ``bias_requires_grad`` defaults to the bias's ``requires_grad``."""
+    check_flags(is_causal=is_causal, deterministic=deterministic)
+    if bias_requires_grad is None:
+        bias_requires_grad = attn_bias is not None and attn_bias.requires_grad
+    plan, *_ = _plan_call(query, key, value, attn_mask, _compact_bias(attn_bias), is_causal,
+                          softmax_scale, True, deterministic,
+                          attn_bias is not None and bool(bias_requires_grad), kernel_options)
+    return plan.schedule

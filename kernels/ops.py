@@ -2,8 +2,8 @@
 
 Two ops, both opaque to the compiler (Inductor calls them as they are):
 
-* ``dmattn::fwd(query, key, value, is_causal, softmax_scale, deterministic, attn_mask,
-  attn_bias, bias_base) -> (out, lse)``
+* ``dmattn::fwd(query, key, value, is_causal, softmax_scale, deterministic, plan_backward,
+  bias_needs_grad, attn_mask, attn_bias, bias_base) -> (out, lse)``
 * ``dmattn::bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
   deterministic, bias_needs_grad, attn_mask, attn_bias, bias_base) -> (dq, dk, dv, dbias)``
 
@@ -158,10 +158,13 @@ def host_bias(optional: Operands) -> Tensor | None:
 
 # -- the seam to the host layer: the only two functions here that launch kernels
 
-def _forward_impl(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale):
-    """(out, lse) of one forward call, lse float32 (B, Hq, Lq)."""
+def _forward_impl(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
+                  deterministic, plan_backward, bias_needs_grad):
+    """(out, lse) of one forward call, lse float32 (B, Hq, Lq), planned as the eager call
+    plans it: for a backward (with its determinism and bias gradient) when one will follow."""
     plan, query, key, value, mask = interface._plan_call(
-        query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, for_backward=False)
+        query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, plan_backward,
+        deterministic and plan_backward, bias_needs_grad and plan_backward)
     return plan.run(query, key, value, mask, attn_bias)
 
 
@@ -169,7 +172,8 @@ def _backward_impl(grad_out, query, key, value, out, lse, attn_mask, attn_bias, 
                    softmax_scale, deterministic, bias_needs_grad):
     """(dq, dk, dv, dbias or None) of one backward call, on the forward's saved tensors."""
     plan, query, key, value, mask = interface._plan_call(
-        query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, for_backward=True)
+        query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, True,
+        deterministic, bias_needs_grad)
     return attention_backward(plan, grad_out, query, key, value, out, lse, mask, attn_bias,
                               deterministic, bias_needs_grad=bias_needs_grad)
 
@@ -182,7 +186,10 @@ def _schema(params: tuple[tuple[str, str], ...], returns: str) -> str:
 
 _FLAGS = (("bool", "is_causal"), ("float?", "softmax_scale"), ("bool", "deterministic"))
 _OPTIONAL = tuple(("Tensor?", name) for name in OPERANDS)
-_FWD_PARAMS = (("Tensor", "query"), ("Tensor", "key"), ("Tensor", "value"), *_FLAGS, *_OPTIONAL)
+# ``plan_backward``: a backward will follow; ``bias_needs_grad``: it will make a bias gradient.
+# Both only steer the plan (as in eager calls), never the forward's results.
+_FWD_PARAMS = (("Tensor", "query"), ("Tensor", "key"), ("Tensor", "value"), *_FLAGS,
+               ("bool", "plan_backward"), ("bool", "bias_needs_grad"), *_OPTIONAL)
 _BWD_PARAMS = (("Tensor", "grad_out"), ("Tensor", "query"), ("Tensor", "key"),
                ("Tensor", "value"), ("Tensor", "out"), ("Tensor", "lse"), *_FLAGS,
                ("bool", "bias_needs_grad"), *_OPTIONAL)
@@ -197,10 +204,11 @@ def _no_dbias(query: Tensor) -> Tensor:
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=(), schema=FWD_SCHEMA)
-def attention_fwd(query, key, value, is_causal, softmax_scale, deterministic, *operands):
+def attention_fwd(query, key, value, is_causal, softmax_scale, deterministic, plan_backward,
+                  bias_needs_grad, *operands):
     optional = Operands(*operands)
     return _forward_impl(query, key, value, host_mask(optional), host_bias(optional), is_causal,
-                         softmax_scale)
+                         softmax_scale, deterministic, plan_backward, bias_needs_grad)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::bwd", mutates_args=(), schema=BWD_SCHEMA)
@@ -242,7 +250,7 @@ def _check_fake(query, key, value, optional: Operands, softmax_scale) -> None:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, is_causal, softmax_scale, deterministic,
-                        *operands):
+                        plan_backward, bias_needs_grad, *operands):
     _check_fake(query, key, value, Operands(*operands), softmax_scale)
     batch, seqlen_q, heads_q, head_dim = query.shape
     out = query.new_empty((batch, seqlen_q, heads_q, head_dim))
@@ -270,7 +278,7 @@ def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softma
 # -- autograd
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, is_causal, softmax_scale, deterministic, *operands = inputs
+    query, key, value, is_causal, softmax_scale, deterministic, _, _, *operands = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *operands)
     ctx.flags = (is_causal, softmax_scale, deterministic)
@@ -285,9 +293,10 @@ def _backward(ctx, grad_out, grad_lse):
                        and ctx.needs_input_grad[_FWD_INPUTS.index(slot)])
     dq, dk, dv, dbias = attention_bwd(grad_out, query, key, value, out, lse, *ctx.flags,
                                       bias_needs_grad, *operands)
-    grads = dict.fromkeys(OPERANDS)
+    grads = dict.fromkeys(_FWD_INPUTS)
+    grads.update(query=dq, key=dk, value=dv)
     grads[slot] = dbias if bias_needs_grad else None
-    return dq, dk, dv, None, None, None, *grads.values()
+    return tuple(grads.values())
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -300,8 +309,16 @@ def _scale_arg(softmax_scale) -> float | None:
 
 
 def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
-                  return_lse, deterministic):
-    """``dmattn_func`` through the custom ops; what ``torch.compile`` traces."""
-    out, lse = attention_fwd(query, key, value, bool(is_causal), _scale_arg(softmax_scale),
-                             bool(deterministic), *operands_of(attn_mask, attn_bias))
+                  return_lse, deterministic, kernel_options=None):
+    """``dmattn_func`` through the custom ops; what ``torch.compile`` traces. Flags are
+    checked by the caller."""
+    if kernel_options:
+        raise ValueError("kernel_options: not taken under torch.compile (the ops run the "
+                         "default schedule); pass it in eager calls")
+    optional = operands_of(attn_mask, attn_bias)
+    bias = getattr(optional, bias_slot(optional))
+    plan_backward = interface._needs_grad(query, key, value, bias)
+    out, lse = attention_fwd(query, key, value, is_causal, _scale_arg(softmax_scale),
+                             deterministic, plan_backward,
+                             bias is not None and bias.requires_grad, *optional)
     return (out, lse) if return_lse else out

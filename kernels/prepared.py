@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ._blocks import ActivityMap
-from ._checks import AttnShape, check_inputs
-from ._launch import ensure_runnable, is_interpreted
-from .backward import backward_tiles, prepare_backward_lists
-from .forward import _attn_fwd_kernel, forward_tiling, mask_activity
+from ._checks import AttnShape, check_flags, check_inputs
+from ._launch import ensure_runnable
+from .backward import prepare_backward_lists
+from .forward import call_problem, mask_activity
+from .forward_kernels import _attn_fwd_kernel
+from .schedule import schedule
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -80,14 +82,15 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a bool torch.Tensor to prepare, got "
                         f"{type(attn_mask).__name__}")
+    check_flags(is_causal=is_causal)
     # The key stands in for the value: same shape by contract, and only shapes are read.
     checked = check_inputs(query, key, key, attn_mask, None, None)
     ensure_runnable(_attn_fwd_kernel, query.device)
-    tiling = forward_tiling(checked, query.dtype, is_interpreted(_attn_fwd_kernel))
-    shape = checked.shape
-    later_tiles = backward_tiles(shape, query.dtype, query.device)
-    activity = mask_activity(checked, tiling, is_causal, later_tiles)
-    activity.lists(*tiling.list_tile, transposed=False)
-    prepare_backward_lists(activity, shape, query.dtype, query.device)
-    return PreparedMask(attn_mask, shape, query.dtype, query.device, bool(is_causal), activity,
-                        _version(attn_mask))
+    # Tiles do not depend on the bias or on the backward's options, so one map serves them.
+    problem = call_problem(checked, query, is_causal)
+    sched = schedule(problem)
+    activity = mask_activity(checked, sched, with_backward=True)
+    activity.lists(*sched.forward.list_tile, transposed=False)
+    prepare_backward_lists(activity, problem)
+    return PreparedMask(attn_mask, checked.shape, query.dtype, query.device, is_causal,
+                        activity, _version(attn_mask))

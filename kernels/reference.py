@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_inputs
+from .intervals import KeyIntervals
 
 
 def _per_query_head(view: torch.Tensor, head_div: int, heads_q: int) -> torch.Tensor:
@@ -26,6 +27,15 @@ def causal_keep(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
+def _dense_intervals(query, key, value, intervals: KeyIntervals, attn_bias, softmax_scale):
+    """The bool mask (Bm, Hm, Lq, Lk) of ``intervals``, after checking them against the call."""
+    shape = check_inputs(query, key, value, None, attn_bias, softmax_scale).shape
+    intervals.check_against(batch=shape.batch, heads_q=shape.heads_q, heads_kv=shape.heads_kv,
+                            seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
+                            device=query.device)
+    return intervals.to_dense(shape.seqlen_q)
+
+
 def attention_reference(
     query,
     key,
@@ -39,10 +49,13 @@ def attention_reference(
 ):
     """Eager dynamic-mask attention in (batch, seqlen, heads, head_dim) layout.
 
+    ``attn_mask`` is a bool mask or a :class:`KeyIntervals` (expanded here to its dense mask).
     Returns ``out`` (B, Lq, Hq, D) and, with ``return_lse``, the natural-log LSE (B, Hq, Lq) in
     float32 (float64 when upcast). Rows that see no key give output 0 and LSE -inf, and their
     gradients are 0. Differentiable with respect to query, key, value and attn_bias.
     """
+    if isinstance(attn_mask, KeyIntervals):
+        attn_mask = _dense_intervals(query, key, value, attn_mask, attn_bias, softmax_scale)
     checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
     shape = checked.shape
     compute = torch.float64 if upcast else query.dtype
@@ -75,4 +88,54 @@ def attention_reference(
         return out
     lse_dtype = torch.float64 if upcast else torch.float32
     lse = torch.logsumexp(scores.detach().to(lse_dtype), dim=-1)
+    return out, lse
+
+
+def attention_varlen_reference(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    attn_mask=None,
+    attn_bias=None,
+    is_causal=False,
+    softmax_scale=None,
+    return_lse=False,
+    upcast=True,
+):
+    """Packed (varlen) attention as one :func:`attention_reference` call per sequence.
+
+    Same layout and semantics as ``kernels.dmattn_varlen_func``: query (total_q, Hq, D), key and
+    value (total_k, Hk, D), attn_mask ``KeyIntervals`` (1, Hm, total_k) in each sequence's own
+    rows, attn_bias (Hb, total_k). A sequence with no keys gives output 0 and LSE -inf. Reads
+    the offsets on the host.
+    """
+    compute = torch.float64 if upcast else query.dtype
+    lse_dtype = torch.float64 if upcast else torch.float32
+    heads_q, head_dim = query.shape[1], query.shape[2]
+    outs, lses = [], []
+    bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:],
+                 cu_seqlens_k.tolist(), cu_seqlens_k.tolist()[1:])
+    for q0, q1, k0, k1 in bounds:
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            outs.append(query.new_zeros(q1 - q0, heads_q, head_dim, dtype=compute))
+            lses.append(query.new_full((heads_q, q1 - q0), float("-inf"), dtype=lse_dtype))
+            continue
+        mask = None
+        if attn_mask is not None:
+            mask = KeyIntervals(attn_mask.start[..., k0:k1], attn_mask.end[..., k0:k1])
+        bias = None if attn_bias is None else attn_bias[None, :, None, k0:k1]
+        out, lse = attention_reference(
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], attn_mask=mask,
+            attn_bias=bias, is_causal=is_causal, softmax_scale=softmax_scale, return_lse=True,
+            upcast=upcast)
+        outs.append(out[0])
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else query.new_zeros(0, heads_q, head_dim, dtype=compute)
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, dim=1) if lses else query.new_zeros(heads_q, 0, dtype=lse_dtype)
     return out, lse

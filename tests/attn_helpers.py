@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kernels import attention_reference, dmattn_func
+from kernels import attention_reference, dmattn_func, schedule_for
 from kernels._checks import AttnShape
 from kernels.tolerance import check_tensor
 
@@ -328,28 +328,28 @@ def assert_same_bits(first: Grads, second: Grads) -> None:
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
-def assert_deterministic_grads(q, k, v, mask, bias, causal) -> None:
+def assert_deterministic_grads(q, k, v, mask, bias, causal, func=dmattn_func) -> None:
     """Two deterministic backward runs of one problem and one grad_out agree bit for bit."""
     grad_out = torch.randn(q.shape, device=q.device).to(q.dtype)
-    first, second = (grads_of(dmattn_func, q, k, v, mask, bias, causal, None, grad_out,
+    first, second = (grads_of(func, q, k, v, mask, bias, causal, None, grad_out,
                               deterministic=True) for _ in range(2))
     assert_same_bits(first, second)
 
 
-def record_backward_plans(monkeypatch, kind: str = "BackwardPlan") -> list:
-    """A list that every backward plan of class ``kind`` (``BackwardPlan`` or
-    ``PackedBackwardPlan``) made from now on (in this test) is appended to."""
-    from kernels import backward
+def backward_schedule(q, k, v, mask=None, bias=None, causal=False, *, deterministic=False,
+                      bias_grad=True, kernel_options=None):
+    """The backward part of the ``kernels.schedule.Schedule`` that a ``dmattn_func`` call with
+    these arguments runs (a bias gets a gradient unless ``bias_grad`` is False)."""
+    return schedule_for(q, k, v, mask, bias, causal, deterministic=deterministic,
+                        bias_requires_grad=bias is not None and bias_grad,
+                        kernel_options=kernel_options).backward
 
-    made = []
 
-    class Recorded(getattr(backward, kind)):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(backward, kind, Recorded)
-    return made
+def forcing(**kernel_options):
+    """``dmattn_func`` with these schedule decisions forced (``kernel_options``)."""
+    def forced(*args, **kwargs):
+        return dmattn_func(*args, kernel_options=kernel_options, **kwargs)
+    return forced
 
 
 @dataclass

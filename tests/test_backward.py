@@ -17,12 +17,11 @@ from attn_helpers import (BROADCAST_BATCH, BROADCAST_COLS, BROADCAST_DIMS, BROAD
                           BROADCAST_ROWS, CAUSAL, DTYPES, Dims, HEADS, HEAD_DIMS, LONG_SEQLEN_K,
                           MASKED, MASKED_BAND, OPERAND_FORMS, QKV_LAYOUTS,
                           assert_close_to_reference, assert_deterministic_grads,
-                          assert_no_lq_lk_allocation, assert_same_bits,
+                          assert_no_lq_lk_allocation, assert_same_bits, backward_schedule, forcing,
                           grads_of, in_form,
                           masked_band_problem, nan_in_band, random_bias, random_mask,
                           random_problem, random_qkv, run_backward)
 from kernels import attention_reference, dmattn_func
-from kernels.backward import configs_for, dq_key_splits
 
 # -- grids
 SEQLENS_Q = (1, 17, 97)
@@ -58,13 +57,16 @@ def test_grad_lengths(seqlen_q, seqlen_k, causal, masked, dtype, device):
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("masked", MASKED)
 def test_grad_decode_key_split(seqlen_q, causal, masked, device):
-    """Decode-sized grids split dq over the keys: every share must land in the sum."""
+    """Decode-sized grids split dq over the keys: every share must land in the sum. (Such
+    calls take the packed backward by default; the general one is forced here.)"""
     dims = Dims(1, seqlen_q, 1031, heads_q=4, heads_kv=2, head_dim=40)
-    _, cfg_q = configs_for(dims, torch.bfloat16, device)
-    assert dq_key_splits(dims, cfg_q, device) > 1, "this shape should take the split path"
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
                                          bias="BxHkx1xLk", keep=0.5)
-    run_backward(q, k, v, mask if masked else None, bias, causal)
+    mask = mask if masked else None
+    options = {"backward": "dq+dkdv"}
+    bwd = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options)
+    assert bwd.dq_key_splits > 1, "this shape should take the split path"
+    run_backward(q, k, v, mask, bias, causal, func=forcing(**options))
 
 
 def test_decode_key_split_is_deterministic(device):
@@ -82,11 +84,11 @@ def test_decode_key_split_is_deterministic(device):
 def test_grad_dkdv_tiles_follow_the_grid_size(batch, seqlen_q, heads, small_grid, device):
     """D128 picks its dkdv key block by how many programs the grid has; both must be right."""
     dims = Dims(batch, seqlen_q, 97, heads_q=heads[0], heads_kv=heads[1], head_dim=128)
-    cfg_kv, _ = configs_for(dims, torch.bfloat16, device)
-    if device.type == "cuda":  # the interpreter always takes its own small tiles
-        assert cfg_kv.block_n == (16 if small_grid else 64)
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
                                          bias="BxHkx1xLk", keep=0.5)
+    if device.type == "cuda":  # the interpreter always takes its own small tiles
+        assert backward_schedule(q, k, v, mask, bias, True).dkdv.block_n == \
+            (16 if small_grid else 64)
     run_backward(q, k, v, mask, bias, causal=True)
 
 

@@ -321,6 +321,17 @@ def assert_fake_matches_real(op, args) -> None:
             f"output {i}: fake strides {f.stride()}, real {r.stride()}")
 
 
+def test_kernel_options_are_refused_while_tracing(device):
+    """Forcing a schedule is for eager tests and tuning; a traced call says so by name."""
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+
+    def attend(q, k, v):
+        return dmattn_func(q, k, v, kernel_options={"backward": "fused"})
+
+    with pytest.raises(Exception, match="kernel_options: not taken under torch.compile"):
+        torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
 def test_fake_implementations_agree_with_the_kernels(device):
     """torch.library's own checks (schema, fake outputs against real ones, the autograd
     registration, AOT tracing with dynamic shapes) and the fake outputs' strides, with the bias
@@ -334,12 +345,12 @@ def test_fake_implementations_agree_with_the_kernels(device):
     q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
     for biases in ((bias, None), (expanded(bias, q, k), bias)):
         torch.library.opcheck(torch.ops.dmattn.fwd.default,
-                              (q, k, v, True, None, False, mask, *biases))
+                              (q, k, v, True, None, False, True, True, mask, *biases))
     # The backward op has no backward of its own (no double backward): plain tensors.
     q, k, v, bias = (t.detach() for t in (q, k, v, bias))
-    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, mask, bias, None)
+    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, True, True, mask, bias, None)
     assert_fake_matches_real(torch.ops.dmattn.fwd.default,
-                             (q, k, v, True, None, False, mask, bias, None))
+                             (q, k, v, True, None, False, True, True, mask, bias, None))
     for biases in ((bias, None), (expanded(bias, q, k), bias)):
         for bias_needs_grad in (True, False):
             args = (torch.randn_like(out), q, k, v, out, lse, True, None, False,
@@ -375,18 +386,17 @@ def test_ops_never_wait_for_the_device(device):
     """Neither op reads device memory back to the host, with a mask read within the call (the
     most host-side work), so a CUDA graph can capture both. On a GPU, capture and replay them."""
     q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
-    args = (True, None, True, mask, bias, None)
+    flags, operands = (True, None, True), (mask, bias, None)
     with SyncWatch() as watch:
-        out, lse = torch.ops.dmattn.fwd(q, k, v, *args)
-        grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *args[:3], True, *args[3:])
+        out, lse = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, *operands)
+        grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *flags, True, *operands)
     assert not watch.syncs, f"ops that wait for the device: {watch.syncs}"
     if device.type != "cuda":
         return
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.dmattn.fwd(q, k, v, *args)
-        captured += torch.ops.dmattn.bwd(grad_out, q, k, v, *captured, *args[:3], True,
-                                         *args[3:])
+        captured = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, *operands)
+        captured += torch.ops.dmattn.bwd(grad_out, q, k, v, *captured, *flags, True, *operands)
     graph.replay()
     for got, want in zip(captured, (out, lse, *grads)):
         assert torch.equal(got, want)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import Dims, random_problem, record_backward_plans, run_backward
-from kernels import backward
+from attn_helpers import Dims, backward_schedule, forcing, random_problem, run_backward
+from kernels.schedule import BackwardRoute
 
 SPLIT_DIMS = Dims(1, 9, 1031, heads_q=4, heads_kv=2, head_dim=40)  # 18 rows per group
 # (dims, mask axes or None, bias axes or None, causal): what a plan change could break.
@@ -29,17 +29,18 @@ CASES = [
 ]
 
 
-@pytest.mark.usefixtures("no_kept_plans")  # a kept plan would keep its launch plan
-@pytest.mark.parametrize("fused", (True, False), ids=("fused", "separate"))
+@pytest.mark.parametrize("route", (BackwardRoute.FUSED, BackwardRoute.SEPARATE),
+                         ids=("fused", "separate"))
 @pytest.mark.parametrize("dims,mask_axes,bias_axes,causal", CASES)
 def test_both_launch_plans_give_the_reference_gradients(dims, mask_axes, bias_axes, causal,
-                                                         fused, device, monkeypatch):
-    monkeypatch.setattr(backward, "FUSE_MAX_WAVES", 10**9 if fused else 0)
-    made = record_backward_plans(monkeypatch)
+                                                         route, device):
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device,
                                          mask=mask_axes or "1x1x1x1", bias=bias_axes or "1x1x1x1",
                                          keep=0.6)
-    run_backward(q, k, v, mask if mask_axes else None, bias if bias_axes else None, causal)
-    assert [plan.fused is not None for plan in made] == [fused]
+    mask, bias = (mask if mask_axes else None), (bias if bias_axes else None)
+    options = {"backward": route.value}
+    run_backward(q, k, v, mask, bias, causal, func=forcing(**options))
+    bwd = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options)
+    assert bwd.route is route
     if dims == SPLIT_DIMS:
-        assert made[0].splits > 1, "this case must split dq over the keys"
+        assert bwd.dq_key_splits > 1, "this case must split dq over the keys"

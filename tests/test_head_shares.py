@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import (Dims, assert_deterministic_grads, random_problem,
-                          record_backward_plans, run_backward)
-from kernels import backward, prepare_mask
+from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, forcing,
+                          random_problem, run_backward)
+from kernels import prepare_mask
 from kernels._checks import AttnShape
+from kernels.schedule import Problem, dkdv_head_shares
 
 # (dims, mask axes or None, bias axes or None, causal)
 CASES = [
@@ -31,71 +32,74 @@ CASES = [
 ]
 
 
-def _forced(monkeypatch, split: bool, fused: bool = False) -> list:
-    """Plans made from now on split dkdv as far as the group allows (or never), fused with dq
-    in one launch or not; returns the list they are recorded in."""
-    monkeypatch.setattr(backward, "FUSE_MAX_WAVES", 10**9 if fused else 0)
-    monkeypatch.setattr(backward, "DKDV_SHARE_WAVES", 10**9 if split else 0)
-    return record_backward_plans(monkeypatch)
+def _options(dims: Dims, split: bool, fused: bool = False, **more) -> dict:
+    """kernel_options splitting dkdv as far as the group allows (or not at all), fused with dq
+    in one launch or not."""
+    return {"backward": "fused" if fused else "dq+dkdv",
+            "dkdv_head_shares": dims.heads_q // dims.heads_kv if split else 1, **more}
 
 
-@pytest.mark.usefixtures("no_kept_plans")  # a kept plan would keep its launch plan
 @pytest.mark.parametrize("split", (True, False), ids=("shares", "whole-group"))
 @pytest.mark.parametrize("dims,mask_axes,bias_axes,causal", CASES)
 def test_head_shares_give_the_reference_gradients(dims, mask_axes, bias_axes, causal, split,
-                                                  device, monkeypatch):
-    made = _forced(monkeypatch, split)
+                                                  device):
+    options = _options(dims, split)
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device,
                                          mask=mask_axes or "1x1x1x1", bias=bias_axes,
                                          keep=0.6)
-    run_backward(q, k, v, mask if mask_axes else None, bias, causal)
+    mask = mask if mask_axes else None
+    run_backward(q, k, v, mask, bias, causal, func=forcing(**options))
+    bwd = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options)
     group = dims.heads_q // dims.heads_kv
-    assert [plan.head_shares for plan in made] == [group if split else 1]
+    assert bwd.dkdv_head_shares == (group if split else 1)
     # One-row biases: with shares, each key block's last share sums the group's rows.
-    assert made[0].group_rows == (split and bias_axes.endswith("x1xLk"))
+    assert bwd.dkdv_group_rows == (split and bias_axes.endswith("x1xLk"))
 
 
-@pytest.mark.usefixtures("no_kept_plans")
 @pytest.mark.parametrize("bias_axes", ("1xHkx1xLk", "BxHqxLqxLk"), ids=("kv_row", "q_full"))
-def test_head_shares_in_the_fused_launch(bias_axes, device, monkeypatch):
+def test_head_shares_in_the_fused_launch(bias_axes, device):
     """The fused launch's dkdv programs split the group too, and merge like the dkdv launch
     (with a one-row bias, its group rows as well), beside split-K dq programs."""
-    made = _forced(monkeypatch, True, fused=True)
-    monkeypatch.setattr(backward, "dq_key_splits", lambda *args: 3)
     dims = Dims(1, 9, 150, heads_q=4, heads_kv=2, head_dim=40)
+    options = _options(dims, True, fused=True, dq_key_splits=3)
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
                                          bias=bias_axes, keep=0.6)
-    run_backward(q, k, v, mask, bias, True)
-    assert [(plan.fused is not None, plan.head_shares, plan.splits) for plan in made] == \
-        [(True, 2, 3)]
-    assert made[0].group_rows == (bias_axes == "1xHkx1xLk")
+    run_backward(q, k, v, mask, bias, True, func=forcing(**options))
+    bwd = backward_schedule(q, k, v, mask, bias, True, kernel_options=options)
+    assert (bwd.route.value, bwd.dkdv_head_shares, bwd.dq_key_splits) == ("fused", 2, 3)
+    assert bwd.dkdv_group_rows == (bias_axes == "1xHkx1xLk")
 
 
-@pytest.mark.usefixtures("no_kept_plans")
 @pytest.mark.parametrize("fused", (False, True), ids=("separate", "fused"))
-def test_head_shares_are_deterministic(fused, device, monkeypatch):
+def test_head_shares_are_deterministic(fused, device):
     """The shares' partials are summed in share order whichever share finishes last: two runs
     give identical bits. The mask is prepared, so both runs share one plan: on a GPU the
     second run reuses the plan's kept arrival counters, which the first must have left at
     zero."""
-    made = _forced(monkeypatch, True, fused)
     dims = Dims(1, 37, 61, heads_q=4, heads_kv=2, head_dim=40)
+    options = _options(dims, True, fused)
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, mask="BxHkxLqxLk",
                                          bias="1xHkx1xLk", keep=0.5)
-    assert_deterministic_grads(q, k, v, prepare_mask(mask, q, k, True), bias, True)
-    assert [(plan.head_shares, plan.fused is not None) for plan in made] == [(2, fused)]
+    prepared = prepare_mask(mask, q, k, True)
+    assert_deterministic_grads(q, k, v, prepared, bias, True, func=forcing(**options))
+    bwd = backward_schedule(q, k, v, prepared, bias, True, deterministic=True,
+                            kernel_options=options)
+    assert (bwd.dkdv_head_shares, bwd.route.value) == (2, "fused" if fused else "dq+dkdv")
 
 
-@pytest.mark.usefixtures("no_kept_plans")
-def test_dkdv_tiles_keep_the_whole_group(device, monkeypatch):
+def test_dkdv_tiles_keep_the_whole_group(device):
     """A deterministic gradient of a bias shared by a group's heads is summed by dkdv over the
-    whole group in order, so that plan never splits, however small its grid."""
-    made = _forced(monkeypatch, True)
+    whole group in order, so that plan never splits, however small its grid, and a forced
+    split is refused."""
     dims = Dims(1, 20, 30, heads_q=4, heads_kv=2, head_dim=16)
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="1x1x1x1",
                                          bias="1xHkxLqxLk")
     run_backward(q, k, v, None, bias, True, deterministic=True)
-    assert [(plan.head_shares, plan.dbias.dkdv_tiles) for plan in made] == [(1, True)]
+    bwd = backward_schedule(q, k, v, None, bias, True, deterministic=True)
+    assert (bwd.dkdv_head_shares, bwd.dbias_mode.value) == (1, "dkdv-tiles-ordered")
+    with pytest.raises(ValueError, match="dkdv_head_shares"):
+        backward_schedule(q, k, v, None, bias, True, deterministic=True,
+                          kernel_options={"dkdv_head_shares": 2})
 
 
 @pytest.mark.parametrize("group,programs,limit,expected", [
@@ -106,10 +110,10 @@ def test_dkdv_tiles_keep_the_whole_group(device, monkeypatch):
     (6, 50, 264, 3),   # 300 > 264, 150 fits
     (1, 8, 264, 1),    # no group to split
 ])
-def test_share_count_is_the_largest_divisor_that_fits(group, programs, limit, expected,
-                                                      monkeypatch):
-    monkeypatch.setattr(backward, "multiprocessors", lambda device, interpreted: limit // 2)
-    monkeypatch.setattr(backward, "DKDV_SHARE_WAVES", 2)
+def test_share_count_is_the_largest_divisor_that_fits(group, programs, limit, expected):
     shape = AttnShape(batch=1, heads_q=2 * group, heads_kv=2, seqlen_q=64, seqlen_k=64,
                       head_dim=64)
-    assert backward.dkdv_head_shares(shape, programs, torch.device("cpu")) == expected
+    # tuning.DKDV_SHARE_WAVES is 2: the limit is two waves of limit // 2 multiprocessors.
+    problem = Problem(shape, torch.bfloat16, torch.device("cpu"), interpreted=False,
+                      multiprocessors=limit // 2, is_causal=False, softmax_scale=0.125)
+    assert dkdv_head_shares(problem, programs) == expected

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from attn_helpers import (CAUSAL, DTYPES, MASKED_BAND, Dims, assert_deterministic_grads,
-                          grads_of, nan_in_band, random_mask, random_problem, random_qkv,
-                          record_backward_plans, run_backward)
-from kernels import backward_packed, dmattn_func, prepare_mask
+                          backward_schedule, grads_of, nan_in_band, random_mask, random_problem,
+                          random_qkv, run_backward)
+from kernels import dmattn_func, prepare_mask
 from kernels._checks import AttnShape
+from kernels.schedule import BackwardRoute, OperandLayout, Problem, takes_packed
 
 # (dims, whether the keys split into shares: on the GPU and under the interpreter alike, which
 # differ in key block and multiprocessor count)
@@ -30,51 +31,52 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def packed_plans(monkeypatch):
-    return record_backward_plans(monkeypatch, "PackedBackwardPlan")
+def packed(q, k, v, mask=None, bias=None, causal=False, **kwargs):
+    """The packed route's schedule of this call; fails where another route would run."""
+    bwd = backward_schedule(q, k, v, mask, bias, causal, **kwargs)
+    assert bwd.route is BackwardRoute.PACKED, f"this call takes the {bwd.route} backward"
+    return bwd
 
 
 @pytest.mark.parametrize("dims,split", CASES)
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_packed_grads(dims, split, causal, device, packed_plans):
+def test_packed_grads(dims, split, causal, device):
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     run_backward(q, k, v, None, None, causal)
-    assert len(packed_plans) == 1, "this call should take the packed backward"
-    assert (packed_plans[0].splits > 1) == split
+    assert (packed(q, k, v, None, None, causal).packed_key_splits > 1) == split
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_grads_dtypes(dtype, device, packed_plans):
+def test_packed_grads_dtypes(dtype, device):
     dims = Dims(2, 2, 211, heads_q=8, heads_kv=2, head_dim=80)
     q, k, v = random_qkv(dims, dtype, device)
     run_backward(q, k, v, None, None, True)
-    assert len(packed_plans) == 1
+    packed(q, k, v, None, None, True)
 
 
-def test_packed_rows_before_their_keys_are_empty(device, packed_plans):
+def test_packed_rows_before_their_keys_are_empty(device):
     """Causal with Lq > Lk: the first rows see no key, and their dq must be exactly 0."""
     dims = Dims(1, 5, 3, heads_q=3, heads_kv=3, head_dim=40)
     q, k, v = random_qkv(dims, torch.float16, device)
     run = run_backward(q, k, v, None, None, True)
-    assert len(packed_plans) == 1
+    packed(q, k, v, None, None, True)
     assert (run.grads.dq[:, :2] == 0).all()
 
 
 @pytest.mark.parametrize("layout", ("bhld", "sliced", "strided"))
-def test_packed_grads_qkv_layouts(layout, device, packed_plans):
+def test_packed_grads_qkv_layouts(layout, device):
     dims = Dims(2, 1, 300, heads_q=4, heads_kv=2, head_dim=40)
     q, k, v = random_qkv(dims, torch.bfloat16, device, layout)
     run_backward(q, k, v, None, None, True, scale=0.7)
-    assert len(packed_plans) == 1
+    packed(q, k, v, None, None, True)
 
 
-def test_packed_split_is_deterministic(device, packed_plans):
+def test_packed_split_is_deterministic(device):
     """The key shares' dq partials are summed in share order: identical bits run to run."""
     dims = Dims(1, 1, 1031, heads_q=4, heads_kv=1, head_dim=40)
     q, k, v = random_qkv(dims, torch.float16, device)
     assert_deterministic_grads(q, k, v, None, None, True)
-    assert packed_plans and all(plan.splits > 1 for plan in packed_plans)
+    assert packed(q, k, v, None, None, True, deterministic=True).packed_key_splits > 1
 
 
 # (dims, mask shape, bias shape): decode and few-row shapes with each head layout of a mask
@@ -99,23 +101,23 @@ MASKED_CASES = [
 
 @pytest.mark.parametrize("dims,mask_shape,bias_shape", MASKED_CASES)
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_packed_masked_biased_grads(dims, mask_shape, bias_shape, causal, device, packed_plans):
+def test_packed_masked_biased_grads(dims, mask_shape, bias_shape, causal, device):
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask_shape, bias_shape,
                                          keep=0.3)
     run_backward(q, k, v, mask, bias, causal)
-    assert len(packed_plans) == 1, "this call should take the packed backward"
+    packed(q, k, v, mask, bias, causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_bias_grad_dtypes(dtype, device, packed_plans):
+def test_packed_bias_grad_dtypes(dtype, device):
     """The one-row gradient is stored in the bias dtype where it is the bias's own shape."""
     dims = Dims(1, 1, 1031, heads_q=8, heads_kv=2, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, dtype, device, "BxHkx1xLk", "BxHkx1xLk")
     run_backward(q, k, v, mask, bias, True)
-    assert len(packed_plans) == 1 and packed_plans[0].splits > 1
+    assert packed(q, k, v, mask, bias, True).packed_key_splits > 1
 
 
-def test_packed_bias_without_grad(device, packed_plans):
+def test_packed_bias_without_grad(device):
     """A bias that needs no gradient is added, with rows of their own (no one-row bias)."""
     dims = Dims(2, 2, 333, heads_q=8, heads_kv=4, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, "1xHkxLqxLk",
@@ -130,19 +132,20 @@ def test_packed_bias_without_grad(device, packed_plans):
     run = run_backward(q, k, v, mask, bias, True, grad_out=grad_out)
     for name in ("dq", "dk", "dv"):
         assert torch.equal(getattr(got, name), getattr(run.grads, name)), name
-    assert len(packed_plans) == 2
+    packed(q, k, v, mask, bias, True, bias_grad=False)
+    packed(q, k, v, mask, bias, True)
 
 
-def test_packed_expanded_bias_grad(device, packed_plans):
+def test_packed_expanded_bias_grad(device):
     """A stride-0 expand() of a (B, Hk, 1, Lk) bias gets its gradient in the base's shape."""
     dims = Dims(2, 1, 260, heads_q=8, heads_kv=2, head_dim=16)
     q, k, v, mask, bias = random_problem(dims, torch.float32, device, "BxHkx1xLk", "BxHkx1xLk")
     run_backward(q, k, v, mask, bias, False,
                  bias_view=lambda t: t.expand(dims.batch, dims.heads_kv, 1, dims.seqlen_k))
-    assert len(packed_plans) == 1
+    packed(q, k, v, mask, bias, False)
 
 
-def test_packed_masked_blocks_read_no_keys_or_values(device, packed_plans):
+def test_packed_masked_blocks_read_no_keys_or_values(device):
     """Keys 128..255 are masked for every row and hold NaN: blocks that no row keeps skip
     their K and V reads, so no gradient turns NaN, and their dk and dv are zero."""
     dims = Dims(1, 1, 384, heads_q=4, heads_kv=1, head_dim=16)
@@ -154,17 +157,17 @@ def test_packed_masked_blocks_read_no_keys_or_values(device, packed_plans):
     clean = grads_of(dmattn_func, q, k, v, mask, None, False, None, grad_out)
     poisoned = grads_of(dmattn_func, q, nan_in_band(k), nan_in_band(v), mask, None, False, None,
                         grad_out)
-    assert len(packed_plans) == 2  # an unprepared mask: a plan per call
+    packed(q, k, v, mask)
     assert torch.equal(poisoned.dq, clean.dq)
     assert torch.equal(poisoned.dk, clean.dk) and torch.equal(poisoned.dv, clean.dv)
     assert (clean.dk[:, band] == 0).all() and (clean.dv[:, band] == 0).all()
 
 
-def test_packed_masked_split_is_deterministic(device, packed_plans):
+def test_packed_masked_split_is_deterministic(device):
     dims = Dims(1, 1, 1031, heads_q=4, heads_kv=1, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, "1x1x1xLk", "1xHkx1xLk")
     assert_deterministic_grads(q, k, v, mask, bias, True)
-    assert packed_plans and all(plan.splits > 1 for plan in packed_plans)
+    assert packed(q, k, v, mask, bias, True, deterministic=True).packed_key_splits > 1
 
 
 # Blocks of this many keys are live or dead as a whole in ``block_sparse_mask``: a multiple of
@@ -191,10 +194,6 @@ def dead_block_keys(mask: torch.Tensor) -> torch.Tensor:
     return dead.repeat_interleave(SPARSE_BLOCK)[:keys]
 
 
-def _skips(plan) -> bool:
-    return plan.launch.options["SKIP_DEAD_BLOCKS"]
-
-
 # (dims, mask shape, bias shape) of block-sparse decode: the mask is prepared, so its live key
 # blocks are counted, and with an eighth of them live the launch branches around the dead ones.
 SPARSE_CASES = [
@@ -210,7 +209,7 @@ SPARSE_CASES = [
 @pytest.mark.parametrize("dims,mask_shape,bias_shape", SPARSE_CASES)
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_packed_prepared_block_sparse_skips_dead_blocks(dims, mask_shape, bias_shape, causal,
-                                                        device, packed_plans):
+                                                        device):
     q, k, v, _, bias = random_problem(dims, torch.bfloat16, device, mask_shape, bias_shape)
     mask = block_sparse_mask(dims, dims.operand_shape(*mask_shape.split("x")), device, 8)
     prepared = prepare_mask(mask, q, k, causal)
@@ -219,10 +218,10 @@ def test_packed_prepared_block_sparse_skips_dead_blocks(dims, mask_shape, bias_s
         return dmattn_func(q, k, v, prepared, bias, causal, scale, **kwargs)
 
     run_backward(q, k, v, mask, bias, causal, func=with_prepared)
-    assert len(packed_plans) == 1 and _skips(packed_plans[0])
+    assert packed(q, k, v, prepared, bias, causal).packed_skips_dead_blocks
 
 
-def test_packed_skipped_blocks_read_no_keys_or_values(device, packed_plans):
+def test_packed_skipped_blocks_read_no_keys_or_values(device):
     """Dead blocks hold NaN keys and values: a skipped block reads neither, so no gradient
     turns NaN, and its dk and dv are stored as zeros."""
     dims = Dims(1, 1, 1031, heads_q=4, heads_kv=1, head_dim=16)
@@ -235,7 +234,7 @@ def test_packed_skipped_blocks_read_no_keys_or_values(device, packed_plans):
     clean = grads_of(dmattn_func, q, k, v, prepared, None, False, None, grad_out)
     poisoned = grads_of(dmattn_func, q, nan_in_band(k, dead), nan_in_band(v, dead), prepared,
                         None, False, None, grad_out)
-    assert len(packed_plans) == 1 and _skips(packed_plans[0])  # one plan, kept by the mask
+    assert packed(q, k, v, prepared).packed_skips_dead_blocks
     assert torch.equal(poisoned.dq, clean.dq)
     assert torch.equal(poisoned.dk, clean.dk) and torch.equal(poisoned.dv, clean.dv)
     assert (clean.dk[:, dead] == 0).all() and (clean.dv[:, dead] == 0).all()
@@ -246,13 +245,13 @@ def test_packed_skipped_blocks_read_no_keys_or_values(device, packed_plans):
     pytest.param(1, True, False, id="prepared-dense"),  # every block live: the predicate
     pytest.param(8, False, False, id="unprepared"),  # not counted: the predicate
 ])
-def test_which_masks_skip_dead_blocks(every, prepared, skips, device, packed_plans):
+def test_which_masks_skip_dead_blocks(every, prepared, skips, device):
     dims = Dims(1, 1, 520, heads_q=4, heads_kv=2, head_dim=16)
     q, k, v = random_qkv(dims, torch.float16, device)
     mask = block_sparse_mask(dims, dims.operand_shape("1", "Hk", "1", "Lk"), device, every)
     attn_mask = prepare_mask(mask, q, k) if prepared else mask
     grads_of(dmattn_func, q, k, v, attn_mask, None, False, None, torch.randn_like(q))
-    assert len(packed_plans) == 1 and _skips(packed_plans[0]) == skips
+    assert packed(q, k, v, attn_mask).packed_skips_dead_blocks == skips
 
 
 def test_live_share_counts_blocks_live_in_any_head_of_a_tile(device):
@@ -269,47 +268,39 @@ def test_live_share_counts_blocks_live_in_any_head_of_a_tile(device):
 
 
 @pytest.mark.parametrize("bias_shape", ["BxHkxLqxLk", "BxHqx1xLk"])
-def test_bias_grads_packing_cannot_write_take_the_general_path(bias_shape, device,
-                                                                 packed_plans, monkeypatch):
+def test_bias_grads_packing_cannot_write_take_the_general_path(bias_shape, device):
     """Lq = 3 with G = 3: a (B, Hk, Lq, Lk) gradient sums each query's 3 heads, a (B, Hq, 1, Lk)
     one each head's 3 queries; both keep the general backward."""
-    general = record_backward_plans(monkeypatch, "BackwardPlan")
     dims = Dims(1, 3, 70, heads_q=6, heads_kv=2, head_dim=16)
     q, k, v, mask, bias = random_problem(dims, torch.float32, device, "1xHkxLqxLk", bias_shape)
     run_backward(q, k, v, mask, bias, True)
-    assert not packed_plans and len(general) == 1
+    assert backward_schedule(q, k, v, mask, bias, True).route is not BackwardRoute.PACKED
 
 
-class _Bias:
-    def __init__(self, head_div):
-        self.head_div = head_div
+def _problem(seqlen_q, heads_q, heads_kv, bias_shape=None, bias_grad=False) -> Problem:
+    """A decode-sized problem for ``takes_packed``."""
+    bias = None if bias_shape is None else OperandLayout(bias_shape, heads_q // bias_shape[1])
+    return Problem(AttnShape(1, seqlen_q, 4096, heads_q, heads_kv, 128), torch.bfloat16,
+                   torch.device("cpu"), interpreted=False, multiprocessors=132, is_causal=False,
+                   softmax_scale=0.125, bias=bias, bias_grad=bias_grad)
 
 
-class _Plan:
-    """The fields ``packed_route`` reads from a forward plan."""
-
-    def __init__(self, seqlen_q, heads_q, heads_kv, bias_shape=None):
-        self.shape = AttnShape(1, seqlen_q, 4096, heads_q, heads_kv, 128)
-        self.dtype = torch.bfloat16
-        self.bias_shape = bias_shape
-        self.bias = None if bias_shape is None else _Bias(heads_q // bias_shape[1])
-
-
-@pytest.mark.parametrize("plan,bias_grad,packs", [
-    (_Plan(1, 32, 8), False, True),
-    (_Plan(1, 16, 1), False, True),  # MQA: 16 rows, one tile
-    (_Plan(4, 16, 4), False, True),
-    (_Plan(5, 16, 4), False, False),  # 20 rows
-    (_Plan(1, 32, 1), False, False),  # 32 heads in a group
-    (_Plan(1, 32, 8, (1, 8, 1, 4096)), True, True),  # one gradient row per group
-    (_Plan(1, 32, 8, (1, 32, 1, 4096)), True, True),  # a row per query head
-    (_Plan(1, 32, 8, (1, 1, 1, 1)), True, True),  # broadcast along keys: zero
-    (_Plan(4, 16, 4, (1, 4, 1, 4096)), True, True),
-    (_Plan(4, 16, 4, (1, 16, 4, 4096)), True, True),
-    (_Plan(4, 16, 4, (1, 4, 4, 4096)), True, False),  # a query's 4 heads sum
-    (_Plan(4, 16, 4, (1, 4, 4, 4096)), False, True),  # ... unless no gradient is wanted
-    (_Plan(4, 16, 4, (1, 16, 1, 4096)), True, False),  # a head's 4 queries sum
-    (_Plan(4, 4, 4, (1, 1, 4, 4096)), True, True),  # MHA: each row its own, heads summed after
+@pytest.mark.parametrize("problem,packs", [
+    (_problem(1, 32, 8), True),
+    (_problem(1, 16, 1), True),  # MQA: 16 rows, one tile
+    (_problem(4, 16, 4), True),
+    (_problem(5, 16, 4), False),  # 20 rows
+    (_problem(1, 32, 1), False),  # 32 heads in a group
+    (_problem(1, 32, 8, (1, 8, 1, 4096), bias_grad=True), True),  # one gradient row per group
+    (_problem(1, 32, 8, (1, 32, 1, 4096), bias_grad=True), True),  # a row per query head
+    (_problem(1, 32, 8, (1, 1, 1, 1), bias_grad=True), True),  # broadcast along keys: zero
+    (_problem(4, 16, 4, (1, 4, 1, 4096), bias_grad=True), True),
+    (_problem(4, 16, 4, (1, 16, 4, 4096), bias_grad=True), True),
+    (_problem(4, 16, 4, (1, 4, 4, 4096), bias_grad=True), False),  # a query's 4 heads sum
+    (_problem(4, 16, 4, (1, 4, 4, 4096)), True),  # ... unless no gradient is wanted
+    (_problem(4, 16, 4, (1, 16, 1, 4096), bias_grad=True), False),  # a head's 4 queries sum
+    # MHA: each row its own, heads summed after
+    (_problem(4, 4, 4, (1, 1, 4, 4096), bias_grad=True), True),
 ])
-def test_which_calls_pack(plan, bias_grad, packs):
-    assert backward_packed.packed_route(plan, bias_grad)[0] == packs
+def test_which_calls_pack(problem, packs):
+    assert takes_packed(problem) == packs

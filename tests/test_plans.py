@@ -13,7 +13,9 @@ import torch
 
 from attn_helpers import (Dims, random_bias, random_mask, random_qkv, run_backward,
                           run_forward)
-from kernels import dmattn_func, interface, prepare_mask
+from kernels import dmattn_func, interface, prepare_mask, schedule_for
+from kernels.schedule import OperandLayout, Problem, dkdv_stages
+from kernels.tuning import Tile
 
 DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
 
@@ -23,9 +25,11 @@ DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=1
 pytestmark = pytest.mark.usefixtures("no_kept_plans")
 
 
-def _kept_plan(q, k, v, bias=None, causal=False, scale=None):
-    """The plan kept for a mask-free call of this signature (None if there is none)."""
-    return interface._plans.get(interface._signature(q, k, v, bias, causal, scale))
+def _kept_plan(q, k, v, bias=None, causal=False, scale=None, bias_grad=False):
+    """The plan kept for a mask-free call of this signature (None if there is none);
+    ``bias_grad``: the call's bias gets a gradient (its schedule includes that backward)."""
+    return interface._plans.get(interface._signature(q, k, v, bias, causal, scale,
+                                                     bias_grad=bias_grad))
 
 
 def test_a_repeat_call_reuses_its_plan_and_stays_correct(device):
@@ -40,7 +44,11 @@ def test_a_repeat_call_reuses_its_plan_and_stays_correct(device):
     run_backward(q2, k2, v2, None, bias2, True)
     run_backward(q, k, v, None, bias, True)
     assert _kept_plan(q, k, v, bias, True) is plan
-    assert len(plan.backward_plans) == 1
+    # A call whose bias gets a gradient is a signature of its own, and its plan keeps the one
+    # backward plan both backward runs used.
+    grad_plan = _kept_plan(q, k, v, bias, True, bias_grad=True)
+    assert grad_plan is not plan and not plan.backward_plans
+    assert len(grad_plan.backward_plans) == 1
 
 
 CHANGES = ("seqlen_q", "seqlen_k", "heads", "head_dim", "layout", "dtype", "causal", "scale",
@@ -86,15 +94,20 @@ def test_a_changed_signature_gets_its_own_plan(change, device):
 
 
 def test_the_grad_signature_picks_the_backward_plan(device):
-    """grad_out's strides and ``deterministic`` (a shared bias's dbias is serialized) are part
-    of the backward plan's signature."""
+    """grad_out's strides pick the backward plan a forward plan keeps; ``deterministic`` (a
+    shared bias's dbias is serialized) is part of the call's signature, whose schedule holds
+    its backward."""
     q, k, v = random_qkv(DIMS, torch.float16, device)
     bias = random_bias(DIMS.operand_shape("1", "1", "Lq", "Lk"), torch.float16, device)
     run_backward(q, k, v, None, bias, True)
     strided = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], device=device)
     run_backward(q, k, v, None, bias, True, grad_out=strided.to(q.dtype).transpose(1, 2))
     run_backward(q, k, v, None, bias, True, deterministic=True)
-    assert len(_kept_plan(q, k, v, bias, True).backward_plans) == 3
+    assert len(_kept_plan(q, k, v, bias, True, bias_grad=True).backward_plans) == 2
+    deterministic = interface._plans.get(interface._signature(
+        q, k, v, bias, True, None, deterministic=True, bias_grad=True))
+    assert len(deterministic.backward_plans) == 1
+    assert deterministic.schedule.backward.dbias_mode.value == "dkdv-tiles-ordered"
 
 
 def test_key_and_value_are_separate_pointers_even_when_first_the_same(device):
@@ -161,13 +174,18 @@ def _activity(mask, device):
     return tile_activity(checked.mask, checked.shape, 16, 16, False)
 
 
+def _stage_problem(block_d: int, dtype, activity, masked: bool = True) -> Problem:
+    shape = Dims(1, 128, 128, heads_q=2, heads_kv=1, head_dim=block_d)
+    mask = OperandLayout((1, 1, 128, 128), 2) if masked else None
+    return Problem(shape, dtype, torch.device("cpu"), interpreted=False, multiprocessors=132,
+                   is_causal=False, softmax_scale=0.125, mask=mask, activity=activity)
+
+
 def test_dkdv_pipeline_depth_follows_its_partial_tile_share(device):
     """Two stages where dkdv's tiles are mostly partial (or were not counted: a mask read in
-    the call), the config's own where they are mostly full, and outside 64 < D <= 128 in
+    the call), the tile's own where they are mostly full, and outside 64 < D <= 128 in
     16-bit, which is all that was measured."""
-    from kernels.backward import BackwardConfig, dkdv_stages
-
-    cfg = BackwardConfig(32, 64, 4, 3)
+    tile = Tile(32, 64, 4, 3)
     element = _activity(random_mask((1, 1, 128, 128), device, keep=0.3), device)
     blocks = torch.zeros((1, 1, 128, 128), dtype=torch.bool, device=device)
     blocks[..., :64, 64:] = True  # whole (32 query, 64 key) tiles
@@ -176,23 +194,23 @@ def test_dkdv_pipeline_depth_follows_its_partial_tile_share(device):
     uncounted = _activity(blocks, device)
     assert element.count_partial_share(64, 32, True) > 0.5
     assert block_sparse.count_partial_share(64, 32, True) == 0.0
-    assert dkdv_stages(cfg, 128, torch.bfloat16, element) == 2
-    assert dkdv_stages(cfg, 128, torch.float16, block_sparse) == 3
-    assert dkdv_stages(cfg, 128, torch.bfloat16, uncounted) == 2
-    assert dkdv_stages(cfg, 128, torch.bfloat16, None) == 3
-    assert dkdv_stages(cfg, 128, torch.float32, element) == 3
-    assert dkdv_stages(cfg, 64, torch.bfloat16, element) == 3
-    assert dkdv_stages(cfg, 256, torch.bfloat16, element) == 3
-    assert dkdv_stages(BackwardConfig(16, 32, 4, 1), 128, torch.bfloat16, element) == 1
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert dkdv_stages(_stage_problem(128, bf16, element), tile) == 2
+    assert dkdv_stages(_stage_problem(128, fp16, block_sparse), tile) == 3
+    assert dkdv_stages(_stage_problem(128, bf16, uncounted), tile) == 2
+    assert dkdv_stages(_stage_problem(128, bf16, None, masked=False), tile) == 3
+    assert dkdv_stages(_stage_problem(128, torch.float32, element), tile) == 3
+    assert dkdv_stages(_stage_problem(64, bf16, element), tile) == 3
+    assert dkdv_stages(_stage_problem(256, bf16, element), tile) == 3
+    assert dkdv_stages(_stage_problem(128, bf16, element), Tile(16, 32, 4, 1)) == 1
 
 
 def test_prepare_mask_counts_dkdv_partial_tiles(device):
-    from kernels.backward import configs_for
-
     q, k, v = random_qkv(DIMS, torch.bfloat16, device)
-    prepared = prepare_mask(random_mask(DIMS.full_operand_shape("Hk"), device), q, k)
-    cfg_kv, _ = configs_for(prepared.shape, q.dtype, q.device)
-    share = prepared.activity.partial_share(cfg_kv.block_n, cfg_kv.block_m, True)
+    mask = random_mask(DIMS.full_operand_shape("Hk"), device)
+    prepared = prepare_mask(mask, q, k)
+    dkdv = schedule_for(q, k, v, prepared).backward.dkdv
+    share = prepared.activity.partial_share(dkdv.block_n, dkdv.block_m, True)
     assert share is not None and 0.0 <= share <= 1.0
 
 
@@ -203,7 +221,7 @@ def test_prepare_mask_in_a_graph_capture_leaves_the_share_uncounted(device, monk
 
     q, k, v = random_qkv(DIMS, torch.bfloat16, device)
     mask = random_mask(DIMS.full_operand_shape("Hk"), device)
-    cfg_kv, _ = backward.configs_for(DIMS, q.dtype, q.device)
+    cfg_kv = schedule_for(q, k, v, mask).backward.dkdv
     if device.type == "cuda":
         prepare_mask(mask, q, k)  # compile the list kernels outside the capture
         graph = torch.cuda.CUDAGraph()

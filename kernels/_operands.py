@@ -1,0 +1,180 @@
+"""The kernels' arguments, by name: each is one NamedTuple that Triton passes as a tuple, so a
+launch reads like a sentence and a kernel takes a few dozen parameters, not a hundred.
+
+* ``Layout``: a broadcast mask, bias or bias-gradient buffer as (b, h, m, n) strides and the
+  divisor that maps a query head to its head (query head h reads head h // head_div).
+* ``SeqStrides``: a (B, L, H, D) tensor's (batch, position, head) strides; head_dim has stride 1.
+* ``ListStrides``: an active-tile list table's (batch, head, row) strides (``_blocks``).
+* ``Sizes``: the problem's sizes, which every kernel reads.
+* ``*Pointers``: each kernel's tensors. They are the only arguments that change from call to
+  call of one plan (``_launch.PlannedLaunch``); an argument a launch does not read is given any
+  tensor (its kernel never dereferences it).
+
+Inside a kernel the fields are read by name (``q_strides.stride_l``, ``ptrs.mask``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Layout(NamedTuple):
+    stride_b: int
+    stride_h: int
+    stride_m: int
+    stride_n: int
+    head_div: int
+
+
+ABSENT = Layout(0, 0, 0, 0, 1)  # an absent mask or bias: HAS_MASK / HAS_BIAS are False
+
+
+class SeqStrides(NamedTuple):
+    stride_b: int
+    stride_l: int
+    stride_h: int
+
+
+def seq_strides(t: torch.Tensor) -> SeqStrides:
+    """(batch, position, head) strides of a (B, L, H, D) tensor whose head_dim stride is 1."""
+    return SeqStrides(t.stride(0), t.stride(1), t.stride(2))
+
+
+class ListStrides(NamedTuple):
+    stride_b: int
+    stride_h: int
+    stride_row: int
+
+
+NO_LISTS = ListStrides(0, 0, 0)
+
+
+class Sizes(NamedTuple):
+    heads_q: int
+    group_size: int  # query heads per kv head
+    seqlen_q: int
+    seqlen_k: int
+
+
+def sizes_of(shape) -> Sizes:
+    """The ``Sizes`` of an ``_checks.AttnShape``."""
+    return Sizes(shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k)
+
+
+class ForwardPointers(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    mask: torch.Tensor
+    bias: torch.Tensor
+    lists: torch.Tensor
+    out_part: torch.Tensor  # split-K partials and their tiles' arrival counters
+    lse_part: torch.Tensor
+    counts: torch.Tensor
+
+
+class BackwardStrides(NamedTuple):
+    """Every (B, L, H, D) tensor's strides in a backward launch (one kernel argument)."""
+
+    q: SeqStrides
+    k: SeqStrides
+    v: SeqStrides
+    do: SeqStrides
+    out: SeqStrides
+    dq: SeqStrides
+    dk: SeqStrides
+    dv: SeqStrides
+
+
+class BackwardLayouts(NamedTuple):
+    """The broadcast operands and list tables of a backward launch (one kernel argument)."""
+
+    mask: Layout
+    bias: Layout
+    dbias: Layout
+    q_lists: ListStrides  # dq's lists: query blocks on rows
+    kv_lists: ListStrides  # dkdv's lists: key blocks on rows
+
+
+# The backward's pointer tuples name each tensor alike, so that the dq and dkdv programs read
+# the fused launch's tuple as they read their own launch's.
+class DqPointers(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    do: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor  # stored by dq for dkdv
+    dq: torch.Tensor
+    dq_part: torch.Tensor
+    mask: torch.Tensor
+    bias: torch.Tensor
+    dbias: torch.Tensor
+    q_lists: torch.Tensor
+    dq_counts: torch.Tensor
+
+
+class DkdvPointers(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor  # read only where delta comes from the output (the fused launch)
+    do: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dk_part: torch.Tensor
+    dv_part: torch.Tensor
+    mask: torch.Tensor
+    bias: torch.Tensor
+    dbias: torch.Tensor  # the gradient buffer, or per-query-head rows (group rows)
+    kv_lists: torch.Tensor
+    kv_counts: torch.Tensor
+    dbias_sum: torch.Tensor  # group rows summed into here
+
+
+class FusedPointers(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    do: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor  # unused: each program computes delta itself
+    dq: torch.Tensor
+    dq_part: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dk_part: torch.Tensor
+    dv_part: torch.Tensor
+    mask: torch.Tensor
+    bias: torch.Tensor
+    dbias: torch.Tensor
+    q_lists: torch.Tensor
+    kv_lists: torch.Tensor
+    dq_counts: torch.Tensor
+    kv_counts: torch.Tensor
+    dbias_sum: torch.Tensor
+
+
+class PackedPointers(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    do: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dq_part: torch.Tensor
+    counts: torch.Tensor
+    mask: torch.Tensor
+    bias: torch.Tensor
+    dbias: torch.Tensor

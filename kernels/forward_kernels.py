@@ -1,0 +1,211 @@
+"""The forward kernel.
+
+Online softmax follows FlashAttention-2's names: ``m_i`` running row max (log2 domain), ``l_i``
+running row sum of exp2(s - m_i), ``acc`` un-normalized output. Axis letters: b batch, h head,
+m query position, n key position, d head dim.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._partials import last_share_arrived, split_rows, store_partial
+from ._scratch import Scratch
+from ._score import (LN2, block_at, block_spans, clamp_index, grid_position, head_base, mma,
+                     operand_base, query_tile_scores, row_offsets, span, tile_offsets)
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps,
+    block_list_ptr, first_block, num_blocks, seqlen_q, seqlen_k, qk_scale,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
+    INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+):
+    """Fold ``num_blocks`` key blocks into the online softmax state.
+
+    ``tiles`` are the (K, V, mask, bias) tile pointers at key block 0 and ``steps`` their
+    strides along keys. Blocks are ``first_block + i``, or with USE_LIST the i-th entry of the
+    active-tile list, so a sparse mask walks only its active tiles, branch-free. The next
+    block's index is read one iteration ahead so that tile addresses never wait on it. (Also
+    carrying the next mask tile across iterations was measured 1.7x slower at L=16384, D=64:
+    the int1 tile costs registers.)
+    INTERIOR blocks lie inside both lengths and below the causal diagonal: no range or causal
+    test per pair, only the mask (if any), read through row-clamped pointers.
+    """
+    k_ptrs, v_ptrs, mask_ptrs, bias_ptrs = tiles
+    stride_k_n, stride_v_n, stride_mask_n, stride_bias_n = steps
+    block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
+    for i in range(num_blocks):
+        start_n = block * BLOCK_N
+        offs_n = start_n + offs_n0
+        block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
+        s, k, kv_in_range = query_tile_scores(
+            q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n, mask_ptrs, stride_mask_n,
+            bias_ptrs, stride_bias_n, seqlen_q, seqlen_k, qk_scale, HAS_MASK=HAS_MASK,
+            HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW, CAUSAL_TILES=CAUSAL_TILES, INTERIOR=INTERIOR,
+            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS)
+        # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    ptrs, q_strides, k_strides, v_strides, o_strides, mask_layout, bias_layout, list_strides,
+    sizes, qk_scale, chunk_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_PACK: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, EDGE_SLOTS: tl.constexpr,
+):
+    """One tile of query rows per program; ``ptrs`` is a ``_operands.ForwardPointers``.
+
+    A tile has BLOCK_M rows. With GROUP_PACK = G > 1 (GQA), row r is query position
+    start_m + r // G of query head hx * G + r % G: the G heads sharing a KV head share one
+    program, so K, V and the (group-shared) mask are read once for all of them.
+    """
+    seqlen_q = sizes.seqlen_q
+    seqlen_k = sizes.seqlen_k
+    QUERY_ROWS: tl.constexpr = BLOCK_M // GROUP_PACK
+    # Later query blocks see more keys under causal: they start first (see grid_position).
+    m_block, head_program = grid_position(tl.program_id(0), tl.cdiv(seqlen_q, QUERY_ROWS),
+                                          chunk_rows, IS_CAUSAL)
+    start_m = m_block * QUERY_ROWS
+    heads_grid = sizes.heads_q // GROUP_PACK
+    b = head_program // heads_grid
+    first_head = (head_program % heads_grid) * GROUP_PACK
+    # Split-K (decode): axis 2 cuts this row block's key blocks into contiguous shares.
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows // GROUP_PACK
+    heads = first_head + rows % GROUP_PACK
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM  # folds away when HEAD_DIM == BLOCK_D
+    row_ok = offs_m < seqlen_q
+
+    q = tl.load(ptrs.q + b.to(tl.int64) * q_strides.stride_b
+                + row_offsets(offs_m, heads, 1, q_strides.stride_l,
+                              q_strides.stride_h)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_ptrs = operand_base(ptrs.k, b, first_head, sizes.group_size, k_strides.stride_b,
+                          k_strides.stride_h) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], k_strides.stride_l, 1)
+    v_ptrs = operand_base(ptrs.v, b, first_head, sizes.group_size, v_strides.stride_b,
+                          v_strides.stride_h) \
+        + tile_offsets(offs_n0[:, None], offs_d[None, :], v_strides.stride_l, 1)
+    # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
+    safe_m = clamp_index(offs_m, seqlen_q)
+    mask_ptrs = ptrs.mask + b.to(tl.int64) * mask_layout.stride_b \
+        + row_offsets(safe_m, heads, mask_layout.head_div, mask_layout.stride_m,
+                      mask_layout.stride_h)[:, None] \
+        + offs_n0.to(tl.int64)[None, :] * mask_layout.stride_n
+    if BIAS_ROW:  # one query row shared by the tile's heads: address it once (see load_bias)
+        bias_rows = head_base(ptrs.bias, bias_layout, b, first_head) \
+            + tl.zeros([1, 1], dtype=tl.int64)
+    else:
+        bias_rows = ptrs.bias + b.to(tl.int64) * bias_layout.stride_b \
+            + row_offsets(safe_m, heads, bias_layout.head_div, bias_layout.stride_m,
+                          bias_layout.stride_h)[:, None]
+    bias_ptrs = bias_rows + offs_n0.to(tl.int64)[None, :] * bias_layout.stride_n
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # When packed, the host guarantees that the tile's heads share one mask head.
+    span_list, full_lo, full_hi, _, inner_lo, inner_hi, tail_hi = block_spans(
+        ptrs.lists, list_strides, mask_layout.head_div, b, first_head, m_block, start_m,
+        split, num_splits, seqlen_q, seqlen_k, LOOP_ROWS=QUERY_ROWS, STEP_ROWS=BLOCK_N,
+        IS_CAUSAL=IS_CAUSAL, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
+    tiles = (k_ptrs, v_ptrs, mask_ptrs, bias_ptrs)
+    steps = (k_strides.stride_l, v_strides.stride_l, mask_layout.stride_n, bias_layout.stride_n)
+    if HAS_MASK:
+        # Full tiles: every pair visible, so no mask read and no per-pair test.
+        blocks, first, count = span(span_list, full_lo, full_hi, HAS_MASK)
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
+            seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=False, HAS_BIAS=HAS_BIAS,
+            BIAS_ROW=BIAS_ROW, CAUSAL_TILES=False, USE_LIST=True, INTERIOR=True,
+            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS)
+    # Interior key blocks, then the causal diagonal and a partial last key block.
+    blocks, first, count = span(span_list, inner_lo, inner_hi, HAS_MASK)
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
+        seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS,
+        BIAS_ROW=BIAS_ROW, CAUSAL_TILES=False, USE_LIST=HAS_MASK, INTERIOR=True,
+        DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS)
+    blocks, first, count = span(span_list, inner_hi, tail_hi, HAS_MASK)
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
+        seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS,
+        BIAS_ROW=BIAS_ROW, CAUSAL_TILES=IS_CAUSAL, USE_LIST=HAS_MASK, INTERIOR=False,
+        DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS)
+
+    # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    # LSE rows of (B, Hq, Lq). The row predicate keeps a partial last block from writing into
+    # the next head's rows (the LSE race seen in other Triton attention ports).
+    bh = b * sizes.heads_q + heads  # each row's (batch x head) row
+    lse_rows = bh.to(tl.int64) * seqlen_q + offs_m
+    store = True
+    if SPLIT_KEYS:
+        # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32 (and (splits, B*Hq, Lq) for the LSE);
+        # the last split of the tile to finish combines them (``_partials``).
+        num_bh = tl.num_programs(0) // tl.cdiv(seqlen_q, QUERY_ROWS) * GROUP_PACK
+        store_partial(ptrs.out_part, out, offs_m, row_ok, split, bh, num_bh, seqlen_q, BLOCK_D)
+        tl.store(ptrs.lse_part + split_rows(split, bh, num_bh, seqlen_q) + offs_m, lse,
+                 mask=row_ok)
+        store = last_share_arrived(ptrs.counts + tl.program_id(0), num_splits)
+        if store:
+            out, lse = _combine_splits(ptrs.out_part, ptrs.lse_part, offs_m, row_ok, bh,
+                                       num_bh, seqlen_q, num_splits, BLOCK_M, BLOCK_D)
+    if store:
+        tl.store(ptrs.out + b.to(tl.int64) * o_strides.stride_b
+                 + row_offsets(offs_m, heads, 1, o_strides.stride_l,
+                               o_strides.stride_h)[:, None]
+                 + offs_d[None, :], out.to(ptrs.out.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(ptrs.lse + lse_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits(out_part_ptr, lse_part_ptr, offs_m, row_ok, bh, num_bh, seqlen_q,
+                    num_splits, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(out, lse) of rows ``offs_m`` of (batch x head) rows ``bh`` merged over the key splits'
+    partials (laid out as ``_partials.split_rows`` says): out = sum_s exp(lse_s - lse) * out_s,
+    lse = logsumexp_s lse_s."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(lse_part_ptr + split_rows(s, bh, num_bh, seqlen_q) + offs_m,
+                                  mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+    m_shift = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights stay 0
+    weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        rows = split_rows(s, bh, num_bh, seqlen_q) + offs_m
+        w = tl.exp(tl.load(lse_part_ptr + rows, mask=row_ok, other=float("-inf"),
+                           cache_modifier=".cg") - m_shift)
+        part = tl.load(out_part_ptr + tile_offsets(rows[:, None], offs_d[None, :], BLOCK_D, 1),
+                       mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        weight_sum += w
+        acc += w[:, None] * part
+    empty = weight_sum == 0.0
+    out = acc / tl.where(empty, 1.0, weight_sum)[:, None]
+    lse = tl.where(empty, float("-inf"), m_shift + tl.log(tl.where(empty, 1.0, weight_sum)))
+    return out, lse

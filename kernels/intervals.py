@@ -1,0 +1,188 @@
+"""Key intervals: an attention mask stored in O(Lk) memory.
+
+``KeyIntervals(start, end)`` holds two integer tensors of shape (Bm, Hm, Lk). Query row ``i``
+sees key ``j`` iff ``start[b, h, j] <= i < end[b, h, j]``; ``start >= end`` means never. It is
+accepted as ``attn_mask`` wherever a bool mask is, with the same broadcast rule on its batch
+axis (1 or B) and head axis (1, Hk or Hq; query head h reads head h // (Hq // Hm)). Stride-0
+(``expand()``) views are allowed on any axis.
+
+Every pattern in which each key is seen by one contiguous run of query rows fits: causal,
+sliding window, document (packed) masks, prefix-LM, and flash-dmattn's top-W dynamic mask for
+a per-key bias (``topk_intervals``).
+
+What the kernels read:
+
+* ``kernel_operand()``: one int32 tensor (Bm', Hm', 2, Lk), start at index 0 and end at 1.
+* ``block_bounds(block_n)``: per block of ``block_n`` keys, the four bounds that decide whether
+  a tile of query rows [m0, m1) by that key block may have a visible pair (active), and whether
+  every pair of it is visible (full). See :class:`IntervalBlockBounds`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_index_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} dtype must be torch.int32 or torch.int64, got {t.dtype}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be 3-D (batch, heads, seqlen_k), got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+
+
+@dataclass(frozen=True, eq=False)
+class IntervalBlockBounds:
+    """Per-key-block bounds of a :class:`KeyIntervals`, each int32 (Bm', Hm', num_blocks) with
+    the leading axes of :meth:`KeyIntervals.kernel_operand`.
+
+    * ``min_start`` / ``max_end``: over the block's non-empty intervals; a block with none has
+      ``min_start = INT32_MAX`` and ``max_end = INT32_MIN``.
+    * ``max_start`` / ``min_end``: over all of the block's intervals, empty ones included.
+
+    A tile of query rows [m0, m1) by key block n may have a visible pair only if
+    ``min_start < m1 and max_end > m0``. Every pair of it is visible if ``max_start <= m0 and
+    min_end >= m1`` and the block lies wholly inside [0, Lk): keys past Lk do not count in any
+    bound, so the caller checks that last condition. An empty interval (start >= end) gives
+    ``max_start >= min_end``, so the full test already fails for a block that holds one.
+    """
+
+    block_n: int
+    seqlen_k: int
+    min_start: torch.Tensor
+    max_end: torch.Tensor
+    max_start: torch.Tensor
+    min_end: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.min_start.shape[-1]
+
+    def tiles(self, block_m: int, seqlen_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(active, full) bool tensors (Bm', Hm', num_row_blocks, num_blocks) for tiles of
+        ``block_m`` query rows: the tests above applied to every tile. O(tiles) memory."""
+        if block_m < 1:
+            raise ValueError(f"block_m must be a positive int, got {block_m}")
+        m0 = torch.arange(0, seqlen_q, block_m, device=self.min_start.device)
+        m1 = (m0 + block_m).clamp(max=seqlen_q)
+        m0, m1 = m0[:, None], m1[:, None]
+        lo, hi = self.min_start[..., None, :], self.max_end[..., None, :]
+        active = (lo < m1) & (hi > m0)
+        blocks = torch.arange(self.num_blocks, device=self.min_start.device)
+        complete = (blocks + 1) * self.block_n <= self.seqlen_k
+        full = ((self.max_start[..., None, :] <= m0) & (self.min_end[..., None, :] >= m1)
+                & complete)
+        return active, full
+
+
+@dataclass(frozen=True, eq=False)
+class KeyIntervals:
+    """A mask given per key as the run of query rows that sees it: row ``i`` sees key ``j`` iff
+    ``start[b, h, j] <= i < end[b, h, j]`` (``start >= end``: no row does).
+
+    ``start`` and ``end``: int32 or int64 tensors of one shape (Bm, Hm, Lk) on one device;
+    stride-0 views are allowed. Values may be any integers (negative or past the last row);
+    only their order relative to the rows matters. Immutable: writing into the tensors after
+    handing them to a call is not supported.
+    """
+
+    start: torch.Tensor
+    end: torch.Tensor
+
+    def __post_init__(self):
+        _check_index_tensor("KeyIntervals start", self.start)
+        _check_index_tensor("KeyIntervals end", self.end)
+        if tuple(self.start.shape) != tuple(self.end.shape):
+            raise ValueError(f"KeyIntervals start and end must have one shape, got "
+                             f"{tuple(self.start.shape)} and {tuple(self.end.shape)}")
+        if self.start.device != self.end.device:
+            raise ValueError(f"KeyIntervals start and end must be on one device, got "
+                             f"{self.start.device} and {self.end.device}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(Bm, Hm, Lk)."""
+        return tuple(self.start.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.start.device
+
+    def check_against(self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int,
+                      seqlen_k: int, device=None, name: str = "attn_mask") -> int:
+        """Check that these intervals fit a call with these sizes; return the head divisor
+        (query head h reads head h // divisor). Raises ValueError naming ``name``."""
+        bm, hm, lk = self.shape
+        if device is not None and self.device != torch.device(device):
+            raise ValueError(f"{name} must be on query's device {device}, got {self.device}")
+        if bm not in (1, batch):
+            raise ValueError(f"{name}.start dimension 0 (batch) must be one of "
+                             f"{sorted({1, batch})}, got shape {self.shape}")
+        if hm not in (1, heads_kv, heads_q):
+            raise ValueError(f"{name}.start dimension 1 (heads) must be one of "
+                             f"{sorted({1, heads_kv, heads_q})}, got shape {self.shape}")
+        if lk != seqlen_k:
+            raise ValueError(f"{name}.start dimension 2 (seqlen_k) must be {seqlen_k}, got shape "
+                             f"{self.shape}")
+        if seqlen_q > INT32_MAX:
+            raise ValueError(f"{name}: seqlen_q must be below 2**31 for key intervals, got "
+                             f"{seqlen_q}")
+        return heads_q // hm
+
+    def to_dense(self, seqlen_q: int) -> torch.Tensor:
+        """The bool mask (Bm, Hm, Lq, Lk) these intervals stand for. It is O(Lq * Lk): for
+        tests and the eager reference only, never for the kernels."""
+        rows = torch.arange(seqlen_q, device=self.device)[:, None]
+        return (self.start[..., None, :] <= rows) & (rows < self.end[..., None, :])
+
+    def _collapsed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """start and end with each batch or head axis that both broadcast (stride 0) cut to
+        size 1, so no work is spent on copies of one row."""
+        start, end = self.start, self.end
+        for axis in (0, 1):
+            if start.shape[axis] > 1 and start.stride(axis) == 0 and end.stride(axis) == 0:
+                start = start.narrow(axis, 0, 1)
+                end = end.narrow(axis, 0, 1)
+        return start, end
+
+    def kernel_operand(self) -> torch.Tensor:
+        """One contiguous int32 tensor (Bm', Hm', 2, Lk): start at [:, :, 0], end at [:, :, 1].
+
+        Bm' is Bm, or 1 when both tensors broadcast over batch with stride 0; Hm' likewise
+        (a size-1 axis broadcasts like any mask axis). Values are clamped into [0, 2**31 - 1],
+        which keeps their meaning for every row 0 <= i < 2**31 - 1.
+        """
+        start, end = self._collapsed()
+        return torch.stack((start.clamp(0, INT32_MAX), end.clamp(0, INT32_MAX)),
+                           dim=2).to(torch.int32)
+
+    def block_bounds(self, block_n: int) -> IntervalBlockBounds:
+        """Per block of ``block_n`` keys, the bounds of :class:`IntervalBlockBounds`, in
+        O(Bm' * Hm' * Lk) torch ops (the last block padded with neutral values)."""
+        if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
+            raise ValueError(f"block_n must be a positive int, got {block_n!r}")
+        operand = self.kernel_operand()
+        start, end = operand[:, :, 0], operand[:, :, 1]
+        lk = start.shape[-1]
+        blocks = -(-lk // block_n)
+        pad = blocks * block_n - lk
+
+        def per_block(values: torch.Tensor, fill: int) -> torch.Tensor:
+            values = torch.nn.functional.pad(values, (0, pad), value=fill)
+            return values.view(*values.shape[:-1], blocks, block_n)
+
+        empty = start >= end
+        min_start = per_block(start.masked_fill(empty, INT32_MAX), INT32_MAX).amin(-1)
+        max_end = per_block(end.masked_fill(empty, INT32_MIN), INT32_MIN).amax(-1)
+        max_start = per_block(start, INT32_MIN).amax(-1)
+        min_end = per_block(end, INT32_MAX).amin(-1)
+        return IntervalBlockBounds(block_n, lk, min_start, max_end, max_start, min_end)

@@ -1,0 +1,182 @@
+"""flash-dmattn's dynamic top-W mask for a per-key bias, as :class:`KeyIntervals`.
+
+The mask: at query row ``i``, keep the ``window`` visible keys with the largest bias (every
+visible key when at most ``window`` are visible). Visible means every key, or ``j <= i + Lk -
+Lq`` with bottom-right causality. Ranking: key ``k`` beats key ``j`` when its bias is larger, or
+equal with a smaller index. A NaN bias ranks as -inf (below every number, tied with -inf).
+
+Why each key is kept for one run of rows: visible sets only grow with the row, so the number of
+visible keys that beat ``j`` only grows too. Key ``j`` is kept from the first row that sees it,
+``start_j`` (0, or ``max(0, j - (Lk - Lq))`` when causal), until the row at which the W-th key
+that beats it becomes visible. Without causality every key is visible at once, so ``j`` is kept
+for every row iff fewer than W keys beat it. With causality the W-th key that beats ``j`` to
+become visible is the one with the W-th smallest position among those that beat ``j``; with the
+keys sorted by (bias descending, index ascending), those are the keys ranked before ``j``. So
+for every key we need the W-th smallest value of a range of the permutation "position by rank".
+
+``_kth_smallest`` answers all those queries at once in O(L log L) torch ops with a wavelet
+matrix over positions: at each bit of the position, from the highest, the permutation is split
+stably into the keys with a 0 bit and those with a 1 bit (a prefix sum gives each key's place);
+every query looks at how many 0-bit keys its range holds, steps into the half that holds its
+answer and records the bit. Each level is used by every query before the next is built, so the
+memory is O(L) per row whatever the depth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .intervals import KeyIntervals
+from .packed_seqlens import PackedKeys, check_cu_seqlens
+
+
+def _kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  k: torch.Tensor) -> torch.Tensor:
+    """Per row r and query q: the k[r, q]-th smallest (from 0) of ``values[r, lo:hi]``.
+
+    ``values``: (R, n) int64 in [0, n), distinct within a row. ``lo``, ``hi``, ``k``: (R, m)
+    int64 with 0 <= lo <= hi <= n (every query stays inside the arrays). The answer is the
+    k-th smallest when 0 <= k < hi - lo, and some value in [0, 2**bits) otherwise.
+    """
+    rows, n = values.shape
+    bits = max(1, (n - 1).bit_length())
+    places = torch.arange(n, device=values.device)
+    zeros_before = torch.zeros(rows, n + 1, dtype=torch.int64, device=values.device)
+    answer = torch.zeros_like(k)
+    current = values
+    for level in range(bits):
+        shift = bits - 1 - level
+        bit = (current >> shift) & 1
+        zeros_before[:, 1:] = torch.cumsum(1 - bit, dim=1)
+        zeros_total = zeros_before[:, -1:]
+        # -- step every query into the half (0 bits first) that holds its answer
+        zeros_lo = zeros_before.gather(1, lo)
+        zeros_hi = zeros_before.gather(1, hi)
+        zeros_in = zeros_hi - zeros_lo
+        left = k < zeros_in
+        answer |= (~left).to(torch.int64) << shift
+        k = torch.where(left, k, k - zeros_in)
+        lo = torch.where(left, zeros_lo, zeros_total + lo - zeros_lo)
+        hi = torch.where(left, zeros_hi, zeros_total + hi - zeros_hi)
+        # -- stable partition by this bit for the next level
+        if level + 1 < bits:
+            before = zeros_before[:, :-1]
+            place = torch.where(bit == 0, before, zeros_total + places - before)
+            current = torch.empty_like(current).scatter_(1, place, current)
+    return answer
+
+
+def _rank_order(bias: torch.Tensor, group: torch.Tensor | None) -> torch.Tensor:
+    """(R, n) positions sorted by (group, bias descending, position); NaN ranks as -inf."""
+    bias = torch.where(torch.isnan(bias), torch.full_like(bias, float("-inf")), bias)
+    order = torch.sort(bias, dim=-1, descending=True, stable=True).indices
+    if group is not None:
+        by_group = torch.sort(group.gather(-1, order), dim=-1, stable=True).indices
+        order = order.gather(-1, by_group)
+    return order
+
+
+def _check_window(window) -> int:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    return window
+
+
+def _intervals(bias: torch.Tensor, window: int, is_causal: bool, keys: PackedKeys,
+               packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """start and end, (R, n) int64 in each sequence's own row coordinates, for the bias
+    (R, n) of the keys ``keys`` describes (one sequence, or several packed when ``packed``)."""
+    rows, n = bias.shape
+    order = _rank_order(bias, keys.seq.expand(rows, n) if packed else None)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(n, device=bias.device).expand(rows, n))
+    # A sequence's ranks begin where its positions begin, so the keys that beat key p are
+    # those ranked key_start[p] .. rank[p] - 1.
+    lo = keys.key_start.expand(rows, n)
+    kept_all = rank - lo < window
+    seqlen_q = keys.seqlen_q.expand(rows, n)
+    if not is_causal:
+        return torch.zeros_like(rank), torch.where(kept_all, seqlen_q, 0)
+    offset = keys.seqlen_k - keys.seqlen_q
+    start = (keys.local - offset).clamp(min=0).expand(rows, n)
+    # Keys with fewer than W beating keys ask too (any k, lo <= hi is a valid query); their
+    # answer is not used.
+    wth = _kth_smallest(order, lo.contiguous(), rank, torch.full_like(rank, window - 1)) - lo
+    # The W-th beating key becomes visible at row wth - offset: the first row without p.
+    end = torch.where(kept_all, seqlen_q, torch.minimum((wth - offset).clamp(min=0), seqlen_q))
+    return start, end
+
+
+def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=None,
+                   cu_seqlens_k=None) -> KeyIntervals:
+    """The key intervals whose mask equals flash-dmattn's dynamic top-``window`` mask.
+
+    Args:
+        bias: a per-key bias (B, H, 1, Lk), or packed (H, total_k) with ``cu_seqlens_k``.
+            Floating point; only its order is read (no gradient flows through the choice).
+        window: W >= 1. At row i the W visible keys with the largest bias are kept, all of
+            them when at most W are visible. Equal biases rank the smaller key index first;
+            NaN ranks as -inf.
+        seqlen_q: Lq, the number of query rows (default Lk). Not used with cu_seqlens.
+        is_causal: bottom-right causality, row i sees key j iff j <= i + Lk - Lq.
+        cu_seqlens_q, cu_seqlens_k: int32 (n + 1,) offsets of packed sequences (the query
+            offsets default to the key offsets); each sequence is masked on its own.
+
+    Returns:
+        int32 ``KeyIntervals`` of shape (B, H, Lk), or (1, H, total_k) for packed input in
+        each sequence's own row coordinates (row 0 is the sequence's first query). Built with
+        O(L log L) torch ops on the bias's device; nothing of size Lq * Lk is made.
+    """
+    window = _check_window(window)
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+    if not bias.dtype.is_floating_point:
+        raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+    if bias.numel() == 0 and cu_seqlens_k is None:
+        raise ValueError(f"bias must not be empty, got shape {tuple(bias.shape)}")
+    bias = bias.detach()
+    if cu_seqlens_k is None:
+        if cu_seqlens_q is not None:
+            raise ValueError("cu_seqlens_q needs cu_seqlens_k (the packed keys' offsets)")
+        return _dense(bias, window, seqlen_q, bool(is_causal))
+    if seqlen_q is not None:
+        raise ValueError("seqlen_q must be None with cu_seqlens (each sequence's query length "
+                         "comes from cu_seqlens_q)")
+    return _packed(bias, window, bool(is_causal), cu_seqlens_q, cu_seqlens_k)
+
+
+def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
+    if bias.dim() != 4 or bias.shape[2] != 1:
+        raise ValueError(f"bias must be per key, (B, H, 1, Lk), got shape {tuple(bias.shape)}")
+    b, h, _, lk = bias.shape
+    if seqlen_q is None:
+        seqlen_q = lk
+    if isinstance(seqlen_q, bool) or not isinstance(seqlen_q, int) or seqlen_q < 1:
+        raise ValueError(f"seqlen_q must be a positive int or None, got {seqlen_q!r}")
+    keys = PackedKeys.build(torch.tensor([0, seqlen_q], device=bias.device),
+                            torch.tensor([0, lk], device=bias.device), lk)
+    start, end = _intervals(bias.reshape(b * h, lk), window, is_causal, keys, packed=False)
+    return KeyIntervals(start.reshape(b, h, lk).to(torch.int32),
+                        end.reshape(b, h, lk).to(torch.int32))
+
+
+def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals:
+    if bias.dim() != 2:
+        raise ValueError(f"bias must be (H, total_k) with cu_seqlens, got shape "
+                         f"{tuple(bias.shape)}")
+    heads, total_k = bias.shape
+    if heads == 0:
+        raise ValueError(f"bias must have at least one head, got shape {tuple(bias.shape)}")
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, bias.device)
+    if cu_seqlens_q is None:
+        cu_seqlens_q = cu_seqlens_k
+    else:
+        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, bias.device)
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_q must have the shape of cu_seqlens_k "
+                             f"{tuple(cu_seqlens_k.shape)}, got {tuple(cu_seqlens_q.shape)}")
+    if total_k == 0:
+        raise ValueError("cu_seqlens_k: the packed keys must not all be empty (total_k = 0)")
+    keys = PackedKeys.build(cu_seqlens_q, cu_seqlens_k, total_k)
+    start, end = _intervals(bias, window, is_causal, keys, packed=True)
+    return KeyIntervals(start[None].to(torch.int32), end[None].to(torch.int32))

@@ -1,0 +1,81 @@
+"""The documents: the README's CPU example runs as written, links resolve, nothing cites a file
+outside the repository, and the generated sections match what `dmbench report` makes from the
+committed CSVs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dmbench.report import HEADLINE, TABLES, collect, headline_markdown, tables_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "results").rglob("*.md"))]
+# Files that were never part of this repository; citing them leaves a reader with nothing.
+FOREIGN = ("SPEC", "METHOD.md", "KINDS.md", "HOPPER.md", "DEVELOPERS")
+SETUP_COMMANDS = (
+    'pip install torch==2.13.0 && pip install -e ".[test]" && dmbench fwd sweeps/smoke.yaml',
+    "TRITON_INTERPRET=1 python -m pytest -q",
+)
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def _section(text: str, markers: tuple[str, str]) -> str:
+    return text.split(markers[0] + "\n", 1)[1].split(markers[1], 1)[0]
+
+
+def test_setup_commands_are_in_the_readme():
+    """.ci/run installs and tests the way the README says; these lines must stay as they are."""
+    text = README.read_text()
+    for command in SETUP_COMMANDS:
+        assert f"\n{command}\n" in text, command
+
+
+def test_cpu_example_runs_as_written(tmp_path):
+    cpu = [b for b in _python_blocks(README.read_text()) if 'TRITON_INTERPRET"] = "1"' in b]
+    assert len(cpu) == 1
+    script = tmp_path / "example.py"
+    script.write_text(cpu[0])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # The comment in the example says what it prints.
+    assert done.stdout.split() == ["torch.Size([1,", "17,", "4,", "40])", "torch.Size([1,", "4,",
+                                   "17])", "torch.Size([1,", "2,", "1,", "33])"]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_resolve(document):
+    prose = re.sub(r"`[^`]*`", "", document.read_text())  # code spans are not links
+    for target in re.findall(r"\]\(([^)#\s]+)\)", prose):
+        if "://" in target:
+            continue
+        assert (document.parent / target).exists(), f"{document.name}: {target}"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS + sorted((ROOT / "sweeps").glob("*.yaml")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_citation_of_files_outside_the_repo(document):
+    text = document.read_text()
+    assert not [name for name in FOREIGN if name in text]
+
+
+def test_generated_sections_match_the_committed_csvs():
+    """README's headline and the GPU folder's tables are `dmbench report` output, never typed."""
+    folder = ROOT / "results" / "nvidia-h100-80gb-hbm3"
+    collected = collect(sorted(folder.glob("*.csv")))
+    link = "results/nvidia-h100-80gb-hbm3/README.md"
+    assert _section(README.read_text(), HEADLINE) == headline_markdown(collected, link)
+    assert _section((folder / "README.md").read_text(), TABLES) == tables_markdown(collected)

@@ -1,0 +1,243 @@
+"""`dmbench report`: the README headline and the full tables, generated from result CSVs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dmbench.cli import app
+from dmbench.errors import ExitCode
+from dmbench.report import (HEADLINE, TABLES, collect, headline_markdown, measured_on,
+                            tables_markdown)
+from dmbench.results import Row, rewrite
+from dmbench.sweep import Case
+
+runner = CliRunner()
+GPU = "Test GPU"
+CPU = "cpu (triton interpreter)"
+
+
+def _rows(case: Case, sweep: str, mode: str, times: dict[str, float], gpu: str = GPU,
+          sha: str = "abc1234def", stamp: str = "2026-01-01T00:00:00Z", **extra) -> list[Row]:
+    rows = []
+    for backend, ms in times.items():
+        values = dict(
+            sweep=sweep, case_id=case.case_id, batch=case.batch, heads_q=case.heads_q,
+            heads_kv=case.heads_kv, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k,
+            head_dim=case.head_dim, window=case.window, causal=case.causal, dtype=case.dtype,
+            mask=case.mask, mask_shape=case.mask_shape, bias=case.bias, seed=case.seed,
+            backend=backend, mode=mode, status="ok", ms_p20=ms * 0.9, ms_p50=ms, ms_p80=ms * 1.1,
+            repeats=10, gpu=gpu, driver="1.0", torch="2.13", triton="3.9", git_sha=sha,
+            git_dirty=False, host="h", timestamp=stamp)
+        values.update(extra)
+        rows.append(Row(**values))
+    return rows
+
+
+def _masked(i: int) -> Case:
+    return Case(1, 4, 2, 64 * (i + 1), 64 * (i + 1), 64, 32, True, "bf16", "topk", bias="kv_row")
+
+
+def _csv(path: Path, rows: list[Row]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rewrite(path, rows)
+    return path
+
+
+def _readme(path: Path) -> Path:
+    path.write_text(f"intro\n{HEADLINE[0]}\nold headline\n{HEADLINE[1]}\noutro\n")
+    return path
+
+
+# -- what the sections say
+
+
+def test_headline_summarizes_targets_from_the_rows(tmp_path):
+    rows = (_rows(_masked(0), "win", "fwd", {"triton": 1.0, "sdpa": 1.5, "flex": 3.0, "fdma": 2.5})
+            + _rows(_masked(1), "win", "fwd", {"triton": 2.0, "sdpa": 1.0, "flex": 4.0, "fdma": 3.0})
+            + _rows(_masked(2), "win", "fwd", {"triton": 1.0, "sdpa-dense": 0.1}))
+    dense = [Case(2, 16, 4, 4096, 4096, 128, None, causal, "bf16", "none", bias="none")
+             for causal in (False, True)]
+    rows += (_rows(dense[0], "dense", "fwd", {"triton": 1.0}, tflops_dense=470.0)
+             + _rows(dense[1], "dense", "fwd", {"triton": 1.0}, tflops_dense=440.0)
+             + _rows(dense[0], "dense", "bwd", {"triton": 1.0}, tflops_dense=300.0))
+    # Not a dense-target row: a short decode row without mask or bias.
+    rows += _rows(Case(1, 4, 2, 1, 8192, 128), "dense", "fwd", {"triton": 0.1}, tflops_dense=10.0)
+    collected = collect([_csv(tmp_path / "r.csv", rows)])
+    text = headline_markdown(collected)
+
+    # win/fwd: 3 cases; peers on two; faster than all on one (1.5x sdpa), 0.5x on the other;
+    # fdma 2.5x and 1.5x.
+    assert "| win, fwd | 3 | 1 of 2 | 0.50× – 1.50× | 1 of 2 |" in text
+    # dense has no peer rows at all: dashes, not "0 of 0".
+    assert "| dense, fwd | 3 | – | – | – |" in text
+    assert "of 0" not in text
+    assert ("- No mask, no bias, D128, L ≥ 4096: fwd 1 of 2 rows at or above 450 TFLOP/s "
+            "(lowest 440); bwd 1 of 1 rows at or above 250 TFLOP/s (lowest 300).") in text
+    assert "docs/TARGETS.md" in text
+    # The per-case rows are in the tables, not in the headline.
+    case_row = "| 2.000 | 1.000 | 4.000 | 3.000 | – | 0.50× (sdpa) |"
+    assert case_row not in text
+    assert case_row in tables_markdown(collected)
+
+
+def test_block_sparse_time_against_the_full_tile_row(tmp_path):
+    def sparse(window, fraction, times, seqlen=1024):
+        case = Case(2, 4, 2, seqlen, seqlen, 64, window, False, "bf16", "block_sparse")
+        return _rows(case, "sparsity", "fwd", times, active_fraction=fraction)
+
+    rows = (sparse(1024, 1.0, {"triton": 2.0, "flex": 3.0})
+            + sparse(128, 0.125, {"triton": 0.3, "flex": 0.6})
+            + sparse(64, 0.0625, {"triton": 0.2})
+            # No full-tile row in this group: nothing to divide by, so no table.
+            + sparse(128, 0.25, {"triton": 1.0}, seqlen=512)
+            # Time that falls too slowly: 0.3 of the full-tile time at 1/16.
+            + sparse(2048, 1.0, {"triton": 1.0}, seqlen=2048)
+            + sparse(128, 0.0625, {"triton": 0.3}, seqlen=2048))
+    collected = collect([_csv(tmp_path / "r.csv", rows)])
+    tables = tables_markdown(collected)
+    assert "**sparsity, fwd: time ÷ time with every tile active** (B2 H4/2 L1024 D64; bias none;" in tables
+    assert "| 1.0000 | 2.000 | 1.000 | 3.000 | 1.000 |" in tables
+    assert "| 0.1250 | 0.300 | 0.150 | 0.600 | 0.200 |" in tables
+    assert "| 0.0625 | 0.200 | 0.100 | – | – |" in tables
+    assert tables.count("time with every tile active") == 2
+    headline = headline_markdown(collected)
+    assert ("- Block-sparse (sparsity, B2 H4/2 L1024 D64, bias none): our time at 0.0625 of the "
+            "tiles ÷ with all of them, at most 0.125 wanted: fwd 0.100 (met).") in headline
+    assert "(sparsity, B2 H4/2 L2048 D64, bias none)" in headline
+    assert "fwd 0.300 (NOT met)." in headline
+    assert "L512" not in headline  # no full-tile row: no verdict
+
+
+def test_measured_on_names_device_versions_and_the_commit_range(tmp_path):
+    rows = (_rows(_masked(0), "s", "fwd", {"triton": 1.0}, sha="bbbbbbbbbb", stamp="2026-01-03T00:00:00Z")
+            + _rows(_masked(1), "s", "fwd", {"triton": 1.0}, sha="aaaaaaaaaa", stamp="2026-01-01T00:00:00Z")
+            + _rows(_masked(2), "s", "fwd", {"triton": 1.0}, sha="cccccccccc", stamp="2026-01-02T00:00:00Z",
+                    git_dirty=True))
+    line = measured_on(rows)
+    assert line == ("Measured on: Test GPU (driver 1.0), torch 2.13, triton 3.9; 3 commits, "
+                    "aaaaaaa (2026-01-01) to bbbbbbb (2026-01-03); 1 of 3 rows from a tree with "
+                    "uncommitted changes.")
+    assert measured_on(rows[:1]) == ("Measured on: Test GPU (driver 1.0), torch 2.13, triton 3.9; "
+                                     "commit bbbbbbb (2026-01-03).")
+
+
+def test_cpu_rows_get_no_targets_and_say_they_are_not_performance_numbers(tmp_path):
+    rows = (_rows(_masked(0), "smoke", "fwd", {"triton": 50.0, "sdpa": 1.0, "fdma": 90.0}, gpu=CPU)
+            + _rows(Case(2, 4, 2, 256, 256, 64, 256, False, "bf16", "block_sparse"), "smoke",
+                    "fwd", {"triton": 9.0}, gpu=CPU, active_fraction=1.0)
+            + _rows(Case(2, 4, 2, 256, 256, 64, 16, False, "bf16", "block_sparse"), "smoke",
+                    "fwd", {"triton": 8.0}, gpu=CPU, active_fraction=0.0625))
+    collected = collect([_csv(tmp_path / "r.csv", rows)])
+    assert collected.interpreted
+    for text in (headline_markdown(collected), tables_markdown(collected)):
+        assert "CPU timings are not performance numbers" in text
+        assert "of 0" not in text
+        assert "target" not in text.replace("no target is checked", "")
+        assert "faster than every peer" not in text
+    assert "| smoke, fwd | 3 | triton, sdpa, fdma |" in headline_markdown(collected)
+    tables = tables_markdown(collected)
+    assert "vs best peer" not in tables and "×" not in tables
+    assert "| B1 H4/2 L64 D64 topk W32 kv_row causal | 50.000 | 1.000 | 90.000 |" in tables
+
+
+def test_rows_of_two_devices_are_refused(tmp_path):
+    rows = (_rows(_masked(0), "s", "fwd", {"triton": 1.0})
+            + _rows(_masked(1), "s", "fwd", {"triton": 1.0}, gpu="Other GPU"))
+    result = runner.invoke(app, ["report", str(_csv(tmp_path / "r.csv", rows)), "--print"])
+    assert result.exit_code == ExitCode.USAGE
+    assert "2 devices" in result.output and "Traceback" not in result.output
+
+
+# -- writing README.md and results/<gpu>/README.md
+
+
+def test_report_writes_the_headline_and_the_tables(tmp_path):
+    readme = _readme(tmp_path / "README.md")
+    csv_path = _csv(tmp_path / "results" / "test-gpu" / "s-fwd.csv",
+                    _rows(_masked(0), "s", "fwd", {"triton": 1.0, "flex": 2.0}))
+    result = runner.invoke(app, ["report", str(csv_path), "--readme", str(readme)])
+    assert result.exit_code == 0, result.output
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{HEADLINE[1]}\noutro\n")
+    assert "old headline" not in text
+    assert "| s, fwd | 1 | 1 of 1 | 2.00× – 2.00× | – |" in text
+    assert "[results/test-gpu/README.md](results/test-gpu/README.md)" in text
+
+    tables = tmp_path / "results" / "test-gpu" / "README.md"
+    body = tables.read_text()
+    assert body.startswith("# Results: Test GPU\n") and TABLES[0] in body and TABLES[1] in body
+    assert "| B1 H4/2 L64 D64 topk W32 kv_row causal | 1.000 | 2.000 | 2.00× (flex) |" in body
+
+    # Text around the tables' markers is kept, and a second run changes nothing.
+    tables.write_text("# My notes\n\n" + body + "\nafter\n")
+    kept = tables.read_text()
+    assert runner.invoke(app, ["report", str(csv_path), "--readme", str(readme)]).exit_code == 0
+    assert tables.read_text() == kept and readme.read_text() == text
+
+
+def test_report_refuses_files_without_markers(tmp_path):
+    csv_path = _csv(tmp_path / "r.csv", _rows(_masked(0), "s", "fwd", {"triton": 1.0}))
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    result = runner.invoke(app, ["report", str(csv_path), "--readme", str(readme)])
+    assert result.exit_code == ExitCode.USAGE
+    assert "missing the generated-section markers" in result.output
+    assert readme.read_text() == "no markers here\n"
+
+    tables = tmp_path / "tables.md"
+    tables.write_text("hand-written\n")
+    result = runner.invoke(app, ["report", str(csv_path), "--readme", str(_readme(readme)),
+                                 "--tables", str(tables)])
+    assert result.exit_code == ExitCode.USAGE
+    assert str(tables) in result.output and tables.read_text() == "hand-written\n"
+
+
+def test_report_without_readme_flag_leaves_the_readme_alone_for_cpu_rows(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    readme = _readme(tmp_path / "README.md")
+    before = readme.read_text()
+    csv_path = _csv(tmp_path / "results" / "cpu" / "smoke-fwd.csv",
+                    _rows(_masked(0), "smoke", "fwd", {"triton": 5.0}, gpu=CPU))
+    result = runner.invoke(app, ["report", str(csv_path)])
+    assert result.exit_code == 0, result.output
+    assert readme.read_text() == before
+    assert "left as it is" in result.output
+    assert "not performance numbers" in (tmp_path / "results" / "cpu" / "README.md").read_text()
+
+    # GPU rows with the same command do write the README in the current folder.
+    gpu_csv = _csv(tmp_path / "results" / "test-gpu" / "s-fwd.csv",
+                   _rows(_masked(0), "s", "fwd", {"triton": 1.0, "sdpa": 1.5}))
+    result = runner.invoke(app, ["report", str(gpu_csv)])
+    assert result.exit_code == 0, result.output
+    assert "| s, fwd | 1 | 1 of 1 | 1.50× – 1.50× | – |" in readme.read_text()
+
+
+@pytest.mark.parametrize("where", ["two folders", "no tables folder"])
+def test_report_tables_path_problems_exit_2(tmp_path, where):
+    a = _csv(tmp_path / "a" / "s-fwd.csv", _rows(_masked(0), "s", "fwd", {"triton": 1.0}))
+    b = _csv(tmp_path / "b" / "s-bwd.csv", _rows(_masked(0), "s", "bwd", {"triton": 1.0}))
+    readme = _readme(tmp_path / "README.md")
+    if where == "two folders":
+        args = [str(a), str(b)]
+    else:
+        args = [str(a), "--tables", str(tmp_path / "missing" / "README.md")]
+    result = runner.invoke(app, ["report", *args, "--readme", str(readme)])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "--tables" in result.output and "Traceback" not in result.output
+
+
+def test_report_print_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    readme = _readme(tmp_path / "README.md")
+    before = readme.read_text()
+    csv_path = _csv(tmp_path / "results" / "test-gpu" / "s-fwd.csv",
+                    _rows(_masked(0), "s", "fwd", {"triton": 1.0, "flex": 2.0}))
+    result = runner.invoke(app, ["report", str(csv_path), "--print"])
+    assert result.exit_code == 0, result.output
+    assert "| s, fwd | 1 | 1 of 1 | 2.00× – 2.00× | – |" in result.output
+    assert "| B1 H4/2 L64 D64 topk W32 kv_row causal | 1.000 | 2.000 | 2.00× (flex) |" in result.output
+    assert readme.read_text() == before
+    assert sorted(p.name for p in csv_path.parent.iterdir()) == ["s-fwd.csv"]

@@ -1,0 +1,237 @@
+"""topk_intervals: flash-dmattn's dynamic top-W mask as key intervals.
+
+The ground truth is the dense mask built the way flash-dmattn builds it: per query row, the bias
+of the visible keys, torch.topk of it, True scattered at the chosen keys. On biases with equal
+values torch.topk's choice is not defined, so ties are checked against the documented rule
+(larger bias first, then smaller key index) evaluated pair by pair.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attn_helpers import AllocationWatch
+from kernels import KeyIntervals, topk_intervals
+
+# (Lq, Lk): equal, Lq < Lk, Lq > Lk, decode, and odd sizes.
+LENGTHS = (
+    pytest.param((17, 17), id="q17-k17"),
+    pytest.param((17, 97), id="q17-k97"),
+    pytest.param((97, 17), id="q97-k17"),
+    pytest.param((1, 97), id="q1-k97"),
+    pytest.param((1, 1), id="q1-k1"),
+    pytest.param((97, 97), id="q97-k97"),
+    pytest.param((33, 300), id="q33-k300"),
+)
+WINDOWS = (1, 2, 16, 1000)  # 1000: never fewer visible keys than the window
+CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
+BATCH_HEADS = (pytest.param((1, 1), id="b1h1"), pytest.param((2, 3), id="b2h3"))
+# Packed sequences (Lq_s, Lk_s), lengths 0 and 1 among them.
+PACKED = (
+    pytest.param(((5, 5), (0, 3), (1, 1), (7, 2), (3, 9), (4, 0), (1, 6)), id="mixed"),
+    pytest.param(((17, 17),), id="one"),
+    pytest.param(((1, 1), (1, 1), (2, 2)), id="tiny"),
+)
+
+
+def visible(seqlen_q: int, seqlen_k: int, is_causal: bool) -> torch.Tensor:
+    rows = torch.arange(seqlen_q)[:, None]
+    cols = torch.arange(seqlen_k)[None, :]
+    if not is_causal:
+        return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def topk_scatter_mask(bias, window, seqlen_q, is_causal) -> torch.Tensor:
+    """(B, H, Lq, Lk): per row, topk of the visible keys' bias, True scattered at them."""
+    b, h, _, lk = bias.shape
+    seen = visible(seqlen_q, lk, is_causal)
+    scores = bias.float().expand(b, h, seqlen_q, lk).masked_fill(~seen, -math.inf)
+    keep = torch.zeros(b, h, seqlen_q, lk, dtype=torch.bool)
+    keep.scatter_(-1, scores.topk(min(window, lk), dim=-1).indices, True)
+    # With fewer visible keys than the window, topk also picks hidden keys; drop them.
+    return keep & seen
+
+
+def rule_mask(bias, window, seqlen_q, is_causal) -> torch.Tensor:
+    """(B, H, Lq, Lk) by the documented rule: j is kept at row i iff it is visible and fewer
+    than ``window`` visible keys beat it (larger bias, or equal and a smaller index; NaN
+    counts as -inf)."""
+    b, h, _, lk = bias.shape
+    values = torch.where(torch.isnan(bias), -math.inf, bias.double())[:, :, 0]  # (B, H, Lk)
+    index = torch.arange(lk)
+    # beats[..., k, j]: key k beats key j
+    larger = values[..., :, None] > values[..., None, :]
+    tied_before = (values[..., :, None] == values[..., None, :]) & (index[:, None] < index)
+    beats = (larger | tied_before).double()
+    seen = visible(seqlen_q, lk, is_causal).double()  # (Lq, Lk)
+    beaten_by = torch.einsum("ik,bhkj->bhij", seen, beats)
+    return (beaten_by < window) & seen.bool()
+
+
+def distinct_bias(shape) -> torch.Tensor:
+    """Distinct values: a random permutation, scaled, so torch.topk's choice is unique."""
+    count = math.prod(shape)
+    return (torch.randperm(count).double() / count - 0.5).view(shape).float()
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("is_causal", CAUSAL)
+@pytest.mark.parametrize("batch_heads", BATCH_HEADS)
+def test_equals_the_topk_scatter_mask(lengths, window, is_causal, batch_heads, device):
+    seqlen_q, seqlen_k = lengths
+    bias = distinct_bias((*batch_heads, 1, seqlen_k))
+    intervals = topk_intervals(bias.to(device), window, seqlen_q=seqlen_q, is_causal=is_causal)
+    assert intervals.shape == (*batch_heads, seqlen_k)
+    assert intervals.start.dtype == intervals.end.dtype == torch.int32
+    assert intervals.device.type == device.type
+    expected = topk_scatter_mask(bias, window, seqlen_q, is_causal)
+    assert torch.equal(intervals.to_dense(seqlen_q).cpu(), expected)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("window", (1, 3, 8))
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_ties_rank_the_smaller_key_first(lengths, window, is_causal, device):
+    seqlen_q, seqlen_k = lengths
+    bias = torch.randint(0, 3, (2, 2, 1, seqlen_k)).to(torch.bfloat16)
+    intervals = topk_intervals(bias.to(device), window, seqlen_q=seqlen_q, is_causal=is_causal)
+    expected = rule_mask(bias, window, seqlen_q, is_causal)
+    assert torch.equal(intervals.to_dense(seqlen_q).cpu(), expected)
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_nan_ranks_as_minus_infinity(is_causal, device):
+    seqlen_q, seqlen_k, window = 9, 23, 4
+    bias = torch.randint(0, 4, (1, 2, 1, seqlen_k)).float()
+    bias[..., 1::5] = math.nan
+    bias[..., 3::7] = -math.inf
+    bias[..., 2] = math.inf
+    intervals = topk_intervals(bias.to(device), window, seqlen_q=seqlen_q, is_causal=is_causal)
+    expected = rule_mask(bias, window, seqlen_q, is_causal)
+    assert torch.equal(intervals.to_dense(seqlen_q).cpu(), expected)
+    # The rule with NaN written as -inf is the same mask.
+    as_inf = topk_intervals(torch.nan_to_num(bias, nan=-math.inf, posinf=math.inf).to(device),
+                            window, seqlen_q=seqlen_q, is_causal=is_causal)
+    assert torch.equal(as_inf.to_dense(seqlen_q), intervals.to_dense(seqlen_q))
+
+
+def test_seqlen_q_defaults_to_seqlen_k_and_causal_is_the_default(device):
+    bias = distinct_bias((1, 2, 1, 40)).to(device)
+    default = topk_intervals(bias, 5)
+    explicit = topk_intervals(bias, 5, seqlen_q=40, is_causal=True)
+    assert torch.equal(default.start, explicit.start) and torch.equal(default.end, explicit.end)
+
+
+def test_broadcast_bias_gives_broadcast_shaped_intervals(device):
+    row = distinct_bias((1, 3, 1, 33)).to(device)
+    intervals = topk_intervals(row.expand(2, 3, 1, 33), 4, seqlen_q=20)
+    single = topk_intervals(row, 4, seqlen_q=20)
+    assert intervals.shape == (2, 3, 33) and single.shape == (1, 3, 33)
+    assert torch.equal(intervals.to_dense(20), single.to_dense(20).expand(2, 3, 20, 33))
+
+
+def test_takes_a_bias_that_requires_grad_and_returns_plain_integers(device):
+    bias = distinct_bias((1, 2, 1, 17)).to(device).requires_grad_()
+    intervals = topk_intervals(bias, 3, seqlen_q=5)
+    assert not intervals.start.requires_grad and not intervals.end.requires_grad
+    with torch.no_grad():
+        again = topk_intervals(bias, 3, seqlen_q=5)
+    assert torch.equal(again.start, intervals.start) and torch.equal(again.end, intervals.end)
+    assert bias.grad is None
+
+
+def test_never_allocates_a_query_by_key_matrix():
+    seqlen_q, seqlen_k = 1024, 2048
+    bias = distinct_bias((1, 1, 1, seqlen_k))
+    with AllocationWatch() as watch:
+        topk_intervals(bias, 64, seqlen_q=seqlen_q)
+    # int64 arrays of Lk + 1 entries per level are the largest things made.
+    assert watch.largest_fresh_bytes() <= 8 * (seqlen_k + 1), watch.describe()
+
+
+# -- packed sequences
+def pack(lengths, heads: int):
+    """(bias (H, total_k), cu_seqlens_q, cu_seqlens_k) for sequences of (Lq_s, Lk_s)."""
+    cu_q = torch.tensor([0] + [q for q, _ in lengths], dtype=torch.int32).cumsum(0)
+    cu_k = torch.tensor([0] + [k for _, k in lengths], dtype=torch.int32).cumsum(0)
+    bias = distinct_bias((heads, int(cu_k[-1])))
+    return bias, cu_q.to(torch.int32), cu_k.to(torch.int32)
+
+
+@pytest.mark.parametrize("lengths", PACKED)
+@pytest.mark.parametrize("window", (1, 3, 1000))
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_packed_equals_each_sequence_on_its_own(lengths, window, is_causal, device):
+    bias, cu_q, cu_k = pack(lengths, heads=3)
+    packed = topk_intervals(bias.to(device), window, is_causal=is_causal,
+                            cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device))
+    assert packed.shape == (1, 3, bias.shape[1])
+    for s, (seqlen_q, seqlen_k) in enumerate(lengths):
+        k0, k1 = int(cu_k[s]), int(cu_k[s + 1])
+        if seqlen_k == 0:
+            continue
+        start, end = packed.start[..., k0:k1].cpu(), packed.end[..., k0:k1].cpu()
+        if seqlen_q == 0:
+            assert (start >= end).all(), f"sequence {s} has no rows, yet a key is seen"
+            continue
+        alone = topk_scatter_mask(bias[None, :, None, k0:k1], window, seqlen_q, is_causal)
+        assert torch.equal(KeyIntervals(start, end).to_dense(seqlen_q), alone), f"sequence {s}"
+
+
+def test_packed_query_offsets_default_to_the_key_offsets(device):
+    bias, _, cu_k = pack(((4, 4), (0, 0), (7, 7)), heads=2)
+    bias, cu_k = bias.to(device), cu_k.to(device)
+    default = topk_intervals(bias, 2, cu_seqlens_k=cu_k)
+    explicit = topk_intervals(bias, 2, cu_seqlens_q=cu_k, cu_seqlens_k=cu_k)
+    assert torch.equal(default.start, explicit.start) and torch.equal(default.end, explicit.end)
+
+
+def test_packed_ties_follow_the_rule_per_sequence():
+    lengths = ((6, 6), (3, 8), (8, 3))
+    _, cu_q, cu_k = pack(lengths, heads=2)
+    bias = torch.randint(0, 2, (2, int(cu_k[-1]))).float()
+    packed = topk_intervals(bias, 2, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    for s, (seqlen_q, _) in enumerate(lengths):
+        k0, k1 = int(cu_k[s]), int(cu_k[s + 1])
+        got = KeyIntervals(packed.start[..., k0:k1], packed.end[..., k0:k1]).to_dense(seqlen_q)
+        assert torch.equal(got, rule_mask(bias[None, :, None, k0:k1], 2, seqlen_q, True))
+
+
+# -- bad input
+def test_rejects_bad_input():
+    bias = distinct_bias((1, 2, 1, 8))
+    packed, cu_q, cu_k = pack(((3, 3), (2, 5)), heads=2)
+    cases = [
+        (dict(bias=bias, window=0), ValueError, "window must be a positive int"),
+        (dict(bias=bias, window=2.0), ValueError, "window must be a positive int"),
+        (dict(bias=bias, window=True), ValueError, "window must be a positive int"),
+        (dict(bias=bias.tolist(), window=2), TypeError, "bias must be a torch.Tensor"),
+        (dict(bias=bias.long(), window=2), TypeError, "bias must be a floating-point"),
+        (dict(bias=bias[..., :0], window=2), ValueError, "bias must not be empty"),
+        (dict(bias=bias.expand(1, 2, 3, 8), window=2), ValueError, r"\(B, H, 1, Lk\)"),
+        (dict(bias=bias, window=2, seqlen_q=0), ValueError, "seqlen_q must be a positive"),
+        (dict(bias=bias, window=2, cu_seqlens_q=cu_q), ValueError, "cu_seqlens_q needs"),
+        (dict(bias=packed, window=2, seqlen_q=3, cu_seqlens_k=cu_k), ValueError,
+         "seqlen_q must be None"),
+        (dict(bias=packed[None], window=2, cu_seqlens_k=cu_k), ValueError, r"\(H, total_k\)"),
+        (dict(bias=packed, window=2, cu_seqlens_k=cu_k.long()), TypeError,
+         "cu_seqlens_k dtype must be torch.int32"),
+        (dict(bias=packed, window=2, cu_seqlens_k=cu_k[:, None]), ValueError,
+         "cu_seqlens_k must be 1-D"),
+        (dict(bias=packed[:, :7], window=2, cu_seqlens_k=cu_k), ValueError,
+         "cu_seqlens_k must end at the packed length 7"),
+        (dict(bias=packed, window=2, cu_seqlens_k=cu_k.flip(0)), ValueError,
+         "cu_seqlens_k must start at 0"),
+        (dict(bias=packed, window=2, cu_seqlens_k=torch.tensor([0, 6, 3, 8], dtype=torch.int32)),
+         ValueError, "cu_seqlens_k must be non-decreasing"),
+        (dict(bias=packed, window=2, cu_seqlens_q=cu_q[:2], cu_seqlens_k=cu_k), ValueError,
+         "cu_seqlens_q must have the shape of cu_seqlens_k"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            topk_intervals(**kwargs)
