@@ -177,12 +177,12 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     Under ``torch.compile`` a call is the custom ops ``dmattn::fwd`` and ``dmattn::bwd``
     (``kernels.ops``): one graph, no breaks, bit for bit the eager results.
     """
-    check_flags(is_causal=is_causal, return_lse=return_lse, deterministic=deterministic)
     # A call torch.compile or torch.export traces becomes the custom ops; eager calls never
     # reach them (nor their host time).
     if _is_compiling():
         return ops.dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal,
                                  softmax_scale, return_lse, deterministic, kernel_options)
+    check_flags(is_causal=is_causal, return_lse=return_lse, deterministic=deterministic)
     attn_bias = _compact_bias(attn_bias)
     if _needs_grad(query, key, value, attn_bias):
         return _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, is_causal,

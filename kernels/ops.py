@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from . import interface
-from ._checks import check_inputs, resolve_scale
+from ._checks import check_flags, check_inputs, resolve_scale
 from .backward import attention_backward
 from .prepared import PreparedMask
 
@@ -310,8 +310,12 @@ def _scale_arg(softmax_scale) -> float | None:
 
 def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                   return_lse, deterministic, kernel_options=None):
-    """``dmattn_func`` through the custom ops; what ``torch.compile`` traces. Flags are
-    checked by the caller."""
+    """``dmattn_func`` through the custom ops; what ``torch.compile`` traces."""
+    flags = dict(is_causal=is_causal, return_lse=return_lse, deterministic=deterministic)
+    # isinstance, which Dynamo traces in every torch version here; check_flags' own test
+    # (``value.__class__ is bool``) fails for a real bool under torch 2.11's Dynamo.
+    if not all(isinstance(value, bool) for value in flags.values()):
+        check_flags(**flags)  # eager's TypeError
     if kernel_options:
         raise ValueError("kernel_options: not taken under torch.compile (the ops run the "
                          "default schedule); pass it in eager calls")

@@ -321,6 +321,18 @@ def assert_fake_matches_real(op, args) -> None:
             f"output {i}: fake strides {f.stride()}, real {r.stride()}")
 
 
+def test_non_bool_flag_fails_while_tracing_with_the_eager_message(device):
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+
+    def attend(q, k, v):
+        return dmattn_func(q, k, v, is_causal="yes")
+
+    with pytest.raises(TypeError) as eager:
+        attend(q, k, v)
+    with pytest.raises(Exception, match=re.escape(str(eager.value))):
+        torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
 def test_kernel_options_are_refused_while_tracing(device):
     """Forcing a schedule is for eager tests and tuning; a traced call says so by name."""
     q, k, v = random_qkv(DIMS, torch.float16, device)
