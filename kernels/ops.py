@@ -324,5 +324,5 @@ def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
     plan_backward = interface._needs_grad(query, key, value, bias)
     out, lse = attention_fwd(query, key, value, is_causal, _scale_arg(softmax_scale),
                              deterministic, plan_backward,
-                             bias is not None and bias.requires_grad, *optional)
+                             getattr(bias, "requires_grad", False), *optional)
     return (out, lse) if return_lse else out
