@@ -128,7 +128,9 @@ def case_seconds(case: Case, check: bool, device_type: str) -> float:
 
 
 def format_seconds(seconds: float) -> str:
-    """'45s', '3m20s', '2h05m', '3d04h'."""
+    """'<1s', '45s', '3m20s', '2h05m', '3d04h'."""
+    if 0.0 < seconds < 0.5:
+        return "<1s"
     s = int(round(max(seconds, 0.0)))
     if s < 60:
         return f"{s}s"

@@ -41,6 +41,11 @@ def output_dir(path: Path, name: str) -> None:
     where = _label(name, path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{where}: is a file; expected a folder (existing or to be created)")
+    _creatable(path, where)
+
+
+def _creatable(path: Path, where: str) -> None:
+    """The folder ``path`` exists and is writable, or its nearest existing ancestor is."""
     ancestor = path
     while not ancestor.exists():
         if ancestor.parent == ancestor:
@@ -63,4 +68,4 @@ def output_file(path: Path, name: str, expected: str = "a CSV file path") -> Non
     parent = path.parent
     if parent.exists() and not parent.is_dir():
         raise ConfigError(f"{where}: {parent} is a file, not a folder; expected {expected}")
-    output_dir(parent, name)
+    _creatable(parent, where)
