@@ -15,7 +15,7 @@ Three kinds of backend, three sets of constants:
   Measured here: ``INTERPRETER_SAMPLES`` are the p50 ms per call of ``triton`` on every point of
   ``sweeps/smoke.yaml`` (fwd twice, bwd and fwd+bwd once) on a 2-core x86 VM shared with other
   jobs, torch 2.13 CPU, triton 3.9; the constants are their least-squares fit, one overhead per
-  mode and one FLOP rate. The fit is within 2x of every sample, good enough to tell a one-minute
+  mode and one FLOP rate. The fit is within a factor 2.1 of every sample, enough to tell a one-minute
   sweep from a ten-hour one.
 - ``native``: PyTorch's own CPU kernels (sdpa, the eager reference). Much faster than the
   interpreter; a conservative round rate, not a fit.

@@ -178,8 +178,10 @@ def _parse_case(where: _Where, key: str, raw: dict[str, Any], defaults: dict[str
     """``raw`` is the case's own keys (a grid point or a listed case); ``defaults`` fills the
     rest. A bad value is reported where it is written: ``defaults.<name>`` or ``<key>.<name>``."""
 
+    own = raw
+
     def at(name: str) -> str:
-        return f"{key}.{name}" if name in raw or name not in defaults else f"defaults.{name}"
+        return f"{key}.{name}" if name in own or name not in defaults else f"defaults.{name}"
 
     unknown = sorted(set(raw) - set(CASE_KEYS))
     if unknown:
@@ -362,9 +364,10 @@ def sweep_digest(sweep: Sweep) -> str:
 
 def load_sweep(path: str | Path, known_backends: tuple[str, ...]) -> Sweep:
     """Read and validate a sweep file. Raises ConfigError with a one-line message."""
+    from .paths import input_file
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: sweep file not found")
+    input_file(path, "", "a sweep YAML file")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
