@@ -120,7 +120,7 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
     """Check out, lse, dq, dk, dv and dbias against the fp64 reference.
 
     A tensor passes when its max abs error is at most 2x that of an eager run in the input dtype
-    (both against fp64), plus a small floor per dtype.
+    (both against fp64), plus a small floor per dtype (the rule in kernels.tolerance).
 
     Backends: the sweep's list, or only `triton` for --irregular; --backends overrides both.
     Exits 3 if any checked tensor is over its allowed error or a backend errors.
@@ -159,8 +159,7 @@ def plot(csv: Annotated[Path, typer.Argument(help="Results CSV from fwd, bwd or 
 
     def work():
         paths.input_file(csv, "CSV", RESULTS_CSV)
-        if out_dir is not None:
-            paths.output_dir(out_dir, "--out-dir")
+        paths.output_dir(out_dir or csv.parent, "--out-dir" if out_dir else "plot folder")
         rows = read_rows(csv)
         for path in plot_rows(rows, out_dir or csv.parent, csv.stem, baseline):
             _echo(f"plot: {path}")

@@ -86,6 +86,9 @@ NATIVE_CPU = CallModel({"fwd": 0.002, "bwd": 0.005, "fwd+bwd": 0.007}, 1e9)
 GPU_NOMINAL = CallModel({"fwd": 0.001, "bwd": 0.002, "fwd+bwd": 0.003}, 1e14)
 # Per point on a GPU: input generation, warmup compiles (flex), the L2 flush. Nominal too.
 GPU_POINT_S = 0.5
+# Per point on the CPU besides its calls (adapting inputs, binding, the row): the wall time of
+# the sdpa and reference points of the same smoke.yaml runs was 0.07 to 0.2 s each.
+CPU_POINT_S = 0.15
 
 # The CPU guard refuses a sweep estimated above this (seconds), unless told otherwise.
 CPU_LIMIT_S = 300.0
@@ -116,7 +119,7 @@ def point_seconds(case: Case, mode: str, model: CallModel, timing: Timing, check
         seconds += model.seconds(case, "fwd")
     if check:
         seconds += model.seconds(case, "fwd" if mode == "fwd" else "fwd+bwd")
-    return seconds + (GPU_POINT_S if device_type == "cuda" else 0.0)
+    return seconds + (GPU_POINT_S if device_type == "cuda" else CPU_POINT_S)
 
 
 def case_seconds(case: Case, check: bool, device_type: str) -> float:

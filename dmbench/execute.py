@@ -56,9 +56,7 @@ def _previous_rows(target: outfile.Target) -> list[Row]:
     """Rows already in the file when resuming it (none otherwise)."""
     if not target.resume:
         return []
-    rows = read_rows(target.path, tolerate_partial_last_line=True)
-    rewrite(target.path, rows)  # drops a line a killed process left half-written
-    return rows
+    return read_rows(target.path, tolerate_partial_last_line=True)
 
 
 def cpu_guard(sweep: Sweep, estimate_s: float, points: int, allow_slow: bool) -> None:
@@ -163,6 +161,8 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
         else:
             echo(f"{sweep.name} {opts.command}: nothing to run, all {len(units)} points already "
                  f"done{where} -> {out}")
+    if previous:
+        rewrite(write_path, previous)  # drops a line a killed process left half-written
     if info:
         dist.init_group(info)
     written: list[Row] = []
