@@ -122,3 +122,13 @@ def test_explicit_out_that_exists_needs_resume_or_force_in_one_line(sweep, tmp_p
     assert out.stat().st_size == size
     assert _run(sweep, "--out", str(out), "--resume").exit_code == ExitCode.OK
     assert _run(sweep, "--out", str(out), "--force").exit_code == ExitCode.OK
+
+
+def test_a_restart_after_a_device_fault_resumes_the_file_it_was_writing():
+    from dmbench.restart import resume_argv
+
+    numbered = Path("results/cpu/tiny-fwd.2.csv")
+    assert resume_argv(["fwd", "tiny.yaml", "--force"], numbered) == \
+        ["fwd", "tiny.yaml", "--out", str(numbered), "--resume"]
+    assert resume_argv(["fwd", "tiny.yaml", "--out", "mine.csv"], numbered) == \
+        ["fwd", "tiny.yaml", "--out", "mine.csv", "--resume"]
