@@ -270,3 +270,30 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@app.command("train", epilog=EXIT_CODES_HELP)
+def train_command(
+        contexts: Annotated[str, typer.Option("--contexts", help="Comma-separated context lengths in tokens.")] = "2048,8192,32768",
+        batch: Annotated[int, typer.Option("--batch", help="Sequences per step.")] = 1,
+        steps: Annotated[int, typer.Option("--steps", help="Timed optimizer steps per point.")] = 5,
+        warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first (the first also compiles).")] = 2,
+        implementations: Annotated[str, typer.Option("--implementations", help="Comma-separated: dmattn, eager, sdpa, flex.")] = "dmattn,eager,sdpa,flex",
+        modes: Annotated[str, typer.Option("--modes", help="Comma-separated: eager, compiled.")] = "eager,compiled",
+        tiny: Annotated[bool, typer.Option("--tiny", help="A two-layer model (tests, CPU).")] = False,
+        dtype: Annotated[str, typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")] = "auto",
+        device: DeviceOpt = "auto", out: OutOpt = None, force: ForceOpt = False,
+        plot: PlotOpt = True):
+    """Training steps of a ~100M-parameter Doge model per attention implementation and mode:
+    tokens/s and peak memory per context. Out of memory and errors are row statuses."""
+    from .train import IMPLEMENTATIONS, MODES, TrainOptions, parse_contexts, parse_list, run_train
+
+    def work():
+        opts = TrainOptions(
+            contexts=parse_contexts(contexts), batch=batch, steps=steps, warmup=warmup,
+            implementations=parse_list("--implementations", implementations, tuple(IMPLEMENTATIONS)),
+            modes=parse_list("--modes", modes, MODES), tiny=tiny, dtype=dtype, device=device,
+            out=out, force=force, plot=plot)
+        return run_train(opts, _echo)
+
+    _guarded(work)
