@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch._dynamo.utils import counters
 
 from .device import CPU_NOTE, select_device
 from .envinfo import REPO_ROOT, Environment, collect, gpu_slug
@@ -52,6 +53,7 @@ DEFAULT_CONTEXTS = (2048, 8192, 32768)
 CPU_MAX_TOKENS = 4096  # batch * context * (warmup + steps) per point under the interpreter
 SEED = 0
 LEARNING_RATE = 1e-4
+COMPILE_BACKEND = "inductor"  # torch.compile's default; tests use dynamo's "eager" backend
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,13 @@ def _quantile(data: list[float], q: float) -> float:
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
+def _ok_detail(implementation: str, mode: str) -> str:
+    notes = [DIFFERS_FROM_EAGER.get(implementation, "")]
+    if mode == "compiled":
+        notes.append(f"graph breaks: {sum(counters['graph_break'].values())}")
+    return "; ".join(n for n in notes if n)
+
+
 def run_point(size: ModelSize, context: int, implementation: str, mode: str, opts: TrainOptions,
               dtype: torch.dtype, device: torch.device) -> dict:
     """Measured fields of one row, or its status and detail when it did not finish. The peak
@@ -247,7 +256,8 @@ def run_point(size: ModelSize, context: int, implementation: str, mode: str, opt
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         if mode == "compiled":
             torch._dynamo.reset()
-        forward = torch.compile(model) if mode == "compiled" else model
+            counters.clear()
+        forward = torch.compile(model, backend=COMPILE_BACKEND) if mode == "compiled" else model
         generator = torch.Generator().manual_seed(SEED)
         tokens = torch.randint(0, size.vocab, (opts.batch, context), generator=generator).to(device)
         calls = 0
@@ -270,7 +280,7 @@ def run_point(size: ModelSize, context: int, implementation: str, mode: str, opt
         measured.update(ms_p20=_quantile(samples, 0.2), ms_p50=p50, ms_p80=_quantile(samples, 0.8),
                         tokens_per_s=opts.batch * context / (p50 / 1e3),
                         first_loss=float(losses[0]), last_loss=float(losses[-1]),
-                        status="ok", detail=DIFFERS_FROM_EAGER.get(implementation, ""))
+                        status="ok", detail=_ok_detail(implementation, mode))
         if device.type == "cuda":
             measured["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         return measured

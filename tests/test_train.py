@@ -119,3 +119,13 @@ def test_other_csvs_are_rejected(tmp_path):
     path.write_text("a,b\n1,2\n")
     with pytest.raises(ConfigError, match="not a dmbench train CSV"):
         train.read_train_rows(path)
+
+
+def test_compiled_mode_records_graph_breaks(monkeypatch):
+    # Dynamo's "eager" backend traces the model as inductor would, without code generation.
+    monkeypatch.setattr(train, "COMPILE_BACKEND", "eager")
+    opts = train.TrainOptions(contexts=(CONTEXT,), steps=1, warmup=0, tiny=True, device="cpu")
+    measured = train.run_point(train.TINY, CONTEXT, "eager", "compiled", opts, torch.float32,
+                               torch.device("cpu"))
+    assert measured["status"] == "ok", measured["detail"]
+    assert measured["detail"].startswith("graph breaks: ")
