@@ -193,7 +193,8 @@ def build_model(size: ModelSize, context: int, implementation: str, dtype: torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(doge_config(size, context, IMPLEMENTATIONS[implementation]))
+    config = doge_config(size, context, IMPLEMENTATIONS[implementation])
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(getattr(module, "A", None), torch.nn.Parameter):
@@ -432,7 +433,8 @@ def _parse(name: str, text: str, where: str):
         if kind == "bool":
             return {"True": True, "False": False}[text]
     except (ValueError, KeyError):
-        raise ConfigError(f"{where}: column {name}: expected {kind.split(' ')[0]}, got {text!r}") from None
+        expected = kind.split(" ")[0]
+        raise ConfigError(f"{where}: column {name}: expected {expected}, got {text!r}") from None
     return text
 
 
@@ -445,8 +447,11 @@ def read_train_rows(path: Path) -> list[TrainRow]:
         raise ConfigError(f"{path}: cannot read as CSV: {exc}") from None
     if not lines or tuple(lines[0]) != TRAIN_COLUMNS:
         raise ConfigError(f"{path}: not a dmbench train CSV of this version")
-    return [TrainRow(**{c: _parse(c, v, f"{path}: line {n}") for c, v in zip(TRAIN_COLUMNS, values)})
-            for n, values in enumerate(lines[1:], start=2)]
+    rows = []
+    for number, values in enumerate(lines[1:], start=2):
+        where = f"{path}: line {number}"
+        rows.append(TrainRow(**{c: _parse(c, v, where) for c, v in zip(TRAIN_COLUMNS, values)}))
+    return rows
 
 
 def plot_train(csv_path: Path) -> list[Path]:

@@ -14,7 +14,8 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+transformers = pytest.importorskip("transformers",
+                                   reason="needs the hf extra: pip install -e '.[hf]'")
 
 from kernels.integrations import transformers as dm_hf  # noqa: E402
 from kernels.tolerance import check_tensor  # noqa: E402
@@ -175,11 +176,14 @@ def test_doge_bias_reaches_the_kernel_per_key(kernel_calls, keep_window):
     for call in kernel_calls:
         assert tuple(call["attn_bias"].shape) == (2, heads_kv, 1, SEQLEN)
         assert call["attn_bias"].requires_grad
-        expected_mask = (2, 1, 1, SEQLEN) if SEQLEN <= keep_window else (2, heads_kv, SEQLEN, SEQLEN)
-        assert tuple(call["attn_mask"].shape) == expected_mask
+        # A (B, Hk, Lq, Lk) top-W mask only with more keys than the keep window.
+        expected = (2, heads_kv, SEQLEN, SEQLEN) if SEQLEN > keep_window else (2, 1, 1, SEQLEN)
+        assert tuple(call["attn_mask"].shape) == expected
 
 
-def test_doge_top_window_keeps_the_largest_visible_keys():
+@pytest.mark.parametrize("rows_per_step", [1024, 2])
+def test_doge_top_window_keeps_the_largest_visible_keys(monkeypatch, rows_per_step):
+    monkeypatch.setattr(dm_hf, "ROWS_PER_TOPK_STEP", rows_per_step)
     bias = torch.tensor([[[[0.5, 3.0, 1.0, 2.0, 4.0]]]])
     masking = dm_hf.doge_masking(None, bias, seqlen_q=5, is_causal=True, sliding_window=None,
                                  keep_window=2)
@@ -198,7 +202,8 @@ def test_float_mask_becomes_keep_mask_and_bias():
     low = torch.finfo(torch.float32).min
     mask = torch.tensor([[[[0.0, low, 0.25], [float("-inf"), 0.0, -1.0]]]])
     masking = dm_hf.causal_family_masking(mask, 2, 3, True, None, torch.float32)
-    assert torch.equal(masking.attn_mask, torch.tensor([[[[True, False, True], [False, True, True]]]]))
+    keep = torch.tensor([[[[True, False, True], [False, True, True]]]])
+    assert torch.equal(masking.attn_mask, keep)
     assert torch.equal(masking.attn_bias, torch.tensor([[[[0.0, 0.0, 0.25], [0.0, 0.0, -1.0]]]]))
     assert masking.is_causal is False
 

@@ -40,8 +40,8 @@ from ..interface import dmattn_func
 
 IMPLEMENTATION = "dmattn"
 
-# Query rows per top-W selection step in ``doge_masking``: bounds the float scores of one step
-# to batch * heads_kv * ROWS_PER_TOPK_STEP * seqlen_k elements.
+# Query rows per top-W selection step in ``doge_masking``: bounds the temporaries of one step
+# (the float scores) to batch * heads_kv * ROWS_PER_TOPK_STEP * seqlen_k elements.
 ROWS_PER_TOPK_STEP = 1024
 
 
@@ -247,39 +247,45 @@ def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: b
     Visible keys are those of the Llama-family rule (``causal_family_masking``), except that a
     complete float mask hides every nonzero entry, as Doge's own mask does. With more keys than
     ``keep_window``, each row keeps its ``keep_window`` visible keys of largest bias (ties as
-    ``torch.topk`` breaks them), as a bool (B, Hk, Lq, Lk) mask built without a graph in steps of
-    ``ROWS_PER_TOPK_STEP`` rows. The bias goes to the kernel as it is, (B, Hk, 1, Lk).
+    ``torch.topk`` breaks them), as a bool (B, Hk, Lq, Lk) mask built without a graph,
+    ``ROWS_PER_TOPK_STEP`` query rows at a time. The bias goes to the kernel as it is,
+    (B, Hk, 1, Lk).
     """
     seqlen_k = bias.shape[-1]
-    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.is_floating_point():
+    if (attention_mask is not None and attention_mask.dim() == 4
+            and attention_mask.is_floating_point()):
         attention_mask = attention_mask[..., :seqlen_k] == 0
     visible = causal_family_masking(attention_mask, seqlen_q, seqlen_k, is_causal,
                                     sliding_window, bias.dtype)
     if seqlen_k <= keep_window:
         return Masking(visible.attn_mask, bias, visible.is_causal)
+    keep = torch.zeros(bias.shape[:2] + (seqlen_q, seqlen_k), dtype=torch.bool,
+                       device=bias.device)
     with torch.no_grad():
-        seen = _dense_visible(visible, seqlen_q, seqlen_k, bias.device)
-        keep = torch.zeros(bias.shape[:2] + (seqlen_q, seqlen_k), dtype=torch.bool,
-                           device=bias.device)
         for start in range(0, seqlen_q, ROWS_PER_TOPK_STEP):
             rows = slice(start, min(start + ROWS_PER_TOPK_STEP, seqlen_q))
-            scores = bias.detach().masked_fill(~seen[:, :, rows], float("-inf"))
+            seen = _visible_rows(visible, rows, seqlen_q, seqlen_k, bias.device)
+            scores = bias.detach().masked_fill(~seen, float("-inf"))
             chosen = scores.topk(keep_window, dim=-1, sorted=False).indices
             keep[:, :, rows].scatter_(-1, chosen, True)
-        keep &= seen
+            keep[:, :, rows] &= seen
     return Masking(keep, bias, False)
 
 
-def _dense_visible(masking: Masking, seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
-    """``masking``'s mask and causal flag as one bool (Bm, Hm, Lq, Lk) tensor."""
+def _visible_rows(masking: Masking, rows: slice, seqlen_q: int, seqlen_k: int,
+                  device) -> torch.Tensor:
+    """Query rows ``rows`` of ``masking``'s mask and causal flag, as one bool
+    (Bm, Hm, rows, Lk) tensor."""
     visible = masking.attn_mask
+    if visible is not None and visible.shape[2] != 1:
+        visible = visible[:, :, rows]
     if masking.is_causal:
-        rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
-        causal = (torch.arange(seqlen_k, device=device)[None, :] <= rows)[None, None]
+        last = torch.arange(rows.start, rows.stop, device=device)[:, None] + (seqlen_k - seqlen_q)
+        causal = (torch.arange(seqlen_k, device=device)[None, :] <= last)[None, None]
         visible = causal if visible is None else visible & causal
     if visible is None:
-        return torch.ones(1, 1, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    return visible.expand(-1, -1, seqlen_q, seqlen_k)
+        return torch.ones(1, 1, rows.stop - rows.start, seqlen_k, dtype=torch.bool, device=device)
+    return visible.expand(-1, -1, rows.stop - rows.start, seqlen_k)
 
 
 def _route_doge_attention() -> None:
