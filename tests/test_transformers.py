@@ -201,7 +201,7 @@ def test_doge_top_window_keeps_the_largest_visible_keys(monkeypatch, rows_per_st
 def test_float_mask_becomes_keep_mask_and_bias():
     low = torch.finfo(torch.float32).min
     mask = torch.tensor([[[[0.0, low, 0.25], [float("-inf"), 0.0, -1.0]]]])
-    masking = dm_hf.causal_family_masking(mask, 2, 3, True, None, torch.float32)
+    masking = dm_hf.causal_family_masking(mask, 2, 3, True, None, torch.float32, mask.device)
     keep = torch.tensor([[[[True, False, True], [False, True, True]]]])
     assert torch.equal(masking.attn_mask, keep)
     assert torch.equal(masking.attn_bias, torch.tensor([[[[0.0, 0.0, 0.25], [0.0, 0.0, -1.0]]]]))
@@ -209,19 +209,24 @@ def test_float_mask_becomes_keep_mask_and_bias():
 
 
 def test_sliding_window_band_is_bottom_right_aligned():
-    masking = dm_hf.causal_family_masking(None, 2, 5, True, 2, torch.float32)
+    masking = dm_hf.causal_family_masking(None, 2, 5, True, 2, torch.float32, torch.device("cpu"))
     expected = torch.tensor([[False, False, True, True, True],
                              [False, False, False, True, True]])
     assert torch.equal(masking.attn_mask[0, 0], expected)
 
 
+def test_sliding_window_band_is_made_on_the_query_device():
+    meta = torch.device("meta")
+    assert dm_hf.causal_family_masking(None, 2, 5, True, 2, torch.float32, meta).attn_mask.is_meta
+
+
 def test_bad_masks_and_dropout_are_rejected():
     with pytest.raises(ValueError, match="attention_mask"):
         dm_hf.causal_family_masking(torch.ones(2, 1, 5, dtype=torch.bool), 5, 5, True, None,
-                                    torch.float32)
+                                    torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="attention_mask"):
         dm_hf.causal_family_masking(torch.ones(2, 4, dtype=torch.bool), 5, 5, True, None,
-                                    torch.float32)
+                                    torch.float32, torch.device("cpu"))
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="dropout"):
         dm_hf.dmattn_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)

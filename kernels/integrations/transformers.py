@@ -131,19 +131,21 @@ def dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                         s_aux=kwargs.get("s_aux"), position_bias=kwargs.get("position_bias"))
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     masking = causal_family_masking(attention_mask, query.shape[2], key.shape[2], bool(causal),
-                                    sliding_window, query.dtype)
+                                    sliding_window, query.dtype, query.device)
     return _attend(query, key, value, masking, scaling), None
 
 
 def causal_family_masking(attention_mask, seqlen_q: int, seqlen_k: int, is_causal: bool,
-                          sliding_window: int | None, dtype: torch.dtype) -> Masking:
+                          sliding_window: int | None, dtype: torch.dtype,
+                          device: torch.device) -> Masking:
     """The kernel's mask, bias and causal flag for a Llama-family layer.
 
     ``attention_mask`` is what the model's mask builder produced: None or a 2-D key padding
     mask (plain causal / sliding window: causality from the flag, padding as a (B, 1, 1, Lk)
     view), or a complete 4-D mask (bool, or float with the minimum value or -inf where masked,
-    whose other entries become the bias). A sliding window, while it hides keys (Lk > window),
-    is a bool (Lq, Lk) band: query i (bottom-right aligned) keeps keys i - window < j <= i.
+    whose other entries become the bias, in ``dtype``). A sliding window, while it hides keys
+    (Lk > window), is a bool (Lq, Lk) band on ``device``: query i (bottom-right aligned) keeps
+    keys i - window < j <= i.
     """
     if attention_mask is not None and attention_mask.dim() == 4:
         return _complete_masking(attention_mask, seqlen_k, dtype)
@@ -154,7 +156,7 @@ def causal_family_masking(attention_mask, seqlen_q: int, seqlen_k: int, is_causa
     if attention_mask is not None:
         mask = _key_padding(attention_mask, seqlen_k)
     if sliding_window is not None and seqlen_k > sliding_window:
-        band = _window_band(seqlen_q, seqlen_k, sliding_window, _device_of(attention_mask))
+        band = _window_band(seqlen_q, seqlen_k, sliding_window, device)
         mask = band if mask is None else mask & band
     return Masking(mask, None, is_causal)
 
@@ -170,10 +172,6 @@ def _window_band(seqlen_q: int, seqlen_k: int, window: int, device) -> torch.Ten
     rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
     keys = torch.arange(seqlen_k, device=device)[None, :]
     return (keys > rows - window)[None, None]
-
-
-def _device_of(tensor) -> torch.device | None:
-    return None if tensor is None else tensor.device
 
 
 def _complete_masking(mask: torch.Tensor, seqlen_k: int, dtype: torch.dtype) -> Masking:
@@ -256,7 +254,7 @@ def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: b
             and attention_mask.is_floating_point()):
         attention_mask = attention_mask[..., :seqlen_k] == 0
     visible = causal_family_masking(attention_mask, seqlen_q, seqlen_k, is_causal,
-                                    sliding_window, bias.dtype)
+                                    sliding_window, bias.dtype, bias.device)
     if seqlen_k <= keep_window:
         return Masking(visible.attn_mask, bias, visible.is_causal)
     keep = torch.zeros(bias.shape[:2] + (seqlen_q, seqlen_k), dtype=torch.bool,
