@@ -140,3 +140,17 @@ def test_compiled_mode_records_graph_breaks(monkeypatch):
                                torch.device("cpu"))
     assert measured["status"] == "ok", measured["detail"]
     assert measured["detail"].startswith("graph breaks: ")
+
+
+@pytest.mark.parametrize("implementation", list(train.IMPLEMENTATIONS))
+def test_each_implementation_builds_its_own_model(implementation):
+    """Same weights, each with the attention it names (else the loss check above is void)."""
+    from kernels.integrations.transformers import register
+
+    register()  # as run_train does
+    model = train.build_model(train.TINY, CONTEXT, implementation, torch.float32,
+                              torch.device("cpu"))
+    assert model.config._attn_implementation == train.IMPLEMENTATIONS[implementation]
+    reference = train.build_model(train.TINY, CONTEXT, "eager", torch.float32, torch.device("cpu"))
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(ours, theirs), name
