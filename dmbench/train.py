@@ -48,7 +48,8 @@ DIFFERS_FROM_EAGER = {
     "sdpa": "transformers' Doge sdpa path is not causal",
     "flex": "transformers' Doge flex path: head 0's bias for every head, top-W over all keys",
 }
-DEFAULT_CONTEXTS = (2048, 8192, 32768)
+DEFAULT_CONTEXTS = (2048, 8192, 32768, 65536)
+TINY_CONTEXTS = (32, 64)  # at and above the tiny model's keep window
 # Under the interpreter a tiny-model step at context 1024 took 125 s (2 cores): attention
 # dominates, so a CPU point may do at most this much batch * (warmup + steps) * context**2.
 CPU_MAX_WORK = 2**19
@@ -135,6 +136,10 @@ def parse_list(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...
         raise ConfigError(f"{flag}: expected a comma-separated subset of {', '.join(allowed)}, "
                           f"got {text!r}")
     return names
+
+
+def default_contexts(tiny: bool) -> tuple[int, ...]:
+    return TINY_CONTEXTS if tiny else DEFAULT_CONTEXTS
 
 
 def parse_contexts(text: str) -> tuple[int, ...]:
