@@ -20,6 +20,9 @@ Statuses: ``ok``; ``oom`` (out of memory; the run goes on, and the same implemen
 mode are ``skipped`` at longer contexts); ``error`` (detail says what raised); ``skipped``
 (detail says why). None of them changes the exit code.
 
+Plots, drawn from the CSV: tokens/s, tokens/s over eager attention, and (on a GPU) peak
+memory, against context.
+
 On CPU (Triton under its interpreter) only ``--tiny`` runs, within ``CPU_MAX_WORK`` a point,
 and neither compiled mode nor flex runs (both compile with inductor: minutes).
 """
@@ -459,9 +462,20 @@ def read_train_rows(path: Path) -> list[TrainRow]:
     return rows
 
 
+def _speedups(done: list[TrainRow]) -> dict[tuple[int, str, str], float]:
+    """Tokens/s over transformers' eager attention at the same context and mode."""
+    eager = {(r.context, r.mode): r.tokens_per_s for r in done if r.implementation == "eager"}
+    return {(r.context, r.implementation, r.mode): r.tokens_per_s / eager[r.context, r.mode]
+            for r in done if (r.context, r.mode) in eager and r.implementation != "eager"}
+
+
+def _context_label(context: int) -> str:
+    return f"{context // 1024}k" if context >= 1024 and context % 1024 == 0 else str(context)
+
+
 def plot_train(csv_path: Path) -> list[Path]:
-    """Tokens/s and peak memory against context, one line per implementation and mode, as
-    PNGs next to the CSV; drawn from the CSV alone."""
+    """Tokens/s, speedup over eager attention and peak memory against context, one line per
+    implementation and mode, as PNGs next to the CSV; drawn from the CSV alone."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
@@ -470,23 +484,30 @@ def plot_train(csv_path: Path) -> list[Path]:
     done = [r for r in read_train_rows(csv_path) if r.status == "ok"]
     if not done:
         raise ConfigError(f"{csv_path}: no rows with status ok to plot")
-    charts = [("tokens_per_s", "tokens/s", "throughput")]
-    if any(r.peak_mib is not None for r in done):
-        charts.append(("peak_mib", "peak memory (MiB)", "memory"))
+    values = {"throughput": {(r.context, r.implementation, r.mode): r.tokens_per_s for r in done},
+              "speedup": _speedups(done),
+              "memory": {(r.context, r.implementation, r.mode): r.peak_mib for r in done
+                         if r.peak_mib is not None}}
+    labels = {"throughput": "tokens/s", "speedup": "tokens/s over eager attention (same mode)",
+              "memory": "peak memory (MiB)"}
+    first = done[0]
     written = []
-    for column, label, tag in charts:
+    for tag, points in values.items():
+        if not points:
+            continue
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for key in sorted({(r.implementation, r.mode) for r in done}):
-            points = sorted((r.context, getattr(r, column)) for r in done
-                            if (r.implementation, r.mode) == key)
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o",
-                    label=f"{key[0]} ({key[1]})")
+        for implementation, mode in sorted({key[1:] for key in points}):
+            line = sorted((c, y) for (c, i, m), y in points.items()
+                          if (i, m) == (implementation, mode))
+            ax.plot([c for c, _ in line], [y for _, y in line], marker="o",
+                    label=f"{implementation} ({mode})")
+        contexts = sorted({key[0] for key in points})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [_context_label(c) for c in contexts])
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(labels[tag])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-        first = done[0]
         ax.set_title(f"{first.model} training steps, batch {first.batch}, {first.dtype}, "
                      f"on {first.gpu}", fontsize=8)
         fig.tight_layout()

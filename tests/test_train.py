@@ -71,8 +71,10 @@ def test_tiny_run_dmattn_loss_equals_eager(tiny_run):
     assert ours == pytest.approx(eager, rel=1e-5)
 
 
-def test_tiny_run_plots_throughput(tiny_run):
-    assert (tiny_run.parent / "train-throughput.png").stat().st_size > 0
+def test_tiny_run_plots_throughput_and_speedup(tiny_run):
+    for chart in ("throughput", "speedup"):
+        assert (tiny_run.parent / f"train-{chart}.png").stat().st_size > 0
+    assert not (tiny_run.parent / "train-memory.png").exists()  # no peak memory on CPU
 
 
 def test_existing_csv_needs_force(tiny_run):
