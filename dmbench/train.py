@@ -253,6 +253,15 @@ def _graph_breaks():
     return counters["graph_break"]
 
 
+def _out_of_memory(exc: BaseException | None) -> bool:
+    """An OOM, also when a compiler or the Triton launcher re-raised it as another type."""
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def _ok_detail(implementation: str, mode: str) -> str:
     notes = [DIFFERS_FROM_EAGER.get(implementation, "")]
     if mode == "compiled":
@@ -302,9 +311,9 @@ def run_point(size: ModelSize, context: int, implementation: str, mode: str, opt
         if device.type == "cuda":
             measured["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         return measured
-    except torch.OutOfMemoryError:
-        return {"status": "oom", "detail": f"{stage}: out of memory"}
     except Exception as exc:  # a failing point is a row; the run goes on
+        if _out_of_memory(exc):
+            return {"status": "oom", "detail": f"{stage}: out of memory"}
         lines = str(exc).strip().splitlines()
         message = f"{stage}: {type(exc).__name__}: {lines[0] if lines else ''}"
         return {"status": "error", "detail": message[:300]}

@@ -111,11 +111,14 @@ def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory")
         if implementation == "sdpa" and context == 16:
             raise RuntimeError("no kernel\nsecond line")
+        if implementation == "dmattn" and context == 16:
+            wrapped = RuntimeError("backend compiler failed")
+            raise wrapped from RuntimeError("CUDA out of memory. Tried to allocate 4.00 GiB")
         return real_build(size, context, implementation, dtype, device)
 
     monkeypatch.setattr(train, "build_model", build)
     opts = train.TrainOptions(contexts=(16, 24), steps=1, warmup=0, tiny=True, device="cpu",
-                              implementations=("eager", "sdpa"), modes=("eager",),
+                              implementations=("eager", "sdpa", "dmattn"), modes=("eager",),
                               out=tmp_path / "t.csv", plot=False)
     assert train.run_train(opts, lambda _: None) == ExitCode.OK
     rows = {(r.context, r.implementation): r for r in train.read_train_rows(opts.out)}
@@ -125,6 +128,8 @@ def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     assert rows[16, "sdpa"].status == "error"
     assert rows[16, "sdpa"].detail == "build: RuntimeError: no kernel"
     assert rows[24, "sdpa"].status == "ok"  # an error skips nothing later
+    assert rows[16, "dmattn"].status == "oom"  # re-raised by a compiler: still out of memory
+    assert rows[24, "dmattn"].status == "skipped"
 
 
 def test_other_csvs_are_rejected(tmp_path):
