@@ -46,7 +46,6 @@ from .errors import ConfigError, ExitCode
 
 IMPLEMENTATIONS = {"dmattn": "dmattn", "eager": "eager", "sdpa": "sdpa", "flex": "flex_attention"}
 MODES = ("eager", "compiled")
-STATUSES = ("ok", "oom", "error", "skipped")
 DIFFERS_FROM_EAGER = {
     "sdpa": "transformers' Doge sdpa path is not causal",
     "flex": "transformers' Doge flex path: head 0's bias for every head, top-W over all keys",
