@@ -22,7 +22,7 @@ from kernels.tolerance import check_tensor  # noqa: E402
 
 VOCAB = 97
 SEQLEN = 13
-PADDED = 4  # padding of the second sequence
+PADDED = 4  # padded positions at the end of the second sequence
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 SLIDING_WINDOW = 5
