@@ -312,3 +312,35 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@app.command("train", epilog=EXIT_CODES_HELP)
+def train_command(
+        contexts: Annotated[Optional[str], typer.Option("--contexts", help="Comma-separated context lengths in tokens (default: 2048,8192,32768,65536, or 32,64 with --tiny; after running out of memory, longer ones are skipped).")] = None,
+        batch: Annotated[int, typer.Option("--batch", help="Sequences per step.")] = 1,
+        steps: Annotated[int, typer.Option("--steps", help="Timed optimizer steps per point.")] = 5,
+        warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first (in compiled mode the first step compiles).")] = 2,
+        implementations: Annotated[Optional[str], typer.Option("--implementations", help="Comma-separated subset of dmattn, eager, sdpa, flex (default: all).")] = None,
+        modes: Annotated[Optional[str], typer.Option("--modes", help="Comma-separated subset of eager, compiled (default: both).")] = None,
+        tiny: Annotated[bool, typer.Option("--tiny", help="A two-layer model (tests, CPU).")] = False,
+        dtype: Annotated[str, typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")] = "auto",
+        device: DeviceOpt = "auto",
+        out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/train.csv).")] = None,
+        force: ForceOpt = False,
+        plot: PlotOpt = True):
+    """Training steps of a ~100M-parameter Doge model per attention implementation and mode:
+    tokens/s and peak memory per context. Out of memory and errors are row statuses."""
+    from .train import (IMPLEMENTATIONS, MODES, TrainOptions, default_contexts, parse_contexts,
+                        parse_list, run_train)
+
+    def work():
+        names = tuple(IMPLEMENTATIONS)
+        opts = TrainOptions(
+            contexts=default_contexts(tiny) if contexts is None else parse_contexts(contexts),
+            batch=batch, steps=steps, warmup=warmup,
+            implementations=names if implementations is None else parse_list("--implementations", implementations, names),
+            modes=MODES if modes is None else parse_list("--modes", modes, MODES),
+            tiny=tiny, dtype=dtype, device=device, out=out, force=force, plot=plot)
+        return run_train(opts, _echo)
+
+    _guarded(work)
