@@ -293,7 +293,7 @@ def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs of one d
         if readme is not None:
             paths.writable_file(readme, "--readme", "a README file with the headline markers")
         if tables is not None:
-            paths.writable_file(tables, "--tables", "a markdown file for the full tables")
+            paths.output_file(tables, "--tables", "a markdown file for the full tables")
         if print_only:
             collected = collect(list(csvs))
             _echo(headline_markdown(collected))
@@ -304,14 +304,6 @@ def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs of one d
         return ExitCode.OK
 
     _guarded(work)
-
-
-def main() -> None:
-    app(prog_name="dmbench")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 @app.command("train", epilog=EXIT_CODES_HELP)
@@ -344,3 +336,11 @@ def train_command(
         return run_train(opts, _echo)
 
     _guarded(work)
+
+
+def main() -> None:
+    app(prog_name="dmbench")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
