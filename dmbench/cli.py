@@ -1,6 +1,7 @@
 """The ``dmbench`` command line. Thin: parse flags, load the sweep, call a module, print.
 
-Every user mistake surfaces as one line on stderr and exit code 2, never as a traceback.
+Every user mistake surfaces as one line on stderr and exit code 2, never as a traceback. Paths
+are checked first (``dmbench.paths``), before any work starts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
+from . import paths
 from .errors import EXIT_CODES_HELP, ConfigError, ExitCode
 
 app = typer.Typer(
@@ -61,17 +63,30 @@ ShardOpt = Annotated[Optional[str], typer.Option("--shard", help="Run share I of
 DistOpt = Annotated[bool, typer.Option("--distributed", help="Under torchrun: each rank runs a balanced share and rank 0 writes one CSV.")]
 PlotOpt = Annotated[bool, typer.Option("--plot/--no-plot", help="Draw PNG charts next to the CSV when done.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
+SlowOpt = Annotated[bool, typer.Option("--allow-slow", help="On the CPU, run a sweep the cost model estimates above 5 minutes (refused otherwise, exit 2).")]
+
+SWEEP_FILE = "a sweep YAML file"
+RESULTS_CSV = "a dmbench results CSV file"
+
+
+def _check_run_paths(sweep: Optional[Path], out: Optional[Path]) -> None:
+    if sweep is not None:
+        paths.input_file(sweep, "SWEEP", SWEEP_FILE)
+    if out is not None:
+        paths.output_file(out, "--out")
 
 
 def _timed_command(command: str, sweep_path: Path, out, backends, resume, force, device, shard,
-                   distributed, plot, progress):
+                   distributed, plot, progress, allow_slow):
     from .backends import BACKEND_NAMES
     from .execute import RunOptions, execute, with_backends
     from .sweep import load_sweep
 
     def work():
+        _check_run_paths(sweep_path, out)
         sweep = with_backends(load_sweep(sweep_path, BACKEND_NAMES), _backend_names(backends))
-        opts = RunOptions(command, out, resume, force, device, shard, distributed, plot, progress)
+        opts = RunOptions(command, out, resume, force, device, shard, distributed, plot, progress,
+                          allow_slow)
         return execute(sweep, opts, _echo)
 
     _guarded(work)
@@ -83,9 +98,9 @@ def _timing_command(command: str, summary: str):
     def timed(sweep: Annotated[Path, typer.Argument(help="Sweep YAML file.")], out: OutOpt = None,
               backends: BackendsOpt = None, resume: ResumeOpt = False, force: ForceOpt = False,
               device: DeviceOpt = "auto", shard: ShardOpt = None, distributed: DistOpt = False,
-              plot: PlotOpt = True, progress: ProgressOpt = True):
+              plot: PlotOpt = True, progress: ProgressOpt = True, allow_slow: SlowOpt = False):
         _timed_command(command, sweep, out, backends, resume, force, device, shard, distributed,
-                       plot, progress)
+                       plot, progress, allow_slow)
 
     timed.__doc__ = summary
     return app.command(command, epilog=EXIT_CODES_HELP)(timed)
@@ -101,8 +116,11 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
           irregular: Annotated[bool, typer.Option("--irregular", help="Run the built-in suite of hard shapes.")] = False,
           out: OutOpt = None, backends: BackendsOpt = None, resume: ResumeOpt = False,
           force: ForceOpt = False, device: DeviceOpt = "auto", shard: ShardOpt = None,
-          distributed: DistOpt = False, progress: ProgressOpt = True):
-    """Check out, lse, dq, dk, dv and dbias against the fp64 reference (SPEC accuracy rule).
+          distributed: DistOpt = False, progress: ProgressOpt = True, allow_slow: SlowOpt = False):
+    """Check out, lse, dq, dk, dv and dbias against the fp64 reference.
+
+    A tensor passes when its max abs error is at most 2x that of an eager run in the input dtype
+    (both against fp64), plus a small floor per dtype (the rule in kernels.tolerance).
 
     Backends: the sweep's list, or only `triton` for --irregular; --backends overrides both.
     Exits 3 if any checked tensor is over its allowed error or a backend errors.
@@ -115,6 +133,7 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
     def work():
         if (sweep is None) == (not irregular):
             raise ConfigError("equiv: give a SWEEP file or --irregular (exactly one)")
+        _check_run_paths(sweep, out)
         if irregular:
             import torch
 
@@ -123,7 +142,8 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
         else:
             suite = load_sweep(sweep, BACKEND_NAMES)
         suite = with_backends(suite, _backend_names(backends))
-        opts = RunOptions("equiv", out, resume, force, device, shard, distributed, False, progress)
+        opts = RunOptions("equiv", out, resume, force, device, shard, distributed, False, progress,
+                          allow_slow)
         return execute(suite, opts, _echo)
 
     _guarded(work)
@@ -138,6 +158,8 @@ def plot(csv: Annotated[Path, typer.Argument(help="Results CSV from fwd, bwd or 
     from .results import read_rows
 
     def work():
+        paths.input_file(csv, "CSV", RESULTS_CSV)
+        paths.output_dir(out_dir or csv.parent, "--out-dir" if out_dir else "plot folder")
         rows = read_rows(csv)
         for path in plot_rows(rows, out_dir or csv.parent, csv.stem, baseline):
             _echo(f"plot: {path}")
@@ -149,14 +171,19 @@ def plot(csv: Annotated[Path, typer.Argument(help="Results CSV from fwd, bwd or 
 @app.command(epilog=EXIT_CODES_HELP)
 def compare(baseline: Annotated[Path, typer.Argument(help="Baseline results CSV.")],
             new: Annotated[Path, typer.Argument(help="New results CSV.")],
-            threshold: Annotated[float, typer.Option("--threshold", help="Median-time ratio above which a slowdown outside the p20-p80 noise fails.")] = 1.10):
-    """The regression gate: exit 1 on a slowdown beyond threshold and noise, 3 on accuracy failures."""
+            threshold: Annotated[float, typer.Option("--threshold", help="Median-time ratio above which a slowdown outside the p20-p80 noise fails.")] = 1.10,
+            allow_missing: Annotated[bool, typer.Option("--allow-missing", help="Pass even when baseline rows are missing from NEW or the files have no rows in common (exit 4 otherwise).")] = False):
+    """The regression gate: exit 1 on a slowdown beyond threshold and noise, 3 on accuracy
+    failures, 4 when NEW lacks baseline rows or shares none with it."""
     from .compare import compare_rows, format_report
     from .results import read_rows
 
     def work():
-        report = compare_rows(read_rows(baseline), read_rows(new), threshold, str(baseline), str(new))
-        for line in format_report(report):
+        paths.input_file(baseline, "BASELINE", RESULTS_CSV)
+        paths.input_file(new, "NEW", RESULTS_CSV)
+        report = compare_rows(read_rows(baseline), read_rows(new), threshold, str(baseline),
+                              str(new), allow_missing)
+        for line in format_report(report, str(baseline), str(new)):
             _echo(line)
         return report.exit_code
 
@@ -175,6 +202,11 @@ def merge(parts: Annotated[List[Path], typer.Argument(help="Shard CSVs to join."
     from .sweep import load_sweep
 
     def work():
+        for part in parts:
+            paths.input_file(part, "PARTS", RESULTS_CSV)
+        if sweep is not None:
+            paths.input_file(sweep, "--sweep", SWEEP_FILE)
+        paths.output_file(out, "--out")
         expected = None
         if sweep is not None:
             loaded = load_sweep(sweep, BACKEND_NAMES)
@@ -238,6 +270,7 @@ def fetch_peer_command(dest: Annotated[Path, typer.Option("--dest", help="Git-ig
     from .peer import fetch_peer
 
     def work():
+        paths.output_dir(dest, "--dest")
         path = fetch_peer(dest)
         _echo(f"unpacked: {path}")
         _echo(f"use it with: PYTHONPATH={path.resolve()}${{PYTHONPATH:+:$PYTHONPATH}}")
@@ -255,6 +288,12 @@ def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs of one d
     from .report import collect, headline_markdown, tables_markdown, write_reports
 
     def work():
+        for csv in csvs:
+            paths.input_file(csv, "CSVS", RESULTS_CSV)
+        if readme is not None:
+            paths.writable_file(readme, "--readme", "a README file with the headline markers")
+        if tables is not None:
+            paths.output_file(tables, "--tables", "a markdown file for the full tables")
         if print_only:
             collected = collect(list(csvs))
             _echo(headline_markdown(collected))
@@ -263,6 +302,38 @@ def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs of one d
             for line in write_reports(list(csvs), readme, tables):
                 _echo(line)
         return ExitCode.OK
+
+    _guarded(work)
+
+
+@app.command("train", epilog=EXIT_CODES_HELP)
+def train_command(
+        contexts: Annotated[Optional[str], typer.Option("--contexts", help="Comma-separated context lengths in tokens (default: 2048,8192,32768,65536, or 32,64 with --tiny; after running out of memory, longer ones are skipped).")] = None,
+        batch: Annotated[int, typer.Option("--batch", help="Sequences per step.")] = 1,
+        steps: Annotated[int, typer.Option("--steps", help="Timed optimizer steps per point.")] = 5,
+        warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first (in compiled mode the first step compiles).")] = 2,
+        implementations: Annotated[Optional[str], typer.Option("--implementations", help="Comma-separated subset of dmattn, eager, sdpa, flex (default: all).")] = None,
+        modes: Annotated[Optional[str], typer.Option("--modes", help="Comma-separated subset of eager, compiled (default: both).")] = None,
+        tiny: Annotated[bool, typer.Option("--tiny", help="A two-layer model (tests, CPU).")] = False,
+        dtype: Annotated[str, typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")] = "auto",
+        device: DeviceOpt = "auto",
+        out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/train.csv).")] = None,
+        force: ForceOpt = False,
+        plot: PlotOpt = True):
+    """Training steps of a ~100M-parameter Doge model per attention implementation and mode:
+    tokens/s and peak memory per context. Out of memory and errors are row statuses."""
+    from .train import (IMPLEMENTATIONS, MODES, TrainOptions, default_contexts, parse_contexts,
+                        parse_list, run_train)
+
+    def work():
+        names = tuple(IMPLEMENTATIONS)
+        opts = TrainOptions(
+            contexts=default_contexts(tiny) if contexts is None else parse_contexts(contexts),
+            batch=batch, steps=steps, warmup=warmup,
+            implementations=names if implementations is None else parse_list("--implementations", implementations, names),
+            modes=MODES if modes is None else parse_list("--modes", modes, MODES),
+            tiny=tiny, dtype=dtype, device=device, out=out, force=force, plot=plot)
+        return run_train(opts, _echo)
 
     _guarded(work)
 

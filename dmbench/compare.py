@@ -9,7 +9,14 @@ For each (case, backend, mode) timed in both files, with r = new p50 / baseline 
 - ``broken`` when the baseline timed it and the new run got an error or OOM.
 
 Accuracy: any new row with status ``accuracy``, or with a recorded error over its allowed error,
-or an ``equiv`` row that errored, is an accuracy failure. Exit code 3 wins over 1.
+or an ``equiv`` row that errored, is an accuracy failure.
+
+Completeness: a baseline row (any mode, any status) with no row of the same key in the new file
+is ``missing``, and two files with no key in common compared nothing. Either makes the
+comparison incomplete (exit 4) unless ``allow_missing`` is set: a gate that passes because the
+new run lost rows would pass a run that crashed halfway.
+
+Exit codes, the first that applies: 3 accuracy, 1 regression, 4 incomplete, 0 pass.
 Timings from different GPUs are not comparable; that is a usage error (exit 2).
 """
 
@@ -32,10 +39,30 @@ class Entry:
     new_ms: float | None
 
 
+MISSING_EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How the two files' row keys overlap, over every mode."""
+
+    base_rows: int
+    new_rows: int
+    in_common: int
+    missing: tuple[tuple[str, str, str], ...]  # baseline keys absent from the new file, in order
+    new_only: int
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and self.in_common > 0
+
+
 @dataclass(frozen=True)
 class Report:
     entries: tuple[Entry, ...]
     accuracy_failures: tuple[str, ...]
+    coverage: Coverage
+    allow_missing: bool = False
 
     @property
     def regressions(self) -> tuple[Entry, ...]:
@@ -47,6 +74,8 @@ class Report:
             return ExitCode.ACCURACY
         if self.regressions:
             return ExitCode.PERF_REGRESSION
+        if not self.coverage.complete and not self.allow_missing:
+            return ExitCode.INCOMPLETE
         return ExitCode.OK
 
 
@@ -96,8 +125,15 @@ def check_environments(base_rows: list[Row], new_rows: list[Row], base_label: st
                           f"{base_label} on {', '.join(sorted(base_gpus))}; compare runs from the same GPU model")
 
 
+def coverage(base: dict, new: dict) -> Coverage:
+    missing = tuple(k for k in base if k not in new)
+    return Coverage(len(base), len(new), sum(1 for k in base if k in new), missing,
+                    sum(1 for k in new if k not in base))
+
+
 def compare_rows(base_rows: list[Row], new_rows: list[Row], threshold: float,
-                 base_label: str = "baseline", new_label: str = "new") -> Report:
+                 base_label: str = "baseline", new_label: str = "new",
+                 allow_missing: bool = False) -> Report:
     if not threshold > 1.0:
         raise ConfigError(f"--threshold: expected a ratio above 1.0 (e.g. 1.10), got {threshold}")
     check_environments(base_rows, new_rows, base_label, new_label)
@@ -117,10 +153,27 @@ def compare_rows(base_rows: list[Row], new_rows: list[Row], threshold: float,
     for key, nrow in new.items():
         if key not in base and nrow.mode in TIMED:
             entries.append(Entry(key, "new", None, None, nrow.ms_p50))
-    return Report(tuple(entries), tuple(_accuracy_problems(new_rows)))
+    return Report(tuple(entries), tuple(_accuracy_problems(new_rows)), coverage(base, new),
+                  allow_missing)
 
 
-def format_report(report: Report) -> list[str]:
+def coverage_line(report: Report, base_label: str, new_label: str) -> str | None:
+    """One line saying what the new file lacks, or None when the comparison is complete."""
+    cov = report.coverage
+    if cov.complete:
+        return None
+    verdict = "accepted (--allow-missing)" if report.allow_missing else \
+        f"exit {int(ExitCode.INCOMPLETE)}; pass --allow-missing to accept"
+    if cov.in_common == 0:
+        return (f"INCOMPLETE no rows in common: {base_label} has {cov.base_rows}, {new_label} has "
+                f"{cov.new_rows}; {verdict}")
+    examples = ", ".join(" ".join(k) for k in cov.missing[:MISSING_EXAMPLES])
+    more = f", ... {len(cov.missing) - MISSING_EXAMPLES} more" if len(cov.missing) > MISSING_EXAMPLES else ""
+    return (f"INCOMPLETE {len(cov.missing)} of {cov.base_rows} {base_label} rows missing from "
+            f"{new_label} (e.g. {examples}{more}); {verdict}")
+
+
+def format_report(report: Report, base_label: str = "baseline", new_label: str = "new") -> list[str]:
     lines = []
     counts = {}
     for e in report.entries:
@@ -136,4 +189,7 @@ def format_report(report: Report) -> list[str]:
     summary = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
     lines.append(f"compared: {summary or 'nothing in common'}; "
                  f"{len(report.accuracy_failures)} accuracy failure(s)")
+    incomplete = coverage_line(report, base_label, new_label)
+    if incomplete:
+        lines.append(incomplete)
     return lines

@@ -14,12 +14,16 @@ class ExitCode(IntEnum):
     PERF_REGRESSION = 1
     USAGE = 2
     ACCURACY = 3
+    INCOMPLETE = 4
 
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 pass; 1 performance regression (compare); 2 usage or config error "
-    "(bad flag, bad sweep file, unreadable CSV); 3 accuracy failure (a checked tensor over its "
-    "allowed error, a backend error during equiv, or a device fault that stopped a run)."
+    "(bad flag, bad sweep file, unreadable CSV, a path missing or of the wrong kind, an existing "
+    "--out without --resume or --force, a CPU run estimated over 5 minutes without --allow-slow); 3 accuracy failure (a checked tensor over its "
+    "allowed error, a backend error during equiv, or a device fault that stopped a run); "
+    "4 incomplete comparison (compare: baseline rows missing from the new CSV, or no rows in "
+    "common; --allow-missing accepts it). When several apply, compare exits 3, then 1, then 4."
 )
 
 

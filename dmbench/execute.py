@@ -1,5 +1,9 @@
 """One ``fwd``/``bwd``/``equiv`` run from options to a finished CSV: device, output file, resume,
-sharding or torchrun, the progress bar, the summary and the exit code.
+sharding or torchrun, the CPU guard, the progress bar, the summary and the exit code.
+
+The CPU guard: on the CPU every Triton kernel runs under the interpreter, thousands of times
+slower than on a GPU. Before running, the cost model (``dmbench.cost``) estimates the points to
+run; above ``cost.CPU_LIMIT_S`` the run is refused (exit 2) unless ``allow_slow`` is set.
 
 The CLI parses flags and calls :func:`execute`; the measuring itself is in :mod:`dmbench.runner`.
 """
@@ -10,16 +14,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from . import cost
 from . import distributed as dist
-from . import flops
+from . import outfile, paths
 from .backends import make_backends
-from .device import CPU_NOTE, select_device
+from .device import CPU_NOTE, DeviceFault, select_device
 from .envinfo import REPO_ROOT, collect, gpu_slug
 from .errors import ConfigError, ExitCode
 from .results import Row, RowWriter, accuracy_failures, read_rows, rewrite
 from .progress import make_progress
 from .runner import SweepRunner, Unit, plan_units
-from .sweep import Sweep
+from .sweep import Sweep, sweep_digest
 
 MODES = {"fwd": ("fwd",), "bwd": ("bwd", "fwd+bwd"), "equiv": ("equiv",)}
 MAX_LISTED_PROBLEMS = 25
@@ -36,25 +41,33 @@ class RunOptions:
     distributed: bool = False
     plot: bool = True
     progress: bool = True
+    allow_slow: bool = False
+
+
+RESULTS_DIR = REPO_ROOT / "results"
 
 
 def default_out(sweep: Sweep, command: str, gpu: str, share: dist.Share | None) -> Path:
     shard = f".shard{share.index}of{share.count}" if share else ""
-    return REPO_ROOT / "results" / gpu_slug(gpu) / f"{sweep.name}-{command}{shard}.csv"
+    return RESULTS_DIR / gpu_slug(gpu) / f"{sweep.name}-{command}{shard}.csv"
 
 
-def _existing(path: Path, resume: bool, force: bool) -> list[Row]:
-    """Rows already in ``path`` when resuming; refuse to overwrite finished work otherwise."""
-    if not path.exists():
+def _previous_rows(target: outfile.Target) -> list[Row]:
+    """Rows already in the file when resuming it (none otherwise)."""
+    if not target.resume:
         return []
-    if not resume:
-        if force:
-            return []
-        raise ConfigError(f"{path}: results file exists; pass --resume to finish it or --force "
-                          "to start over")
-    rows = read_rows(path, tolerate_partial_last_line=True)
-    rewrite(path, rows)  # drops a line a killed process left half-written
-    return rows
+    return read_rows(target.path, tolerate_partial_last_line=True)
+
+
+def cpu_guard(sweep: Sweep, estimate_s: float, points: int, allow_slow: bool) -> None:
+    """Refuse a CPU run the cost model puts above the limit, unless ``allow_slow``."""
+    if estimate_s <= cost.CPU_LIMIT_S or allow_slow:
+        return
+    raise ConfigError(
+        f"{sweep.path}: {points} points estimated at {cost.format_seconds(estimate_s)} on the CPU "
+        f"(Triton interpreter; limit {cost.format_seconds(cost.CPU_LIMIT_S)}), and CPU timings are "
+        "not performance numbers: run sweeps/smoke.yaml on the CPU, or pass --allow-slow to run "
+        "this anyway")
 
 
 def _in_plan_order(rows: list[Row], plan: list[Unit]) -> list[Row]:
@@ -102,46 +115,72 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
         dist.parse_shard(opts.shard) if opts.shard else None)
     device = select_device(opts.device, info.local_rank if info else None)
     is_main = info is None or info.rank == 0
-    if device.type == "cpu" and is_main:
-        echo(CPU_NOTE)
     env = collect(device)
+    digest = sweep_digest(sweep)
     modes = MODES[opts.command]
-    out = opts.out or default_out(sweep, opts.command, env.gpu, None if info else share)
     all_cases = sweep.cases + tuple(s.case for s in sweep.skipped)
     cases = all_cases
     if share:
         cases = tuple(dist.assign(all_cases, share.count, modes, len(sweep.backends))[share.index])
-    write_path = dist.part_path(out, info.rank) if info else out
-    previous = _existing(write_path, opts.resume, opts.force)
-    final_previous = (read_rows(out, tolerate_partial_last_line=True)
-                      if info and is_main and opts.resume and out.exists() else [])
+    if opts.out is not None:
+        target = outfile.explicit(dist.part_path(opts.out, info.rank) if info else opts.out,
+                                  opts.resume, opts.force)
+        out = opts.out
+    else:
+        out = default_out(sweep, opts.command, env.gpu, None if info else share)
+        paths.output_file(out, "default output")
+        target = (outfile.explicit(dist.part_path(out, info.rank), opts.resume, opts.force) if info
+                  else outfile.default(out, opts.resume, opts.force, outfile.Provenance.of(digest, env)))
+        out = out if info else target.path
     if info and is_main and out.exists() and not (opts.resume or opts.force):
         raise ConfigError(f"{out}: results file exists; pass --resume to finish it or --force to start over")
+    write_path = target.path
+    previous = _previous_rows(target)
+    final_previous = (read_rows(out, tolerate_partial_last_line=True)
+                      if info and is_main and opts.resume and out.exists() else [])
     done = {r.key for r in previous + final_previous}
 
     backends = make_backends()
     units = plan_units(sweep, cases, modes, backends, device)
     todo = [u for u in units if u.key not in done]
-    total_cost = sum(flops.estimated_cost(u.case, (u.mode,), 1) for u in todo)
+    check = sweep.check or opts.command == "equiv"
+    estimates = cost.estimate_points(todo, backends, sweep.timing, check, device.type)
+    total_s = sum(estimates.values())
+    if device.type == "cpu":
+        cpu_guard(sweep, total_s, len(todo), opts.allow_slow)
+        if is_main:
+            echo(CPU_NOTE)
+    if target.note and is_main:
+        echo(target.note)
     where = f" (rank {info.rank}/{info.world_size}, {len(cases)} cases)" if info else (
         f" (shard {share.label}, {len(cases)} cases)" if share else "")
     if is_main or info is None:
-        echo(f"{sweep.name} {opts.command}: {len(todo)} points to run, {len(units) - len(todo)} "
-             f"already done{where} -> {out}")
+        if todo:
+            echo(f"{sweep.name} {opts.command}: {len(todo)} points to run, {len(units) - len(todo)} "
+                 f"already done{where}, estimated {cost.format_seconds(total_s)} -> {out}")
+        else:
+            echo(f"{sweep.name} {opts.command}: nothing to run, all {len(units)} points already "
+                 f"done{where} -> {out}")
+    if previous:
+        rewrite(write_path, previous)  # drops a line a killed process left half-written
     if info:
         dist.init_group(info)
     written: list[Row] = []
     label = sweep.name if info is None else f"{sweep.name} rank {info.rank}"
     show = opts.progress and is_main
     with RowWriter(write_path, append=bool(previous)) as writer, \
-            make_progress(total_cost, len(todo), label, show) as bar:
-        def report(row: Row, cost: float) -> None:
+            make_progress(total_s, len(todo), label, show) as bar:
+        def report(row: Row, unit: Unit) -> None:
             writer.write(row)
             written.append(row)
-            bar.advance(cost, _row_message(row), important=row.status not in ("ok", "skipped"))
+            bar.advance(estimates[unit.key], _row_message(row),
+                        important=row.status not in ("ok", "skipped"))
 
-        SweepRunner(sweep, backends, device, env, sweep.check or opts.command == "equiv",
-                    report).run(todo)
+        try:
+            SweepRunner(sweep, backends, device, env, check, report, digest).run(todo)
+        except DeviceFault as fault:
+            fault.out = write_path  # the restart resumes this file, numbered or not
+            raise
     rows = previous + written
     if info:
         gathered = dist.gather_to_rank0([r.__dict__ for r in rows], info)

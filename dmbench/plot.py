@@ -1,56 +1,138 @@
 """Speedup and TFLOP/s charts, drawn from a results CSV and nothing else.
 
-For every swept axis (a case parameter with more than one value in the file) and every timed
-mode, two PNGs are written: speedup over a baseline backend, and dense-equivalent TFLOP/s. The
-other varying parameters split the data into panels, one line per backend in each panel. A file
-with a single case is drawn against the case itself.
+For every swept axis (a case parameter along which some points differ in that parameter alone)
+and every timed mode, two PNGs are written: speedup over a baseline backend, and
+dense-equivalent TFLOP/s. Points are joined by a line only when every other case parameter is
+equal. The other parameters that vary split the points into panels (up to ``MAX_PANELS`` per
+figure) and, past that, into separate series whose legend names the values that differ. When no
+axis has two such points, the cases themselves are the x axis and nothing is joined.
+
+Each backend keeps one colour and marker in every chart (``backend_style``), whatever order the
+rows come in. Titles name the sweep (the CSV's ``sweep`` column, else the file name without its
+``-fwd``/``-bwd``/``-equiv`` suffix); files are named ``<sweep>-<mode>-<axis>-<metric>.png``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import textwrap
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
 from .results import Row
 
 AXES = ("window", "seqlen_k", "head_dim", "heads", "batch", "mask", "bias", "causal", "dtype")
+# Every case parameter, as plotted: points on one line agree on all of these but the axis.
+PARAMS = ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "window", "causal", "dtype",
+          "mask", "bias", "seed")
 TIMED = ("fwd", "bwd", "fwd+bwd")
+COMMAND_SUFFIXES = ("-fwd", "-bwd", "-equiv")
 BASELINE_FALLBACKS = ("fdma", "sdpa", "reference")
 MAX_PANELS = 12
 
+# One colour and marker per backend, in every chart.
+BACKEND_STYLE = {
+    "triton": ("tab:blue", "o"),
+    "sdpa": ("tab:orange", "s"),
+    "sdpa-dense": ("tab:gray", "^"),
+    "flex": ("tab:green", "D"),
+    "fdma": ("tab:red", "v"),
+    "reference": ("tab:brown", "x"),
+}
+# For a backend not listed above: chosen by a hash of its name, so still stable across charts.
+SPARE_STYLES = (("tab:purple", "P"), ("tab:pink", "*"), ("tab:olive", "h"), ("tab:cyan", "<"))
+LINE_STYLES = ("-", "--", ":", "-.")
 
-def _axis_value(row: Row, axis: str):
-    if axis == "heads":
+
+def backend_style(name: str) -> tuple[str, str]:
+    """(matplotlib colour, marker) of a backend: fixed by its name."""
+    if name in BACKEND_STYLE:
+        return BACKEND_STYLE[name]
+    return SPARE_STYLES[zlib.crc32(name.encode()) % len(SPARE_STYLES)]
+
+
+def param_value(row: Row, name: str):
+    if name == "heads":
         return f"{row.heads_q}/{row.heads_kv}"
-    if axis == "seqlen":
-        return f"{row.seqlen_q}/{row.seqlen_k}"
-    if axis == "q_shape":
+    if name == "q_shape":
         return "Lq=Lk" if row.seqlen_q == row.seqlen_k else f"Lq={row.seqlen_q}"
-    if axis == "mask":
+    if name == "mask":
         return row.mask if row.mask_shape == "BxHkxLqxLk" else f"{row.mask}[{row.mask_shape}]"
-    if axis == "case":
+    if name == "case":
         return row.case_id
-    return getattr(row, axis)
+    return getattr(row, name)
 
 
-def _group_axes(axis: str, varying: list[str]) -> list[str]:
-    others = [a for a in varying if a != axis]
-    # seqlen_q follows seqlen_k in most sweeps; as a panel key it would give one point per panel.
-    return others + (["q_shape"] if axis == "seqlen_k" else ["seqlen"] if "seqlen_k" in varying else [])
+def context_params(axis: str) -> tuple[str, ...]:
+    """The parameters that must be equal for two points to share a line along ``axis``.
+
+    Along ``seqlen_k`` the query length usually follows the key length, so what must match is
+    how they relate (``q_shape``: Lq=Lk, or a fixed Lq) rather than Lq itself.
+    """
+    if axis == "case":
+        return ()
+    names = [p for p in PARAMS if p != axis]
+    if axis == "seqlen_k":
+        names[names.index("seqlen_q")] = "q_shape"
+    return tuple(names)
 
 
-def _varying(rows: list[Row]) -> list[str]:
-    return [a for a in AXES if len({_axis_value(r, a) for r in rows}) > 1]
+@dataclass(frozen=True)
+class Series:
+    """Points of one backend that differ only along the axis."""
+
+    backend: str
+    panel: tuple[tuple[str, object], ...]  # (parameter, value) shared by the whole panel
+    context: tuple[tuple[str, object], ...]  # further (parameter, value) naming this series
+    points: tuple[tuple[object, float], ...]  # (x, y) sorted by x
+
+    @property
+    def label(self) -> str:
+        return ", ".join([self.backend] + [f"{p}={v}" for p, v in self.context])
 
 
-def _has_line(rows: list[Row], axis: str, groups: list[str]) -> bool:
-    points: dict[tuple, set] = {}
+def _sort_key(value):
+    return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, str(value))
+
+
+def _split_params(rows: list[Row], names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Varying parameters as (panel parameters, series parameters): panels while they fit in
+    ``MAX_PANELS``, series for the rest."""
+    varying = [n for n in names if len({param_value(r, n) for r in rows}) > 1]
+    panel: list[str] = []
+    for name in varying:
+        if len({tuple(param_value(r, p) for p in panel + [name]) for r in rows}) <= MAX_PANELS:
+            panel.append(name)
+    return panel, [n for n in varying if n not in panel]
+
+
+def group_series(rows: list[Row], axis: str, values: dict[int, float]) -> list[Series]:
+    """Series along ``axis`` for ``rows``; ``values`` maps ``id(row)`` to its y value (rows
+    without one are left out, as are rows with no value on the axis)."""
+    rows = [r for r in rows if id(r) in values and param_value(r, axis) is not None]
+    panel_params, series_params = _split_params(rows, context_params(axis))
+    grouped: dict[tuple, list] = {}
     for r in rows:
-        key = (r.backend, r.mode) + tuple(_axis_value(r, g) for g in groups)
-        points.setdefault(key, set()).add(_axis_value(r, axis))
-    return any(len(xs) > 1 for xs in points.values())
+        panel = tuple((p, param_value(r, p)) for p in panel_params)
+        context = tuple((p, param_value(r, p)) for p in series_params)
+        grouped.setdefault((r.backend, panel, context), []).append((param_value(r, axis), values[id(r)]))
+    return [Series(backend, panel, context, tuple(sorted(pts, key=lambda p: _sort_key(p[0]))))
+            for (backend, panel, context), pts in grouped.items()]
+
+
+def has_line(rows: list[Row], axis: str) -> bool:
+    """Whether some backend has two points that differ only along ``axis``."""
+    seen: dict[tuple, set] = {}
+    names = context_params(axis)
+    for r in rows:
+        if param_value(r, axis) is None:
+            continue
+        key = (r.backend, r.mode) + tuple(param_value(r, p) for p in names)
+        seen.setdefault(key, set()).add(param_value(r, axis))
+    return any(len(xs) > 1 for xs in seen.values())
 
 
 def choose_baseline(rows: list[Row], requested: str | None) -> str | None:
@@ -63,28 +145,48 @@ def choose_baseline(rows: list[Row], requested: str | None) -> str | None:
     return next((b for b in BASELINE_FALLBACKS if b in present), None)
 
 
-def _sort_key(value):
-    return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, str(value))
+def sweep_title(rows: list[Row], stem: str) -> str:
+    """The sweep's name: the CSV's ``sweep`` column, else the file stem less its command suffix
+    (and a run number such as ``.2``)."""
+    names = sorted({r.sweep for r in rows if r.sweep})
+    if names:
+        return "+".join(names)
+    base = re.sub(r"\.\d+$", "", stem)
+    for suffix in COMMAND_SUFFIXES:
+        if base.endswith(suffix):
+            return base[: -len(suffix)]
+    return base
 
 
-def _draw(path: Path, title: str, axis: str, panels: dict, ylabel: str, log_y: bool) -> None:
+def _file_prefix(rows: list[Row], stem: str) -> str:
+    """The sweep's name plus the run number of a numbered results file (``smoke-fwd.2``)."""
+    number = re.search(r"\.\d+$", stem)
+    return sweep_title(rows, stem) + (number.group(0) if number else "")
+
+
+def draw(series: list[Series], axis: str, ylabel: str, log_y: bool, title: str):
+    """A matplotlib figure with one panel per distinct ``Series.panel``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    names = sorted(panels, key=str)[:MAX_PANELS]
-    cols = min(3, len(names))
-    rows_n = math.ceil(len(names) / cols)
+    panels = sorted({s.panel for s in series}, key=str)
+    cols = min(3, len(panels))
+    rows_n = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(5.2 * cols, 3.8 * rows_n), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        series = panels[name]
-        xs_all = sorted({x for pts in series.values() for x, _ in pts}, key=_sort_key)
+    contexts = sorted({s.context for s in series}, key=str)
+    for ax, panel in zip(axes.flat, panels):
+        members = sorted((s for s in series if s.panel == panel), key=lambda s: (s.backend, str(s.context)))
+        xs_all = sorted({x for s in members for x, _ in s.points}, key=_sort_key)
         numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs_all)
         position = {x: (x if numeric else i) for i, x in enumerate(xs_all)}
-        for backend in sorted(series):
-            pts = sorted(series[backend], key=lambda p: _sort_key(p[0]))
-            ax.plot([position[x] for x, _ in pts], [y for _, y in pts], marker="o", label=backend)
+        for s in members:
+            colour, marker = backend_style(s.backend)
+            style = LINE_STYLES[contexts.index(s.context) % len(LINE_STYLES)]
+            ax.plot([position[x] for x, _ in s.points], [y for _, y in s.points],
+                    color=colour, marker=marker, linestyle=style if axis != "case" else "none",
+                    label=s.label)
         if numeric and len(xs_all) > 1 and xs_all[-1] / max(xs_all[0], 1e-9) >= 8:
             ax.set_xscale("log", base=2)
         if not numeric:
@@ -92,52 +194,52 @@ def _draw(path: Path, title: str, axis: str, panels: dict, ylabel: str, log_y: b
             ax.set_xticklabels([str(x) for x in xs_all], rotation=30, ha="right", fontsize=7)
         if log_y:
             ax.set_yscale("log")
-        ax.set_title(textwrap.fill(str(name), 60), fontsize=7)
+        name = ", ".join(f"{p}={v}" for p, v in panel) or "all"
+        ax.set_title(textwrap.fill(name, 60), fontsize=7)
         ax.set_xlabel(axis)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(names):]:
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None) -> list[Path]:
+    """Write the charts for ``rows`` (read from a CSV named ``stem``) into ``out_dir``."""
     timed = [r for r in rows if r.mode in TIMED and r.status in ("ok", "accuracy") and r.ms_p50]
     if not timed:
         raise ConfigError(f"{stem}: no timed rows with status ok to plot")
     baseline = choose_baseline(timed, baseline)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # An axis is worth a chart when some panel has a line of at least two points along it.
-    varying = _varying(timed)
-    varying = [a for a in varying if _has_line(timed, a, _group_axes(a, varying))] or ["case"]
-    gpu = timed[0].gpu
+    axes = [a for a in AXES if has_line(timed, a)] or ["case"]
+    sweep, prefix, gpu = sweep_title(timed, stem), _file_prefix(timed, stem), timed[0].gpu
     written = []
     for mode in [m for m in TIMED if any(r.mode == m for r in timed)]:
         mode_rows = [r for r in timed if r.mode == mode]
-        for axis in varying:
-            groups = _group_axes(axis, varying)
-            base_ms = {r.case_id: r.ms_p50 for r in mode_rows if r.backend == baseline}
-            speed, rate = {}, {}
-            for r in mode_rows:
-                panel = ", ".join(f"{g}={_axis_value(r, g)}" for g in groups) or "all"
-                x = _axis_value(r, axis)
-                if r.tflops_dense is not None:
-                    rate.setdefault(panel, {}).setdefault(r.backend, []).append((x, r.tflops_dense))
-                if r.case_id in base_ms:
-                    speed.setdefault(panel, {}).setdefault(r.backend, []).append((x, base_ms[r.case_id] / r.ms_p50))
-            tag = f"{stem}-{mode.replace('+', '_')}-{axis}"
-            title = f"{stem} {mode} on {gpu}"
-            if speed:
-                path = out_dir / f"{tag}-speedup.png"
-                _draw(path, f"{title}: speedup over {baseline} (p50)", axis, speed,
-                      f"speedup vs {baseline}", log_y=True)
-                written.append(path)
-            if rate:
-                path = out_dir / f"{tag}-tflops.png"
-                _draw(path, f"{title}: dense-equivalent TFLOP/s (p50)", axis, rate, "TFLOP/s", log_y=False)
+        base_ms = {r.case_id: r.ms_p50 for r in mode_rows if r.backend == baseline}
+        speedup = {id(r): base_ms[r.case_id] / r.ms_p50 for r in mode_rows if r.case_id in base_ms}
+        rate = {id(r): r.tflops_dense for r in mode_rows if r.tflops_dense is not None}
+        title = f"{sweep} {mode} on {gpu}"
+        for axis in axes:
+            tag = f"{prefix}-{mode.replace('+', '_')}-{axis}"
+            charts = ((speedup, "speedup", f"{title}: speedup over {baseline} (p50)",
+                       f"speedup vs {baseline}", True),
+                      (rate, "tflops", f"{title}: dense-equivalent TFLOP/s (p50)", "TFLOP/s", False))
+            for values, metric, chart_title, ylabel, log_y in charts:
+                series = group_series(mode_rows, axis, values)
+                if not series:
+                    continue
+                path = out_dir / f"{tag}-{metric}.png"
+                _save(draw(series, axis, ylabel, log_y, chart_title), path)
                 written.append(path)
     return written

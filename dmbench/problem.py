@@ -1,6 +1,6 @@
 """Inputs for one case, generated on the target device from the case's seed.
 
-Mask kinds (SPEC §3), all (B, Hk, Lq, Lk) bool, True = keep:
+Mask kinds, all (B, Hk, Lq, Lk) bool, True = keep:
 
 - ``topk``: for each batch, KV head and query row, keep the ``window`` visible keys with the
   largest ranking score. With a bias the score is the bias (a ``q_full`` bias is reduced to its
@@ -12,7 +12,7 @@ Mask kinds (SPEC §3), all (B, Hk, Lq, Lk) bool, True = keep:
   each batch, KV head and 128-row query block, ``ceil(window / 128)`` key blocks among those the
   block's rows can see, the same count for every query block. Without causality the active
   fraction is exactly ``min(1, ceil(window / 128) * 128 / Lk)`` for Lk a multiple of 128, which
-  is what the proportionality target (SPEC §5) is measured against. ``window >= Lk`` is a
+  is what the block-sparse proportionality target (docs/TARGETS.md) is measured against. ``window >= Lk`` is a
   full-tile ("dense") mask that is still read as a mask.
 - ``sliding``: the ``window`` most recent visible keys: keys ``(last - window, last]`` where
   ``last`` is the last key the row may see (``i + Lk - Lq`` when causal, else ``Lk - 1``).

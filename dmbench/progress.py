@@ -1,7 +1,12 @@
-"""A progress bar with ETA, weighted by estimated cost so one huge point does not fool the ETA.
+"""A progress bar whose ETA comes from the cost model (``dmbench.cost``).
 
-Uses rich when it is installed (typer normally brings it); otherwise prints a plain line per
-finished point, which is also what non-terminal output gets.
+Before the first point finishes the ETA is the model's estimate of the whole run; after that it
+is the estimate of the points still to run, rescaled by how fast the finished points went
+against their own estimates. One huge point therefore does not fool it, and it never shows a
+zero ETA for a run that has not started.
+
+Uses rich when it is installed (typer normally brings it) and the output is a terminal;
+otherwise prints a plain line per finished point.
 """
 
 from __future__ import annotations
@@ -9,18 +14,40 @@ from __future__ import annotations
 import sys
 import time
 
+from .cost import format_seconds
+
+
+class Eta:
+    """Remaining seconds from estimated costs (seconds) and measured progress."""
+
+    def __init__(self, total_estimate_s: float, clock=time.perf_counter):
+        self.total = total_estimate_s
+        self.done = 0.0
+        self.clock = clock
+        self.start = clock()
+
+    def advance(self, estimate_s: float) -> None:
+        self.done += estimate_s
+
+    def seconds(self) -> float:
+        remaining = max(self.total - self.done, 0.0)
+        if self.done <= 0.0:
+            return remaining
+        return remaining * (self.clock() - self.start) / self.done
+
+    def text(self) -> str:
+        return f"eta {format_seconds(self.seconds())}"
+
 
 class _Plain:
-    def __init__(self, total_cost: float, points: int, label: str):
-        self.total, self.points, self.label = total_cost, points, label
-        self.done_cost, self.done, self.start = 0.0, 0, time.perf_counter()
+    def __init__(self, total_estimate_s: float, points: int, label: str):
+        self.eta = Eta(total_estimate_s)
+        self.points, self.label, self.done = points, label, 0
 
-    def advance(self, cost: float, message: str, important: bool = False) -> None:
+    def advance(self, estimate_s: float, message: str, important: bool = False) -> None:
         self.done += 1
-        self.done_cost += cost
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed * (self.total - self.done_cost) / self.done_cost if self.done_cost else 0.0
-        print(f"[{self.label} {self.done}/{self.points} eta {eta:.0f}s] {message}", flush=True)
+        self.eta.advance(estimate_s)
+        print(f"[{self.label} {self.done}/{self.points} {self.eta.text()}] {message}", flush=True)
 
     def log(self, message: str) -> None:
         print(message, flush=True)
@@ -33,20 +60,22 @@ class _Plain:
 
 
 class _Rich:
-    def __init__(self, total_cost: float, points: int, label: str):
-        from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+    def __init__(self, total_estimate_s: float, points: int, label: str):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.points = points
-        self.done = 0
+        self.eta = Eta(total_estimate_s)
+        self.points, self.done = points, 0
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
                             TextColumn("{task.fields[count]}"), TimeElapsedColumn(),
-                            TextColumn("eta"), TimeRemainingColumn(), transient=False)
-        self.task = self.bar.add_task(label, total=max(total_cost, 1e-9), count=f"0/{points}")
+                            TextColumn("{task.fields[eta]}"), transient=False)
+        self.task = self.bar.add_task(label, total=max(total_estimate_s, 1e-9),
+                                      count=f"0/{points}", eta=self.eta.text())
 
-    def advance(self, cost: float, message: str, important: bool = False) -> None:
+    def advance(self, estimate_s: float, message: str, important: bool = False) -> None:
         self.done += 1
-        self.bar.update(self.task, advance=cost, count=f"{self.done}/{self.points}")
+        self.eta.advance(estimate_s)
+        self.bar.update(self.task, advance=estimate_s, count=f"{self.done}/{self.points}",
+                        eta=self.eta.text())
         if important:
             self.log(message)
 
@@ -62,16 +91,18 @@ class _Rich:
 
 
 class _Silent(_Plain):
-    def advance(self, cost: float, message: str, important: bool = False) -> None:
-        pass
+    def advance(self, estimate_s: float, message: str, important: bool = False) -> None:
+        self.eta.advance(estimate_s)
 
 
-def make_progress(total_cost: float, points: int, label: str, enabled: bool = True):
+def make_progress(total_estimate_s: float, points: int, label: str, enabled: bool = True):
+    """``total_estimate_s``: the cost model's seconds for every point to run; each ``advance``
+    passes the finished point's own estimate."""
     if not enabled:
-        return _Silent(total_cost, points, label)
+        return _Silent(total_estimate_s, points, label)
     if sys.stdout.isatty():
         try:
-            return _Rich(total_cost, points, label)
+            return _Rich(total_estimate_s, points, label)
         except ImportError:
             pass
-    return _Plain(total_cost, points, label)
+    return _Plain(total_estimate_s, points, label)

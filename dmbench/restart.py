@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from .errors import ExitCode
@@ -20,9 +21,13 @@ RESTARTS_ENV = "DMBENCH_FAULT_RESTARTS"
 MAX_RESTARTS = 20
 
 
-def resume_argv(argv: list[str]) -> list[str]:
-    """The same command line, resuming its CSV instead of overwriting it."""
+def resume_argv(argv: list[str], out: Path | None = None) -> list[str]:
+    """The same command line, resuming its CSV instead of overwriting it. ``out`` is the file
+    the run was writing; it is named explicitly when the command line did not name one (a
+    default output may have been a numbered file)."""
     args = [a for a in argv if a != "--force"]
+    if out is not None and not any(a == "--out" or a.startswith("--out=") for a in args):
+        args = [*args, "--out", str(out)]
     return args if "--resume" in args else [*args, "--resume"]
 
 
@@ -41,5 +46,6 @@ def restart_after_fault(fault: Exception, warn: Callable[[str], None]) -> ExitCo
     os.environ[RESTARTS_ENV] = str(done + 1)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "dmbench", *resume_argv(argv)])
+    os.execv(sys.executable, [sys.executable, "-m", "dmbench",
+                              *resume_argv(argv, getattr(fault, "out", None))])
     return ExitCode.ACCURACY  # only reached when a test replaces os.execv

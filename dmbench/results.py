@@ -3,7 +3,9 @@
 One ``Row`` per (case, backend, mode); its field order is the CSV column order. Rows are appended
 and flushed one at a time, so a killed run loses nothing it finished. Reading goes through
 ``read_rows``, which checks the header, so ``compare``, ``plot`` and ``merge`` reject a file that
-is not a dmbench CSV with a one-line error.
+is not a dmbench CSV with a one-line error. A file re-saved by pandas reads back too: integral
+floats (``32.0``) are read as ints, and a leading unnamed index column is dropped. A file written
+before a column in ``ADDED_COLUMNS`` existed reads with that column empty.
 
 Statuses: ``ok``; ``accuracy`` (a checked tensor over its allowed error); ``error`` (the backend
 raised; ``detail`` says what); ``oom``; ``skipped`` (the backend cannot run this case or is not
@@ -81,6 +83,7 @@ class Row:
     git_dirty: bool = False
     host: str = ""
     timestamp: str = ""
+    sweep_hash: str = ""  # dmbench.sweep.sweep_digest of the sweep the row was run from
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -93,15 +96,19 @@ CASE_COLUMNS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_di
                 "causal", "dtype", "mask", "mask_shape", "bias", "seed")
 ENV_COLUMNS = ("gpu", "driver", "torch", "triton", "git_sha", "git_dirty")
 ACCURACY_TENSORS = ("out", "lse", "dq", "dk", "dv", "dbias")
+# Columns appended after files were already being written; older files lack them.
+ADDED_COLUMNS = ("sweep_hash",)
 _TYPES = {f.name: f.type for f in fields(Row)}
 
 
-def new_row(sweep: str, case: Case, backend: str, mode: str, status: str, env, detail: str = "") -> Row:
+def new_row(sweep: str, case: Case, backend: str, mode: str, status: str, env, detail: str = "",
+            sweep_hash: str = "") -> Row:
     case_values = {name: getattr(case, name) for name in CASE_COLUMNS}
     return Row(sweep=sweep, case_id=case.case_id, backend=backend, mode=mode, status=status,
                detail=detail, gpu=env.gpu, driver=env.driver, torch=env.torch, triton=env.triton,
                git_sha=env.git_sha, git_dirty=env.git_dirty, host=env.host,
-               timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **case_values)
+               timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               sweep_hash=sweep_hash, **case_values)
 
 
 def _format(value) -> str:
@@ -118,7 +125,7 @@ def _parse(name: str, text: str, where: str):
         return None if "None" in kind else text
     try:
         if kind.startswith("int"):
-            return int(text)
+            return _integer(text)
         if kind.startswith("float"):
             return float(text)
         if kind == "bool":
@@ -128,6 +135,30 @@ def _parse(name: str, text: str, where: str):
     except ValueError:
         raise ConfigError(f"{where}: column {name}: expected {kind.split(' ')[0]}, got {text!r}") from None
     return text
+
+
+def _integer(text: str) -> int:
+    """'32' or an integral float such as '32.0' (pandas writes an int column holding blanks as
+    floats); '32.5' is rejected."""
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)
+        if not value.is_integer():
+            raise
+        return int(value)
+
+
+def _header_columns(path: Path, header: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+    """(the columns the file holds, whether its first column is a pandas index to drop)."""
+    index = len(header) > 0 and header[0] in ("", "Unnamed: 0") and header[1:2] == COLUMNS[:1]
+    named = header[1:] if index else header
+    legacy = tuple(c for c in COLUMNS if c not in ADDED_COLUMNS)
+    if named in (COLUMNS, legacy):
+        return named, index
+    missing = [c for c in legacy if c not in named]
+    detail = f"missing column {missing[0]!r}" if missing else "columns in a different order"
+    raise ConfigError(f"{path}: not a dmbench results CSV of this version ({detail})")
 
 
 class RowWriter:
@@ -165,7 +196,8 @@ def read_rows(path: str | Path, tolerate_partial_last_line: bool = False) -> lis
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: results file not found")
+        what = "is a directory" if path.is_dir() else "not found"
+        raise ConfigError(f"{path}: {what}; expected a dmbench results CSV file")
     try:
         with open(path, newline="") as f:
             lines = list(csv.reader(f))
@@ -173,19 +205,16 @@ def read_rows(path: str | Path, tolerate_partial_last_line: bool = False) -> lis
         raise ConfigError(f"{path}: cannot read as CSV: {exc}") from None
     if not lines:
         raise ConfigError(f"{path}: empty file, expected a dmbench results CSV")
-    header = tuple(lines[0])
-    if header != COLUMNS:
-        missing = [c for c in COLUMNS if c not in header]
-        detail = f"missing column {missing[0]!r}" if missing else "columns in a different order"
-        raise ConfigError(f"{path}: not a dmbench results CSV of this version ({detail})")
+    columns, index = _header_columns(path, tuple(lines[0]))
+    width = len(columns) + index
     rows = []
     for number, values in enumerate(lines[1:], start=2):
-        if len(values) != len(COLUMNS):
+        if len(values) != width:
             if tolerate_partial_last_line and number == len(lines):
                 break
-            raise ConfigError(f"{path}: line {number}: expected {len(COLUMNS)} fields, got {len(values)}")
+            raise ConfigError(f"{path}: line {number}: expected {width} fields, got {len(values)}")
         where = f"{path}: line {number}"
-        rows.append(Row(**{c: _parse(c, v, where) for c, v in zip(COLUMNS, values)}))
+        rows.append(Row(**{c: _parse(c, v, where) for c, v in zip(columns, values[index:])}))
     return rows
 
 

@@ -115,10 +115,11 @@ class SweepRunner:
     """Runs planned units case by case and hands each finished row to ``emit``."""
 
     def __init__(self, sweep: Sweep, backends: dict[str, Backend], device: torch.device, env,
-                 check: bool, report: Callable[[Row, float], None]):
-        """``report(row, cost)`` receives each finished row and its unit's estimated cost."""
+                 check: bool, report: Callable[[Row, Unit], None], sweep_hash: str = ""):
+        """``report(row, unit)`` receives each finished row and the point it came from;
+        ``sweep_hash`` (``sweep.sweep_digest``) is recorded in every row."""
         self.sweep, self.backends, self.device, self.env = sweep, backends, device, env
-        self.check, self.report = check, report
+        self.check, self.report, self.sweep_hash = check, report, sweep_hash
 
     def run(self, units: list[Unit]) -> None:
         by_case: dict[Case, list[Unit]] = {}
@@ -128,10 +129,11 @@ class SweepRunner:
             self._run_case(case, case_units)
 
     def _row(self, unit: Unit, status: str, detail: str = "") -> Row:
-        return new_row(self.sweep.name, unit.case, unit.backend, unit.mode, status, self.env, detail)
+        return new_row(self.sweep.name, unit.case, unit.backend, unit.mode, status, self.env, detail,
+                       self.sweep_hash)
 
     def _finish(self, unit: Unit, row: Row) -> None:
-        self.report(row, flops.estimated_cost(unit.case, (unit.mode,), 1))
+        self.report(row, unit)
 
     def _run_case(self, case: Case, units: list[Unit]) -> None:
         runnable = [u for u in units if u.skip is None]

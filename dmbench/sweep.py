@@ -24,6 +24,7 @@ Every problem is reported as a ``ConfigError`` with one line naming the file and
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -173,44 +174,53 @@ def _shape_tokens(where: _Where, key: str, value: Any) -> str:
     return value
 
 
-def _parse_case(where: _Where, key: str, raw: dict[str, Any]) -> Case:
+def _parse_case(where: _Where, key: str, raw: dict[str, Any], defaults: dict[str, Any]) -> Case:
+    """``raw`` is the case's own keys (a grid point or a listed case); ``defaults`` fills the
+    rest. A bad value is reported where it is written: ``defaults.<name>`` or ``<key>.<name>``."""
+
+    own = raw
+
+    def at(name: str) -> str:
+        return f"{key}.{name}" if name in own or name not in defaults else f"defaults.{name}"
+
     unknown = sorted(set(raw) - set(CASE_KEYS))
     if unknown:
         raise where.error(f"{key}.{unknown[0]}", f"unknown key; expected one of {', '.join(CASE_KEYS)}")
+    raw = {**defaults, **raw}
     missing = [k for k in REQUIRED_CASE_KEYS if k not in raw]
     if missing:
         raise where.error(f"{key}.{missing[0]}", "missing (set it in the case, the grid or defaults)")
-    heads_q, heads_kv = _pair(where, f"{key}.heads", raw["heads"], ("q", "kv"))
-    seqlen_q, seqlen_k = _pair(where, f"{key}.seqlen", raw["seqlen"], ("q", "k"))
-    head_dim = _positive_int(where, f"{key}.head_dim", raw["head_dim"])
+    heads_q, heads_kv = _pair(where, at("heads"), raw["heads"], ("q", "kv"))
+    seqlen_q, seqlen_k = _pair(where, at("seqlen"), raw["seqlen"], ("q", "k"))
+    head_dim = _positive_int(where, at("head_dim"), raw["head_dim"])
     if head_dim > MAX_HEAD_DIM:
-        raise where.error(f"{key}.head_dim", f"expected at most {MAX_HEAD_DIM}, got {head_dim}")
+        raise where.error(at("head_dim"), f"expected at most {MAX_HEAD_DIM}, got {head_dim}")
     window = raw.get("window")
     if window is not None:
-        window = _positive_int(where, f"{key}.window", window)
+        window = _positive_int(where, at("window"), window)
     causal = raw.get("causal", False)
     if not isinstance(causal, bool):
-        raise where.error(f"{key}.causal", f"expected true or false, got {causal!r}")
+        raise where.error(at("causal"), f"expected true or false, got {causal!r}")
     dtype = raw.get("dtype", "bf16")
     if dtype not in DTYPES:
-        raise where.error(f"{key}.dtype", f"expected one of bf16, fp16, fp32, got {dtype!r}")
+        raise where.error(at("dtype"), f"expected one of bf16, fp16, fp32, got {dtype!r}")
     mask = raw.get("mask", "none")
     if mask not in MASK_KINDS:
-        raise where.error(f"{key}.mask", f"expected one of {', '.join(MASK_KINDS)}, got {mask!r}")
-    mask_shape = _shape_tokens(where, f"{key}.mask_shape", raw.get("mask_shape", FULL_MASK_SHAPE))
+        raise where.error(at("mask"), f"expected one of {', '.join(MASK_KINDS)}, got {mask!r}")
+    mask_shape = _shape_tokens(where, at("mask_shape"), raw.get("mask_shape", FULL_MASK_SHAPE))
     bias = raw.get("bias", "none")
     if bias not in BIAS_KINDS:
         try:
-            _shape_tokens(where, f"{key}.bias", bias)
+            _shape_tokens(where, at("bias"), bias)
         except ConfigError:
-            raise where.error(f"{key}.bias", f"expected one of {', '.join(BIAS_KINDS)} or a shape "
+            raise where.error(at("bias"), f"expected one of {', '.join(BIAS_KINDS)} or a shape "
                               f"like '1xHqxLqx1', got {bias!r}") from None
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise where.error(f"{key}.seed", f"expected a non-negative integer, got {seed!r}")
+        raise where.error(at("seed"), f"expected a non-negative integer, got {seed!r}")
     if mask not in WINDOW_MASKS:
         window = None  # the window only means something for window masks
-    batch = _positive_int(where, f"{key}.batch", raw["batch"])
+    batch = _positive_int(where, at("batch"), raw["batch"])
     return Case(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, window, causal,
                 DTYPES[dtype], mask, mask_shape, bias, seed)
 
@@ -310,7 +320,7 @@ def sweep_from_mapping(raw: Any, path: str, known_backends: tuple[str, ...]) -> 
     for gi, grid in enumerate(grids):
         key = "grid" if len(grids) == 1 and not isinstance(raw.get("grid"), list) else f"grid[{gi}]"
         for point in _grid_points(where, key, grid):
-            case = _parse_case(where, key, {**defaults, **point})
+            case = _parse_case(where, key, point, defaults)
             problem = case_problem(case)
             if problem:
                 skipped.append(SkippedCase(case, problem))
@@ -323,7 +333,7 @@ def sweep_from_mapping(raw: Any, path: str, known_backends: tuple[str, ...]) -> 
         key = f"cases[{ci}]"
         if not isinstance(entry, dict):
             raise where.error(key, f"expected a mapping of case keys, got {entry!r}")
-        case = _parse_case(where, key, {**defaults, **entry})
+        case = _parse_case(where, key, entry, defaults)
         problem = case_problem(case)
         if problem:
             # An explicit case that cannot run is a mistake in the file, not a grid corner.
@@ -343,11 +353,21 @@ def sweep_from_mapping(raw: Any, path: str, known_backends: tuple[str, ...]) -> 
                  tuple(unique), tuple(dict.fromkeys(skipped)))
 
 
+def sweep_digest(sweep: Sweep) -> str:
+    """A short fingerprint of what a sweep runs: its name, backends, timing, check flag and
+    cases (skipped ones with their reasons). The file's path, comments and layout do not count,
+    so the same sweep reached another way has the same digest."""
+    content = repr((sweep.name, sweep.backends, sweep.timing, sweep.check, sweep.cases,
+                    sweep.skipped))
+    return hashlib.sha256(content.encode()).hexdigest()[:12]
+
+
 def load_sweep(path: str | Path, known_backends: tuple[str, ...]) -> Sweep:
     """Read and validate a sweep file. Raises ConfigError with a one-line message."""
+    from .paths import input_file
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: sweep file not found")
+    input_file(path, "", "a sweep YAML file")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

@@ -326,43 +326,52 @@ def seq_base(ptr, strides, b, h):
 
 
 @triton.jit
-def block_spans(lists_ptr, list_strides, head_div, b, h, block, start, split, num_splits,
-                seqlen_q, seqlen_k, LOOP_ROWS: tl.constexpr, STEP_ROWS: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, EDGE_SLOTS: tl.constexpr,
-                TRANSPOSED: tl.constexpr):
+def dense_spans(start, seqlen_q, seqlen_k, LOOP_ROWS: tl.constexpr, STEP_ROWS: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``(lead_lo, inner_lo, inner_hi, tail_hi)``: the block spans, as block indices, of a
+    program that holds a block of ``LOOP_ROWS`` query rows from ``start`` (TRANSPOSED:
+    ``LOOP_ROWS`` keys) and walks ``STEP_ROWS``-sized blocks of the other axis, before any mask:
+
+    * lead [lead_lo, inner_lo): blocks on the causal diagonal before the interior (TRANSPOSED
+      only: query blocks that straddle it);
+    * inner [inner_lo, inner_hi): blocks inside both lengths with no causal test;
+    * tail [inner_hi, tail_hi): the rest, tested per pair (the diagonal and a partial last key
+      block, or TRANSPOSED a partial last query block).
+    """
+    if TRANSPOSED:
+        lead_lo, inner_lo, tail_hi = causal_query_split(start, STEP_ROWS, LOOP_ROWS, seqlen_q,
+                                                        seqlen_k, IS_CAUSAL)
+        inner_hi = tl.maximum(seqlen_q // STEP_ROWS, inner_lo)
+    else:
+        inner_hi, tail_hi = causal_block_split(start, LOOP_ROWS, STEP_ROWS, seqlen_q, seqlen_k,
+                                               IS_CAUSAL)
+        inner_hi = tl.minimum(inner_hi, seqlen_k // STEP_ROWS)
+        lead_lo = 0
+        inner_lo = 0
+    return lead_lo, inner_lo, inner_hi, tail_hi
+
+
+@triton.jit
+def block_spans(dense, lists_ptr, list_strides, head_div, b, h, block, split, num_splits,
+                HAS_MASK: tl.constexpr, EDGE_SLOTS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The spans of blocks that a program walks: the one block walker of every kernel.
 
-    The program holds block ``block`` (``LOOP_ROWS`` query rows from ``start``; TRANSPOSED,
-    ``LOOP_ROWS`` keys) and walks ``STEP_ROWS``-sized blocks of the other axis. Returns
+    ``dense`` are the spans without a mask (``dense_spans``). Returns
     ``(list, full_lo, full_hi, lead_lo, inner_lo, inner_hi, tail_hi)``, the spans
     full [full_lo, full_hi), lead [lead_lo, inner_lo), inner [inner_lo, inner_hi) and
-    tail [inner_hi, tail_hi), which ``span`` turns into loop arguments:
-
-    * with a mask they are positions in ``list``, this row's active-tile list (``_blocks``):
-      full tiles need no mask read and no per-pair test; the partial ones follow;
-    * without a mask, block indices (full is empty);
-    * lead: blocks on the causal diagonal before the interior (TRANSPOSED only); inner: blocks
-      inside both lengths with no causal test (only a mask decides); tail: the rest, tested per
-      pair (the diagonal and a partial last key block, or TRANSPOSED a partial last query
-      block).
+    tail [inner_hi, tail_hi), which ``span`` turns into loop arguments. With a mask they are
+    positions in ``list``, the active-tile list of row ``block`` of (batch b, head h) (see
+    ``_blocks``): full tiles need no mask read and no per-pair test, and the partial ones are
+    cut where the dense spans' interior begins and ends. Without a mask they are the dense
+    spans (full is empty).
 
     Not TRANSPOSED, split-K cuts the positions into ``num_splits`` contiguous shares; the spans
     cover share ``split``.
     """
-    if TRANSPOSED:
-        lead_lo, inner_lo, num_blocks = causal_query_split(start, STEP_ROWS, LOOP_ROWS,
-                                                           seqlen_q, seqlen_k, IS_CAUSAL)
-        inner_hi = tl.maximum(seqlen_q // STEP_ROWS, inner_lo)
-    else:
-        inner_hi, num_blocks = causal_block_split(start, LOOP_ROWS, STEP_ROWS, seqlen_q,
-                                                  seqlen_k, IS_CAUSAL)
-        inner_hi = tl.minimum(inner_hi, seqlen_k // STEP_ROWS)
-        lead_lo = 0
-        inner_lo = 0
+    lead_lo, inner_lo, inner_hi, tail_hi = dense
     span_list = lists_ptr
     full_lo = 0
     full_hi = 0
-    tail_hi = num_blocks
     if HAS_MASK:
         span_list, tail_hi, full_hi = block_list_row(
             lists_ptr, list_strides.stride_b, list_strides.stride_h, list_strides.stride_row,
@@ -370,8 +379,11 @@ def block_spans(lists_ptr, list_strides, head_div, b, h, block, start, split, nu
         lo, hi = interior_span(span_list + full_hi, tail_hi - full_hi, inner_lo, inner_hi,
                                EDGE_SLOTS)
         lead_lo = full_hi
-        inner_lo = lo + full_hi
         inner_hi = hi + full_hi
+        if TRANSPOSED:
+            inner_lo = lo + full_hi
+        else:  # the interior starts at key block 0: no list entry lies before it
+            inner_lo = full_hi
     if not TRANSPOSED:
         share_lo, tail_hi = split_share(tail_hi, split, num_splits)
         full_lo = share_lo

@@ -10,8 +10,8 @@ import triton.language as tl
 
 from ._partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
                         sum_partials)
-from ._score import (block_at, block_spans, clamp_index, grid_position, head_base, load_bias,
-                     mma, probs_from_lse, scores_log2, seq_base, span, tile_offsets,
+from ._score import (block_at, block_spans, clamp_index, dense_spans, grid_position, head_base,
+                     load_bias, mma, probs_from_lse, scores_log2, seq_base, span, tile_offsets,
                      visible_keys, write_tile)
 
 
@@ -176,6 +176,9 @@ def attn_bwd_dkdv_program(
         bias_cols = tl.zeros([1, 1], dtype=tl.int32)
     else:
         bias_cols = offs_m0[None, :]
+    # The query blocks' spans before the mask: the same for every head of the group.
+    dense = dense_spans(start_n, seqlen_q, seqlen_k, LOOP_ROWS=BLOCK_N, STEP_ROWS=BLOCK_M,
+                        IS_CAUSAL=IS_CAUSAL, TRANSPOSED=True)
     # One-row bias gradient: summed over queries here, and over the group's query heads too
     # when they share a gradient row (DBIAS_SUM_GROUP), so that no reduction follows.
     dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -191,8 +194,6 @@ def attn_bwd_dkdv_program(
         mask_keys = clamp_index(offs_n, seqlen_k)
     else:
         mask_keys = offs_n
-    steps = (strides.q.stride_l, strides.do.stride_l, strides.out.stride_l,
-             layouts.mask.stride_m, layouts.bias.stride_m, layouts.dbias.stride_m)
     heads_per_share = group_size // num_shares
     for g in range(share * heads_per_share, (share + 1) * heads_per_share):
         h = hk * group_size + g
@@ -213,13 +214,14 @@ def attn_bwd_dkdv_program(
             + tile_offsets(offs_n[:, None], offs_m0[None, :], layouts.dbias.stride_n,
                            layouts.dbias.stride_m)
         tiles = (q_ptrs, do_ptrs, o_ptrs, mask_ptrs, bias_ptrs, dbias_ptrs)
+        steps = (strides.q.stride_l, strides.do.stride_l, strides.out.stride_l,
+                 layouts.mask.stride_m, layouts.bias.stride_m, layouts.dbias.stride_m)
         lse_row = ptrs.lse + bh.to(tl.int64) * seqlen_q
         delta_row = ptrs.delta + bh.to(tl.int64) * seqlen_q
         if not DBIAS_SUM_GROUP:
             dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
         span_list, full_lo, full_hi, lead_lo, inner_lo, inner_hi, tail_hi = block_spans(
-            ptrs.kv_lists, layouts.kv_lists, layouts.mask.head_div, b, h, n_block, start_n, 0,
-            1, seqlen_q, seqlen_k, LOOP_ROWS=BLOCK_N, STEP_ROWS=BLOCK_M, IS_CAUSAL=IS_CAUSAL,
+            dense, ptrs.kv_lists, layouts.kv_lists, layouts.mask.head_div, b, h, n_block, 0, 1,
             HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=True)
         if HAS_MASK:
             # Full tiles: every pair visible, so no mask read and no per-pair test.

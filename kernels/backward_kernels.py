@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ._partials import merge_shares, store_gradient_rows
-from ._score import (block_at, block_spans, clamp_index, grid_position, head_base, mma,
+from ._score import (block_at, block_spans, clamp_index, dense_spans, grid_position, head_base, mma,
                      probs_from_lse, query_tile_scores, seq_base, span, tile_offsets,
                      write_tile)
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
@@ -170,10 +170,11 @@ def _attn_bwd_dq_program(
              layouts.bias.stride_n, layouts.dbias.stride_n)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dense = dense_spans(start_m, seqlen_q, seqlen_k, LOOP_ROWS=BLOCK_M, STEP_ROWS=BLOCK_N,
+                        IS_CAUSAL=IS_CAUSAL, TRANSPOSED=False)
     span_list, full_lo, full_hi, _, inner_lo, inner_hi, tail_hi = block_spans(
-        ptrs.q_lists, layouts.q_lists, layouts.mask.head_div, b, h, m_block, start_m, split,
-        num_splits, seqlen_q, seqlen_k, LOOP_ROWS=BLOCK_M, STEP_ROWS=BLOCK_N,
-        IS_CAUSAL=IS_CAUSAL, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
+        dense, ptrs.q_lists, layouts.q_lists, layouts.mask.head_div, b, h, m_block, split,
+        num_splits, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
     if HAS_MASK:
         # Full tiles: every pair visible, so no mask read and no per-pair test.
         blocks, first, count = span(span_list, full_lo, full_hi, HAS_MASK)

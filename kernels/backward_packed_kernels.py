@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from ._partials import merge_shares
-from ._score import (block_spans, clamp_index, head_base, load_bias, mma, probs_from_lse,
-                     row_offsets, scores_log2, seq_base, tile_offsets, visible_keys)
+from ._score import (block_spans, clamp_index, dense_spans, head_base, load_bias, mma,
+                     probs_from_lse, row_offsets, scores_log2, seq_base, tile_offsets,
+                     visible_keys)
 
 
 @triton.jit
@@ -124,10 +125,11 @@ def attn_bwd_packed_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The walk is this program's share of the key blocks, dense: every key is tested per pair
     # (the tile's rows are several queries and heads, so no block is interior to all of them).
-    _, _, _, _, lo, _, hi = block_spans(
-        ptrs.mask, layouts.kv_lists, 1, b, first_head, 0, 0, split, num_splits, seqlen_q,
-        seqlen_k, LOOP_ROWS=BLOCK_M, STEP_ROWS=BLOCK_N, IS_CAUSAL=False, HAS_MASK=False,
-        EDGE_SLOTS=1, TRANSPOSED=False)
+    dense = dense_spans(0, seqlen_q, seqlen_k, LOOP_ROWS=BLOCK_M, STEP_ROWS=BLOCK_N,
+                        IS_CAUSAL=False, TRANSPOSED=False)
+    _, _, _, _, lo, _, hi = block_spans(dense, ptrs.mask, layouts.kv_lists, 1, b, first_head,
+                                        0, split, num_splits, HAS_MASK=False, EDGE_SLOTS=1,
+                                        TRANSPOSED=False)
     for block in range(lo, hi):
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0

@@ -12,8 +12,9 @@ import triton.language as tl
 
 from ._partials import last_share_arrived, split_rows, store_partial
 from ._scratch import Scratch
-from ._score import (LN2, block_at, block_spans, clamp_index, grid_position, head_base, mma,
-                     operand_base, query_tile_scores, row_offsets, span, tile_offsets)
+from ._score import (LN2, block_at, block_spans, clamp_index, dense_spans, grid_position,
+                     head_base, mma, operand_base, query_tile_scores, row_offsets, span,
+                     tile_offsets)
 
 
 @triton.jit
@@ -126,10 +127,11 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # When packed, the host guarantees that the tile's heads share one mask head.
+    dense = dense_spans(start_m, seqlen_q, seqlen_k, LOOP_ROWS=QUERY_ROWS, STEP_ROWS=BLOCK_N,
+                        IS_CAUSAL=IS_CAUSAL, TRANSPOSED=False)
     span_list, full_lo, full_hi, _, inner_lo, inner_hi, tail_hi = block_spans(
-        ptrs.lists, list_strides, mask_layout.head_div, b, first_head, m_block, start_m,
-        split, num_splits, seqlen_q, seqlen_k, LOOP_ROWS=QUERY_ROWS, STEP_ROWS=BLOCK_N,
-        IS_CAUSAL=IS_CAUSAL, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
+        dense, ptrs.lists, list_strides, mask_layout.head_div, b, first_head, m_block, split,
+        num_splits, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
     tiles = (k_ptrs, v_ptrs, mask_ptrs, bias_ptrs)
     steps = (k_strides.stride_l, v_strides.stride_l, mask_layout.stride_n, bias_layout.stride_n)
     if HAS_MASK:

@@ -1,4 +1,4 @@
-"""Mask and bias generation (SPEC §3 mask kinds) and the active-pair count behind active TFLOP/s."""
+"""Mask and bias generation (the sweep mask kinds) and the active-pair count behind active TFLOP/s."""
 
 from __future__ import annotations
 

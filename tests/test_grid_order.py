@@ -58,15 +58,15 @@ def test_grid_chunk_rows_keeps_rows_in_order_without_uneven_work():
     (48, 64, 4), (44, 64, 4), (64, 16, 8), (1, 1, 1), (8, 4096, 1), (6, 4096, 2),
 ])
 def test_grid_chunk_rows_fills_the_gpu_in_whole_groups(rows, blocks, group):
-    import kernels._launch as launch
+    from kernels import tuning
 
     sms = 132
     size = grid_chunk_rows(rows, blocks, group, True, sms)
     assert 1 <= size <= rows
     assert size == rows or size % group == 0  # a GQA group's heads stay in one chunk
     # Enough programs per chunk to fill the GPU several times, unless the grid is smaller.
-    assert size == rows or size * blocks >= launch.CHUNK_PROGRAMS_PER_SM * sms
+    assert size == rows or size * blocks >= tuning.CHUNK_PROGRAMS_PER_SM * sms
     assert rows % size == 0  # chunks of equal size: no narrow last chunk
     # ... and the smallest such: no fewer whole groups divide the rows and fill the GPU.
     assert not [s for s in range(group, size, group)
-                if rows % s == 0 and s * blocks >= launch.CHUNK_PROGRAMS_PER_SM * sms]
+                if rows % s == 0 and s * blocks >= tuning.CHUNK_PROGRAMS_PER_SM * sms]

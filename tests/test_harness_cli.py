@@ -86,7 +86,7 @@ def test_resume_runs_nothing_new(smoke_csv, tmp_path):
     before = read_rows(out)
     result = _fwd(out, "--resume")
     assert result.exit_code == ExitCode.OK, result.output
-    assert f"0 points to run, {len(before)} already done" in result.output
+    assert f"nothing to run, all {len(before)} points already done" in result.output
     after = read_rows(out)
     assert [(r.key, r.timestamp, r.ms_p50) for r in after] == [(r.key, r.timestamp, r.ms_p50) for r in before]
 

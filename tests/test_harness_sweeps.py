@@ -205,6 +205,32 @@ def test_bad_dtype_says_what_was_expected(tmp_path):
         load_sweep(path, BACKEND_NAMES)
 
 
+DEFAULTS = "defaults: {batch: 1, heads: 2, seqlen: 8, head_dim: 16}"
+
+
+@pytest.mark.parametrize("text, key", [
+    ("defaults: {batch: 1, heads: 2, seqlen: 8, head_dim: 300}\ngrid: {dtype: [bf16, fp16]}", "defaults.head_dim"),
+    ("defaults: {batch: 1, heads: 2, seqlen: 8, head_dim: 300}\ncases: [{dtype: bf16}]", "defaults.head_dim"),
+    ("defaults: {batch: 1, heads: 2, seqlen: '8/x', head_dim: 16}\ncases: [{dtype: bf16}]", "defaults.seqlen"),
+    ("defaults: {batch: 1, heads: {q: 4, kv: 0}, seqlen: 8, head_dim: 16}\ngrid: {dtype: bf16}", "defaults.heads.kv"),
+    (f"{DEFAULTS[:-1]}, causal: maybe}}\ngrid: {{seed: [1, 2]}}", "defaults.causal"),
+    (f"{DEFAULTS[:-1]}, dtype: fp8}}\ncases: [{{seed: 1}}]", "defaults.dtype"),
+    (f"{DEFAULTS[:-1]}, mask: diagonal}}\ncases: [{{seed: 1}}]", "defaults.mask"),
+    (f"{DEFAULTS[:-1]}, bias: huge}}\ncases: [{{seed: 1}}]", "defaults.bias"),
+    (f"{DEFAULTS[:-1]}, seed: -1}}\ncases: [{{dtype: bf16}}]", "defaults.seed"),
+    (f"{DEFAULTS[:-1]}, mask: topk, window: 0}}\ncases: [{{seed: 1}}]", "defaults.window"),
+    (f"{DEFAULTS}\ngrid: {{head_dim: [16, 300]}}", "grid.head_dim"),
+    (f"{DEFAULTS}\ncases: [{{seed: 1}}, {{dtype: fp8}}]", "cases[1].dtype"),
+])
+def test_bad_values_name_the_section_they_are_in(tmp_path, text, key):
+    path = _write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {key}: "), message
+    assert "\n" not in message
+
+
 def test_head_dim_limit(tmp_path):
     path = _write(tmp_path, "cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 300}]\n")
     with pytest.raises(ConfigError, match=r"head_dim: expected at most 256, got 300"):
@@ -219,6 +245,11 @@ def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_sweep(path, BACKEND_NAMES)
     assert str(path) in str(info.value) and "not found" in str(info.value)
+
+
+def test_a_directory_is_not_a_sweep(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory; expected a sweep YAML file"):
+        load_sweep(tmp_path, BACKEND_NAMES)
 
 
 def test_bad_yaml(tmp_path):

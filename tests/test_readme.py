@@ -21,7 +21,7 @@ DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md")),
 # Files that were never part of this repository; citing them leaves a reader with nothing.
 FOREIGN = ("SPEC", "METHOD.md", "KINDS.md", "HOPPER.md", "DEVELOPERS")
 SETUP_COMMANDS = (
-    'pip install torch==2.13.0 && pip install -e ".[test]" && dmbench fwd sweeps/smoke.yaml',
+    'pip install torch==2.13.0 && pip install -e ".[test,hf]" && dmbench fwd sweeps/smoke.yaml',
     "TRITON_INTERPRET=1 python -m pytest -q",
 )
 

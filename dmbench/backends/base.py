@@ -42,6 +42,7 @@ class Backend:
     has_grad = True
     has_lse = False
     exact = True  # computes the case's full math (mask and bias), so it can be checked
+    interpreted = False  # a Triton kernel: on the CPU it runs under Triton's interpreter
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None when usable on ``device``; otherwise a one-line reason."""

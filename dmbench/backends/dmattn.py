@@ -26,6 +26,7 @@ class TritonBackend(Backend):
     description = ("ours: kernels.dmattn_func (Triton; the interpreter on CPU), the mask prepared "
                    "once by kernels.prepare_mask (build_ms, like flex's block mask)")
     has_lse = True
+    interpreted = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return import_error("kernels")

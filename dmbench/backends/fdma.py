@@ -76,6 +76,7 @@ def load_peer_function():
 class FdmaBackend(Backend):
     name = "fdma"
     description = "flash-dmattn 1.2.2 triton_dmattn_func (peer; MHA layout, dense mask and bias)"
+    interpreted = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda":

@@ -1,0 +1,526 @@
+"""``dmbench train``: training throughput of a Doge model per attention implementation.
+
+One row per (context, implementation, mode). Each point builds the model afresh from the same
+seed, draws one batch of random tokens and times optimizer steps: forward, next-token loss,
+backward, AdamW step. The model is a ``DogeConfig`` of about 100M parameters (``--tiny``: a
+two-layer one for tests); its keep window is 2048 keys, so contexts above that take Doge's
+top-W dynamic mask.
+
+Implementations: ``dmattn`` (``kernels.integrations.transformers``) and transformers' own
+``eager``, ``sdpa`` and ``flex`` (``flex_attention``) attention of the same model. Only eager
+computes what dmattn computes: transformers 5.17's Doge under sdpa is not causal (its float
+mask turns off sdpa's causal flag), and under flex it adds the bias of head 0 to every head
+and picks the top-W keys among all keys, future ones included. Those rows say so in
+``detail``; they are timed as transformers runs them.
+
+Modes: ``eager`` (plain PyTorch) and ``compiled`` (``torch.compile`` of the model). A compiled
+point that fails is an ``error`` row whose detail starts with the stage ("compile: ...").
+
+Statuses: ``ok``; ``oom`` (out of memory; the run goes on, and the same implementation and
+mode are ``skipped`` at longer contexts); ``error`` (detail says what raised); ``skipped``
+(detail says why). None of them changes the exit code.
+
+Plots, drawn from the CSV: tokens/s, tokens/s over eager attention, and (on a GPU) peak
+memory, against context.
+
+On CPU (Triton under its interpreter) only ``--tiny`` runs, within ``CPU_MAX_WORK`` a point,
+and neither compiled mode nor flex runs (both compile with inductor: minutes).
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .device import CPU_NOTE, select_device
+from .envinfo import REPO_ROOT, Environment, collect, gpu_slug
+from .errors import ConfigError, ExitCode
+
+IMPLEMENTATIONS = {"dmattn": "dmattn", "eager": "eager", "sdpa": "sdpa", "flex": "flex_attention"}
+MODES = ("eager", "compiled")
+DIFFERS_FROM_EAGER = {
+    "sdpa": "transformers' Doge sdpa path is not causal",
+    "flex": "transformers' Doge flex path: head 0's bias for every head, top-W over all keys",
+}
+DEFAULT_CONTEXTS = (2048, 8192, 32768, 65536)
+TINY_CONTEXTS = (32, 64)  # at and above the tiny model's keep window
+# Under the interpreter a tiny-model step at context 1024 took 125 s (2 cores): attention
+# dominates, so a CPU point may do at most this much batch * (warmup + steps) * context**2.
+CPU_MAX_WORK = 2**19
+SEED = 0
+LEARNING_RATE = 1e-4
+COMPILE_BACKEND = "inductor"  # torch.compile's default; tests use dynamo's "eager" backend
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads_q: int
+    heads_kv: int
+    intermediate: int
+    keep_window: int
+
+
+FULL = ModelSize("doge-100m", vocab=32768, hidden=768, layers=12, heads_q=12, heads_kv=4,
+                 intermediate=2048, keep_window=2048)
+TINY = ModelSize("doge-tiny", vocab=256, hidden=64, layers=2, heads_q=4, heads_kv=2,
+                 intermediate=128, keep_window=32)
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    batch: int = 1
+    steps: int = 5
+    warmup: int = 2
+    implementations: tuple[str, ...] = tuple(IMPLEMENTATIONS)
+    modes: tuple[str, ...] = MODES
+    tiny: bool = False
+    dtype: str = "auto"
+    device: str = "auto"
+    out: Path | None = None
+    force: bool = False
+    plot: bool = True
+
+
+@dataclass
+class TrainRow:
+    model: str
+    params: int | None
+    context: int
+    batch: int
+    keep_window: int
+    dtype: str
+    implementation: str
+    mode: str
+    status: str
+    detail: str = ""
+    warmup: int = 0
+    steps: int = 0
+    ms_p20: float | None = None
+    ms_p50: float | None = None
+    ms_p80: float | None = None
+    tokens_per_s: float | None = None
+    peak_mib: float | None = None
+    first_loss: float | None = None
+    last_loss: float | None = None
+    gpu: str = ""
+    driver: str = ""
+    torch: str = ""
+    triton: str = ""
+    git_sha: str = ""
+    git_dirty: bool = False
+    host: str = ""
+    timestamp: str = ""
+
+
+TRAIN_COLUMNS = tuple(f.name for f in fields(TrainRow))
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# -- options ----------------------------------------------------------------------------------
+
+def parse_list(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in allowed]
+    if not names or unknown:
+        raise ConfigError(f"{flag}: expected a comma-separated subset of {', '.join(allowed)}, "
+                          f"got {text!r}")
+    return names
+
+
+def default_contexts(tiny: bool) -> tuple[int, ...]:
+    return TINY_CONTEXTS if tiny else DEFAULT_CONTEXTS
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    try:
+        contexts = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        contexts = ()
+    if not contexts or min(contexts) < 2:
+        raise ConfigError(f"--contexts: expected comma-separated token counts of at least 2, "
+                          f"got {text!r}")
+    return contexts
+
+
+def check_options(opts: TrainOptions, device: torch.device) -> None:
+    for flag, value, least in (("--batch", opts.batch, 1), ("--steps", opts.steps, 1),
+                               ("--warmup", opts.warmup, 0)):
+        if value < least:
+            raise ConfigError(f"{flag}: expected an integer of at least {least}, got {value}")
+    if opts.dtype != "auto" and opts.dtype not in _DTYPES:
+        raise ConfigError(f"--dtype: expected auto, {', '.join(_DTYPES)}, got {opts.dtype!r}")
+    if device.type != "cpu":
+        return
+    if not opts.tiny:
+        raise ConfigError("train: on CPU only --tiny runs (the ~100M model would take hours per "
+                          "step under the Triton interpreter); pass --tiny or use a GPU")
+    work = opts.batch * (opts.warmup + opts.steps) * max(opts.contexts) ** 2
+    if work > CPU_MAX_WORK:
+        raise ConfigError(f"--contexts/--batch/--steps/--warmup: on CPU a point may do at most "
+                          f"batch x (warmup + steps) x context^2 = {CPU_MAX_WORK}, got {work}: "
+                          f"the interpreter would take more than a minute or two")
+
+
+def model_dtype(opts: TrainOptions, device: torch.device) -> torch.dtype:
+    if opts.dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[opts.dtype]
+
+
+# -- one point --------------------------------------------------------------------------------
+
+def doge_config(size: ModelSize, context: int, implementation: str):
+    from transformers import DogeConfig
+
+    return DogeConfig(vocab_size=size.vocab, hidden_size=size.hidden,
+                      num_hidden_layers=size.layers, num_attention_heads=size.heads_q,
+                      num_key_value_heads=size.heads_kv, intermediate_size=size.intermediate,
+                      keep_window_size=size.keep_window, max_position_embeddings=context,
+                      tie_word_embeddings=True, attn_implementation=implementation)
+
+
+def build_model(size: ModelSize, context: int, implementation: str, dtype: torch.dtype,
+                device: torch.device) -> torch.nn.Module:
+    """The same weights for every implementation. Doge starts A at zero, which makes every
+    key's bias equal; a seeded normal A makes the top-W choice depend on the data, as in a
+    trained model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED)
+    config = doge_config(size, context, IMPLEMENTATIONS[implementation])
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "A", None), torch.nn.Parameter):
+                module.A.normal_()
+    return model.to(device=device, dtype=dtype).train()
+
+
+class _StepTimer:
+    """Wall time of each step: CUDA events on a GPU, the host clock (after the step) on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.samples_ms: list[float] = []
+        self._events: list = []
+
+    def time(self, step: Callable[[], float]) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step()
+            end.record()
+            self._events.append((start, end))
+            return loss
+        began = time.perf_counter()
+        loss = step()
+        self.samples_ms.append((time.perf_counter() - began) * 1e3)
+        return loss
+
+    def finish(self) -> list[float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.samples_ms = [s.elapsed_time(e) for s, e in self._events]
+        return self.samples_ms
+
+
+def _quantile(data: list[float], q: float) -> float:
+    data = sorted(data)
+    pos = q * (len(data) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def _graph_breaks():
+    # Imported here, not at the top: torch._dynamo imports triton, which must not happen
+    # before select_device has set TRITON_INTERPRET for a CPU run.
+    from torch._dynamo.utils import counters
+
+    return counters["graph_break"]
+
+
+def _out_of_memory(exc: BaseException | None) -> bool:
+    """An OOM, also when a compiler or the Triton launcher re-raised it as another type."""
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _ok_detail(implementation: str, mode: str) -> str:
+    notes = [DIFFERS_FROM_EAGER.get(implementation, "")]
+    if mode == "compiled":
+        notes.append(f"graph breaks: {sum(_graph_breaks().values())}")
+    return "; ".join(n for n in notes if n)
+
+
+def run_point(size: ModelSize, context: int, implementation: str, mode: str, opts: TrainOptions,
+              dtype: torch.dtype, device: torch.device) -> dict:
+    """Measured fields of one row, or its status and detail when it did not finish. The peak
+    is all memory allocated during the point: weights, optimizer state and activations."""
+    stage = "build"
+    model = optimizer = forward = tokens = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        model = build_model(size, context, implementation, dtype, device)
+        measured = {"params": sum(p.numel() for p in model.parameters())}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        if mode == "compiled":
+            torch._dynamo.reset()
+            _graph_breaks().clear()
+        forward = torch.compile(model, backend=COMPILE_BACKEND) if mode == "compiled" else model
+        generator = torch.Generator().manual_seed(SEED)
+        tokens = torch.randint(0, size.vocab, (opts.batch, context), generator=generator).to(device)
+        calls = 0
+
+        def step() -> torch.Tensor:
+            nonlocal stage, calls
+            stage = "compile" if mode == "compiled" and calls == 0 else "step"
+            calls += 1
+            loss = forward(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        losses = [step() for _ in range(opts.warmup)]
+        timer = _StepTimer(device)
+        losses += [timer.time(step) for _ in range(opts.steps)]
+        samples = timer.finish()
+        p50 = _quantile(samples, 0.5)
+        measured.update(ms_p20=_quantile(samples, 0.2), ms_p50=p50, ms_p80=_quantile(samples, 0.8),
+                        tokens_per_s=opts.batch * context / (p50 / 1e3),
+                        first_loss=float(losses[0]), last_loss=float(losses[-1]),
+                        status="ok", detail=_ok_detail(implementation, mode))
+        if device.type == "cuda":
+            measured["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        return measured
+    except Exception as exc:  # a failing point is a row; the run goes on
+        if _out_of_memory(exc):
+            return {"status": "oom", "detail": f"{stage}: out of memory"}
+        lines = str(exc).strip().splitlines()
+        message = f"{stage}: {type(exc).__name__}: {lines[0] if lines else ''}"
+        return {"status": "error", "detail": message[:300]}
+    finally:
+        del model, optimizer, forward, tokens
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def default_out(gpu: str) -> Path:
+    return REPO_ROOT / "results" / gpu_slug(gpu) / "train.csv"
+
+
+def _skip_reason(implementation: str, mode: str, device: torch.device,
+                 oom_at: dict[tuple[str, str], int]) -> str | None:
+    if device.type == "cpu" and mode == "compiled":
+        return "compiled mode is not run on CPU (inductor builds take minutes)"
+    if device.type == "cpu" and implementation == "flex":
+        return "flex is not run on CPU (it compiles its kernel with inductor: minutes)"
+    if (implementation, mode) in oom_at:
+        return f"out of memory at context {oom_at[implementation, mode]}"
+    return None
+
+
+def run_train(opts: TrainOptions, echo: Callable[[str], None]) -> ExitCode:
+    """Every (context, implementation, mode) point in order, one CSV row each, then the plots."""
+    device = select_device(opts.device)
+    check_options(opts, device)
+    try:
+        from kernels.integrations.transformers import register
+    except ImportError as exc:
+        raise ConfigError(f"train: needs transformers (pip install -e '.[hf]'): {exc}") from None
+    register()
+    env = collect(device)
+    out = opts.out or default_out(env.gpu)
+    if out.exists() and not opts.force:
+        raise ConfigError(f"{out}: results file exists; pass --force to start over")
+    if device.type == "cpu":
+        echo(CPU_NOTE)
+    size = TINY if opts.tiny else FULL
+    dtype = model_dtype(opts, device)
+    oom_at: dict[tuple[str, str], int] = {}
+    rows = []
+    with TrainWriter(out) as writer:
+        for context in opts.contexts:
+            for implementation in opts.implementations:
+                for mode in opts.modes:
+                    reason = _skip_reason(implementation, mode, device, oom_at)
+                    measured = ({"status": "skipped", "detail": reason} if reason else
+                                run_point(size, context, implementation, mode, opts, dtype, device))
+                    if measured["status"] == "oom":
+                        oom_at[implementation, mode] = context
+                    row = new_train_row(size, context, implementation, mode, opts, dtype, env,
+                                        measured)
+                    writer.write(row)
+                    rows.append(row)
+                    echo(describe(row))
+    echo(f"wrote {out}")
+    if opts.plot and any(r.status == "ok" for r in rows):
+        for path in plot_train(out):
+            echo(f"plot: {path}")
+    return ExitCode.OK
+
+
+def new_train_row(size: ModelSize, context: int, implementation: str, mode: str,
+                  opts: TrainOptions, dtype: torch.dtype, env: Environment,
+                  measured: dict) -> TrainRow:
+    dtype_name = next(name for name, value in _DTYPES.items() if value == dtype)
+    values = {"params": None, **measured}
+    return TrainRow(model=size.name, context=context, batch=opts.batch,
+                    keep_window=size.keep_window, dtype=dtype_name, implementation=implementation,
+                    mode=mode, warmup=opts.warmup, steps=opts.steps, gpu=env.gpu,
+                    driver=env.driver, torch=env.torch, triton=env.triton, git_sha=env.git_sha,
+                    git_dirty=env.git_dirty, host=env.host,
+                    timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    **values)
+
+
+def describe(row: TrainRow) -> str:
+    head = f"context {row.context:>6} {row.implementation:>6} {row.mode:>8}: {row.status}"
+    if row.status != "ok":
+        return f"{head} ({row.detail})"
+    peak = "" if row.peak_mib is None else f", peak {row.peak_mib:.0f} MiB"
+    return f"{head}, {row.tokens_per_s:.0f} tokens/s, {row.ms_p50:.1f} ms/step{peak}"
+
+
+# -- files ------------------------------------------------------------------------------------
+
+def _format(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+class TrainWriter:
+    """Writes the header, then one flushed line per row: a killed run keeps its finished rows."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", newline="")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(TRAIN_COLUMNS)
+        self._file.flush()
+
+    def write(self, row: TrainRow) -> None:
+        values = asdict(row)
+        self._writer.writerow([_format(values[c]) for c in TRAIN_COLUMNS])
+        self._file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+
+_TYPES = {f.name: f.type for f in fields(TrainRow)}
+
+
+def _parse(name: str, text: str, where: str):
+    kind = _TYPES[name]
+    if text == "":
+        return None if "None" in kind else text
+    try:
+        if kind.startswith("int"):
+            return int(text)
+        if kind.startswith("float"):
+            return float(text)
+        if kind == "bool":
+            return {"True": True, "False": False}[text]
+    except (ValueError, KeyError):
+        expected = kind.split(" ")[0]
+        raise ConfigError(f"{where}: column {name}: expected {expected}, got {text!r}") from None
+    return text
+
+
+def read_train_rows(path: Path) -> list[TrainRow]:
+    """The rows of a train CSV, after checking its header."""
+    try:
+        with open(path, newline="") as f:
+            lines = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(f"{path}: cannot read as CSV: {exc}") from None
+    if not lines or tuple(lines[0]) != TRAIN_COLUMNS:
+        raise ConfigError(f"{path}: not a dmbench train CSV of this version")
+    rows = []
+    for number, values in enumerate(lines[1:], start=2):
+        where = f"{path}: line {number}"
+        rows.append(TrainRow(**{c: _parse(c, v, where) for c, v in zip(TRAIN_COLUMNS, values)}))
+    return rows
+
+
+def _speedups(done: list[TrainRow]) -> dict[tuple[int, str, str], float]:
+    """Tokens/s over transformers' eager attention at the same context and mode."""
+    eager = {(r.context, r.mode): r.tokens_per_s for r in done if r.implementation == "eager"}
+    return {(r.context, r.implementation, r.mode): r.tokens_per_s / eager[r.context, r.mode]
+            for r in done if (r.context, r.mode) in eager and r.implementation != "eager"}
+
+
+def _context_label(context: int) -> str:
+    return f"{context // 1024}k" if context >= 1024 and context % 1024 == 0 else str(context)
+
+
+def plot_train(csv_path: Path) -> list[Path]:
+    """Tokens/s, speedup over eager attention and peak memory against context, one line per
+    implementation and mode, as PNGs next to the CSV; drawn from the CSV alone."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    done = [r for r in read_train_rows(csv_path) if r.status == "ok"]
+    if not done:
+        raise ConfigError(f"{csv_path}: no rows with status ok to plot")
+    values = {"throughput": {(r.context, r.implementation, r.mode): r.tokens_per_s for r in done},
+              "speedup": _speedups(done),
+              "memory": {(r.context, r.implementation, r.mode): r.peak_mib for r in done
+                         if r.peak_mib is not None}}
+    labels = {"throughput": "tokens/s", "speedup": "tokens/s over eager attention (same mode)",
+              "memory": "peak memory (MiB)"}
+    first = done[0]
+    written = []
+    for tag, points in values.items():
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for implementation, mode in sorted({key[1:] for key in points}):
+            line = sorted((c, y) for (c, i, m), y in points.items()
+                          if (i, m) == (implementation, mode))
+            ax.plot([c for c, _ in line], [y for _, y in line], marker="o",
+                    label=f"{implementation} ({mode})")
+        contexts = sorted({key[0] for key in points})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [_context_label(c) for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(labels[tag])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title(f"{first.model} training steps, batch {first.batch}, {first.dtype}, "
+                     f"on {first.gpu}", fontsize=8)
+        fig.tight_layout()
+        path = csv_path.parent / f"{csv_path.stem}-{tag}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

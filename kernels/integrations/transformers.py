@@ -1,0 +1,307 @@
+"""``attn_implementation="dmattn"``: transformers models on ``kernels.dmattn_func``.
+
+``register()`` installs three things, all under the name ``"dmattn"``:
+
+1. An attention function in transformers' ``AttentionInterface``. Llama-family models (Llama,
+   Qwen2, Mistral, ...) call it with query (B, Hq, L, D), key and value (B, Hk, L, D), the mask
+   their mask builder made, ``scaling``, ``dropout`` and, for sliding-window layers,
+   ``sliding_window``. It hands ``dmattn_func`` (B, L, H, D) views of the same tensors (a
+   transpose, no copy), with GQA left to the kernel.
+2. A mask builder in ``AttentionMaskInterface``, so that the model's ``create_causal_mask`` /
+   ``create_sliding_window_causal_mask`` never builds an (Lq, Lk) mask for the plain causal or
+   sliding-window pattern. For those it returns None (no padding) or the 2-D (B, Lk) bool key
+   padding mask; causality and the window are applied by the kernel and by
+   ``causal_family_masking``. Any other pattern (packed sequences, overlays such as
+   bidirectional image tokens, chunked attention, static caches whose offsets are tensors) gets
+   transformers' own 4-D bool mask, which the attention function takes as the whole truth.
+3. A forward for Doge's attention module, used when the model's attention implementation is
+   ``"dmattn"``. Doge turns a per-key bias computed from the values (``dt_proj``, ``A``) into a
+   (B, H, Lq, Lk) float mask and keeps each row's ``keep_window_size`` largest entries. Its
+   forward here passes the per-key bias to the kernel as ``attn_bias`` (B, Hk, 1, Lk), so the
+   bias gradient flows back to ``dt_proj`` and ``A`` through the kernel, and the top-W selection
+   as a bool mask (``doge_masking``). The (B, H, Lq, Lk) float mask is never built.
+
+Each model family's mask is made in one function (``causal_family_masking``,
+``doge_masking``), so that O(L) key-interval masks can replace the bool tensors there alone.
+
+The pinned transformers version is the one this adapter was read against: the mask builder
+recognizes transformers' causal and sliding-window mask functions, and Doge's forward follows
+its attention module's layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ..interface import dmattn_func
+
+IMPLEMENTATION = "dmattn"
+
+# Query rows per top-W selection step in ``doge_masking``: bounds the temporaries of one step
+# (the float scores) to batch * heads_kv * ROWS_PER_TOPK_STEP * seqlen_k elements.
+ROWS_PER_TOPK_STEP = 1024
+
+
+class Masking(NamedTuple):
+    """What one attention call hands the kernel besides query, key and value."""
+
+    attn_mask: torch.Tensor | None  # bool, True = keep, 4-D broadcastable
+    attn_bias: torch.Tensor | None  # additive, the query's dtype, 4-D broadcastable
+    is_causal: bool
+
+
+def register() -> None:
+    """Make ``attn_implementation="dmattn"`` available to every transformers model.
+
+    Safe to call more than once. Needs the ``hf`` extra (transformers).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, dmattn_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, dmattn_mask)
+    _route_doge_attention()
+
+
+# -- the mask builder -------------------------------------------------------------------------
+
+def dmattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                mask_function=None, attention_mask=None, allow_is_causal_skip: bool = True,
+                use_vmap: bool = False, **kwargs):
+    """transformers' mask-builder interface. Returns None or a (B, kv_length) bool key padding
+    mask for the plain causal / sliding-window pattern, else transformers' 4-D bool mask.
+
+    The plain result is exact only with the last query aligned to the last key (the kernel's
+    causal rule is bottom-right aligned), so offsets that break that alignment, or that are
+    tensors (a static cache), take the 4-D mask.
+    """
+    from transformers.masking_utils import prepare_padding_mask, sdpa_mask
+    from transformers.utils.import_utils import is_tracing
+
+    aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
+               and q_offset + q_length == kv_offset + kv_length)
+    if allow_is_causal_skip and not use_vmap and aligned and _is_plain_causal(mask_function):
+        if attention_mask is None:
+            return None
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        padding = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+        if not is_tracing(padding) and bool(padding.all()):
+            return None
+        return padding
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                     attention_mask=attention_mask, allow_is_causal_skip=False,
+                     use_vmap=use_vmap, **kwargs)
+
+
+def _is_plain_causal(mask_function) -> bool:
+    """Whether ``mask_function`` is transformers' causal mask function, or its sliding-window
+    causal one (an ``and_masks`` of the window overlay and the causal function). The window
+    itself reaches the attention function as its ``sliding_window`` argument."""
+    from transformers import masking_utils as mu
+
+    if mask_function is None or mask_function is mu.causal_mask_function:
+        return True
+    parts = _closure_values(mask_function)
+    if len(parts) != 1 or not isinstance(parts[0], tuple) or len(parts[0]) != 2:
+        return False
+    overlay, causal = parts[0]
+    overlay_name = mu.sliding_window_overlay(1).__qualname__
+    return (causal is mu.causal_mask_function and callable(overlay)
+            and getattr(overlay, "__qualname__", "") == overlay_name
+            and getattr(mask_function, "__qualname__", "") == mu.and_masks().__qualname__)
+
+
+def _closure_values(fn) -> list:
+    return [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())]
+
+
+# -- the Llama family -------------------------------------------------------------------------
+
+def dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             dropout: float = 0.0, scaling: float | None = None,
+                             sliding_window: int | None = None, is_causal: bool | None = None,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: (B, H, L, D) in, (B, L, Hq, D) out."""
+    _reject_unsupported(dropout=dropout, softcap=kwargs.get("softcap"),
+                        s_aux=kwargs.get("s_aux"), position_bias=kwargs.get("position_bias"))
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    masking = causal_family_masking(attention_mask, query.shape[2], key.shape[2], bool(causal),
+                                    sliding_window, query.dtype, query.device)
+    return _attend(query, key, value, masking, scaling), None
+
+
+def causal_family_masking(attention_mask, seqlen_q: int, seqlen_k: int, is_causal: bool,
+                          sliding_window: int | None, dtype: torch.dtype,
+                          device: torch.device) -> Masking:
+    """The kernel's mask, bias and causal flag for a Llama-family layer.
+
+    ``attention_mask`` is what the model's mask builder produced: None or a 2-D key padding
+    mask (plain causal / sliding window: causality from the flag, padding as a (B, 1, 1, Lk)
+    view), or a complete 4-D mask (bool, or float with the minimum value or -inf where masked,
+    whose other entries become the bias, in ``dtype``). A sliding window, while it hides keys
+    (Lk > window), is a bool (Lq, Lk) band on ``device``: query i (bottom-right aligned) keeps
+    keys i - window < j <= i.
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return _complete_masking(attention_mask, seqlen_k, dtype)
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask: expected None, a 2-D key padding mask or a 4-D mask, "
+                         f"got shape {tuple(attention_mask.shape)}")
+    mask = None
+    if attention_mask is not None:
+        mask = _key_padding(attention_mask, seqlen_k)
+    if sliding_window is not None and seqlen_k > sliding_window:
+        band = _window_band(seqlen_q, seqlen_k, sliding_window, device)
+        mask = band if mask is None else mask & band
+    return Masking(mask, None, is_causal)
+
+
+def _key_padding(padding: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    if padding.shape[-1] != seqlen_k:
+        raise ValueError(f"attention_mask: a 2-D padding mask needs one entry per key "
+                         f"({seqlen_k}), got shape {tuple(padding.shape)}")
+    return padding.to(torch.bool)[:, None, None, :]
+
+
+def _window_band(seqlen_q: int, seqlen_k: int, window: int, device) -> torch.Tensor:
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    keys = torch.arange(seqlen_k, device=device)[None, :]
+    return (keys > rows - window)[None, None]
+
+
+def _complete_masking(mask: torch.Tensor, seqlen_k: int, dtype: torch.dtype) -> Masking:
+    """A 4-D mask that already says everything: is_causal is off. Keys past ``seqlen_k`` are
+    cut off, as transformers' eager attention does."""
+    mask = mask[..., :seqlen_k]
+    if mask.dtype == torch.bool:
+        return Masking(mask, None, False)
+    keep = mask > torch.finfo(mask.dtype).min
+    bias = torch.where(keep, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+    return Masking(keep, bias.to(dtype), False)
+
+
+def _reject_unsupported(**options) -> None:
+    """The kernel has no attention dropout, softcap, sinks or extra position bias."""
+    for name, value in options.items():
+        if name == "dropout":
+            if value:
+                raise ValueError(f"dropout: dmattn has no attention dropout, got {value}; set "
+                                 f"the config's attention_dropout to 0 or call model.eval()")
+        elif value is not None:
+            raise ValueError(f"{name}: not supported by attn_implementation='dmattn'")
+
+
+def _attend(query, key, value, masking: Masking, scaling) -> torch.Tensor:
+    """(B, H, L, D) inputs as (B, L, H, D) views; the output is (B, Lq, Hq, D)."""
+    return dmattn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                       attn_mask=masking.attn_mask, attn_bias=masking.attn_bias,
+                       is_causal=masking.is_causal, softmax_scale=scaling)
+
+
+# -- Doge -------------------------------------------------------------------------------------
+
+def doge_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                           attention_mask: torch.Tensor | None = None, past_key_values=None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """Doge's attention with the per-key bias and the top-W mask going to the kernel."""
+    from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
+
+    batch, seqlen = hidden_states.shape[:-1]
+    per_head = (batch, seqlen, -1, module.head_dim)
+    query = module.q_norm(module.q_proj(hidden_states).view(per_head)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(hidden_states).view(per_head)).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(per_head).transpose(1, 2)
+    query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, module.layer_idx)
+
+    _reject_unsupported(dropout=module.attention_dropout if module.training else 0.0)
+    bias = doge_key_bias(module, value).to(query.dtype)
+    masking = doge_masking(attention_mask, bias, seqlen_q=seqlen,
+                           is_causal=getattr(module, "is_causal", True),
+                           sliding_window=module.config.sliding_window,
+                           keep_window=module.keep_window_size)
+    out = _attend(query, key, value, masking, module.scaling)
+    return module.o_proj(out.reshape(batch, seqlen, -1)), None
+
+
+def doge_key_bias(module: torch.nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """Doge's per-key bias exp(A * softplus(dt_proj(values))), as (B, Hk, 1, Lk)."""
+    batch, _, seqlen_k, _ = value.shape
+    dt = module.dt_proj(value.transpose(1, 2).reshape(batch, seqlen_k, -1))
+    return torch.exp(module.A * torch.nn.functional.softplus(dt)).transpose(1, 2)[:, :, None, :]
+
+
+def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: bool,
+                 sliding_window: int | None, keep_window: int) -> Masking:
+    """The kernel's mask, bias and causal flag for a Doge layer.
+
+    Visible keys are those of the Llama-family rule (``causal_family_masking``), except that a
+    complete float mask hides every nonzero entry, as Doge's own mask does. With more keys than
+    ``keep_window``, each row keeps its ``keep_window`` visible keys of largest bias (ties as
+    ``torch.topk`` breaks them), as a bool (B, Hk, Lq, Lk) mask built without a graph,
+    ``ROWS_PER_TOPK_STEP`` query rows at a time. The bias goes to the kernel as it is,
+    (B, Hk, 1, Lk).
+    """
+    seqlen_k = bias.shape[-1]
+    if (attention_mask is not None and attention_mask.dim() == 4
+            and attention_mask.is_floating_point()):
+        attention_mask = attention_mask[..., :seqlen_k] == 0
+    visible = causal_family_masking(attention_mask, seqlen_q, seqlen_k, is_causal,
+                                    sliding_window, bias.dtype, bias.device)
+    if seqlen_k <= keep_window:
+        return Masking(visible.attn_mask, bias, visible.is_causal)
+    keep = torch.zeros(bias.shape[:2] + (seqlen_q, seqlen_k), dtype=torch.bool,
+                       device=bias.device)
+    with torch.no_grad():
+        for start in range(0, seqlen_q, ROWS_PER_TOPK_STEP):
+            rows = slice(start, min(start + ROWS_PER_TOPK_STEP, seqlen_q))
+            seen = _visible_rows(visible, rows, seqlen_q, seqlen_k, bias.device)
+            scores = bias.detach().masked_fill(~seen, float("-inf"))
+            chosen = scores.topk(keep_window, dim=-1, sorted=False).indices
+            keep[:, :, rows].scatter_(-1, chosen, True)
+            keep[:, :, rows] &= seen
+    return Masking(keep, bias, False)
+
+
+def _visible_rows(masking: Masking, rows: slice, seqlen_q: int, seqlen_k: int,
+                  device) -> torch.Tensor:
+    """Query rows ``rows`` of ``masking``'s mask and causal flag, as one bool
+    (Bm, Hm, rows, Lk) tensor."""
+    visible = masking.attn_mask
+    if visible is not None and visible.shape[2] != 1:
+        visible = visible[:, :, rows]
+    if masking.is_causal:
+        last = torch.arange(rows.start, rows.stop, device=device)[:, None] + (seqlen_k - seqlen_q)
+        causal = (torch.arange(seqlen_k, device=device)[None, :] <= last)[None, None]
+        visible = causal if visible is None else visible & causal
+    if visible is None:
+        return torch.ones(1, 1, rows.stop - rows.start, seqlen_k, dtype=torch.bool, device=device)
+    return visible.expand(-1, -1, rows.stop - rows.start, seqlen_k)
+
+
+def _route_doge_attention() -> None:
+    """Wrap ``DogeAttention.forward`` once: modules whose config selects ``"dmattn"`` take
+    ``doge_attention_forward``, every other module its original forward."""
+    try:
+        from transformers.models.doge.modeling_doge import DogeAttention
+    except ImportError:  # a transformers without Doge: nothing to route
+        return
+    original = DogeAttention.forward
+    if getattr(original, "dmattn_original", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if self.config._attn_implementation == IMPLEMENTATION:
+            return doge_attention_forward(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    forward.dmattn_original = original
+    DogeAttention.forward = forward

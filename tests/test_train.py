@@ -1,0 +1,163 @@
+"""``dmbench train`` on the CPU with the tiny Doge model and one step per point."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+
+from dmbench import train  # noqa: E402
+from dmbench.cli import app  # noqa: E402
+from dmbench.errors import ConfigError, ExitCode  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+CONTEXT = 40  # above the tiny model's keep window (32): Doge's top-W mask is in play
+
+
+def _train(out: Path, *extra):
+    return runner.invoke(app, ["train", "--tiny", "--device", "cpu", "--out", str(out),
+                               *map(str, extra)])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """The command as users run it: a fresh process with TRITON_INTERPRET unset, so the CLI
+    itself must set it before anything imports triton."""
+    out = tmp_path_factory.mktemp("train") / "train.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "dmbench", "train", "--tiny", "--device", "cpu", "--out", str(out),
+         "--contexts", str(CONTEXT), "--steps", "1", "--warmup", "0",
+         "--implementations", "dmattn,eager,sdpa,flex"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == ExitCode.OK, done.stdout + done.stderr
+    assert "NOT performance numbers" in done.stdout
+    return out
+
+
+def _rows(path: Path) -> dict[tuple[str, str], train.TrainRow]:
+    return {(r.implementation, r.mode): r for r in train.read_train_rows(path)}
+
+
+def test_tiny_run_times_one_step_per_implementation(tiny_run):
+    rows = _rows(tiny_run)
+    assert set(rows) == {(i, m) for i in ("dmattn", "eager", "sdpa", "flex")
+                         for m in train.MODES}
+    for name in ("dmattn", "eager", "sdpa"):
+        row = rows[name, "eager"]
+        assert row.status == "ok", row.detail
+        assert row.context == CONTEXT and row.steps == 1 and row.params > 0
+        assert row.tokens_per_s > 0 and row.ms_p50 > 0
+        assert row.gpu.startswith("cpu") and row.torch == torch.__version__
+    assert "not causal" in rows["sdpa", "eager"].detail
+    for key, row in rows.items():
+        if key[1] == "compiled" or key[0] == "flex":
+            assert row.status == "skipped" and row.detail
+
+
+def test_tiny_run_dmattn_loss_equals_eager(tiny_run):
+    """Same weights and tokens: the first step's loss is the same function on both paths."""
+    rows = _rows(tiny_run)
+    ours, eager = rows["dmattn", "eager"].first_loss, rows["eager", "eager"].first_loss
+    assert ours == pytest.approx(eager, rel=1e-5)
+
+
+def test_tiny_run_plots_throughput_and_speedup(tiny_run):
+    for chart in ("throughput", "speedup"):
+        assert (tiny_run.parent / f"train-{chart}.png").stat().st_size > 0
+    assert not (tiny_run.parent / "train-memory.png").exists()  # no peak memory on CPU
+
+
+def test_existing_csv_needs_force(tiny_run):
+    result = _train(tiny_run, "--contexts", CONTEXT, "--steps", 1, "--warmup", 0)
+    assert result.exit_code == ExitCode.USAGE
+    assert "--force" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--contexts", "1024"), "at most"),
+    (("--contexts", "two"), "--contexts"),
+    (("--implementations", "eager,fa2"), "--implementations"),
+    (("--modes", "jit"), "--modes"),
+    (("--steps", "0"), "--steps"),
+    (("--dtype", "int8"), "--dtype"),
+])
+def test_bad_flags_are_one_line_errors(tmp_path, args, message):
+    result = _train(tmp_path / "t.csv", *args)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_cpu_refuses_the_full_model(tmp_path):
+    result = runner.invoke(app, ["train", "--device", "cpu", "--out", str(tmp_path / "t.csv")])
+    assert result.exit_code == ExitCode.USAGE
+    assert "--tiny" in result.output
+
+
+def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    real_build = train.build_model
+
+    def build(size, context, implementation, dtype, device):
+        if implementation == "eager" and context == 16:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        if implementation == "sdpa" and context == 16:
+            raise RuntimeError("no kernel\nsecond line")
+        if implementation == "dmattn" and context == 16:
+            wrapped = RuntimeError("backend compiler failed")
+            raise wrapped from RuntimeError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return real_build(size, context, implementation, dtype, device)
+
+    monkeypatch.setattr(train, "build_model", build)
+    opts = train.TrainOptions(contexts=(16, 24), steps=1, warmup=0, tiny=True, device="cpu",
+                              implementations=("eager", "sdpa", "dmattn"), modes=("eager",),
+                              out=tmp_path / "t.csv", plot=False)
+    assert train.run_train(opts, lambda _: None) == ExitCode.OK
+    rows = {(r.context, r.implementation): r for r in train.read_train_rows(opts.out)}
+    assert rows[16, "eager"].status == "oom"
+    assert rows[24, "eager"].status == "skipped"
+    assert rows[24, "eager"].detail == "out of memory at context 16"
+    assert rows[16, "sdpa"].status == "error"
+    assert rows[16, "sdpa"].detail == "build: RuntimeError: no kernel"
+    assert rows[24, "sdpa"].status == "ok"  # an error skips nothing later
+    assert rows[16, "dmattn"].status == "oom"  # re-raised by a compiler: still out of memory
+    assert rows[24, "dmattn"].status == "skipped"
+
+
+def test_other_csvs_are_rejected(tmp_path):
+    path = tmp_path / "other.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(ConfigError, match="not a dmbench train CSV"):
+        train.read_train_rows(path)
+
+
+def test_compiled_mode_records_graph_breaks(monkeypatch):
+    # Dynamo's "eager" backend traces the model as inductor would, without code generation.
+    monkeypatch.setattr(train, "COMPILE_BACKEND", "eager")
+    opts = train.TrainOptions(contexts=(CONTEXT,), steps=1, warmup=0, tiny=True, device="cpu")
+    measured = train.run_point(train.TINY, CONTEXT, "eager", "compiled", opts, torch.float32,
+                               torch.device("cpu"))
+    assert measured["status"] == "ok", measured["detail"]
+    assert measured["detail"].startswith("graph breaks: ")
+
+
+@pytest.mark.parametrize("implementation", list(train.IMPLEMENTATIONS))
+def test_each_implementation_builds_its_own_model(implementation):
+    """Same weights, each with the attention it names (else the loss check above is void)."""
+    from kernels.integrations.transformers import register
+
+    register()  # as run_train does
+    model = train.build_model(train.TINY, CONTEXT, implementation, torch.float32,
+                              torch.device("cpu"))
+    assert model.config._attn_implementation == train.IMPLEMENTATIONS[implementation]
+    reference = train.build_model(train.TINY, CONTEXT, "eager", torch.float32, torch.device("cpu"))
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(ours, theirs), name
