@@ -190,7 +190,10 @@ def test_expanded_bias_reaches_the_op_compact(bias_shape, backend, device):
 def test_expanded_bias_made_outside_the_compiled_function(device):
     """A view that is an input of the compiled function, whose base the compiler cannot
     follow: the ops take the view, and the gradient still reaches its base, within the rule
-    (autograd sums it down, in another order than the kernel's own reduction)."""
+    (autograd sums it down, in another order than the kernel's own reduction). The outputs
+    are eager's bit for bit; the gradients only within the rule, since a full-size bias may
+    take another backward schedule than its base (on an H100: no dkdv head shares, so dk is
+    summed in another order)."""
     q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
 
     def attend(q, k, v, mask, bias):
@@ -202,7 +205,7 @@ def test_expanded_bias_made_outside_the_compiled_function(device):
         out, lse = func(*leaves[:3], mask, expanded(leaves[3], q, k))
         results.append(dict(zip(NAMES, (out, lse, *torch.autograd.grad(out, leaves, grad_out)))))
     got, eager = results
-    for name in NAMES[:-1]:
+    for name in ("out", "lse"):
         assert torch.equal(got[name], eager[name]), name
     assert_within_rule(got, q, k, v, mask, bias, grad_out, is_causal=True)
 
