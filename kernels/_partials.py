@@ -7,7 +7,7 @@ the packed backward's key blocks. Each share stores an fp32 partial, counts itse
 per-tile counter (``last_share_arrived``), and the last share of a tile to arrive reads every
 share's partial in share order and stores the result. The order is fixed whichever program
 arrives last, so results are bitwise reproducible, and no merge launch follows (one launch of
-host time less per call; results/notes.md, change 30).
+host time less per call, on the H100 host).
 
 The counters are int32 scratch that starts at zero; the last program of each tile resets its
 counter, so a plan's kept scratch is ready for its next call.

@@ -5,7 +5,7 @@ A plan keeps its scratch per CUDA stream and hands the same buffers to its next 
 stream. Stream order makes that safe: every kernel that reads the buffers in one call is
 enqueued before any kernel of the next call writes them. On the H100 benchmark host each
 ``torch.empty`` costs ~9-10 us of host time (cProfile, torch 2.11), so the four allocations of
-a split-K decode forward were ~40 of its ~105 us per call (results/notes.md, change 23).
+a split-K decode forward were ~40 of its ~105 us per call.
 
 Buffers are allocated per call instead when keeping them is not clearly safe or cheap:
 off CUDA (the interpreter), while a CUDA graph is being captured (the graph owns its

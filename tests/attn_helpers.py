@@ -59,7 +59,7 @@ HEADS = (  # (heads_q, heads_kv)
     pytest.param((6, 2), id="gqa"),
     pytest.param((4, 1), id="mqa"),
 )
-# Each axis of a mask or bias is one of these sizes (SPEC §1), named symbolically.
+# Each axis of a mask or bias is one of these sizes (the broadcast rule), named symbolically.
 BROADCAST_BATCH = ("1", "B")
 BROADCAST_HEADS = ("1", "Hk", "Hq")
 BROADCAST_ROWS = ("1", "Lq")
@@ -110,7 +110,7 @@ def random_bias(shape, dtype, device) -> torch.Tensor:
 
 
 # Keys 128..255 of ``masked_band_problem`` are masked for every query row, so any tile up to
-# 128 keys wide sees only False there (SPEC: such a tile does no K/V loads).
+# 128 keys wide sees only False there (such a tile does no K/V loads).
 MASKED_BAND = slice(128, 256)
 
 

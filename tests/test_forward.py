@@ -230,7 +230,7 @@ def test_mask_patterns(pattern, causal, dtype, device):
 
 
 def test_masked_tiles_read_no_keys_or_values(device):
-    """A tile whose mask block is all False does no K/V loads (SPEC: sparsity). Keys 128..255
+    """A tile whose mask block is all False does no K/V loads (the sparsity rule). Keys 128..255
     are masked for every row, so any tile size up to 128 sees only False there, and those keys
     and values are NaN: loading and multiplying them by a zero probability would give NaN."""
     assert_forward_skips_masked_band(device)
@@ -342,7 +342,7 @@ sys.exit(0 if max(errors) < 2e-2 else 1)
 
 @pytest.mark.slow
 def test_offsets_past_2_31_elements(device):
-    """Mask rows and bias heads that start at element 2**31 (SPEC: large sizes), forward and
+    """Mask rows and bias heads that start at element 2**31 (offsets past 2**31 need 64-bit arithmetic), forward and
     backward. The storages are 2 and 4 GiB of address space, of which a few pages are used."""
     env = dict(os.environ)
     root = str(Path(kernels.__file__).resolve().parent.parent)
@@ -356,7 +356,7 @@ def test_offsets_past_2_31_elements(device):
 # -- the reference itself, against an independent formulation
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_reference_matches_sdpa(causal, device):
-    """The fp64 reference agrees with PyTorch's SDPA given the SPEC's bottom-right causal rule
+    """The fp64 reference agrees with PyTorch's SDPA given the bottom-right causal rule
     written out by hand, a boolean mask and an additive bias (no empty rows, which SDPA turns
     into NaN)."""
     dims = Dims(2, 13, 29, heads_q=4, heads_kv=2, head_dim=24)

@@ -1,4 +1,4 @@
-"""Bad input is refused with TypeError/ValueError naming the argument (SPEC §1), and CPU
+"""Bad input is refused with TypeError/ValueError naming the argument, and CPU
 tensors without the interpreter get an error that says how to turn it on."""
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def test_one_prepared_mask_serves_many_calls(no_mask_pass, device):
 
 
 def test_prepared_masked_tiles_read_no_keys_or_values(device):
-    """SPEC's sparsity rule holds on the prepared path (NaN keys in an all-masked band)."""
+    """The sparsity rule (an all-masked tile reads no K or V) holds on the prepared path (NaN keys in an all-masked band)."""
     assert_forward_skips_masked_band(device, prepare_mask)
 
 
