@@ -4,8 +4,8 @@
 softmax_scale=None, return_lse=False, deterministic=False)``; ``triton_dmattn_func`` is the same
 function under flash-dmattn's name. ``prepare_mask`` reads a mask once for every call that
 shares it. ``KeyIntervals`` is a mask in O(Lk) memory (each key's run of query rows);
-``topk_intervals`` builds flash-dmattn's top-W dynamic mask as one (``to_dense`` turns either
-into a bool mask for ``dmattn_func``, whose kernels do not read intervals yet).
+``topk_intervals`` builds flash-dmattn's top-W dynamic mask as one; ``dmattn_func`` takes
+either as ``attn_mask``. ``dmattn_varlen_func`` takes flash-attn's packed (varlen) layout.
 ``schedule_for`` shows what a call will run (``kernels.schedule``). ``attention_reference`` is
 the eager ground truth and ``tolerance`` the accuracy rule.
 """
@@ -16,7 +16,8 @@ from .intervals import KeyIntervals
 from .prepared import PreparedMask, prepare_mask
 from .reference import attention_reference, attention_varlen_reference
 from .topk_intervals import topk_intervals
+from .varlen import dmattn_varlen_func
 
-__all__ = ["dmattn_func", "triton_dmattn_func", "prepare_mask",
+__all__ = ["dmattn_func", "triton_dmattn_func", "dmattn_varlen_func", "prepare_mask",
            "PreparedMask", "KeyIntervals", "topk_intervals", "attention_reference",
            "attention_varlen_reference", "schedule_for", "schedule", "tolerance"]

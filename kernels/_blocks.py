@@ -222,7 +222,10 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
                   is_causal: bool) -> ActivityMap:
     """The activity map at (sub_rows x sub_cols) granularity: the one pass over the mask.
     Fully parallel and bandwidth-bound; ``lists_from_activity`` then compacts each list row in
-    a small second launch (one sequential pass per row over the mask would be latency-bound)."""
+    a small second launch (one sequential pass per row over the mask would be latency-bound).
+    ``KeyIntervals`` masks take ``interval_activity`` instead: no pass over (Lq, Lk)."""
+    if mask.intervals is not None:
+        return interval_activity(mask.intervals, shape, sub_rows, sub_cols, is_causal)
     args = operand_args(mask)
     mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
     map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
@@ -240,6 +243,28 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
         IS_CAUSAL=bool(is_causal), num_warps=4,
     )
     return ActivityMap(active, sub_rows, sub_cols)
+
+
+def interval_activity(intervals, shape: AttnShape, sub_rows: int, sub_cols: int,
+                      is_causal: bool) -> ActivityMap:
+    """The activity map of a ``KeyIntervals`` mask, from per-key-block bounds of its intervals
+    in O(Bm' Hm' (Lk + map tiles)) torch ops. Causality narrows each key's interval first
+    (key j is visible from row j - (Lk - Lq) on). A tile is active (1) where some key's interval
+    reaches its rows, which may count a tile whose keys' intervals pass between its rows
+    (harmless: its pairs are tested); it is full (2) only where every pair is visible and the
+    tile lies inside both lengths, exactly as ``_tile_activity_kernel`` counts it."""
+    start, end = intervals.kernel_operand().unbind(2)  # (Bm', Hm', Lk) int32 each
+    if is_causal:
+        first_row = (torch.arange(shape.seqlen_k, device=start.device, dtype=torch.int32)
+                     - (shape.seqlen_k - shape.seqlen_q))
+        start = torch.maximum(start, first_row)
+    bounds = type(intervals)(start, end).block_bounds(sub_cols)
+    active, full = bounds.tiles(sub_rows, shape.seqlen_q)
+    map_rows = active.shape[-2]
+    whole_rows = (torch.arange(1, map_rows + 1, device=start.device) * sub_rows
+                  <= shape.seqlen_q)[:, None]
+    activity = active.to(torch.int8) + (active & full & whole_rows).to(torch.int8)
+    return ActivityMap(activity.contiguous(), sub_rows, sub_cols)
 
 
 def lists_from_activity(activity: ActivityMap, block_rows: int, block_cols: int,

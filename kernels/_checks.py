@@ -13,6 +13,8 @@ from numbers import Real
 
 import torch
 
+from .intervals import KeyIntervals
+
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -46,6 +48,9 @@ class BroadcastOperand:
     view: torch.Tensor
     head_div: int
     original_shape: tuple[int, ...]
+    # A mask given as ``KeyIntervals``: those intervals. ``view`` then addresses their int32
+    # (start, end) pairs interleaved per key, with query stride 0 (see ``_check_intervals``).
+    intervals: object = None
 
 
 def _check_qkv(query, key, value) -> AttnShape:
@@ -110,6 +115,22 @@ def _check_broadcast(name: str, t: torch.Tensor, shape: AttnShape, device) -> Br
     return BroadcastOperand(view, shape.heads_q // heads, tuple(t.shape))
 
 
+def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
+    """A ``KeyIntervals`` mask as the kernels read it: (start, end) int32 pairs interleaved per
+    key, (Bm', Hm', Lk, 2) with broadcast batch or head axes cut to one (O(Bm' Hm' Lk) bytes,
+    never O(Lq Lk)), viewed as a (B, Hm', Lq, Lk) operand whose query stride is 0 and key
+    stride 2: a mask tile's pointer at key n addresses n's start, and the next element its end."""
+    intervals.check_against(shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q,
+                            shape.seqlen_k, device=device)
+    pairs = intervals.kernel_operand().transpose(2, 3).contiguous()  # (Bm', Hm', Lk, 2)
+    batch, heads = pairs.shape[0], pairs.shape[1]
+    view = pairs.as_strided(
+        (shape.batch, heads, shape.seqlen_q, shape.seqlen_k),
+        (0 if batch == 1 else pairs.stride(0), pairs.stride(1), 0, 2))
+    return BroadcastOperand(view, shape.heads_q // heads,
+                            (batch, heads, shape.seqlen_q, shape.seqlen_k), intervals)
+
+
 @dataclass(frozen=True)
 class CheckedInputs:
     shape: AttnShape
@@ -122,9 +143,12 @@ def check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale) -> Chec
     """Validate everything and return the normalized views. Raises TypeError/ValueError."""
     shape = _check_qkv(query, key, value)
     mask = bias = None
-    if attn_mask is not None:
+    if isinstance(attn_mask, KeyIntervals):
+        mask = _check_intervals(attn_mask, shape, query.device)
+    elif attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+            raise TypeError(f"attn_mask must be a bool torch.Tensor, KeyIntervals or None, "
+                            f"got {type(attn_mask).__name__}")
         if attn_mask.dtype != torch.bool:
             raise TypeError(f"attn_mask dtype must be torch.bool (True = keep), got {attn_mask.dtype}")
         mask = _check_broadcast("attn_mask", attn_mask, shape, query.device)

@@ -45,6 +45,31 @@ def tile_offsets(rows, cols, stride_rows, stride_cols):
 
 
 @triton.jit
+def mask_keeps(mask_ptrs, m_idx, load_ok, PREDICATED: tl.constexpr = True):
+    """The mask's verdict on a tile of pairs: loads predicated on ``load_ok`` (not PREDICATED:
+    unpredicated, the pointers clamped into range).
+
+    A bool mask (read as bytes) keeps a pair whose byte is non-zero. A ``KeyIntervals`` mask
+    arrives as int32 (start, end) pairs interleaved per key, its pointers' query stride 0: the
+    pointer of key n addresses n's start and the next element its end, and row i is kept iff
+    start <= i < end. The pointer type tells the two apart at compile time.
+    """
+    if mask_ptrs.dtype.element_ty == tl.int32:
+        if PREDICATED:
+            start = tl.load(mask_ptrs, mask=load_ok, other=0)
+            end = tl.load(mask_ptrs + 1, mask=load_ok, other=0)
+        else:
+            start = tl.load(mask_ptrs)
+            end = tl.load(mask_ptrs + 1)
+        keep = (m_idx >= start) & (m_idx < end)
+    elif PREDICATED:
+        keep = tl.load(mask_ptrs, mask=load_ok, other=0) != 0
+    else:
+        keep = tl.load(mask_ptrs) != 0
+    return keep
+
+
+@triton.jit
 def visible_keys(m_idx, n_idx, seqlen_q, seqlen_k, mask_ptrs,
                  HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  INTERIOR: tl.constexpr = False, GUARD_KEYS: tl.constexpr = False):
@@ -62,16 +87,16 @@ def visible_keys(m_idx, n_idx, seqlen_q, seqlen_k, mask_ptrs,
     """
     if INTERIOR:
         if GUARD_KEYS:
-            keep = tl.load(mask_ptrs, mask=n_idx < seqlen_k, other=0) != 0
+            keep = mask_keeps(mask_ptrs, m_idx, n_idx < seqlen_k)
         else:
-            keep = tl.load(mask_ptrs) != 0
+            keep = mask_keeps(mask_ptrs, m_idx, n_idx, PREDICATED=False)
     else:
         keep = (m_idx < seqlen_q) & (n_idx < seqlen_k)
         if HAS_MASK:
             # Predicated on the range test alone: it is constant along rows and columns, so
             # the loads can stay vectorized. Adding the causal test to the predicate made the
             # list pass 1.3-2.8x slower on the H100.
-            keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
+            keep = keep & mask_keeps(mask_ptrs, m_idx, keep)
         if IS_CAUSAL:
             keep = keep & (n_idx <= m_idx + (seqlen_k - seqlen_q))
     return keep

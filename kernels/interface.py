@@ -63,6 +63,7 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
     if prepared is not None:
         prepared.check_fresh()
         attn_mask, plans = prepared.mask, prepared.plans
+        kernel_mask = prepared.kernel_mask
     else:
         plans = _plans if attn_mask is None else None  # an unprepared mask is read per call
     options_key = tuple(sorted(kernel_options.items())) if kernel_options else ()
@@ -72,7 +73,7 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
                                deterministic, bias_grad, options_key)
         plan = plans.get(signature) if signature is not None else None
         if plan is not None:
-            return plan, query, key, value, attn_mask
+            return plan, query, key, value, kernel_mask if prepared is not None else attn_mask
 
     checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
     options = normalize_options(kernel_options)
@@ -89,6 +90,9 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
     plan = ForwardPlan(checked, query, key, value, sched, options)
     if signature is not None and not copied:
         _remember(plans, signature, plan)
+    # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs.
+    if checked.mask is not None and checked.mask.intervals is not None:
+        attn_mask = checked.mask.view
     return plan, query, key, value, attn_mask
 
 
@@ -159,7 +163,9 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
         query: (batch, seqlen_q, heads_q, head_dim), float16 / bfloat16 / float32.
         key, value: (batch, seqlen_k, heads_kv, head_dim) with heads_q % heads_kv == 0
             (MHA, GQA, MQA). Query head h reads KV head h // (heads_q // heads_kv).
-        attn_mask: optional bool, True = keep. 4-D, each axis broadcastable: batch {1, B},
+        attn_mask: optional bool, True = keep, or ``KeyIntervals`` (each key's run of query
+            rows, O(Lk) memory; see ``kernels.intervals``). A bool mask is 4-D, each axis
+            broadcastable: batch {1, B},
             heads {1, heads_kv, heads_q}, query {1, seqlen_q}, key {1, seqlen_k}. Never copied.
             Or a ``PreparedMask`` from ``prepare_mask``: the same mask with its active-tile
             lists built ahead, for calls that share one mask.

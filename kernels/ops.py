@@ -61,6 +61,7 @@ from torch import Tensor
 from . import interface
 from ._checks import check_flags, check_inputs, resolve_scale
 from .backward import attention_backward
+from .intervals import KeyIntervals
 from .prepared import PreparedMask
 
 NAMESPACE = "dmattn"
@@ -76,14 +77,15 @@ class MaskArgs:
 
 
 BOOL_MASK = MaskArgs(("attn_mask",), lambda mask: mask)
+INTERVAL_MASK = MaskArgs(("mask_start", "mask_end"), KeyIntervals)
 # Every way the ops carry a mask; their arguments come first among the optional ones.
-MASK_ARGS = (BOOL_MASK,)
+MASK_ARGS = (BOOL_MASK, INTERVAL_MASK)
 # Each kind of ``attn_mask`` the public function accepts: (its type, how the ops carry it, its
-# tensors in that carrier's order).
+# tensors in that carrier's order). A ``PreparedMask`` travels as the mask it was made from:
+# see the module docstring for what that costs.
 MASK_FORMS = (
     (Tensor, BOOL_MASK, lambda mask: (mask,)),
-    # Its mask tensor alone: see the module docstring for what that costs.
-    (PreparedMask, BOOL_MASK, lambda mask: (mask.mask,)),
+    (KeyIntervals, INTERVAL_MASK, lambda mask: (mask.start, mask.end)),
 )
 # The ops' optional tensor arguments, in schema order, after the scalars. ``bias_base`` is the
 # tensor ``attn_bias`` is an expand() of, where the traced call could tell (``bias_base_of``).
@@ -95,13 +97,15 @@ def operands_of(attn_mask, attn_bias) -> Operands:
     """The ops' optional tensor arguments for a call's ``attn_mask`` and ``attn_bias``."""
     slots = dict.fromkeys(OPERANDS)
     slots["attn_bias"], slots["bias_base"] = attn_bias, bias_base_of(attn_bias)
+    if isinstance(attn_mask, PreparedMask):
+        attn_mask = attn_mask.mask
     if attn_mask is not None:
         for kind, carrier, tensors in MASK_FORMS:
             if isinstance(attn_mask, kind):
                 slots.update(zip(carrier.names, tensors(attn_mask)))
                 break
         else:  # eager's message (``_checks``), which names the tensor it would take
-            raise TypeError(f"attn_mask must be a torch.Tensor or None, got "
+            raise TypeError(f"attn_mask must be a bool torch.Tensor, KeyIntervals or None, got "
                             f"{type(attn_mask).__name__}")
     return Operands(**slots)
 

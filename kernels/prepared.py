@@ -19,6 +19,7 @@ import torch
 
 from ._blocks import ActivityMap
 from ._checks import AttnShape, check_flags, check_inputs
+from .intervals import KeyIntervals
 from ._launch import ensure_runnable
 from .backward import prepare_backward_lists
 from .forward import call_problem, mask_activity
@@ -27,6 +28,8 @@ from .schedule import schedule
 
 
 def _version(t: torch.Tensor) -> int | None:
+    if not isinstance(t, torch.Tensor):  # KeyIntervals: immutable by contract
+        return None
     try:
         return t._version
     except RuntimeError:  # inference-mode tensors keep no version counter
@@ -35,11 +38,12 @@ def _version(t: torch.Tensor) -> int | None:
 
 @dataclass(frozen=True)
 class PreparedMask:
-    """A bool mask with its active-tile lists built, for calls whose query and key have the
-    shapes, dtype and device it was prepared with, and the same ``is_causal``. Pass it as
-    ``attn_mask``. Build it with :func:`prepare_mask`."""
+    """A mask (bool, or ``KeyIntervals``) with its active-tile lists built, for calls whose
+    query and key have the shapes, dtype and device it was prepared with, and the same
+    ``is_causal``. Pass it as ``attn_mask``. Build it with :func:`prepare_mask`."""
 
-    mask: torch.Tensor
+    mask: object  # the bool tensor or KeyIntervals given
+    kernel_mask: torch.Tensor  # what the kernels read (KeyIntervals: their interleaved pairs)
     shape: AttnShape
     dtype: torch.dtype
     device: torch.device
@@ -79,8 +83,8 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     shapes, dtype and device of ``query`` and ``key`` are used, not their values. Do not write
     to the mask afterwards: calls refuse a mask changed in place.
     """
-    if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a bool torch.Tensor to prepare, got "
+    if not isinstance(attn_mask, (torch.Tensor, KeyIntervals)):
+        raise TypeError(f"attn_mask must be a bool torch.Tensor or KeyIntervals to prepare, got "
                         f"{type(attn_mask).__name__}")
     check_flags(is_causal=is_causal)
     # The key stands in for the value: same shape by contract, and only shapes are read.
@@ -92,5 +96,6 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     activity = mask_activity(checked, sched, with_backward=True)
     activity.lists(*sched.forward.list_tile, transposed=False)
     prepare_backward_lists(activity, problem)
-    return PreparedMask(attn_mask, checked.shape, query.dtype, query.device, is_causal,
-                        activity, _version(attn_mask))
+    kernel_mask = checked.mask.view if checked.mask.intervals is not None else attn_mask
+    return PreparedMask(attn_mask, kernel_mask, checked.shape, query.dtype, query.device,
+                        is_causal, activity, _version(attn_mask))

@@ -106,9 +106,9 @@ def attention_varlen_reference(
 ):
     """Packed (varlen) attention as one :func:`attention_reference` call per sequence.
 
-    Same layout and semantics as ``kernels.varlen.dmattn_varlen_func``: query (total_q, Hq,
-    D), key and value (total_k, Hk, D), attn_mask ``KeyIntervals`` (1, Hm, total_k) in each sequence's own
-    rows, attn_bias (Hb, total_k). A sequence with no keys gives output 0 and LSE -inf. Reads
+    Same layout and semantics as ``kernels.dmattn_varlen_func``: query (total_q, Hq, D), key
+    and value (total_k, Hk, D), attn_mask ``KeyIntervals`` (1, Hm, total_k) in each sequence's
+    own rows, attn_bias (Hb, total_k). A sequence with no keys gives output 0 and LSE -inf. Reads
     the offsets on the host.
     """
     compute = torch.float64 if upcast else query.dtype

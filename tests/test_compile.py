@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from kernels import attention_reference, dmattn_func, ops, prepare_mask
+from kernels import KeyIntervals, attention_reference, dmattn_func, ops, prepare_mask
 
 from attn_helpers import (Dims, assert_close_to_reference, grads_of, random_bias, random_mask,
                           random_qkv)
@@ -360,18 +360,27 @@ def test_fake_implementations_agree_with_the_kernels(device):
     q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
     for biases in ((bias, None), (expanded(bias, q, k), bias)):
         torch.library.opcheck(torch.ops.dmattn.fwd.default,
-                              (q, k, v, True, None, False, True, True, mask, *biases))
+                              (q, k, v, True, None, False, True, True, *operands(mask, *biases)))
     # The backward op has no backward of its own (no double backward): plain tensors.
     q, k, v, bias = (t.detach() for t in (q, k, v, bias))
-    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, True, True, mask, bias, None)
+    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, True, True,
+                                    *operands(mask, bias, None))
     assert_fake_matches_real(torch.ops.dmattn.fwd.default,
-                             (q, k, v, True, None, False, True, True, mask, bias, None))
+                             (q, k, v, True, None, False, True, True,
+                              *operands(mask, bias, None)))
     for biases in ((bias, None), (expanded(bias, q, k), bias)):
         for bias_needs_grad in (True, False):
             args = (torch.randn_like(out), q, k, v, out, lse, True, None, False,
-                    bias_needs_grad, mask, *biases)
+                    bias_needs_grad, *operands(mask, *biases))
             torch.library.opcheck(torch.ops.dmattn.bwd.default, args)
             assert_fake_matches_real(torch.ops.dmattn.bwd.default, args)
+
+
+def operands(mask, bias, bias_base) -> tuple:
+    """The ops' optional tensor arguments, in schema order, for a bool mask and a bias."""
+    slots = dict.fromkeys(ops.OPERANDS)
+    slots.update(attn_mask=mask, attn_bias=bias, bias_base=bias_base)
+    return tuple(slots.values())
 
 
 class SyncWatch(TorchDispatchMode):
@@ -401,17 +410,40 @@ def test_ops_never_wait_for_the_device(device):
     """Neither op reads device memory back to the host, with a mask read within the call (the
     most host-side work), so a CUDA graph can capture both. On a GPU, capture and replay them."""
     q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
-    flags, operands = (True, None, True), (mask, bias, None)
+    flags, optional = (True, None, True), operands(mask, bias, None)
     with SyncWatch() as watch:
-        out, lse = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, *operands)
-        grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *flags, True, *operands)
+        out, lse = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, *optional)
+        grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *flags, True, *optional)
     assert not watch.syncs, f"ops that wait for the device: {watch.syncs}"
     if device.type != "cuda":
         return
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, *operands)
-        captured += torch.ops.dmattn.bwd(grad_out, q, k, v, *captured, *flags, True, *operands)
+        captured = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, *optional)
+        captured += torch.ops.dmattn.bwd(grad_out, q, k, v, *captured, *flags, True, *optional)
     graph.replay()
     for got, want in zip(captured, (out, lse, *grads)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("made_inside", (False, True), ids=("given", "made-in-graph"))
+def test_key_interval_masks_compile_whole(made_inside, device):
+    """A KeyIntervals mask travels as its two tensors: one graph, eager's bits, whether the
+    intervals come in or are made inside the compiled function."""
+    q, k, v, _, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+    lq, lk = DIMS.seqlen_q, DIMS.seqlen_k
+    start = torch.randint(0, lq, (1, DIMS.heads_kv, lk), device=device)
+    end = start + torch.randint(0, lq, (1, DIMS.heads_kv, lk), device=device)
+
+    class IntervalAttention(Attention):
+        def forward(self, q, k, v, mask):
+            if made_inside:
+                mask = KeyIntervals(*mask)
+            return super().forward(q, k, v, mask)
+
+    module = IntervalAttention(bias, is_causal=True, return_lse=True, deterministic=True)
+    mask = (start, end) if made_inside else KeyIntervals(start, end)
+    compiled, counter = compile_counted(module)
+    got = run(compiled, q, k, v, mask, grad_out)
+    assert counter.frame_count == 1
+    assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))

@@ -89,7 +89,8 @@ def test_one_prepared_mask_serves_many_calls(no_mask_pass, device):
 
 
 def test_prepared_masked_tiles_read_no_keys_or_values(device):
-    """The sparsity rule (an all-masked tile reads no K or V) holds on the prepared path (NaN keys in an all-masked band)."""
+    """The sparsity rule (an all-masked tile reads no K or V) holds on the prepared path (NaN
+    keys in an all-masked band)."""
     assert_forward_skips_masked_band(device, prepare_mask)
 
 
@@ -132,7 +133,8 @@ def test_a_mask_written_after_preparing_is_refused(device):
 
 def test_prepare_mask_checks_its_inputs(device):
     q, k, v = random_qkv(DIMS, torch.float16, device)
-    with pytest.raises(TypeError, match="attn_mask must be a bool torch.Tensor to prepare"):
+    with pytest.raises(TypeError,
+                       match="attn_mask must be a bool torch.Tensor or KeyIntervals to prepare"):
         prepare_mask(None, q, k)
     with pytest.raises(TypeError, match="attn_mask"):
         prepare_mask(torch.ones(1, 1, 17, 33, device=device), q, k)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import KeyIntervals, attention_reference, attention_varlen_reference, topk_intervals
+from kernels import (KeyIntervals, attention_reference, attention_varlen_reference,
+                     dmattn_varlen_func, topk_intervals)
 from kernels.packed_seqlens import check_cu_seqlens
 from kernels.tolerance import check_tensor
-from kernels.varlen import dmattn_varlen_func, packed_intervals, varlen_call
+from kernels.varlen import packed_intervals, varlen_call
 
 # Sequences (Lq_s, Lk_s): lengths 0 and 1, Lq_s above and below Lk_s, totals not multiples
 # of 16.
@@ -30,10 +31,6 @@ OPERAND_HEADS = (pytest.param(None, id="none"), pytest.param(1, id="1"),
                  pytest.param(HEADS_KV, id="Hk"), pytest.param(HEADS_Q, id="Hq"))
 # The kernel tests' dtypes; each one's tolerance comes from kernels.tolerance.
 KERNEL_DTYPES = (pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32"))
-# dmattn_func does not take KeyIntervals yet, so kernels.varlen is not exported from kernels.
-# Once it does these pass, and strict xfail then reports them: delete the marker and export it.
-NEEDS_INTERVAL_KERNELS = pytest.mark.xfail(
-    raises=TypeError, strict=True, reason="the Triton kernels do not accept KeyIntervals yet")
 
 
 def offsets(lengths) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +213,6 @@ def kernel_problem(dtype, device):
     return packed_problem(lengths, dtype, device, mask_heads=HEADS_KV, bias_heads=HEADS_Q)
 
 
-@NEEDS_INTERVAL_KERNELS
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("is_causal", CAUSAL)
 def test_varlen_forward_matches_the_reference(dtype, is_causal, device):
@@ -237,7 +233,6 @@ def test_varlen_forward_matches_the_reference(dtype, is_causal, device):
     assert torch.isneginf(lse[empty]).all() and (out.transpose(0, 1)[empty] == 0).all()
 
 
-@NEEDS_INTERVAL_KERNELS
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("is_causal", CAUSAL)
 def test_varlen_backward_matches_the_reference(dtype, is_causal, device):

@@ -1,0 +1,158 @@
+"""``KeyIntervals`` masks through the Triton kernels: forward, backward (general and packed),
+bias gradient, GQA, causal, prepared, against the float64 reference given the same intervals,
+and against the same call with the intervals' dense bool mask. Tile skipping comes from the
+intervals' per-block bounds, never from an (Lq, Lk) pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_helpers import (Dims, assert_close_to_reference, assert_empty_rows_and_finite,
+                          backward_schedule, forcing, grads_of, random_bias, random_qkv)
+from kernels import KeyIntervals, attention_reference, dmattn_func, prepare_mask
+from kernels._blocks import interval_activity, tile_activity
+from kernels._checks import check_inputs
+
+CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
+# (dims, interval heads: "1", "Hk" or "Hq", interval batch: "1" or "B")
+SHAPES = [
+    pytest.param(Dims(2, 17, 33, heads_q=4, heads_kv=2, head_dim=16), "Hk", "B", id="gqa"),
+    pytest.param(Dims(1, 97, 40, heads_q=2, heads_kv=1, head_dim=40), "1", "1", id="lq>lk"),
+    pytest.param(Dims(2, 33, 70, heads_q=4, heads_kv=4, head_dim=16), "Hq", "1", id="mha"),
+    pytest.param(Dims(1, 1, 130, heads_q=8, heads_kv=2, head_dim=16), "Hk", "1", id="decode"),
+    pytest.param(Dims(1, 3, 65, heads_q=6, heads_kv=2, head_dim=16), "Hq", "1", id="lq3-packed"),
+]
+
+
+def random_intervals(dims: Dims, heads: str, batch: str, device, seed: int = 0) -> KeyIntervals:
+    """Random runs of rows per key: some empty, some covering every row, some one row long."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    b = dims.batch if batch == "B" else 1
+    h = {"1": 1, "Hk": dims.heads_kv, "Hq": dims.heads_q}[heads]
+    lq, lk = dims.seqlen_q, dims.seqlen_k
+    start = torch.randint(-2, lq + 1, (b, h, lk), generator=gen)
+    length = torch.randint(0, lq + 2, (b, h, lk), generator=gen)
+    kind = torch.randint(0, 6, (b, h, lk), generator=gen)
+    end = start + length
+    start = torch.where(kind == 0, torch.zeros_like(start), start)  # every row
+    end = torch.where(kind == 0, torch.full_like(end, lq), end)
+    end = torch.where(kind == 1, start, end)  # empty
+    end = torch.where(kind == 2, start + 1, end)  # one row
+    return KeyIntervals(start.to(device), end.to(device=device, dtype=torch.int32))
+
+
+def _check(name, got, truth, low, dtype):
+    assert torch.isfinite(got).all(), f"{name} has NaN or Inf"
+    assert_close_to_reference(name, got, truth, low, dtype)
+
+
+@pytest.mark.parametrize("dims,heads,batch", SHAPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_intervals_forward_and_backward_match_the_reference(dims, heads, batch, causal,
+                                                             device):
+    dtype = torch.float16
+    q, k, v = random_qkv(dims, dtype, device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), dtype, device)
+    intervals = random_intervals(dims, heads, batch, device)
+    out, lse = dmattn_func(q, k, v, intervals, bias, causal, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True)
+    low_out, low_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True,
+                                           upcast=False)
+    assert_empty_rows_and_finite(out, ref_lse=ref_lse, lse=lse)
+    _check("out", out, ref_out, low_out, dtype)
+    assert_close_to_reference("lse", lse, ref_lse, low_lse, dtype)  # -inf on empty rows
+
+    grad_out = torch.randn(q.shape, device=device).to(dtype)
+    got = grads_of(dmattn_func, q, k, v, intervals, bias, causal, None, grad_out)
+    upcast = [t.float() for t in (q, k, v, bias)]
+    truth = grads_of(attention_reference, *upcast[:3], intervals, upcast[3], causal, None,
+                     grad_out.double())
+    low = grads_of(attention_reference, q, k, v, intervals, bias, causal, None, grad_out,
+                   upcast=False)
+    for (name, a), (_, t), (_, lo) in zip(got.named(), truth.named(), low.named()):
+        _check(name, a, t, lo, dtype)
+
+
+@pytest.mark.parametrize("dims,heads,batch", SHAPES[:2] + SHAPES[3:4])
+def test_intervals_give_the_dense_masks_bits(dims, heads, batch, device):
+    """The same call with the intervals' dense bool mask: the same outputs and gradients, bit
+    for bit (deterministic), whichever tiles each one's activity map counts."""
+    q, k, v = random_qkv(dims, torch.float32, device)
+    bias = random_bias(dims.operand_shape("1", "Hk", "1", "Lk"), torch.float32, device)
+    intervals = random_intervals(dims, heads, batch, device, seed=1)
+    dense = intervals.to_dense(dims.seqlen_q)
+    grad_out = torch.randn(q.shape, device=device)
+    runs = [grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out,
+                     deterministic=True) for mask in (intervals, dense)]
+    for (name, a), (_, b) in zip(runs[0].named(), runs[1].named()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("route", ("fused", "dq+dkdv"))
+def test_intervals_on_each_general_backward_route(route, device):
+    dims = Dims(1, 40, 70, heads_q=4, heads_kv=2, head_dim=16)
+    dtype = torch.bfloat16
+    q, k, v = random_qkv(dims, dtype, device)
+    bias = random_bias(dims.operand_shape("1", "Hk", "1", "Lk"), dtype, device)
+    intervals = random_intervals(dims, "Hk", "1", device, seed=2)
+    options = {"backward": route, "dkdv_head_shares": 2}
+    assert backward_schedule(q, k, v, intervals, bias, True,
+                             kernel_options=options).route.value == route
+    grad_out = torch.randn(q.shape, device=device).to(dtype)
+    got = grads_of(forcing(**options), q, k, v, intervals, bias, True, None, grad_out)
+    upcast = [t.float() for t in (q, k, v, bias)]
+    truth = grads_of(attention_reference, *upcast[:3], intervals, upcast[3], True, None,
+                     grad_out.double())
+    low = grads_of(attention_reference, q, k, v, intervals, bias, True, None, grad_out,
+                   upcast=False)
+    for (name, a), (_, t), (_, lo) in zip(got.named(), truth.named(), low.named()):
+        _check(name, a, t, lo, dtype)
+
+
+def test_prepared_intervals(device):
+    """prepare_mask takes KeyIntervals; calls with it give the unprepared call's bits."""
+    dims = Dims(2, 33, 47, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    intervals = random_intervals(dims, "Hk", "B", device, seed=3)
+    prepared = prepare_mask(intervals, q, k, is_causal=True)
+    grad_out = torch.randn(q.shape, device=device)
+    runs = [grads_of(dmattn_func, q, k, v, mask, None, True, None, grad_out)
+            for mask in (prepared, intervals)]
+    for (name, a), (_, b) in zip(runs[0].named(), runs[1].named()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_interval_activity_never_misses_a_pair_and_full_is_exact(causal, device):
+    """Against the bool mask's own activity pass: every tile with a visible pair is active,
+    and a tile is full exactly where the dense mask's is."""
+    dims = Dims(2, 70, 90, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    intervals = random_intervals(dims, "Hk", "B", device, seed=4)
+    # Whole blocks of keys visible to every row make full tiles.
+    intervals = KeyIntervals(intervals.start.clone(), intervals.end.clone())
+    intervals.start[..., 16:48] = 0
+    intervals.end[..., 16:48] = dims.seqlen_q
+    dense = intervals.to_dense(dims.seqlen_q)
+    by_intervals = interval_activity(intervals, check_inputs(q, k, v, dense, None, None).shape,
+                                     16, 16, causal).active
+    by_mask = tile_activity(check_inputs(q, k, v, dense, None, None).mask, dims, 16, 16,
+                            causal).active
+    assert by_intervals.shape == by_mask.shape
+    assert ((by_mask > 0) <= (by_intervals > 0)).all()
+    assert torch.equal(by_intervals == 2, by_mask == 2)
+    assert (by_mask == 2).any()
+
+
+def test_intervals_are_never_made_dense(device):
+    """No (Lq, Lk) tensor anywhere in a call: the largest allocation is O(Lk) per head, or the
+    outputs and the activity map."""
+    from attn_helpers import AllocationWatch
+
+    dims = Dims(1, 200, 210, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    intervals = random_intervals(dims, "Hk", "1", device, seed=5)
+    with AllocationWatch() as watch:
+        dmattn_func(q, k, v, intervals, None, True)
+    assert watch.largest_fresh_bytes() < dims.seqlen_q * dims.seqlen_k
