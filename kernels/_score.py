@@ -54,7 +54,7 @@ def mask_keeps(mask_ptrs, m_idx, load_ok, PREDICATED: tl.constexpr = True):
     pointer of key n addresses n's start and the next element its end, and row i is kept iff
     start <= i < end. The pointer type tells the two apart at compile time.
     """
-    if mask_ptrs.dtype.element_ty == tl.int32:
+    if tl.constexpr(mask_ptrs.dtype.element_ty == tl.int32):
         if PREDICATED:
             start = tl.load(mask_ptrs, mask=load_ok, other=0)
             end = tl.load(mask_ptrs + 1, mask=load_ok, other=0)
