@@ -163,7 +163,7 @@ def test_report_writes_the_headline_and_the_tables(tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{HEADLINE[1]}\noutro\n")
     assert "old headline" not in text
-    assert "| s, fwd | 1 | 1 of 1 | 2.00× – 2.00× | – |" in text
+    assert "| s | 1 | 1 of 1 (2.00× – 2.00×) | – | – | – |" in text
     assert "[results/test-gpu/README.md](results/test-gpu/README.md)" in text
 
     tables = tmp_path / "results" / "test-gpu" / "README.md"
@@ -212,7 +212,7 @@ def test_report_without_readme_flag_leaves_the_readme_alone_for_cpu_rows(tmp_pat
                    _rows(_masked(0), "s", "fwd", {"triton": 1.0, "sdpa": 1.5}))
     result = runner.invoke(app, ["report", str(gpu_csv)])
     assert result.exit_code == 0, result.output
-    assert "| s, fwd | 1 | 1 of 1 | 1.50× – 1.50× | – |" in readme.read_text()
+    assert "| s | 1 | 1 of 1 (1.50× – 1.50×) | – | – | – |" in readme.read_text()
 
 
 @pytest.mark.parametrize("where", ["two folders", "no tables folder"])
@@ -237,7 +237,7 @@ def test_report_print_writes_nothing(tmp_path, monkeypatch):
                     _rows(_masked(0), "s", "fwd", {"triton": 1.0, "flex": 2.0}))
     result = runner.invoke(app, ["report", str(csv_path), "--print"])
     assert result.exit_code == 0, result.output
-    assert "| s, fwd | 1 | 1 of 1 | 2.00× – 2.00× | – |" in result.output
+    assert "| s | 1 | 1 of 1 (2.00× – 2.00×) | – | – | – |" in result.output
     assert "| B1 H4/2 L64 D64 topk W32 kv_row causal | 1.000 | 2.000 | 2.00× (flex) |" in result.output
     assert readme.read_text() == before
     assert sorted(p.name for p in csv_path.parent.iterdir()) == ["s-fwd.csv"]
