@@ -314,13 +314,23 @@ def packed_dbias(problem: Problem) -> DbiasPlan | None:
     return plan_packed_dbias(bias.shape, problem.shape, problem.dtype, problem.interpreted)
 
 
-def takes_packed(problem: Problem) -> bool:
-    """Decode: the packed launch serves a call whose GQA group has at most PACKED_MAX_ROWS
-    query rows, unless its bias gradient would need several writers per element."""
+def packed_route(problem: Problem) -> tuple[bool, DbiasPlan | None]:
+    """(whether the packed launch serves this call, its bias gradient's plan when one is
+    wanted), the plan made once. Decode: the packed launch serves a call whose GQA group has at
+    most PACKED_MAX_ROWS query rows, unless its bias gradient would need several writers per
+    element."""
     shape = problem.shape
     if shape.seqlen_q * shape.group_size > tuning.PACKED_MAX_ROWS:
-        return False
-    return not problem.bias_grad or packed_dbias(problem) is not None
+        return False, None
+    if not problem.bias_grad:
+        return True, None
+    dbias = packed_dbias(problem)
+    return dbias is not None, dbias
+
+
+def takes_packed(problem: Problem) -> bool:
+    """Whether the packed launch serves this call (``packed_route``)."""
+    return packed_route(problem)[0]
 
 
 def skips_dead_blocks(problem: Problem, tile: tuning.Tile) -> bool:
@@ -335,13 +345,14 @@ def skips_dead_blocks(problem: Problem, tile: tuning.Tile) -> bool:
     return share is not None and share <= tuning.PACKED_LIVE_SHARE_FOR_BRANCH
 
 
-def schedule_packed(problem: Problem) -> BackwardSchedule:
+def schedule_packed(problem: Problem, dbias: DbiasPlan | None) -> BackwardSchedule:
+    """The packed route, with the bias gradient's plan from ``packed_route``."""
     shape = problem.shape
     tile = packed_tile(problem)
     pairs = shape.batch * shape.heads_kv
     return BackwardSchedule(
         route=BackwardRoute.PACKED,
-        dbias=packed_dbias(problem) if problem.bias_grad else None,
+        dbias=dbias,
         packed=tile,
         packed_key_splits=key_splits(pairs, ceil_div(shape.seqlen_k, tile.block_n),
                                      problem.multiprocessors,
@@ -396,16 +407,16 @@ def schedule_general(problem: Problem, options: dict) -> BackwardSchedule:
 
 def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
     route = options.get("backward")
-    if route is BackwardRoute.PACKED:
-        if not takes_packed(problem):
+    if route in (None, BackwardRoute.PACKED):
+        packs, dbias = packed_route(problem)
+        if packs:
+            return schedule_packed(problem, dbias)
+        if route is BackwardRoute.PACKED:
             raise ValueError(
                 "kernel_options['backward']: 'packed' serves at most "
                 f"{tuning.PACKED_MAX_ROWS} query rows per GQA group (seqlen_q x heads_q / "
                 "heads_kv) and a bias gradient with one writer per element; this call has "
                 f"{problem.shape.seqlen_q * problem.shape.group_size} rows")
-        return schedule_packed(problem)
-    if route is None and takes_packed(problem):
-        return schedule_packed(problem)
     return schedule_general(problem, options)
 
 
