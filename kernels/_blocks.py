@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
+from .intervals import block_bounds
 from ._launch import ceil_div, launch, next_power_of_2, operand_args
 from ._operands import NO_LISTS, ListStrides
 from ._score import tile_offsets, visible_keys
@@ -224,8 +225,8 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     Fully parallel and bandwidth-bound; ``lists_from_activity`` then compacts each list row in
     a small second launch (one sequential pass per row over the mask would be latency-bound).
     ``KeyIntervals`` masks take ``interval_activity`` instead: no pass over (Lq, Lk)."""
-    if mask.intervals is not None:
-        return interval_activity(mask.intervals, shape, sub_rows, sub_cols, is_causal)
+    if mask.interval_pairs is not None:
+        return interval_activity(mask, shape, sub_rows, sub_cols, is_causal)
     args = operand_args(mask)
     mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
     map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
@@ -245,20 +246,21 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     return ActivityMap(active, sub_rows, sub_cols)
 
 
-def interval_activity(intervals, shape: AttnShape, sub_rows: int, sub_cols: int,
+def interval_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_cols: int,
                       is_causal: bool) -> ActivityMap:
-    """The activity map of a ``KeyIntervals`` mask, from per-key-block bounds of its intervals
-    in O(Bm' Hm' (Lk + map tiles)) torch ops. Causality narrows each key's interval first
-    (key j is visible from row j - (Lk - Lq) on). A tile is active (1) where some key's interval
-    reaches its rows, which may count a tile whose keys' intervals pass between its rows
-    (harmless: its pairs are tested); it is full (2) only where every pair is visible and the
-    tile lies inside both lengths, exactly as ``_tile_activity_kernel`` counts it."""
-    start, end = intervals.kernel_operand().unbind(2)  # (Bm', Hm', Lk) int32 each
+    """The activity map of a ``KeyIntervals`` mask (its checked operand), from per-key-block
+    bounds of its intervals in O(Bm' Hm' (Lk + map tiles)) torch ops. Causality narrows each
+    key's interval first (key j is visible from row j - (Lk - Lq) on). A tile is active (1)
+    where some key's interval reaches its rows, which may count a tile whose keys' intervals
+    pass between its rows (harmless: its pairs are tested); it is full (2) only where every
+    pair is visible and the tile lies inside both lengths, exactly as ``_tile_activity_kernel``
+    counts it."""
+    start, end = mask.interval_pairs.unbind(3)  # (Bm', Hm', Lk) int32 each
     if is_causal:
         first_row = (torch.arange(shape.seqlen_k, device=start.device, dtype=torch.int32)
                      - (shape.seqlen_k - shape.seqlen_q))
         start = torch.maximum(start, first_row)
-    bounds = type(intervals)(start, end).block_bounds(sub_cols)
+    bounds = block_bounds(start, end, sub_cols)
     active, full = bounds.tiles(sub_rows, shape.seqlen_q)
     map_rows = active.shape[-2]
     whole_rows = (torch.arange(1, map_rows + 1, device=start.device) * sub_rows

@@ -48,9 +48,9 @@ class BroadcastOperand:
     view: torch.Tensor
     head_div: int
     original_shape: tuple[int, ...]
-    # A mask given as ``KeyIntervals``: those intervals. ``view`` then addresses their int32
-    # (start, end) pairs interleaved per key, with query stride 0 (see ``_check_intervals``).
-    intervals: object = None
+    # A mask given as ``KeyIntervals``: their int32 (start, end) pairs interleaved per key,
+    # (Bm', Hm', Lk, 2), which ``view`` addresses with query stride 0 (``_check_intervals``).
+    interval_pairs: torch.Tensor | None = None
 
 
 def _check_qkv(query, key, value) -> AttnShape:
@@ -128,7 +128,7 @@ def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
         (shape.batch, heads, shape.seqlen_q, shape.seqlen_k),
         (0 if batch == 1 else pairs.stride(0), pairs.stride(1), 0, 2))
     return BroadcastOperand(view, shape.heads_q // heads,
-                            (batch, heads, shape.seqlen_q, shape.seqlen_k), intervals)
+                            (batch, heads, shape.seqlen_q, shape.seqlen_k), pairs)
 
 
 @dataclass(frozen=True)

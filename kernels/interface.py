@@ -91,7 +91,7 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
     if signature is not None and not copied:
         _remember(plans, signature, plan)
     # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs.
-    if checked.mask is not None and checked.mask.intervals is not None:
+    if checked.mask is not None and checked.mask.interval_pairs is not None:
         attn_mask = checked.mask.view
     return plan, query, key, value, attn_mask
 

@@ -168,21 +168,26 @@ class KeyIntervals:
     def block_bounds(self, block_n: int) -> IntervalBlockBounds:
         """Per block of ``block_n`` keys, the bounds of :class:`IntervalBlockBounds`, in
         O(Bm' * Hm' * Lk) torch ops (the last block padded with neutral values)."""
-        if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
-            raise ValueError(f"block_n must be a positive int, got {block_n!r}")
-        operand = self.kernel_operand()
-        start, end = operand[:, :, 0], operand[:, :, 1]
-        lk = start.shape[-1]
-        blocks = -(-lk // block_n)
-        pad = blocks * block_n - lk
+        start, end = self.kernel_operand().unbind(2)
+        return block_bounds(start, end, block_n)
 
-        def per_block(values: torch.Tensor, fill: int) -> torch.Tensor:
-            values = torch.nn.functional.pad(values, (0, pad), value=fill)
-            return values.view(*values.shape[:-1], blocks, block_n)
 
-        empty = start >= end
-        min_start = per_block(start.masked_fill(empty, INT32_MAX), INT32_MAX).amin(-1)
-        max_end = per_block(end.masked_fill(empty, INT32_MIN), INT32_MIN).amax(-1)
-        max_start = per_block(start, INT32_MIN).amax(-1)
-        min_end = per_block(end, INT32_MAX).amin(-1)
-        return IntervalBlockBounds(block_n, lk, min_start, max_end, max_start, min_end)
+def block_bounds(start: torch.Tensor, end: torch.Tensor, block_n: int) -> IntervalBlockBounds:
+    """The :class:`IntervalBlockBounds` of int32 ``start`` and ``end`` (..., Lk) per block of
+    ``block_n`` keys (the last block padded with neutral values)."""
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
+        raise ValueError(f"block_n must be a positive int, got {block_n!r}")
+    lk = start.shape[-1]
+    blocks = -(-lk // block_n)
+    pad = blocks * block_n - lk
+
+    def per_block(values: torch.Tensor, fill: int) -> torch.Tensor:
+        values = torch.nn.functional.pad(values, (0, pad), value=fill)
+        return values.view(*values.shape[:-1], blocks, block_n)
+
+    empty = start >= end
+    min_start = per_block(start.masked_fill(empty, INT32_MAX), INT32_MAX).amin(-1)
+    max_end = per_block(end.masked_fill(empty, INT32_MIN), INT32_MIN).amax(-1)
+    max_start = per_block(start, INT32_MIN).amax(-1)
+    min_end = per_block(end, INT32_MAX).amin(-1)
+    return IntervalBlockBounds(block_n, lk, min_start, max_end, max_start, min_end)

@@ -96,6 +96,6 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     activity = mask_activity(checked, sched, with_backward=True)
     activity.lists(*sched.forward.list_tile, transposed=False)
     prepare_backward_lists(activity, problem)
-    kernel_mask = checked.mask.view if checked.mask.intervals is not None else attn_mask
+    kernel_mask = checked.mask.view if checked.mask.interval_pairs is not None else attn_mask
     return PreparedMask(attn_mask, kernel_mask, checked.shape, query.dtype, query.device,
                         is_causal, activity, _version(attn_mask))

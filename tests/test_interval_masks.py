@@ -135,7 +135,7 @@ def test_interval_activity_never_misses_a_pair_and_full_is_exact(causal, device)
     intervals.start[..., 16:48] = 0
     intervals.end[..., 16:48] = dims.seqlen_q
     dense = intervals.to_dense(dims.seqlen_q)
-    by_intervals = interval_activity(intervals, check_inputs(q, k, v, dense, None, None).shape,
+    by_intervals = interval_activity(check_inputs(q, k, v, intervals, None, None).mask, dims,
                                      16, 16, causal).active
     by_mask = tile_activity(check_inputs(q, k, v, dense, None, None).mask, dims, 16, 16,
                             causal).active
