@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from ._partials import last_share_arrived, split_rows, store_partial
-from ._scratch import Scratch
 from ._score import (LN2, block_at, block_spans, clamp_index, dense_spans, grid_position,
                      head_base, mma, operand_base, query_tile_scores, row_offsets, span,
                      tile_offsets)

@@ -28,11 +28,9 @@ def causal_keep(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
 
 
 def _dense_intervals(query, key, value, intervals: KeyIntervals, attn_bias, softmax_scale):
-    """The bool mask (Bm, Hm, Lq, Lk) of ``intervals``, after checking them against the call."""
-    shape = check_inputs(query, key, value, None, attn_bias, softmax_scale).shape
-    intervals.check_against(batch=shape.batch, heads_q=shape.heads_q, heads_kv=shape.heads_kv,
-                            seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
-                            device=query.device)
+    """The bool mask (Bm, Hm, Lq, Lk) of ``intervals``, after checking them against the call
+    as the kernels do (``check_inputs``)."""
+    shape = check_inputs(query, key, value, intervals, attn_bias, softmax_scale).shape
     return intervals.to_dense(shape.seqlen_q)
 
 
