@@ -45,19 +45,20 @@ def tile_offsets(rows, cols, stride_rows, stride_cols):
 
 
 @triton.jit
-def mask_keeps(mask_ptrs, m_idx, load_ok, PREDICATED: tl.constexpr = True):
+def mask_keeps(mask_ptrs, m_idx, load_ok, key_ok, PREDICATED: tl.constexpr = True):
     """The mask's verdict on a tile of pairs: loads predicated on ``load_ok`` (not PREDICATED:
     unpredicated, the pointers clamped into range).
 
     A bool mask (read as bytes) keeps a pair whose byte is non-zero. A ``KeyIntervals`` mask
-    arrives as int32 (start, end) pairs interleaved per key, its pointers' query stride 0: the
-    pointer of key n addresses n's start and the next element its end, and row i is kept iff
-    start <= i < end. The pointer type tells the two apart at compile time.
+    arrives as int32 (start, end) pairs interleaved per key: the pointer of key n addresses n's
+    start and the next element its end, and row i is kept iff start <= i < end. Its pointers
+    are one key vector (``interval_rows``), so its loads are predicated on ``key_ok``, the key
+    range test of the same shape.
     """
-    if tl.constexpr(mask_ptrs.dtype.element_ty == tl.int32):
+    if tl.constexpr(mask_ptrs.dtype.element_ty == tl.int32):  # KeyIntervals
         if PREDICATED:
-            start = tl.load(mask_ptrs, mask=load_ok, other=0)
-            end = tl.load(mask_ptrs + 1, mask=load_ok, other=0)
+            start = tl.load(mask_ptrs, mask=key_ok, other=0)
+            end = tl.load(mask_ptrs + 1, mask=key_ok, other=0)
         else:
             start = tl.load(mask_ptrs)
             end = tl.load(mask_ptrs + 1)
@@ -67,6 +68,16 @@ def mask_keeps(mask_ptrs, m_idx, load_ok, PREDICATED: tl.constexpr = True):
     else:
         keep = tl.load(mask_ptrs) != 0
     return keep
+
+
+@triton.jit
+def interval_rows():
+    """The row offsets of a ``KeyIntervals`` mask's tile pointers: one row, since every query
+    row of a tile reads the same (start, end) per key (query stride 0, one mask head per tile).
+    As a (BLOCK_M, BLOCK_N) tile of int32 pairs the pipelined loads needed 263 KB of shared
+    memory in the D128 masked forward, over the H100's 227 KB; as a key vector they need a
+    few hundred bytes."""
+    return tl.zeros([1, 1], dtype=tl.int32)
 
 
 @triton.jit
@@ -87,16 +98,18 @@ def visible_keys(m_idx, n_idx, seqlen_q, seqlen_k, mask_ptrs,
     """
     if INTERIOR:
         if GUARD_KEYS:
-            keep = mask_keeps(mask_ptrs, m_idx, n_idx < seqlen_k)
+            key_ok = n_idx < seqlen_k
+            keep = mask_keeps(mask_ptrs, m_idx, key_ok, key_ok)
         else:
-            keep = mask_keeps(mask_ptrs, m_idx, n_idx, PREDICATED=False)
+            keep = mask_keeps(mask_ptrs, m_idx, n_idx, n_idx, PREDICATED=False)
     else:
-        keep = (m_idx < seqlen_q) & (n_idx < seqlen_k)
+        key_ok = n_idx < seqlen_k
+        keep = (m_idx < seqlen_q) & key_ok
         if HAS_MASK:
             # Predicated on the range test alone: it is constant along rows and columns, so
             # the loads can stay vectorized. Adding the causal test to the predicate made the
             # list pass 1.3-2.8x slower on the H100.
-            keep = keep & mask_keeps(mask_ptrs, m_idx, keep)
+            keep = keep & mask_keeps(mask_ptrs, m_idx, keep, key_ok)
         if IS_CAUSAL:
             keep = keep & (n_idx <= m_idx + (seqlen_k - seqlen_q))
     return keep

@@ -11,8 +11,8 @@ import triton.language as tl
 from ._partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
                         sum_partials)
 from ._score import (block_at, block_spans, clamp_index, dense_spans, grid_position, head_base,
-                     load_bias, mma, probs_from_lse, scores_log2, seq_base, span, tile_offsets,
-                     visible_keys, write_tile)
+                     interval_rows, load_bias, mma, probs_from_lse, scores_log2, seq_base, span,
+                     tile_offsets, visible_keys, write_tile)
 
 
 @triton.jit
@@ -204,8 +204,12 @@ def attn_bwd_dkdv_program(
             + tile_offsets(offs_m0[:, None], offs_d[None, :], strides.do.stride_l, 1)
         o_ptrs = seq_base(ptrs.out, strides.out, b, h) \
             + tile_offsets(offs_m0[:, None], offs_d[None, :], strides.out.stride_l, 1)
+        if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int32):  # KeyIntervals: one key vector
+            mask_cols = interval_rows()
+        else:
+            mask_cols = offs_m0[None, :]
         mask_ptrs = head_base(ptrs.mask, layouts.mask, b, h) \
-            + tile_offsets(mask_keys[:, None], offs_m0[None, :], layouts.mask.stride_n,
+            + tile_offsets(mask_keys[:, None], mask_cols, layouts.mask.stride_n,
                            layouts.mask.stride_m)
         bias_ptrs = head_base(ptrs.bias, layouts.bias, b, h) \
             + tile_offsets(offs_n[:, None], bias_cols, layouts.bias.stride_n,

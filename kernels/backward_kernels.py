@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ._partials import merge_shares, store_gradient_rows
-from ._score import (block_at, block_spans, clamp_index, dense_spans, grid_position, head_base, mma,
-                     probs_from_lse, query_tile_scores, seq_base, span, tile_offsets,
+from ._score import (block_at, block_spans, clamp_index, dense_spans, grid_position, head_base,
+                     interval_rows, mma, probs_from_lse, query_tile_scores, seq_base, span, tile_offsets,
                      write_tile)
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
 
@@ -152,8 +152,12 @@ def _attn_bwd_dq_program(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], strides.v.stride_l, 1)
     # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
     safe_m = clamp_index(offs_m, seqlen_q)
+    if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int32):  # KeyIntervals: one key vector
+        mask_rows = interval_rows()
+    else:
+        mask_rows = safe_m[:, None]
     mask_ptrs = head_base(ptrs.mask, layouts.mask, b, h) \
-        + tile_offsets(safe_m[:, None], offs_n0[None, :], layouts.mask.stride_m,
+        + tile_offsets(mask_rows, offs_n0[None, :], layouts.mask.stride_m,
                        layouts.mask.stride_n)
     if BIAS_ROW:  # one query row: address it once per tile (see load_bias)
         bias_rows = tl.zeros([1, 1], dtype=tl.int32)

@@ -12,8 +12,8 @@ import triton.language as tl
 
 from ._partials import last_share_arrived, split_rows, store_partial
 from ._score import (LN2, block_at, block_spans, clamp_index, dense_spans, grid_position,
-                     head_base, mma, operand_base, query_tile_scores, row_offsets, span,
-                     tile_offsets)
+                     head_base, interval_rows, mma, operand_base, query_tile_scores,
+                     row_offsets, span, tile_offsets)
 
 
 @triton.jit
@@ -109,10 +109,13 @@ def _attn_fwd_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], v_strides.stride_l, 1)
     # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
     safe_m = clamp_index(offs_m, seqlen_q)
-    mask_ptrs = ptrs.mask + b.to(tl.int64) * mask_layout.stride_b \
-        + row_offsets(safe_m, heads, mask_layout.head_div, mask_layout.stride_m,
-                      mask_layout.stride_h)[:, None] \
-        + offs_n0.to(tl.int64)[None, :] * mask_layout.stride_n
+    if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int32):  # KeyIntervals: one key vector
+        mask_rows = head_base(ptrs.mask, mask_layout, b, first_head) + interval_rows()
+    else:
+        mask_rows = ptrs.mask + b.to(tl.int64) * mask_layout.stride_b \
+            + row_offsets(safe_m, heads, mask_layout.head_div, mask_layout.stride_m,
+                          mask_layout.stride_h)[:, None]
+    mask_ptrs = mask_rows + offs_n0.to(tl.int64)[None, :] * mask_layout.stride_n
     if BIAS_ROW:  # one query row shared by the tile's heads: address it once (see load_bias)
         bias_rows = head_base(ptrs.bias, bias_layout, b, first_head) \
             + tl.zeros([1, 1], dtype=tl.int64)

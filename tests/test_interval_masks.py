@@ -145,6 +145,34 @@ def test_interval_activity_never_misses_a_pair_and_full_is_exact(causal, device)
     assert (by_mask == 2).any()
 
 
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("sub_rows,sub_cols", [(16, 16), (16, 32), (32, 16)])
+def test_interval_activity_kernel_follows_the_block_bounds(causal, sub_rows, sub_cols, device):
+    """The one-launch activity map equals the tests of ``IntervalBlockBounds.tiles`` applied to
+    the causally narrowed intervals, tile for tile (Lq and Lk not multiples of the tiles)."""
+    dims = Dims(2, 75, 93, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    drawn = random_intervals(dims, "Hq", "B", device, seed=6)
+    start, end = drawn.start.clone(), drawn.end.to(drawn.start.dtype)
+    # Head 0: whole blocks visible to every row, then whole blocks of empty intervals.
+    start[:, 0, :64], end[:, 0, :64] = 0, dims.seqlen_q
+    end[:, 0, 64:] = start[:, 0, 64:]
+    intervals = KeyIntervals(start, end)
+    got = interval_activity(check_inputs(q, k, v, intervals, None, None).mask, dims,
+                            sub_rows, sub_cols, causal).active
+    start, end = intervals.start.long(), intervals.end.long()
+    if causal:
+        start = torch.maximum(start, torch.arange(dims.seqlen_k, device=start.device)
+                              - (dims.seqlen_k - dims.seqlen_q))
+    active, full = KeyIntervals(start, end).block_bounds(sub_cols).tiles(sub_rows,
+                                                                          dims.seqlen_q)
+    whole_rows = (torch.arange(1, active.shape[-2] + 1, device=active.device) * sub_rows
+                  <= dims.seqlen_q)[:, None]
+    expected = active.to(torch.int8) + (active & full & whole_rows).to(torch.int8)
+    assert (expected == 2).any() and (expected == 0).any() and (expected == 1).any()
+    assert torch.equal(got, expected)
+
+
 def test_intervals_are_never_made_dense(device):
     """No (Lq, Lk) tensor anywhere in a call: the largest allocation is O(Lk) per head, or the
     outputs and the activity map."""
