@@ -1,7 +1,8 @@
 """attn_implementation="dmattn" in transformers models matches their eager attention.
 
 Each model runs three times with the same weights: eager in float64 (the reference), eager in
-float32 (the baseline) and dmattn in float32 (the candidate), on a tiny random-init config.
+float32 (the baseline) and dmattn in float32 (the candidate), on a tiny random-init config, on
+the CPU (kernels under Triton's interpreter) or, with ``--device cuda``, on the GPU.
 Logits at non-padded positions and every parameter's gradient of a loss over those positions
 go through kernels.tolerance's rule, measured in units of the reference's largest magnitude
 (parameters' gradients span several orders of magnitude; the rule's floor is absolute). A
@@ -41,7 +42,7 @@ def _registered():
     dm_hf.register()
 
 
-def _models(config):
+def _models(config, device):
     """(eager float64, eager float32, dmattn float32), all with the eager model's weights."""
     eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                           attn_implementation="eager")
@@ -49,6 +50,7 @@ def _models(config):
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                          attn_implementation="dmattn")
     ours.load_state_dict(eager.state_dict())
+    eager, ours = eager.to(device), ours.to(device)
     return copy.deepcopy(eager).double(), eager, ours
 
 
@@ -61,7 +63,7 @@ def _randomize_doge_decay(model):
                 module.A.normal_()
 
 
-def _batch(padded: bool):
+def _batch(padded: bool, device=torch.device("cpu")):
     """Token ids and the 2-D attention mask. Padded: the second sequence is right-padded, and
     the first hides key HIDDEN, since under causality right padding is seen only by padded
     rows, whose outputs no check reads. Nothing is left-padded: a left-padded row sees no key,
@@ -74,7 +76,7 @@ def _batch(padded: bool):
     if padded:
         keep[1, SEQLEN - PADDED:] = 0
         keep[0, HIDDEN] = 0
-    return ids, keep
+    return ids.to(device), keep.to(device)
 
 
 def _run(model, ids, keep, weights, pass_mask, **inputs):
@@ -98,15 +100,16 @@ def _module_scale(name, grads) -> float:
     return max(float(g.abs().max()) for n, g in grads.items() if n.startswith(owner))
 
 
-def _assert_matches_eager(config, padded=True, pass_mask=True, autocast=None, **inputs):
-    """``autocast``: a dtype that the baseline and candidate run under CPU autocast in."""
-    reference, baseline, ours = _models(config)
-    ids, keep = _batch(padded)
-    weights = torch.randn(int(keep.sum()), VOCAB)
+def _assert_matches_eager(config, device, padded=True, pass_mask=True, autocast=None,
+                          **inputs):
+    """``autocast``: a dtype that the baseline and candidate run under autocast in."""
+    reference, baseline, ours = _models(config, device)
+    ids, keep = _batch(padded, device)
+    weights = torch.randn(int(keep.sum()), VOCAB).to(device)
     runs = []
     for model in (reference, baseline, ours):
-        context = torch.autocast("cpu", dtype=autocast, enabled=(autocast is not None
-                                                                 and model is not reference))
+        context = torch.autocast(device.type, dtype=autocast,
+                                 enabled=autocast is not None and model is not reference)
         with context:
             runs.append(_run(model, ids, keep, weights, pass_mask, **inputs))
     (ref_logits, ref_grads), (base_logits, base_grads), (our_logits, our_grads) = runs
@@ -120,34 +123,35 @@ def _assert_matches_eager(config, padded=True, pass_mask=True, autocast=None, **
     assert not failed, "\n".join(failed)
 
 
-def test_llama_right_padded_matches_eager():
-    _assert_matches_eager(transformers.LlamaConfig(**TINY))
+def test_llama_right_padded_matches_eager(device):
+    _assert_matches_eager(transformers.LlamaConfig(**TINY), device)
 
 
-def test_llama_under_autocast_matches_eager():
+def test_llama_under_autocast_matches_eager(device):
     """fp32 weights under bf16 autocast, as mixed-precision training runs. Without a cache
     the value arrives in bf16 and query and key (rotated with fp32 cos and sin) in fp32: the
     kernel gets all three in autocast's dtype."""
-    _assert_matches_eager(transformers.LlamaConfig(**TINY), autocast=torch.bfloat16,
+    _assert_matches_eager(transformers.LlamaConfig(**TINY), device, autocast=torch.bfloat16,
                           use_cache=False)
 
 
-def test_qwen2_right_padded_matches_eager():
-    _assert_matches_eager(transformers.Qwen2Config(**TINY))
+def test_qwen2_right_padded_matches_eager(device):
+    _assert_matches_eager(transformers.Qwen2Config(**TINY), device)
 
 
-def test_llama_packed_sequences_match_eager():
+def test_llama_packed_sequences_match_eager(device):
     # Position ids that restart mark packed documents: transformers' 4-D mask path.
-    _assert_matches_eager(transformers.LlamaConfig(**TINY), padded=False, pass_mask=False,
-                          position_ids=_packed_positions())
+    _assert_matches_eager(transformers.LlamaConfig(**TINY), device, padded=False,
+                          pass_mask=False, position_ids=_packed_positions(device))
 
 
-def _packed_positions():
-    return torch.cat([torch.arange(6), torch.arange(SEQLEN - 6)])[None].expand(2, -1)
+def _packed_positions(device):
+    return torch.cat([torch.arange(6), torch.arange(SEQLEN - 6)])[None].expand(2, -1).to(device)
 
 
-def test_mistral_sliding_window_matches_eager():
-    _assert_matches_eager(transformers.MistralConfig(**TINY, sliding_window=SLIDING_WINDOW))
+def test_mistral_sliding_window_matches_eager(device):
+    _assert_matches_eager(transformers.MistralConfig(**TINY, sliding_window=SLIDING_WINDOW),
+                          device)
 
 
 def test_mistral_sliding_window_changes_the_result():
@@ -186,20 +190,21 @@ def doge_biases(monkeypatch):
 
 @pytest.mark.parametrize("keep_window", DOGE_KEEP_WINDOWS)
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-def test_doge_matches_eager(doge_biases, keep_window, padded):
-    _assert_matches_eager(transformers.DogeConfig(**TINY, keep_window_size=keep_window),
+def test_doge_matches_eager(doge_biases, device, keep_window, padded):
+    _assert_matches_eager(transformers.DogeConfig(**TINY, keep_window_size=keep_window), device,
                           padded=padded)
 
 
-def test_doge_sliding_window_matches_eager(doge_biases):
+def test_doge_sliding_window_matches_eager(doge_biases, device):
     config = transformers.DogeConfig(**TINY, keep_window_size=4, sliding_window=SLIDING_WINDOW)
-    _assert_matches_eager(config)
+    _assert_matches_eager(config, device)
 
 
-def test_doge_packed_sequences_match_eager(doge_biases):
+def test_doge_packed_sequences_match_eager(doge_biases, device):
     # transformers' 4-D mask: the top-W choice is made as a bool mask.
     config = transformers.DogeConfig(**TINY, keep_window_size=4)
-    _assert_matches_eager(config, padded=False, pass_mask=False, position_ids=_packed_positions())
+    _assert_matches_eager(config, device, padded=False, pass_mask=False,
+                          position_ids=_packed_positions(device))
 
 
 def test_doge_ties_rank_the_smaller_key_first():
@@ -236,14 +241,16 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _dmattn_model(config):
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="dmattn")
+def _dmattn_model(config, device):
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="dmattn").to(device)
 
 
-def test_llama_padding_reaches_the_kernel_as_key_intervals(kernel_calls):
-    ids, keep = _batch(padded=True)
+def test_llama_padding_reaches_the_kernel_as_key_intervals(kernel_calls, device):
+    ids, keep = _batch(padded=True, device=device)
     with torch.no_grad():
-        _dmattn_model(transformers.LlamaConfig(**TINY))(input_ids=ids, attention_mask=keep)
+        _dmattn_model(transformers.LlamaConfig(**TINY), device)(input_ids=ids,
+                                                                attention_mask=keep)
     assert len(kernel_calls) == TINY["num_hidden_layers"]
     for call in kernel_calls:
         assert call["is_causal"] is True
@@ -253,18 +260,19 @@ def test_llama_padding_reaches_the_kernel_as_key_intervals(kernel_calls):
         assert torch.equal(intervals.end[:, 0], keep * SEQLEN)
 
 
-def test_llama_without_padding_passes_no_mask(kernel_calls):
-    ids, keep = _batch(padded=False)
+def test_llama_without_padding_passes_no_mask(kernel_calls, device):
+    ids, keep = _batch(padded=False, device=device)
     with torch.no_grad():
-        _dmattn_model(transformers.LlamaConfig(**TINY))(input_ids=ids, attention_mask=keep)
+        _dmattn_model(transformers.LlamaConfig(**TINY), device)(input_ids=ids,
+                                                                attention_mask=keep)
     assert [c["attn_mask"] for c in kernel_calls] == [None] * TINY["num_hidden_layers"]
 
 
 @pytest.mark.parametrize("keep_window", DOGE_KEEP_WINDOWS)
-def test_doge_bias_and_top_window_reach_the_kernel_per_key(kernel_calls, keep_window):
+def test_doge_bias_and_top_window_reach_the_kernel_per_key(kernel_calls, device, keep_window):
     config = transformers.DogeConfig(**TINY, keep_window_size=keep_window)
-    ids, keep = _batch(padded=True)
-    _dmattn_model(config)(input_ids=ids, attention_mask=keep)
+    ids, keep = _batch(padded=True, device=device)
+    _dmattn_model(config, device)(input_ids=ids, attention_mask=keep)
     heads_kv = TINY["num_key_value_heads"]
     assert len(kernel_calls) == TINY["num_hidden_layers"]
     for call in kernel_calls:
@@ -283,19 +291,20 @@ def _score_shaped(watch: AllocationWatch, seqlen: int) -> list[str]:
 
 
 @pytest.mark.parametrize("family", ["llama", "doge"])
-def test_padded_batch_never_allocates_a_query_by_key_tensor(family):
-    """Forward and backward of a right-padded batch make no tensor with two sequence-length
-    axes (an (L, L) mask, score or bias). The same watch catches eager attention's."""
+def test_padded_batch_never_allocates_a_query_by_key_tensor(device, family):
+    """Forward and backward of a padded batch make no tensor with two sequence-length axes
+    (an (L, L) mask, score or bias). The same watch catches eager attention's."""
     seqlen, keep_window = 37, 8  # 37: no other size of the model; the top-W hides keys
     config = (transformers.LlamaConfig(**TINY) if family == "llama" else
               transformers.DogeConfig(**TINY, keep_window_size=keep_window))
-    ids = torch.randint(0, VOCAB, (2, seqlen))
-    keep = torch.ones(2, seqlen, dtype=torch.long)
+    ids = torch.randint(0, VOCAB, (2, seqlen), device=device)
+    keep = torch.ones(2, seqlen, dtype=torch.long, device=device)
     keep[1, seqlen - PADDED:] = 0
+    keep[0, HIDDEN] = 0
     found = {}
     for implementation in ("dmattn", "eager"):
         model = transformers.AutoModelForCausalLM.from_config(
-            copy.deepcopy(config), attn_implementation=implementation)
+            copy.deepcopy(config), attn_implementation=implementation).to(device)
         with AllocationWatch() as watch:
             model(input_ids=ids, attention_mask=keep).logits.sum().backward()
         found[implementation] = _score_shaped(watch, seqlen)
