@@ -359,6 +359,17 @@ def test_doge_bool_top_window_under_a_sliding_window(monkeypatch, rows_per_step)
     assert result.attn_bias is bias and result.is_causal is False
 
 
+def test_doge_sliding_window_within_the_keep_window_is_the_window():
+    """A window of 2 under a keep window of 3 keeps every visible key: the window's intervals."""
+    bias = torch.tensor([[[[5.0, 1.0, 4.0, 0.1, 0.2]]]])
+    result = masking.doge_masking(None, bias, seqlen_q=5, is_causal=True, sliding_window=2,
+                                  keep_window=3)
+    window = masking.causal_family_masking(None, 5, 5, True, 2, bias.dtype, bias.device)
+    assert isinstance(result.attn_mask, KeyIntervals) and result.is_causal is True
+    assert torch.equal(result.attn_mask.to_dense(5), window.attn_mask.to_dense(5))
+    assert result.attn_bias is bias
+
+
 def test_float_mask_becomes_keep_mask_and_bias():
     low = torch.finfo(torch.float32).min
     mask = torch.tensor([[[[0.0, low, 0.25], [float("-inf"), 0.0, -1.0]]]])

@@ -19,7 +19,8 @@
    (B, H, Lq, Lk) float mask and keeps each row's ``keep_window_size`` largest entries. Its
    forward here passes the per-key bias to the kernel as ``attn_bias`` (B, Hk, 1, Lk), so the
    bias gradient flows back to ``dt_proj`` and ``A`` through the kernel, and the top-W selection
-   as key intervals (``masking.doge_masking``). The (B, H, Lq, Lk) float mask is never built.
+   as key intervals (``masking.doge_masking``; a bool mask only where transformers hands a 4-D
+   mask or a sliding window hides keys). The (B, H, Lq, Lk) float mask is never built.
 
 The pinned transformers version is the one this adapter was read against: the mask builder
 recognizes transformers' causal and sliding-window mask functions, and Doge's forward follows
