@@ -25,7 +25,8 @@ mode are ``skipped`` at longer contexts); ``error`` (detail says what raised); `
 Timing and memory on a GPU: the model is bf16 throughout (weights, gradients, AdamW state; no
 autocast), each step is timed by CUDA events around it, and the peak is
 ``torch.cuda.max_memory_allocated`` since the point began, after the previous point's model,
-optimizer, compiled graphs (``torch._dynamo.reset``) and cached blocks were released.
+optimizer, compiled graphs (``torch._dynamo.reset``) and cached blocks were released;
+``start_mib`` is what was still allocated then (0 unless a point, failed or not, leaked).
 
 ``--resume`` keeps the rows of an existing CSV made by the same model, sizes, environment and
 commit, and runs only the missing points (a run cut short, or one split over several
@@ -128,6 +129,7 @@ class TrainRow:
     ms_p80: float | None = None
     tokens_per_s: float | None = None
     peak_mib: float | None = None
+    start_mib: float | None = None
     first_loss: float | None = None
     last_loss: float | None = None
     gpu: str = ""
@@ -290,11 +292,15 @@ def _ok_detail(implementation: str, mode: str) -> str:
 def run_point(size: ModelSize, context: int, implementation: str, mode: str, opts: TrainOptions,
               dtype: torch.dtype, device: torch.device) -> dict:
     """Measured fields of one row, or its status and detail when it did not finish. The peak
-    is all memory allocated during the point: weights, optimizer state and activations."""
+    is all memory allocated during the point: weights, optimizer state and activations; the
+    start is what was still allocated when the point began (0 unless an earlier point left
+    tensors behind)."""
     stage = "build"
     model = optimizer = forward = tokens = None
+    start = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        start["start_mib"] = torch.cuda.memory_allocated(device) / 2**20
     try:
         model = build_model(size, context, implementation, dtype, device)
         measured = {"params": sum(p.numel() for p in model.parameters())}
@@ -328,13 +334,13 @@ def run_point(size: ModelSize, context: int, implementation: str, mode: str, opt
                         status="ok", detail=_ok_detail(implementation, mode))
         if device.type == "cuda":
             measured["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-        return measured
+        return {**measured, **start}
     except Exception as exc:  # a failing point is a row; the run goes on
         if _out_of_memory(exc):
-            return {"status": "oom", "detail": f"{stage}: out of memory"}
+            return {"status": "oom", "detail": f"{stage}: out of memory", **start}
         lines = str(exc).strip().splitlines()
         message = f"{stage}: {type(exc).__name__}: {lines[0] if lines else ''}"
-        return {"status": "error", "detail": message[:300]}
+        return {"status": "error", "detail": message[:300], **start}
     finally:
         model = optimizer = forward = tokens = None  # step's closure holds them too
         if mode == "compiled":
