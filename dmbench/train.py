@@ -26,7 +26,8 @@ Timing and memory on a GPU: the model is bf16 throughout (weights, gradients, Ad
 autocast), each step is timed by CUDA events around it, and the peak is
 ``torch.cuda.max_memory_allocated`` since the point began, after the previous point's model,
 optimizer, compiled graphs (``torch._dynamo.reset``) and cached blocks were released;
-``start_mib`` is what was still allocated then (0 unless a point, failed or not, leaked).
+``start_mib`` is what was still allocated then (near 0: the kernels' kept plans hold a few
+MiB of scratch at most; more means a point, failed or not, leaked).
 
 ``--resume`` keeps the rows of an existing CSV made by the same model, sizes, environment and
 commit, and runs only the missing points (a run cut short, or one split over several
