@@ -619,6 +619,8 @@ def plot_train(csv_path: Path) -> list[Path]:
         ax.set_xticks(contexts, [_context_label(c) for c in contexts])
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(labels[tag])
+        if tag != "speedup":  # tokens/s and memory span orders of magnitude over the contexts
+            ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
         ax.set_title(f"{first.model} training steps, batch {first.batch}, {first.dtype}, "
