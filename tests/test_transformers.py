@@ -54,6 +54,11 @@ def _models(config, device):
     return copy.deepcopy(eager).double(), eager, ours
 
 
+def _dmattn_model(config, device):
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="dmattn").to(device)
+
+
 def _randomize_doge_decay(model):
     # Doge initializes A to zero, which makes every key's bias 1: the top-W choice would be
     # among ties, which eager and the kernel may break differently.
@@ -154,16 +159,16 @@ def test_mistral_sliding_window_matches_eager(device):
                           device)
 
 
-def test_mistral_sliding_window_changes_the_result():
+def test_mistral_sliding_window_changes_the_result(device):
     """The window check above would be void if the window hid nothing at this length."""
     torch.manual_seed(1)
     windowed = transformers.MistralConfig(**TINY, sliding_window=SLIDING_WINDOW)
-    model = transformers.AutoModelForCausalLM.from_config(windowed, attn_implementation="dmattn")
+    model = _dmattn_model(windowed, device)
     full = copy.deepcopy(model)
     full.config.sliding_window = None
     for layer in full.model.layers:
         layer.self_attn.config.sliding_window = None
-    ids, keep = _batch(padded=False)
+    ids, keep = _batch(padded=False, device=device)
     with torch.no_grad():
         assert not torch.allclose(model(input_ids=ids).logits, full(input_ids=ids).logits)
 
@@ -239,11 +244,6 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(dm_hf, "dmattn_func", spy)
     return calls
-
-
-def _dmattn_model(config, device):
-    return transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="dmattn").to(device)
 
 
 def test_llama_padding_reaches_the_kernel_as_key_intervals(kernel_calls, device):
