@@ -312,12 +312,13 @@ def train_command(
         batch: Annotated[int, typer.Option("--batch", help="Sequences per step.")] = 1,
         steps: Annotated[int, typer.Option("--steps", help="Timed optimizer steps per point.")] = 5,
         warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first (in compiled mode the first step compiles).")] = 2,
-        implementations: Annotated[Optional[str], typer.Option("--implementations", help="Comma-separated subset of dmattn, eager, sdpa, flex (default: all).")] = None,
+        implementations: Annotated[Optional[str], typer.Option("--implementations", help="Comma-separated subset of dmattn, eager, flex, sdpa (default: all; sdpa runs only where transformers' Doge sdpa attention is causal).")] = None,
         modes: Annotated[Optional[str], typer.Option("--modes", help="Comma-separated subset of eager, compiled (default: both).")] = None,
         tiny: Annotated[bool, typer.Option("--tiny", help="A two-layer model (tests, CPU).")] = False,
         dtype: Annotated[str, typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")] = "auto",
         device: DeviceOpt = "auto",
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/train.csv).")] = None,
+        resume: ResumeOpt = False,
         force: ForceOpt = False,
         plot: PlotOpt = True):
     """Training steps of a ~100M-parameter Doge model per attention implementation and mode:
@@ -332,7 +333,8 @@ def train_command(
             batch=batch, steps=steps, warmup=warmup,
             implementations=names if implementations is None else parse_list("--implementations", implementations, names),
             modes=MODES if modes is None else parse_list("--modes", modes, MODES),
-            tiny=tiny, dtype=dtype, device=device, out=out, force=force, plot=plot)
+            tiny=tiny, dtype=dtype, device=device, out=out, resume=resume, force=force,
+            plot=plot)
         return run_train(opts, _echo)
 
     _guarded(work)

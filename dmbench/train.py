@@ -7,11 +7,13 @@ two-layer one for tests); its keep window is 2048 keys, so contexts above that t
 top-W dynamic mask.
 
 Implementations: ``dmattn`` (``kernels.integrations.transformers``) and transformers' own
-``eager``, ``sdpa`` and ``flex`` (``flex_attention``) attention of the same model. Only eager
-computes what dmattn computes: transformers 5.17's Doge under sdpa is not causal (its float
-mask turns off sdpa's causal flag), and under flex it adds the bias of head 0 to every head
-and picks the top-W keys among all keys, future ones included. Those rows say so in
-``detail``; they are timed as transformers runs them.
+``eager``, ``flex`` (``flex_attention``) and ``sdpa`` attention of the same model. Only eager
+computes what dmattn computes. transformers 5.17's Doge under flex is not causal (the dynamic
+mask reaches flex as a score tensor with no block mask, its top-W taken over all keys) and adds
+head 0's bias to every head; its rows say so in ``detail`` and are timed as transformers runs
+them. sdpa runs only where it is causal: before the first sdpa point a two-layer Doge on the
+CPU checks whether a change of the last token changes earlier logits (in transformers 5.17 it
+does: the float mask turns off sdpa's causal flag), and if so its rows are ``skipped``.
 
 Modes: ``eager`` (plain PyTorch) and ``compiled`` (``torch.compile`` of the model). A compiled
 point that fails is an ``error`` row whose detail starts with the stage ("compile: ...").
@@ -19,6 +21,17 @@ point that fails is an ``error`` row whose detail starts with the stage ("compil
 Statuses: ``ok``; ``oom`` (out of memory; the run goes on, and the same implementation and
 mode are ``skipped`` at longer contexts); ``error`` (detail says what raised); ``skipped``
 (detail says why). None of them changes the exit code.
+
+Timing and memory on a GPU: the model is bf16 throughout (weights, gradients, AdamW state; no
+autocast), each step is timed by CUDA events around it, and the peak is
+``torch.cuda.max_memory_allocated`` since the point began, after the previous point's model,
+optimizer, compiled graphs (``torch._dynamo.reset``) and cached blocks were released;
+``start_mib`` is what was still allocated then (near 0: the kernels' kept plans hold a few
+MiB of scratch at most; more means a point, failed or not, leaked).
+
+``--resume`` keeps the rows of an existing CSV made by the same model, sizes, environment and
+commit, and runs only the missing points (a run cut short, or one split over several
+invocations by ``--contexts`` or ``--modes``); the plots are drawn from the whole file.
 
 Plots, drawn from the CSV: tokens/s, tokens/s over eager attention, and (on a GPU) peak
 memory, against context.
@@ -40,16 +53,19 @@ from typing import Callable
 
 import torch
 
+from . import outfile
 from .device import CPU_NOTE, select_device
 from .envinfo import REPO_ROOT, Environment, collect, gpu_slug
 from .errors import ConfigError, ExitCode
 
-IMPLEMENTATIONS = {"dmattn": "dmattn", "eager": "eager", "sdpa": "sdpa", "flex": "flex_attention"}
+IMPLEMENTATIONS = {"dmattn": "dmattn", "eager": "eager", "flex": "flex_attention", "sdpa": "sdpa"}
 MODES = ("eager", "compiled")
 DIFFERS_FROM_EAGER = {
-    "sdpa": "transformers' Doge sdpa path is not causal",
-    "flex": "transformers' Doge flex path: head 0's bias for every head, top-W over all keys",
+    "flex": "transformers' Doge flex path: not causal (top-W over all keys, no block mask), "
+            "head 0's bias for every head",
 }
+# Implementations that run only where the causality probe passes (``_causal_probe``).
+NEEDS_CAUSAL = ("sdpa",)
 DEFAULT_CONTEXTS = (2048, 8192, 32768, 65536)
 TINY_CONTEXTS = (32, 64)  # at and above the tiny model's keep window
 # Under the interpreter a tiny-model step at context 1024 took 125 s (2 cores): attention
@@ -90,6 +106,7 @@ class TrainOptions:
     dtype: str = "auto"
     device: str = "auto"
     out: Path | None = None
+    resume: bool = False
     force: bool = False
     plot: bool = True
 
@@ -113,12 +130,14 @@ class TrainRow:
     ms_p80: float | None = None
     tokens_per_s: float | None = None
     peak_mib: float | None = None
+    start_mib: float | None = None
     first_loss: float | None = None
     last_loss: float | None = None
     gpu: str = ""
     driver: str = ""
     torch: str = ""
     triton: str = ""
+    transformers: str = ""
     git_sha: str = ""
     git_dirty: bool = False
     host: str = ""
@@ -163,6 +182,9 @@ def check_options(opts: TrainOptions, device: torch.device) -> None:
     if opts.dtype != "auto" and opts.dtype not in _DTYPES:
         raise ConfigError(f"--dtype: expected auto, {', '.join(_DTYPES)}, got {opts.dtype!r}")
     if device.type != "cpu":
+        if "compiled" in opts.modes and opts.warmup < 1:
+            raise ConfigError("--warmup: compiled mode needs at least 1 (its first step "
+                              "compiles), got 0")
         return
     if not opts.tiny:
         raise ConfigError("train: on CPU only --tiny runs (the ~100M model would take hours per "
@@ -271,11 +293,15 @@ def _ok_detail(implementation: str, mode: str) -> str:
 def run_point(size: ModelSize, context: int, implementation: str, mode: str, opts: TrainOptions,
               dtype: torch.dtype, device: torch.device) -> dict:
     """Measured fields of one row, or its status and detail when it did not finish. The peak
-    is all memory allocated during the point: weights, optimizer state and activations."""
+    is all memory allocated during the point: weights, optimizer state and activations; the
+    start is what was still allocated when the point began (0 unless an earlier point left
+    tensors behind)."""
     stage = "build"
     model = optimizer = forward = tokens = None
+    start = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        start["start_mib"] = torch.cuda.memory_allocated(device) / 2**20
     try:
         model = build_model(size, context, implementation, dtype, device)
         measured = {"params": sum(p.numel() for p in model.parameters())}
@@ -309,18 +335,39 @@ def run_point(size: ModelSize, context: int, implementation: str, mode: str, opt
                         status="ok", detail=_ok_detail(implementation, mode))
         if device.type == "cuda":
             measured["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-        return measured
+        return {**measured, **start}
     except Exception as exc:  # a failing point is a row; the run goes on
         if _out_of_memory(exc):
-            return {"status": "oom", "detail": f"{stage}: out of memory"}
+            return {"status": "oom", "detail": f"{stage}: out of memory", **start}
         lines = str(exc).strip().splitlines()
         message = f"{stage}: {type(exc).__name__}: {lines[0] if lines else ''}"
-        return {"status": "error", "detail": message[:300]}
+        return {"status": "error", "detail": message[:300], **start}
     finally:
-        del model, optimizer, forward, tokens
+        model = optimizer = forward = tokens = None  # step's closure holds them too
+        if mode == "compiled":
+            torch._dynamo.reset()  # compiled graphs hold the model's tensors
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+PROBE_CONTEXT = 16  # at most the tiny model's keep window: every visible key is kept
+
+
+def _causal_probe(implementation: str) -> bool:
+    """Whether transformers' Doge under ``implementation`` is causal: a two-layer model on the
+    CPU, in fp32, whose logits before the last position must not change with the last token."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED)
+    config = doge_config(TINY, PROBE_CONTEXT, IMPLEMENTATIONS[implementation])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    tokens = torch.randint(0, TINY.vocab, (1, PROBE_CONTEXT))
+    changed = tokens.clone()
+    changed[0, -1] = (tokens[0, -1] + 1) % TINY.vocab
+    with torch.no_grad():
+        before, after = (model(input_ids=t).logits[0, :-1] for t in (tokens, changed))
+    return torch.equal(before, after)
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -329,15 +376,35 @@ def default_out(gpu: str) -> Path:
     return REPO_ROOT / "results" / gpu_slug(gpu) / "train.csv"
 
 
-def _skip_reason(implementation: str, mode: str, device: torch.device,
-                 oom_at: dict[tuple[str, str], int]) -> str | None:
-    if device.type == "cpu" and mode == "compiled":
-        return "compiled mode is not run on CPU (inductor builds take minutes)"
-    if device.type == "cpu" and implementation == "flex":
-        return "flex is not run on CPU (it compiles its kernel with inductor: minutes)"
-    if (implementation, mode) in oom_at:
-        return f"out of memory at context {oom_at[implementation, mode]}"
-    return None
+class _SkipRules:
+    """Why a point is not run, or None: the device, the causality probe (run once per
+    implementation, when first needed) and earlier out-of-memory rows."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.oom_at: dict[tuple[str, str], int] = {}
+        self._causal: dict[str, bool] = {}
+
+    def reason(self, context: int, implementation: str, mode: str) -> str | None:
+        if self.device.type == "cpu" and mode == "compiled":
+            return "compiled mode is not run on CPU (inductor builds take minutes)"
+        if self.device.type == "cpu" and implementation == "flex":
+            return "flex is not run on CPU (it compiles its kernel with inductor: minutes)"
+        if implementation in NEEDS_CAUSAL:
+            if implementation not in self._causal:
+                self._causal[implementation] = _causal_probe(implementation)
+            if not self._causal[implementation]:
+                return (f"transformers' Doge {implementation} attention is not causal here "
+                        f"(the last token changed earlier logits)")
+        failed_at = self.oom_at.get((implementation, mode))
+        if failed_at is not None and context >= failed_at:
+            return f"out of memory at context {failed_at}"
+        return None
+
+    def record(self, row: "TrainRow") -> None:
+        key = (row.implementation, row.mode)
+        if row.status == "oom":
+            self.oom_at[key] = min(row.context, self.oom_at.get(key, row.context))
 
 
 def run_train(opts: TrainOptions, echo: Callable[[str], None]) -> ExitCode:
@@ -350,34 +417,45 @@ def run_train(opts: TrainOptions, echo: Callable[[str], None]) -> ExitCode:
         raise ConfigError(f"train: needs transformers (pip install -e '.[hf]'): {exc}") from None
     register()
     env = collect(device)
-    out = opts.out or default_out(env.gpu)
-    if out.exists() and not opts.force:
-        raise ConfigError(f"{out}: results file exists; pass --force to start over")
-    if device.type == "cpu":
-        echo(CPU_NOTE)
+    target = outfile.explicit(opts.out or default_out(env.gpu), opts.resume, opts.force)
+    out = target.path
     size = TINY if opts.tiny else FULL
     dtype = model_dtype(opts, device)
-    oom_at: dict[tuple[str, str], int] = {}
-    rows = []
-    with TrainWriter(out) as writer:
+    provenance = new_train_row(size, 0, "", "", opts, dtype, env, {"status": ""})
+    kept = resumable_rows(out, provenance) if target.resume else []
+    if device.type == "cpu":
+        echo(CPU_NOTE)
+    if kept:
+        echo(f"resuming {out}: {len(kept)} rows kept")
+    rules = _SkipRules(device)
+    done = {(r.context, r.implementation, r.mode) for r in kept}
+    for row in kept:
+        rules.record(row)
+    with TrainWriter(out, kept) as writer:
         for context in opts.contexts:
             for implementation in opts.implementations:
                 for mode in opts.modes:
-                    reason = _skip_reason(implementation, mode, device, oom_at)
+                    if (context, implementation, mode) in done:
+                        continue
+                    reason = rules.reason(context, implementation, mode)
                     measured = ({"status": "skipped", "detail": reason} if reason else
                                 run_point(size, context, implementation, mode, opts, dtype, device))
-                    if measured["status"] == "oom":
-                        oom_at[implementation, mode] = context
                     row = new_train_row(size, context, implementation, mode, opts, dtype, env,
                                         measured)
+                    rules.record(row)
                     writer.write(row)
-                    rows.append(row)
                     echo(describe(row))
     echo(f"wrote {out}")
-    if opts.plot and any(r.status == "ok" for r in rows):
+    if opts.plot and any(r.status == "ok" for r in read_train_rows(out)):
         for path in plot_train(out):
             echo(f"plot: {path}")
     return ExitCode.OK
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def new_train_row(size: ModelSize, context: int, implementation: str, mode: str,
@@ -388,10 +466,29 @@ def new_train_row(size: ModelSize, context: int, implementation: str, mode: str,
     return TrainRow(model=size.name, context=context, batch=opts.batch,
                     keep_window=size.keep_window, dtype=dtype_name, implementation=implementation,
                     mode=mode, warmup=opts.warmup, steps=opts.steps, gpu=env.gpu,
-                    driver=env.driver, torch=env.torch, triton=env.triton, git_sha=env.git_sha,
+                    driver=env.driver, torch=env.torch, triton=env.triton,
+                    transformers=_transformers_version(), git_sha=env.git_sha,
                     git_dirty=env.git_dirty, host=env.host,
                     timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                     **values)
+
+
+# What rows of one file must share: the measured model and sizes, the environment, the commit.
+PROVENANCE = ("model", "batch", "keep_window", "dtype", "warmup", "steps", "gpu", "driver",
+              "torch", "triton", "transformers", "git_sha", "git_dirty")
+
+
+def resumable_rows(path: Path, provenance: TrainRow) -> list[TrainRow]:
+    """The rows of ``path`` to keep, after checking they came from a run like this one."""
+    rows = read_train_rows(path, tolerate_partial_last_line=True)
+    for row in rows:
+        for name in PROVENANCE:
+            theirs, ours = getattr(row, name), getattr(provenance, name)
+            if theirs != ours:
+                raise ConfigError(f"--resume: {path} holds rows with {name} {theirs!r}, this "
+                                  f"run has {ours!r}; pass --force to start over or another "
+                                  f"--out")
+    return rows
 
 
 def describe(row: TrainRow) -> str:
@@ -413,13 +510,16 @@ def _format(value) -> str:
 
 
 class TrainWriter:
-    """Writes the header, then one flushed line per row: a killed run keeps its finished rows."""
+    """Writes the header and the ``kept`` rows, then one flushed line per row: a killed run
+    keeps its finished rows."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, kept: list[TrainRow] = ()):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "w", newline="")
         self._writer = csv.writer(self._file)
         self._writer.writerow(TRAIN_COLUMNS)
+        for row in kept:
+            self.write(row)
         self._file.flush()
 
     def write(self, row: TrainRow) -> None:
@@ -454,8 +554,9 @@ def _parse(name: str, text: str, where: str):
     return text
 
 
-def read_train_rows(path: Path) -> list[TrainRow]:
-    """The rows of a train CSV, after checking its header."""
+def read_train_rows(path: Path, tolerate_partial_last_line: bool = False) -> list[TrainRow]:
+    """The rows of a train CSV, after checking its header. ``tolerate_partial_last_line``:
+    drop a last line with too few fields (a run killed while writing it)."""
     try:
         with open(path, newline="") as f:
             lines = list(csv.reader(f))
@@ -463,9 +564,13 @@ def read_train_rows(path: Path) -> list[TrainRow]:
         raise ConfigError(f"{path}: cannot read as CSV: {exc}") from None
     if not lines or tuple(lines[0]) != TRAIN_COLUMNS:
         raise ConfigError(f"{path}: not a dmbench train CSV of this version")
+    if tolerate_partial_last_line and len(lines) > 1 and len(lines[-1]) < len(TRAIN_COLUMNS):
+        lines.pop()
     rows = []
     for number, values in enumerate(lines[1:], start=2):
         where = f"{path}: line {number}"
+        if len(values) != len(TRAIN_COLUMNS):
+            raise ConfigError(f"{where}: expected {len(TRAIN_COLUMNS)} fields, got {len(values)}")
         rows.append(TrainRow(**{c: _parse(c, v, where) for c, v in zip(TRAIN_COLUMNS, values)}))
     return rows
 
@@ -514,6 +619,8 @@ def plot_train(csv_path: Path) -> list[Path]:
         ax.set_xticks(contexts, [_context_label(c) for c in contexts])
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(labels[tag])
+        if tag != "speedup":  # tokens/s and memory span orders of magnitude over the contexts
+            ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
         ax.set_title(f"{first.model} training steps, batch {first.batch}, {first.dtype}, "

@@ -49,19 +49,23 @@ def _rows(path: Path) -> dict[tuple[str, str], train.TrainRow]:
 
 
 def test_tiny_run_times_one_step_per_implementation(tiny_run):
+    import transformers
+
     rows = _rows(tiny_run)
     assert set(rows) == {(i, m) for i in ("dmattn", "eager", "sdpa", "flex")
                          for m in train.MODES}
-    for name in ("dmattn", "eager", "sdpa"):
+    for name in ("dmattn", "eager"):
         row = rows[name, "eager"]
         assert row.status == "ok", row.detail
         assert row.context == CONTEXT and row.steps == 1 and row.params > 0
         assert row.tokens_per_s > 0 and row.ms_p50 > 0
         assert row.gpu.startswith("cpu") and row.torch == torch.__version__
-    assert "not causal" in rows["sdpa", "eager"].detail
+        assert row.transformers == transformers.__version__ and row.git_sha
     for key, row in rows.items():
-        if key[1] == "compiled" or key[0] == "flex":
+        if key[1] == "compiled" or key[0] in ("flex", "sdpa"):
             assert row.status == "skipped" and row.detail
+    # transformers 5.17's Doge under sdpa is not causal (see test_causal_probe).
+    assert "not causal" in rows["sdpa", "eager"].detail
 
 
 def test_tiny_run_dmattn_loss_equals_eager(tiny_run):
@@ -103,33 +107,84 @@ def test_cpu_refuses_the_full_model(tmp_path):
     assert "--tiny" in result.output
 
 
-def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
+def _failing_build(monkeypatch):
+    """eager runs out of memory at 16; dmattn raises an error at 16 and, at 24, an
+    out-of-memory error that a compiler re-raised under another type."""
     real_build = train.build_model
 
     def build(size, context, implementation, dtype, device):
         if implementation == "eager" and context == 16:
             raise torch.OutOfMemoryError("CUDA out of memory")
-        if implementation == "sdpa" and context == 16:
-            raise RuntimeError("no kernel\nsecond line")
         if implementation == "dmattn" and context == 16:
+            raise RuntimeError("no kernel\nsecond line")
+        if implementation == "dmattn" and context == 24:
             wrapped = RuntimeError("backend compiler failed")
             raise wrapped from RuntimeError("CUDA out of memory. Tried to allocate 4.00 GiB")
         return real_build(size, context, implementation, dtype, device)
 
     monkeypatch.setattr(train, "build_model", build)
-    opts = train.TrainOptions(contexts=(16, 24), steps=1, warmup=0, tiny=True, device="cpu",
-                              implementations=("eager", "sdpa", "dmattn"), modes=("eager",),
-                              out=tmp_path / "t.csv", plot=False)
+
+
+def _options(out: Path, contexts, **changes) -> train.TrainOptions:
+    values = dict(contexts=contexts, steps=1, warmup=0, tiny=True, device="cpu",
+                  implementations=("eager", "dmattn"), modes=("eager",), out=out, plot=False)
+    return train.TrainOptions(**{**values, **changes})
+
+
+def _by_point(path: Path) -> dict[tuple[int, str], train.TrainRow]:
+    return {(r.context, r.implementation): r for r in train.read_train_rows(path)}
+
+
+def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    _failing_build(monkeypatch)
+    opts = _options(tmp_path / "t.csv", (16, 24, 32))
     assert train.run_train(opts, lambda _: None) == ExitCode.OK
-    rows = {(r.context, r.implementation): r for r in train.read_train_rows(opts.out)}
+    rows = _by_point(opts.out)
     assert rows[16, "eager"].status == "oom"
-    assert rows[24, "eager"].status == "skipped"
+    assert rows[24, "eager"].status == rows[32, "eager"].status == "skipped"
     assert rows[24, "eager"].detail == "out of memory at context 16"
-    assert rows[16, "sdpa"].status == "error"
-    assert rows[16, "sdpa"].detail == "build: RuntimeError: no kernel"
-    assert rows[24, "sdpa"].status == "ok"  # an error skips nothing later
-    assert rows[16, "dmattn"].status == "oom"  # re-raised by a compiler: still out of memory
-    assert rows[24, "dmattn"].status == "skipped"
+    assert rows[16, "dmattn"].status == "error"
+    assert rows[16, "dmattn"].detail == "build: RuntimeError: no kernel"
+    assert rows[24, "dmattn"].status == "oom"  # an error skips nothing later; a wrapped OOM
+    assert rows[32, "dmattn"].status == "skipped"
+
+
+def test_resume_runs_only_the_missing_points(tmp_path, monkeypatch):
+    _failing_build(monkeypatch)
+    out = tmp_path / "t.csv"
+    assert train.run_train(_options(out, (16,)), lambda _: None) == ExitCode.OK
+    first = _by_point(out)
+    with open(out, "a") as f:
+        f.write("doge-tiny,123,40")  # a line cut short by a killed run
+    lines = []
+    opts = _options(out, (16, 24), resume=True)
+    assert train.run_train(opts, lines.append) == ExitCode.OK
+    rows = _by_point(out)
+    assert set(rows) == {(c, i) for c in (16, 24) for i in ("eager", "dmattn")}
+    assert rows[16, "eager"].timestamp == first[16, "eager"].timestamp  # kept, not rerun
+    assert rows[24, "eager"].detail == "out of memory at context 16"  # from the kept row
+    assert rows[24, "dmattn"].status == "oom"
+    assert f"resuming {out}: 2 rows kept" in lines
+
+
+def test_resume_refuses_rows_of_another_setup(tmp_path):
+    out = tmp_path / "t.csv"
+    assert train.run_train(_options(out, (16,), implementations=("eager",)),
+                           lambda _: None) == ExitCode.OK
+    with pytest.raises(ConfigError, match="steps 1, this run has 2"):
+        train.run_train(_options(out, (24,), steps=2, resume=True), lambda _: None)
+    with pytest.raises(ConfigError, match="--resume to finish it or --force"):
+        train.run_train(_options(out, (24,)), lambda _: None)
+
+
+def test_causal_probe():
+    """Our implementation and eager are causal; transformers 5.17's Doge under sdpa is not
+    (its float mask turns off sdpa's causal flag), so dmbench train skips it."""
+    from kernels.integrations.transformers import register
+
+    register()
+    assert train._causal_probe("eager") and train._causal_probe("dmattn")
+    assert not train._causal_probe("sdpa")
 
 
 def test_other_csvs_are_rejected(tmp_path):
@@ -147,6 +202,21 @@ def test_compiled_mode_records_graph_breaks(monkeypatch):
                                torch.device("cpu"))
     assert measured["status"] == "ok", measured["detail"]
     assert measured["detail"].startswith("graph breaks: ")
+
+
+def test_compiled_dmattn_has_no_graph_break(monkeypatch):
+    """The whole Doge step, top-W intervals and kernels' custom ops included, is captured;
+    AOT autograd's "aot_eager" backend also runs the custom ops' fake implementations."""
+    from kernels.integrations.transformers import register
+
+    register()
+    monkeypatch.setattr(train, "COMPILE_BACKEND", "aot_eager")
+    opts = train.TrainOptions(contexts=(CONTEXT,), steps=1, warmup=1, tiny=True, device="cpu")
+    compiled, plain = (train.run_point(train.TINY, CONTEXT, "dmattn", mode, opts, torch.float32,
+                                       torch.device("cpu")) for mode in ("compiled", "eager"))
+    assert compiled["status"] == "ok", compiled["detail"]
+    assert compiled["detail"] == "graph breaks: 0"
+    assert compiled["first_loss"] == pytest.approx(plain["first_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("implementation", list(train.IMPLEMENTATIONS))

@@ -1,10 +1,14 @@
 """attn_implementation="dmattn" in transformers models matches their eager attention.
 
 Each model runs three times with the same weights: eager in float64 (the reference), eager in
-float32 (the baseline) and dmattn in float32 (the candidate), on a tiny random-init config.
+float32 (the baseline) and dmattn in float32 (the candidate), on a tiny random-init config, on
+the CPU (kernels under Triton's interpreter) or, with ``--device cuda``, on the GPU.
 Logits at non-padded positions and every parameter's gradient of a loss over those positions
 go through kernels.tolerance's rule, measured in units of the reference's largest magnitude
-(parameters' gradients span several orders of magnitude; the rule's floor is absolute).
+(parameters' gradients span several orders of magnitude; the rule's floor is absolute). A
+parameter is measured with the module that holds it: Doge's A sits in the attention module
+itself, and its gradient, a sum over every key, cancels to about 1e-3 of its terms, so in its
+own units the fp32 rounding of a correct bias gradient exceeds the floor.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ import torch
 transformers = pytest.importorskip("transformers",
                                    reason="needs the hf extra: pip install -e '.[hf]'")
 
+from attn_helpers import AllocationWatch  # noqa: E402
+from kernels import KeyIntervals  # noqa: E402
+from kernels.integrations import masking  # noqa: E402
 from kernels.integrations import transformers as dm_hf  # noqa: E402
 from kernels.tolerance import check_tensor  # noqa: E402
 
 VOCAB = 97
 SEQLEN = 13
 PADDED = 4  # padded positions at the end of the second sequence
+HIDDEN = 3  # a masked position inside the first
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 SLIDING_WINDOW = 5
@@ -34,7 +42,7 @@ def _registered():
     dm_hf.register()
 
 
-def _models(config):
+def _models(config, device):
     """(eager float64, eager float32, dmattn float32), all with the eager model's weights."""
     eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                           attn_implementation="eager")
@@ -42,7 +50,13 @@ def _models(config):
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                          attn_implementation="dmattn")
     ours.load_state_dict(eager.state_dict())
+    eager, ours = eager.to(device), ours.to(device)
     return copy.deepcopy(eager).double(), eager, ours
+
+
+def _dmattn_model(config, device):
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="dmattn").to(device)
 
 
 def _randomize_doge_decay(model):
@@ -54,14 +68,20 @@ def _randomize_doge_decay(model):
                 module.A.normal_()
 
 
-def _batch(padded: bool):
-    # Right padding only: a left-padded row sees no key, and transformers' float64 eager Doge
-    # turns such rows into NaN, which then reaches every position through the values.
-    ids = torch.randint(0, VOCAB, (2, SEQLEN))
+def _batch(padded: bool, device=torch.device("cpu")):
+    """Token ids and the 2-D attention mask. Padded: the second sequence is right-padded, and
+    the first hides key HIDDEN, since under causality right padding is seen only by padded
+    rows, whose outputs no check reads. Nothing is left-padded: a left-padded row sees no key,
+    and transformers' float64 eager Doge turns such rows into NaN, which then reaches every
+    position through the values. No token twice in a row: Doge's first layer computes its
+    bias from the token alone, and equal biases would make the top-W choice a tie (see
+    doge_biases)."""
+    ids = torch.stack([torch.randperm(VOCAB)[:SEQLEN] for _ in range(2)])
     keep = torch.ones(2, SEQLEN, dtype=torch.long)
     if padded:
         keep[1, SEQLEN - PADDED:] = 0
-    return ids, keep
+        keep[0, HIDDEN] = 0
+    return ids.to(device), keep.to(device)
 
 
 def _run(model, ids, keep, weights, pass_mask, **inputs):
@@ -74,66 +94,141 @@ def _run(model, ids, keep, weights, pass_mask, **inputs):
     return logits.detach(), grads
 
 
-def _check(name, actual, reference, baseline):
-    scale = float(reference.abs().max()) or 1.0
-    return check_tensor(name, actual / scale, reference / scale, baseline / scale, torch.float32)
+def _check(name, actual, reference, baseline, dtype, scale=None):
+    scale = scale or float(reference.abs().max()) or 1.0
+    return check_tensor(name, actual / scale, reference / scale, baseline / scale, dtype)
 
 
-def _assert_matches_eager(config, padded=True, pass_mask=True, **inputs):
-    reference, baseline, ours = _models(config)
-    ids, keep = _batch(padded)
-    weights = torch.randn(int(keep.sum()), VOCAB)
-    (ref_logits, ref_grads), (base_logits, base_grads), (our_logits, our_grads) = [
-        _run(m, ids, keep, weights, pass_mask, **inputs) for m in (reference, baseline, ours)]
-    checks = [_check("logits", our_logits, ref_logits, base_logits)]
+def _module_scale(name, grads) -> float:
+    """The largest reference gradient among the parameters of the module holding ``name``."""
+    owner = name.rsplit(".", 1)[0] + "."
+    return max(float(g.abs().max()) for n, g in grads.items() if n.startswith(owner))
+
+
+def _assert_matches_eager(config, device, padded=True, pass_mask=True, autocast=None,
+                          **inputs):
+    """``autocast``: a dtype that the baseline and candidate run under autocast in."""
+    reference, baseline, ours = _models(config, device)
+    ids, keep = _batch(padded, device)
+    weights = torch.randn(int(keep.sum()), VOCAB).to(device)
+    runs = []
+    for model in (reference, baseline, ours):
+        context = torch.autocast(device.type, dtype=autocast,
+                                 enabled=autocast is not None and model is not reference)
+        with context:
+            runs.append(_run(model, ids, keep, weights, pass_mask, **inputs))
+    (ref_logits, ref_grads), (base_logits, base_grads), (our_logits, our_grads) = runs
+    dtype = autocast or torch.float32
+    checks = [_check("logits", our_logits, ref_logits, base_logits, dtype)]
     for name, ref_grad in ref_grads.items():
         assert our_grads[name] is not None, f"{name}: no gradient through dmattn"
-        checks.append(_check(name, our_grads[name], ref_grad, base_grads[name]))
+        checks.append(_check(name, our_grads[name], ref_grad, base_grads[name], dtype,
+                             _module_scale(name, ref_grads)))
     failed = [c.describe() for c in checks if not c.passed]
     assert not failed, "\n".join(failed)
 
 
-def test_llama_right_padded_matches_eager():
-    _assert_matches_eager(transformers.LlamaConfig(**TINY))
+def test_llama_right_padded_matches_eager(device):
+    _assert_matches_eager(transformers.LlamaConfig(**TINY), device)
 
 
-def test_qwen2_right_padded_matches_eager():
-    _assert_matches_eager(transformers.Qwen2Config(**TINY))
+def test_llama_under_autocast_matches_eager(device):
+    """fp32 weights under bf16 autocast, as mixed-precision training runs. Without a cache
+    the value arrives in bf16 and query and key (rotated with fp32 cos and sin) in fp32: the
+    kernel gets all three in autocast's dtype."""
+    _assert_matches_eager(transformers.LlamaConfig(**TINY), device, autocast=torch.bfloat16,
+                          use_cache=False)
 
 
-def test_llama_packed_sequences_match_eager():
+def test_qwen2_right_padded_matches_eager(device):
+    _assert_matches_eager(transformers.Qwen2Config(**TINY), device)
+
+
+def test_llama_packed_sequences_match_eager(device):
     # Position ids that restart mark packed documents: transformers' 4-D mask path.
-    positions = torch.cat([torch.arange(6), torch.arange(SEQLEN - 6)])[None].expand(2, -1)
-    _assert_matches_eager(transformers.LlamaConfig(**TINY), padded=False, pass_mask=False,
-                          position_ids=positions)
+    _assert_matches_eager(transformers.LlamaConfig(**TINY), device, padded=False,
+                          pass_mask=False, position_ids=_packed_positions(device))
 
 
-def test_mistral_sliding_window_matches_eager():
-    _assert_matches_eager(transformers.MistralConfig(**TINY, sliding_window=SLIDING_WINDOW))
+def _packed_positions(device):
+    return torch.cat([torch.arange(6), torch.arange(SEQLEN - 6)])[None].expand(2, -1).to(device)
 
 
-def test_mistral_sliding_window_changes_the_result():
+def test_mistral_sliding_window_matches_eager(device):
+    _assert_matches_eager(transformers.MistralConfig(**TINY, sliding_window=SLIDING_WINDOW),
+                          device)
+
+
+def test_mistral_sliding_window_changes_the_result(device):
     """The window check above would be void if the window hid nothing at this length."""
     torch.manual_seed(1)
     windowed = transformers.MistralConfig(**TINY, sliding_window=SLIDING_WINDOW)
-    model = transformers.AutoModelForCausalLM.from_config(windowed, attn_implementation="dmattn")
+    model = _dmattn_model(windowed, device)
     full = copy.deepcopy(model)
     full.config.sliding_window = None
     for layer in full.model.layers:
         layer.self_attn.config.sliding_window = None
-    ids, keep = _batch(padded=False)
+    ids, keep = _batch(padded=False, device=device)
     with torch.no_grad():
         assert not torch.allclose(model(input_ids=ids).logits, full(input_ids=ids).logits)
 
 
+@pytest.fixture()
+def doge_biases(monkeypatch):
+    """Every per-key bias Doge's dmattn forward computes; the equivalence tests check that no
+    row ties: on equal biases eager's torch.topk and the kernel may keep different keys (see
+    test_doge_ties_rank_the_smaller_key_first), so a tie would fail them by chance."""
+    biases = []
+    real = dm_hf.doge_key_bias
+
+    def spy(*args, **kwargs):
+        biases.append(real(*args, **kwargs))
+        return biases[-1]
+
+    monkeypatch.setattr(dm_hf, "doge_key_bias", spy)
+    yield biases
+    assert biases, "Doge's dmattn forward never ran"
+    for bias in biases:
+        values = bias.detach().flatten(0, 2)
+        assert all(len(set(row.tolist())) == row.numel() for row in values), "tied biases"
+
+
 @pytest.mark.parametrize("keep_window", DOGE_KEEP_WINDOWS)
-def test_doge_matches_eager(keep_window):
-    _assert_matches_eager(transformers.DogeConfig(**TINY, keep_window_size=keep_window))
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_doge_matches_eager(doge_biases, device, keep_window, padded):
+    _assert_matches_eager(transformers.DogeConfig(**TINY, keep_window_size=keep_window), device,
+                          padded=padded)
 
 
-def test_doge_sliding_window_matches_eager():
+def test_doge_sliding_window_matches_eager(doge_biases, device):
     config = transformers.DogeConfig(**TINY, keep_window_size=4, sliding_window=SLIDING_WINDOW)
-    _assert_matches_eager(config)
+    _assert_matches_eager(config, device)
+
+
+def test_doge_packed_sequences_match_eager(doge_biases, device):
+    # transformers' 4-D mask: the top-W choice is made as a bool mask.
+    config = transformers.DogeConfig(**TINY, keep_window_size=4)
+    _assert_matches_eager(config, device, padded=False, pass_mask=False,
+                          position_ids=_packed_positions(device))
+
+
+def test_doge_ties_rank_the_smaller_key_first():
+    """Doge starts A at zero, so every key's bias is 1: eager keeps whichever keys torch.topk
+    returns among the ties (on the CPU, not the smallest indices), the kernel path the smallest
+    indices, on the interval path and the bool one alike."""
+    bias = torch.ones(1, 1, 1, 6)
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    intervals = masking.doge_masking(None, bias, seqlen_q=6, is_causal=True,
+                                     sliding_window=None, keep_window=2)
+    assert torch.equal(intervals.attn_mask.to_dense(6)[0, 0], expected)
+    dense = masking.doge_masking(torch.ones(1, 1, 6, 6, dtype=torch.bool).tril(), bias,
+                                 seqlen_q=6, is_causal=True, sliding_window=None, keep_window=2)
+    assert torch.equal(dense.attn_mask[0, 0], expected)
 
 
 # -- what reaches the kernel ------------------------------------------------------------------
@@ -151,89 +246,172 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def test_llama_padding_reaches_the_kernel_as_a_key_mask(kernel_calls):
-    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY),
-                                                          attn_implementation="dmattn")
-    ids, keep = _batch(padded=True)
+def test_llama_padding_reaches_the_kernel_as_key_intervals(kernel_calls, device):
+    ids, keep = _batch(padded=True, device=device)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=keep)
+        _dmattn_model(transformers.LlamaConfig(**TINY), device)(input_ids=ids,
+                                                                attention_mask=keep)
     assert len(kernel_calls) == TINY["num_hidden_layers"]
     for call in kernel_calls:
         assert call["is_causal"] is True
-        assert tuple(call["attn_mask"].shape) == (2, 1, 1, SEQLEN)
-        assert torch.equal(call["attn_mask"][:, 0, 0], keep.bool())
+        intervals = call["attn_mask"]
+        assert isinstance(intervals, KeyIntervals) and intervals.shape == (2, 1, SEQLEN)
+        assert torch.equal(intervals.start, torch.zeros_like(intervals.start))
+        assert torch.equal(intervals.end[:, 0], keep * SEQLEN)
 
 
-def test_llama_without_padding_passes_no_mask(kernel_calls):
-    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY),
-                                                          attn_implementation="dmattn")
-    ids, keep = _batch(padded=False)
+def test_llama_without_padding_passes_no_mask(kernel_calls, device):
+    ids, keep = _batch(padded=False, device=device)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=keep)
+        _dmattn_model(transformers.LlamaConfig(**TINY), device)(input_ids=ids,
+                                                                attention_mask=keep)
     assert [c["attn_mask"] for c in kernel_calls] == [None] * TINY["num_hidden_layers"]
 
 
 @pytest.mark.parametrize("keep_window", DOGE_KEEP_WINDOWS)
-def test_doge_bias_reaches_the_kernel_per_key(kernel_calls, keep_window):
+def test_doge_bias_and_top_window_reach_the_kernel_per_key(kernel_calls, device, keep_window):
     config = transformers.DogeConfig(**TINY, keep_window_size=keep_window)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="dmattn")
-    ids, keep = _batch(padded=True)
-    model(input_ids=ids, attention_mask=keep)
+    ids, keep = _batch(padded=True, device=device)
+    _dmattn_model(config, device)(input_ids=ids, attention_mask=keep)
     heads_kv = TINY["num_key_value_heads"]
+    assert len(kernel_calls) == TINY["num_hidden_layers"]
     for call in kernel_calls:
         assert tuple(call["attn_bias"].shape) == (2, heads_kv, 1, SEQLEN)
         assert call["attn_bias"].requires_grad
-        # A (B, Hk, Lq, Lk) top-W mask only with more keys than the keep window.
-        expected = (2, heads_kv, SEQLEN, SEQLEN) if SEQLEN > keep_window else (2, 1, 1, SEQLEN)
-        assert tuple(call["attn_mask"].shape) == expected
+        intervals = call["attn_mask"]
+        assert isinstance(intervals, KeyIntervals)
+        # Per KV head only where the top-W choice hides keys; padded keys are seen by no row.
+        heads = heads_kv if SEQLEN > keep_window else 1
+        assert intervals.shape == (2, heads, SEQLEN)
+        assert not ((intervals.start < intervals.end) & ~keep.bool()[:, None, :]).any()
 
 
-@pytest.mark.parametrize("rows_per_step", [1024, 2])
-def test_doge_top_window_keeps_the_largest_visible_keys(monkeypatch, rows_per_step):
-    monkeypatch.setattr(dm_hf, "ROWS_PER_TOPK_STEP", rows_per_step)
+def _score_shaped(watch: AllocationWatch, seqlen: int) -> list[str]:
+    return [f"{op} {shape}" for op, shape, _ in watch.fresh if shape.count(seqlen) >= 2]
+
+
+@pytest.mark.parametrize("family", ["llama", "doge"])
+def test_padded_batch_never_allocates_a_query_by_key_tensor(device, family):
+    """Forward and backward of a padded batch make no tensor with two sequence-length axes
+    (an (L, L) mask, score or bias). The same watch catches eager attention's."""
+    seqlen, keep_window = 37, 8  # 37: no other size of the model; the top-W hides keys
+    config = (transformers.LlamaConfig(**TINY) if family == "llama" else
+              transformers.DogeConfig(**TINY, keep_window_size=keep_window))
+    ids = torch.randint(0, VOCAB, (2, seqlen), device=device)
+    keep = torch.ones(2, seqlen, dtype=torch.long, device=device)
+    keep[1, seqlen - PADDED:] = 0
+    keep[0, HIDDEN] = 0
+    found = {}
+    for implementation in ("dmattn", "eager"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation=implementation).to(device)
+        with AllocationWatch() as watch:
+            model(input_ids=ids, attention_mask=keep).logits.sum().backward()
+        found[implementation] = _score_shaped(watch, seqlen)
+    assert found["eager"], "the watch saw none of eager attention's (L, L) tensors"
+    assert not found["dmattn"], found["dmattn"]
+
+
+# -- masks and arguments ----------------------------------------------------------------------
+
+def test_doge_top_window_keeps_the_largest_visible_keys():
     bias = torch.tensor([[[[0.5, 3.0, 1.0, 2.0, 4.0]]]])
-    masking = dm_hf.doge_masking(None, bias, seqlen_q=5, is_causal=True, sliding_window=None,
-                                 keep_window=2)
+    result = masking.doge_masking(None, bias, seqlen_q=5, is_causal=True, sliding_window=None,
+                                  keep_window=2)
     expected = torch.tensor([[1, 0, 0, 0, 0],
                              [1, 1, 0, 0, 0],
                              [0, 1, 1, 0, 0],
                              [0, 1, 0, 1, 0],
                              [0, 1, 0, 0, 1]], dtype=torch.bool)
-    assert torch.equal(masking.attn_mask[0, 0], expected)
-    assert masking.attn_bias is bias and masking.is_causal is False
+    assert torch.equal(result.attn_mask.to_dense(5)[0, 0], expected)
+    assert result.attn_bias is bias and result.is_causal is True
 
 
-# -- masks and arguments ----------------------------------------------------------------------
+def test_doge_top_window_ranks_padded_keys_last():
+    """A padded key of large bias neither is kept nor pushes a real key out."""
+    bias = torch.tensor([[[[0.5, 9.0, 1.0, 2.0, 4.0]]]])
+    padding = torch.tensor([[1, 0, 1, 1, 1]])
+    result = masking.doge_masking(padding, bias, seqlen_q=5, is_causal=True,
+                                  sliding_window=None, keep_window=2)
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 0, 0, 0, 0],
+                             [1, 0, 1, 0, 0],
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(result.attn_mask.to_dense(5)[0, 0], expected)
+
+
+@pytest.mark.parametrize("rows_per_step", [1024, 2])
+def test_doge_bool_top_window_under_a_sliding_window(monkeypatch, rows_per_step):
+    """Window 3 over a keep window of 2: key 1 is kept at row 1, pushed out at row 2 by key 2
+    and back at row 3, when key 0 has left the window. Not one run of rows: a bool mask, made
+    in steps of rows."""
+    monkeypatch.setattr(masking, "ROWS_PER_TOPK_STEP", rows_per_step)
+    bias = torch.tensor([[[[5.0, 1.0, 4.0, 0.1, 0.2]]]])
+    result = masking.doge_masking(None, bias, seqlen_q=5, is_causal=True, sliding_window=3,
+                                  keep_window=2)
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [1, 0, 1, 0, 0],
+                             [0, 1, 1, 0, 0],
+                             [0, 0, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(result.attn_mask[0, 0], expected)
+    assert result.attn_bias is bias and result.is_causal is False
+
+
+def test_doge_sliding_window_within_the_keep_window_is_the_window():
+    """A window of 2 under a keep window of 3 keeps every visible key: the window's intervals."""
+    bias = torch.tensor([[[[5.0, 1.0, 4.0, 0.1, 0.2]]]])
+    result = masking.doge_masking(None, bias, seqlen_q=5, is_causal=True, sliding_window=2,
+                                  keep_window=3)
+    window = masking.causal_family_masking(None, 5, 5, True, 2, bias.dtype, bias.device)
+    assert isinstance(result.attn_mask, KeyIntervals) and result.is_causal is True
+    assert torch.equal(result.attn_mask.to_dense(5), window.attn_mask.to_dense(5))
+    assert result.attn_bias is bias
+
 
 def test_float_mask_becomes_keep_mask_and_bias():
     low = torch.finfo(torch.float32).min
     mask = torch.tensor([[[[0.0, low, 0.25], [float("-inf"), 0.0, -1.0]]]])
-    masking = dm_hf.causal_family_masking(mask, 2, 3, True, None, torch.float32, mask.device)
+    result = masking.causal_family_masking(mask, 2, 3, True, None, torch.float32, mask.device)
     keep = torch.tensor([[[[True, False, True], [False, True, True]]]])
-    assert torch.equal(masking.attn_mask, keep)
-    assert torch.equal(masking.attn_bias, torch.tensor([[[[0.0, 0.0, 0.25], [0.0, 0.0, -1.0]]]]))
-    assert masking.is_causal is False
+    assert torch.equal(result.attn_mask, keep)
+    assert torch.equal(result.attn_bias, torch.tensor([[[[0.0, 0.0, 0.25], [0.0, 0.0, -1.0]]]]))
+    assert result.is_causal is False
 
 
-def test_sliding_window_band_is_bottom_right_aligned():
-    masking = dm_hf.causal_family_masking(None, 2, 5, True, 2, torch.float32, torch.device("cpu"))
+def test_sliding_window_is_bottom_right_aligned():
+    result = masking.causal_family_masking(None, 2, 5, True, 2, torch.float32,
+                                           torch.device("cpu"))
     expected = torch.tensor([[False, False, True, True, True],
                              [False, False, False, True, True]])
-    assert torch.equal(masking.attn_mask[0, 0], expected)
+    assert isinstance(result.attn_mask, KeyIntervals) and result.attn_mask.shape == (1, 1, 5)
+    assert torch.equal(result.attn_mask.to_dense(2)[0, 0], expected)
+    assert result.is_causal is True
 
 
-def test_sliding_window_band_is_made_on_the_query_device():
+def test_sliding_window_and_padding_intersect():
+    padding = torch.tensor([[1, 1, 1, 0, 1]])
+    result = masking.causal_family_masking(padding, 2, 5, True, 2, torch.float32,
+                                           torch.device("cpu"))
+    expected = torch.tensor([[False, False, True, False, True],
+                             [False, False, False, False, True]])
+    assert torch.equal(result.attn_mask.to_dense(2)[0, 0], expected)
+
+
+def test_sliding_window_intervals_are_made_on_the_query_device():
     meta = torch.device("meta")
-    assert dm_hf.causal_family_masking(None, 2, 5, True, 2, torch.float32, meta).attn_mask.is_meta
+    result = masking.causal_family_masking(None, 2, 5, True, 2, torch.float32, meta)
+    assert result.attn_mask.start.is_meta and result.attn_mask.end.is_meta
 
 
 def test_bad_masks_and_dropout_are_rejected():
     with pytest.raises(ValueError, match="attention_mask"):
-        dm_hf.causal_family_masking(torch.ones(2, 1, 5, dtype=torch.bool), 5, 5, True, None,
-                                    torch.float32, torch.device("cpu"))
+        masking.causal_family_masking(torch.ones(2, 1, 5, dtype=torch.bool), 5, 5, True, None,
+                                      torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="attention_mask"):
-        dm_hf.causal_family_masking(torch.ones(2, 4, dtype=torch.bool), 5, 5, True, None,
-                                    torch.float32, torch.device("cpu"))
+        masking.causal_family_masking(torch.ones(2, 4, dtype=torch.bool), 5, 5, True, None,
+                                      torch.float32, torch.device("cpu"))
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="dropout"):
         dm_hf.dmattn_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)

@@ -6,23 +6,21 @@
    Qwen2, Mistral, ...) call it with query (B, Hq, L, D), key and value (B, Hk, L, D), the mask
    their mask builder made, ``scaling``, ``dropout`` and, for sliding-window layers,
    ``sliding_window``. It hands ``dmattn_func`` (B, L, H, D) views of the same tensors (a
-   transpose, no copy), with GQA left to the kernel.
+   transpose, no copy), with GQA left to the kernel; under autocast, in autocast's dtype.
 2. A mask builder in ``AttentionMaskInterface``, so that the model's ``create_causal_mask`` /
    ``create_sliding_window_causal_mask`` never builds an (Lq, Lk) mask for the plain causal or
    sliding-window pattern. For those it returns None (no padding) or the 2-D (B, Lk) bool key
-   padding mask; causality and the window are applied by the kernel and by
-   ``causal_family_masking``. Any other pattern (packed sequences, overlays such as
-   bidirectional image tokens, chunked attention, static caches whose offsets are tensors) gets
-   transformers' own 4-D bool mask, which the attention function takes as the whole truth.
+   padding mask, which reaches the kernel as key intervals (``masking``). Any other pattern
+   (packed sequences, overlays such as bidirectional image tokens, chunked attention, static
+   caches whose offsets are tensors) gets transformers' own 4-D bool mask, which the attention
+   function takes as the whole truth.
 3. A forward for Doge's attention module, used when the model's attention implementation is
    ``"dmattn"``. Doge turns a per-key bias computed from the values (``dt_proj``, ``A``) into a
    (B, H, Lq, Lk) float mask and keeps each row's ``keep_window_size`` largest entries. Its
    forward here passes the per-key bias to the kernel as ``attn_bias`` (B, Hk, 1, Lk), so the
    bias gradient flows back to ``dt_proj`` and ``A`` through the kernel, and the top-W selection
-   as a bool mask (``doge_masking``). The (B, H, Lq, Lk) float mask is never built.
-
-Each model family's mask is made in one function (``causal_family_masking``,
-``doge_masking``), so that O(L) key-interval masks can replace the bool tensors there alone.
+   as key intervals (``masking.doge_masking``; a bool mask only where transformers hands a 4-D
+   mask or a sliding window hides keys). The (B, H, Lq, Lk) float mask is never built.
 
 The pinned transformers version is the one this adapter was read against: the mask builder
 recognizes transformers' causal and sliding-window mask functions, and Doge's forward follows
@@ -32,25 +30,13 @@ its attention module's layout.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
 from ..interface import dmattn_func
+from .masking import Masking, causal_family_masking, doge_masking
 
 IMPLEMENTATION = "dmattn"
-
-# Query rows per top-W selection step in ``doge_masking``: bounds the temporaries of one step
-# (the float scores) to batch * heads_kv * ROWS_PER_TOPK_STEP * seqlen_k elements.
-ROWS_PER_TOPK_STEP = 1024
-
-
-class Masking(NamedTuple):
-    """What one attention call hands the kernel besides query, key and value."""
-
-    attn_mask: torch.Tensor | None  # bool, True = keep, 4-D broadcastable
-    attn_bias: torch.Tensor | None  # additive, the query's dtype, 4-D broadcastable
-    is_causal: bool
 
 
 def register() -> None:
@@ -135,56 +121,6 @@ def dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return _attend(query, key, value, masking, scaling), None
 
 
-def causal_family_masking(attention_mask, seqlen_q: int, seqlen_k: int, is_causal: bool,
-                          sliding_window: int | None, dtype: torch.dtype,
-                          device: torch.device) -> Masking:
-    """The kernel's mask, bias and causal flag for a Llama-family layer.
-
-    ``attention_mask`` is what the model's mask builder produced: None or a 2-D key padding
-    mask (plain causal / sliding window: causality from the flag, padding as a (B, 1, 1, Lk)
-    view), or a complete 4-D mask (bool, or float with the minimum value or -inf where masked,
-    whose other entries become the bias, in ``dtype``). A sliding window, while it hides keys
-    (Lk > window), is a bool (Lq, Lk) band on ``device``: query i (bottom-right aligned) keeps
-    keys i - window < j <= i.
-    """
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return _complete_masking(attention_mask, seqlen_k, dtype)
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask: expected None, a 2-D key padding mask or a 4-D mask, "
-                         f"got shape {tuple(attention_mask.shape)}")
-    mask = None
-    if attention_mask is not None:
-        mask = _key_padding(attention_mask, seqlen_k)
-    if sliding_window is not None and seqlen_k > sliding_window:
-        band = _window_band(seqlen_q, seqlen_k, sliding_window, device)
-        mask = band if mask is None else mask & band
-    return Masking(mask, None, is_causal)
-
-
-def _key_padding(padding: torch.Tensor, seqlen_k: int) -> torch.Tensor:
-    if padding.shape[-1] != seqlen_k:
-        raise ValueError(f"attention_mask: a 2-D padding mask needs one entry per key "
-                         f"({seqlen_k}), got shape {tuple(padding.shape)}")
-    return padding.to(torch.bool)[:, None, None, :]
-
-
-def _window_band(seqlen_q: int, seqlen_k: int, window: int, device) -> torch.Tensor:
-    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
-    keys = torch.arange(seqlen_k, device=device)[None, :]
-    return (keys > rows - window)[None, None]
-
-
-def _complete_masking(mask: torch.Tensor, seqlen_k: int, dtype: torch.dtype) -> Masking:
-    """A 4-D mask that already says everything: is_causal is off. Keys past ``seqlen_k`` are
-    cut off, as transformers' eager attention does."""
-    mask = mask[..., :seqlen_k]
-    if mask.dtype == torch.bool:
-        return Masking(mask, None, False)
-    keep = mask > torch.finfo(mask.dtype).min
-    bias = torch.where(keep, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
-    return Masking(keep, bias.to(dtype), False)
-
-
 def _reject_unsupported(**options) -> None:
     """The kernel has no attention dropout, softcap, sinks or extra position bias."""
     for name, value in options.items():
@@ -197,9 +133,18 @@ def _reject_unsupported(**options) -> None:
 
 
 def _attend(query, key, value, masking: Masking, scaling) -> torch.Tensor:
-    """(B, H, L, D) inputs as (B, L, H, D) views; the output is (B, Lq, Hq, D)."""
+    """(B, H, L, D) inputs as (B, L, H, D) views; the output is (B, Lq, Hq, D). Under autocast
+    query, key and value take autocast's dtype (transformers' sdpa attention runs in it too);
+    the bias takes the query's."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    bias = masking.attn_bias
+    if bias is not None:
+        bias = bias.to(query.dtype)
     return dmattn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                       attn_mask=masking.attn_mask, attn_bias=masking.attn_bias,
+                       attn_mask=masking.attn_mask, attn_bias=bias,
                        is_causal=masking.is_causal, softmax_scale=scaling)
 
 
@@ -222,7 +167,8 @@ def doge_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
         key, value = past_key_values.update(key, value, module.layer_idx)
 
     _reject_unsupported(dropout=module.attention_dropout if module.training else 0.0)
-    bias = doge_key_bias(module, value).to(query.dtype)
+    # Ranked in its own dtype, as Doge's eager mask is; _attend casts it for the kernel.
+    bias = doge_key_bias(module, value)
     masking = doge_masking(attention_mask, bias, seqlen_q=seqlen,
                            is_causal=getattr(module, "is_causal", True),
                            sliding_window=module.config.sliding_window,
@@ -236,54 +182,6 @@ def doge_key_bias(module: torch.nn.Module, value: torch.Tensor) -> torch.Tensor:
     batch, _, seqlen_k, _ = value.shape
     dt = module.dt_proj(value.transpose(1, 2).reshape(batch, seqlen_k, -1))
     return torch.exp(module.A * torch.nn.functional.softplus(dt)).transpose(1, 2)[:, :, None, :]
-
-
-def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: bool,
-                 sliding_window: int | None, keep_window: int) -> Masking:
-    """The kernel's mask, bias and causal flag for a Doge layer.
-
-    Visible keys are those of the Llama-family rule (``causal_family_masking``), except that a
-    complete float mask hides every nonzero entry, as Doge's own mask does. With more keys than
-    ``keep_window``, each row keeps its ``keep_window`` visible keys of largest bias (ties as
-    ``torch.topk`` breaks them), as a bool (B, Hk, Lq, Lk) mask built without a graph,
-    ``ROWS_PER_TOPK_STEP`` query rows at a time. The bias goes to the kernel as it is,
-    (B, Hk, 1, Lk).
-    """
-    seqlen_k = bias.shape[-1]
-    if (attention_mask is not None and attention_mask.dim() == 4
-            and attention_mask.is_floating_point()):
-        attention_mask = attention_mask[..., :seqlen_k] == 0
-    visible = causal_family_masking(attention_mask, seqlen_q, seqlen_k, is_causal,
-                                    sliding_window, bias.dtype, bias.device)
-    if seqlen_k <= keep_window:
-        return Masking(visible.attn_mask, bias, visible.is_causal)
-    keep = torch.zeros(bias.shape[:2] + (seqlen_q, seqlen_k), dtype=torch.bool,
-                       device=bias.device)
-    with torch.no_grad():
-        for start in range(0, seqlen_q, ROWS_PER_TOPK_STEP):
-            rows = slice(start, min(start + ROWS_PER_TOPK_STEP, seqlen_q))
-            seen = _visible_rows(visible, rows, seqlen_q, seqlen_k, bias.device)
-            scores = bias.detach().masked_fill(~seen, float("-inf"))
-            chosen = scores.topk(keep_window, dim=-1, sorted=False).indices
-            keep[:, :, rows].scatter_(-1, chosen, True)
-            keep[:, :, rows] &= seen
-    return Masking(keep, bias, False)
-
-
-def _visible_rows(masking: Masking, rows: slice, seqlen_q: int, seqlen_k: int,
-                  device) -> torch.Tensor:
-    """Query rows ``rows`` of ``masking``'s mask and causal flag, as one bool
-    (Bm, Hm, rows, Lk) tensor."""
-    visible = masking.attn_mask
-    if visible is not None and visible.shape[2] != 1:
-        visible = visible[:, :, rows]
-    if masking.is_causal:
-        last = torch.arange(rows.start, rows.stop, device=device)[:, None] + (seqlen_k - seqlen_q)
-        causal = (torch.arange(seqlen_k, device=device)[None, :] <= last)[None, None]
-        visible = causal if visible is None else visible & causal
-    if visible is None:
-        return torch.ones(1, 1, rows.stop - rows.start, seqlen_k, dtype=torch.bool, device=device)
-    return visible.expand(-1, -1, rows.stop - rows.start, seqlen_k)
 
 
 def _route_doge_attention() -> None:
