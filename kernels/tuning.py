@@ -59,11 +59,11 @@ DKDV_D128_DECODE = Tile(16, DKDV_BLOCK_N, 4, 3)
 DKDV_D128_SMALL_GRID = Tile(32, 16, 4, 3)
 DKDV_SMALL_GRID_SHARE = 4
 DQ_D128 = Tile(64, 32, 4, 3)
-# 128 < D <= 256: 64-key blocks with 8 warps (each warp holds a quarter of the dk/dv
-# accumulators that 4 warps of 32-key blocks did) took dkdv from 213 to 144 us at D256 and from
-# 211 to 198 us at D192 (headdim sweep: B1 H16/4 L4096 causal topk W1024 kv_row bias, H100);
-# 32x32 with 8 warps, 16x32, 16x64 and one stage were all slower than 32x32 with 4.
-DKDV_D256 = Tile(32, 64, 8, 2)
+# 128 < D <= 256: 64x64 tiles with 8 warps against 32x32 with 4 (dkdv us, H100, bf16, causal,
+# kv_row bias; topk rows take topk_intervals masks): D256 B1 H16/4 L4096 topk W1024 120 vs 156,
+# L16384 1722 vs 2297; D256 B2 H16/4 L8192 no mask 776 vs 999; D160 B2 H8/2 L4096 topk 160 vs
+# 162. 32x64 with 8 warps came between (143, 2142, 1020, 173); one stage was slower everywhere.
+DKDV_D256 = Tile(64, 64, 8, 2)
 DQ_D256 = Tile(64, 16, 4, 2)
 # dkdv's pipeline stages at 64 < D <= 128 in 16-bit where more than half its tiles are partial
 # (each loads a mask tile beside q and dO): 2 stages beat 3 by 5-14% (topk masks at D 80, 96,
