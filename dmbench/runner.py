@@ -20,6 +20,7 @@ import torch
 from . import flops
 from .accuracy import FORWARD_TENSORS, CheckResult, check_backend, ground_truth
 from .backends import DIFF_KEYS, Backend
+from .backends.base import total_build_ms
 from .device import DeviceFault, context_alive
 from .problem import Problem, make_problem
 from .results import Row, new_row, set_accuracy
@@ -53,7 +54,7 @@ def plan_units(sweep: Sweep, cases: Iterable[Case], modes: tuple[str, ...],
             reason = (skipped.get(case) or backend.unavailable_reason(device)
                       or backend.skip_reason(case))
             for mode in modes:
-                why = reason
+                why = reason or backend.memory_reason(case, mode, device)
                 if why is None and mode in GRAD_MODES[:2] and not backend.has_grad:
                     why = f"{name} has no backward"
                 if why is None and mode == "equiv" and not backend.exact and (case.mask != "none" or case.bias != "none"):
@@ -80,7 +81,8 @@ def _failure(exc: BaseException) -> tuple[str, str]:
 
 
 def _timed_call(backend: Backend, problem: Problem, mode: str):
-    """(zero-arg function to time, build_ms). Everything else happens here, untimed."""
+    """(zero-arg function to time, build_ms). Everything else happens here, untimed. build_ms
+    adds up the mask's builds (``backends.base``)."""
     grad = mode != "fwd"
     with torch.no_grad():
         adapted = backend.adapt(problem)
@@ -90,13 +92,15 @@ def _timed_call(backend: Backend, problem: Problem, mode: str):
             adapted[name] = adapted[name].detach().requires_grad_(grad)
             leaves.append(adapted[name])
     bound = backend.bind(adapted, problem.case, want_lse=False)
+    build_ms = total_build_ms(problem.mask_build_ms if backend.takes_mask else None,
+                              adapted.get("build_ms"), bound.build_ms)
     if mode == "fwd":
-        return bound.call, bound.build_ms
+        return bound.call, build_ms
     out = bound.call()[0]
     dout = torch.randn_like(out)
     if mode == "bwd":
-        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), bound.build_ms
-    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), bound.build_ms
+        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), build_ms
+    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), build_ms
 
 
 def _apply_check(row: Row, result: CheckResult, mode: str) -> None:
@@ -144,7 +148,7 @@ class SweepRunner:
             return
         try:
             needs_grad = any(u.mode in GRAD_MODES for u in runnable)
-            problem = make_problem(case, self.device)
+            problem = make_problem(case, self.device, time_build=True)
             wants_truth = self.check or any(u.mode == "equiv" for u in runnable)
             truth = ground_truth(problem, needs_grad) if wants_truth else None
             self._needs_grad = needs_grad

@@ -136,3 +136,19 @@ def _measure_cuda(fn: Callable[[], object], timing: Timing, device: torch.device
     samples = tuple(s.elapsed_time(e) for s, e in events)
     del flush
     return Measurement(samples, _peak_mib(fn, device))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_build(build: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    """Run ``build`` once to compile and warm up, then again on the clock (synchronized):
+    the second result and its wall time in ms, which the CSV reports in ``build_ms``."""
+    build()
+    synchronize(device)
+    start = time.perf_counter()
+    result = build()
+    synchronize(device)
+    return result, (time.perf_counter() - start) * 1e3
