@@ -212,21 +212,38 @@ def draw_source(case: Case, bias: torch.Tensor | None, gen, device) -> MaskSourc
     return MaskSource()
 
 
-def mask_builder(case: Case, source: MaskSource, device) -> Callable[[], object] | None:
-    """The build of the case's mask in its format from ``source``: a zero-argument function
-    returning a bool tensor, ``KeyIntervals`` or a ``PackedLayout``; None when nothing is built
+@dataclass(frozen=True)
+class MaskBuilder:
+    name: str  # what the build is, as the CSV's detail names it
+    build: Callable[[], object]  # returns a bool tensor, KeyIntervals or a PackedLayout
+
+
+BOOL_BUILDS = {"topk": "torch.topk+scatter", "block_topk": "torch.topk+scatter+blocks",
+               "block_sparse": "tiles to mask", "sliding": "sliding mask",
+               "document": "document mask"}
+INTERVAL_BUILDS = {"topk": "topk_intervals", "sliding": "sliding intervals",
+                   "document": "document intervals"}
+
+
+def mask_builder(case: Case, source: MaskSource, device) -> MaskBuilder | None:
+    """The build of the case's mask in its format from ``source``; None when nothing is built
     (no mask, or a random mask, which is its own draw)."""
     if case.mask in ("none", "random"):
         return None
     if case.mask_format == "varlen":
-        return lambda: source.documents.packed(device)
+        return MaskBuilder("cu_seqlens", lambda: source.documents.packed(device))
     if case.mask_format == "bool":
-        return lambda: _bool_mask(case, source, device)
+        return MaskBuilder(BOOL_BUILDS[case.mask], lambda: _bool_mask(case, source, device))
     if case.mask == "topk":
         from kernels import topk_intervals
 
-        return lambda: topk_intervals(source.score, case.window, seqlen_q=case.seqlen_q,
-                                      is_causal=case.causal)
-    if case.mask == "sliding":
-        return lambda: sliding_intervals(case, device)
-    return lambda: source.documents.intervals(case.causal, device)
+        def build():
+            return topk_intervals(source.score, case.window, seqlen_q=case.seqlen_q,
+                                  is_causal=case.causal)
+    elif case.mask == "sliding":
+        def build():
+            return sliding_intervals(case, device)
+    else:
+        def build():
+            return source.documents.intervals(case.causal, device)
+    return MaskBuilder(INTERVAL_BUILDS[case.mask], build)

@@ -68,6 +68,8 @@ def param_value(row: Row, name: str):
         return row.mask if row.mask_shape == "BxHkxLqxLk" else f"{row.mask}[{row.mask_shape}]"
     if name == "case":
         return row.case_id
+    if name == "documents":
+        return row.documents or "drawn"
     return getattr(row, name)
 
 

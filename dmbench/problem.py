@@ -1,7 +1,7 @@
 """Inputs for one case, generated on the target device from the case's seed: q, k, v, the bias
 (its shape from ``sweep.BIAS_KINDS``) and the mask in the case's format (``dmbench.masks``).
 
-The mask's build from its random draws can be timed (``time_build``): ``mask_build_ms`` is the
+The mask's build from its random draws can be timed (``time_build``): ``mask_build`` is the
 wall time of one build after a warm-up one, which every backend that takes the mask counts in
 its ``build_ms``.
 """
@@ -16,7 +16,7 @@ from .documents import Documents, PackedLayout
 from .mask_views import kept_pairs
 from .masks import draw_source, mask_builder
 from .sweep import Case, shape_from_tokens
-from .timing import timed_build
+from .timing import BuildStep, timed_build
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -41,7 +41,7 @@ class Problem:
     kept_pairs: int  # kept (batch, query head, i, j) entries after mask and causality
     documents: Documents | None = None
     packed: PackedLayout | None = None
-    mask_build_ms: float | None = None
+    mask_build: BuildStep | None = None
 
     @property
     def active_fraction(self) -> float:
@@ -54,7 +54,7 @@ def make_problem(case: Case, device: torch.device, requires_grad: bool = False,
     """Generate q, k, v, bias and mask for ``case`` on ``device`` from ``case.seed``.
 
     With ``requires_grad`` the q, k, v and bias tensors are leaves that require grad. With
-    ``time_build`` the mask is built twice and the second build timed (``mask_build_ms``).
+    ``time_build`` the mask is built twice and the second build timed (``mask_build``).
     """
     dtype = TORCH_DTYPES[case.dtype]
     gen = torch.Generator(device=device)
@@ -68,14 +68,14 @@ def make_problem(case: Case, device: torch.device, requires_grad: bool = False,
     v = randn(case.batch, case.seqlen_k, case.heads_kv, case.head_dim)
     bias = randn(*shape_from_tokens(case.bias_shape, case)) if case.bias_shape else None
     source = draw_source(case, bias, gen, device)
-    build = mask_builder(case, source, device)
-    build_ms = None
-    if build is None:
+    builder = mask_builder(case, source, device)
+    build = None
+    if builder is None:
         built = source.mask
     elif time_build:
-        built, build_ms = timed_build(build, device)
+        built, build = timed_build(builder.build, device, builder.name)
     else:
-        built = build()
+        built = builder.build()
     mask, packed = built, None
     if isinstance(built, PackedLayout):
         mask, packed = source.documents.intervals(case.causal, device), built
@@ -84,4 +84,4 @@ def make_problem(case: Case, device: torch.device, requires_grad: bool = False,
             if t is not None:
                 t.requires_grad_(True)
     return Problem(case, q, k, v, mask, bias, kept_pairs(case, mask), source.documents, packed,
-                   build_ms)
+                   build)

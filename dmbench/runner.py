@@ -20,12 +20,11 @@ import torch
 from . import flops
 from .accuracy import FORWARD_TENSORS, CheckResult, check_backend, ground_truth
 from .backends import DIFF_KEYS, Backend
-from .backends.base import total_build_ms
 from .device import DeviceFault, context_alive
 from .problem import Problem, make_problem
 from .results import Row, new_row, set_accuracy
 from .sweep import Case, Sweep, Timing
-from .timing import Measurement, measure, pooled
+from .timing import BuildStep, Measurement, build_total, measure, pooled
 
 TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 GRAD_MODES = ("bwd", "fwd+bwd", "equiv")
@@ -81,8 +80,8 @@ def _failure(exc: BaseException) -> tuple[str, str]:
 
 
 def _timed_call(backend: Backend, problem: Problem, mode: str):
-    """(zero-arg function to time, build_ms). Everything else happens here, untimed. build_ms
-    adds up the mask's builds (``backends.base``)."""
+    """(zero-arg function to time, the mask's build steps). Everything else happens here,
+    untimed. The steps are the case's mask build and the backend's own (``backends.base``)."""
     grad = mode != "fwd"
     with torch.no_grad():
         adapted = backend.adapt(problem)
@@ -92,15 +91,15 @@ def _timed_call(backend: Backend, problem: Problem, mode: str):
             adapted[name] = adapted[name].detach().requires_grad_(grad)
             leaves.append(adapted[name])
     bound = backend.bind(adapted, problem.case, want_lse=False)
-    build_ms = total_build_ms(problem.mask_build_ms if backend.takes_mask else None,
-                              adapted.get("build_ms"), bound.build_ms)
+    steps = [s for s in (problem.mask_build if backend.takes_mask else None,
+                         adapted.get("build"), bound.build) if s is not None]
     if mode == "fwd":
-        return bound.call, build_ms
+        return bound.call, steps
     out = bound.call()[0]
     dout = torch.randn_like(out)
     if mode == "bwd":
-        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), build_ms
-    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), build_ms
+        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), steps
+    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), steps
 
 
 def _apply_check(row: Row, result: CheckResult, mode: str) -> None:
@@ -174,7 +173,7 @@ class SweepRunner:
         timing = self.sweep.timing
         per_round = timing.per_round()
         rounds: dict[Unit, list[Measurement]] = {}
-        build_ms: dict[Unit, float | None] = {}
+        builds: dict[Unit, list[BuildStep]] = {}
         reported: set[Unit] = set()
         for index in range(timing.rounds):
             last = index == timing.rounds - 1
@@ -188,12 +187,12 @@ class SweepRunner:
                     if isinstance(timed, Row):
                         row = timed
                     else:
-                        build_ms.setdefault(unit, timed[0])
+                        builds.setdefault(unit, timed[0])
                         rounds.setdefault(unit, []).append(timed[1])
                         if not last:
                             continue
                         row = self._timed_row(unit, problem, truth, checks, pooled(rounds[unit]),
-                                              build_ms[unit])
+                                              builds[unit])
                 reported.add(unit)
                 if row.status in FAILED and not context_alive(self.device):
                     # Record the point, then stop: nothing after it could run in this process.
@@ -221,10 +220,10 @@ class SweepRunner:
         return row
 
     def _measure(self, unit: Unit, problem: Problem,
-                 timing: Timing) -> tuple[float | None, Measurement] | Row:
-        """(build_ms, one round's measurement), or the failed point's row."""
+                 timing: Timing) -> tuple[list[BuildStep], Measurement] | Row:
+        """(the mask's build steps, one round's measurement), or the failed point's row."""
         try:
-            fn, build_ms = _timed_call(self.backends[unit.backend], problem, unit.mode)
+            fn, steps = _timed_call(self.backends[unit.backend], problem, unit.mode)
             measured = measure(fn, timing, self.device)
             del fn
         except Exception as exc:
@@ -237,15 +236,15 @@ class SweepRunner:
             # pass, ran out of memory in a later round; a large cached block split to serve
             # other points' buffers is the likely cause (not isolated).
             torch.cuda.empty_cache()
-        return build_ms, measured
+        return steps, measured
 
     def _timed_row(self, unit: Unit, problem: Problem, truth, cache: dict,
-                   measured: Measurement, build_ms: float | None) -> Row:
+                   measured: Measurement, build: list[BuildStep]) -> Row:
         backend = self.backends[unit.backend]
         row = self._row(unit, "ok")
         row.ms_p20, row.ms_p50, row.ms_p80 = measured.p20, measured.p50, measured.p80
         row.repeats = len(measured.samples_ms)
-        row.build_ms = build_ms
+        row.build_ms, row.detail = build_total(build)
         row.peak_mib = measured.peak_mib
         row.active_fraction = problem.active_fraction
         if backend.exact:

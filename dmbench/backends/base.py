@@ -11,11 +11,12 @@ setup stays outside the timed region:
    ours, the prepared mask).
 
 ``build_ms`` in the CSV is the mask's build, never part of the timed call: the case's mask
-built in its format from its source (``Problem.mask_build_ms``: the torch.topk + scatter of a
+built in its format from its source (``Problem.mask_build``: the torch.topk + scatter of a
 bool topk mask, ``kernels.topk_intervals``, a packed layout), for every backend that takes the
-mask, plus what the backend makes of it, each timed once after a warm-up run: a float mask
-or a dense expansion of intervals in ``adapt`` (the ``"build_ms"`` key of its dict), a
-prepared mask or a block mask in ``bind`` (``Bound.build_ms``).
+mask, plus what the backend makes of it, each step timed once after a warm-up run
+(``timing.BuildStep``): a float mask or a dense expansion of intervals in ``adapt`` (the
+``"build"`` key of its dict), a prepared mask or a block mask in ``bind`` (``Bound.build``).
+An ok row's ``detail`` names the steps and their times.
 
 Backends that take only dense masks (sdpa, fdma, reference) get intervals expanded
 (``mask_views.dense_mask``); ``dense_bytes`` is a lower bound on what their dense tensors need,
@@ -34,9 +35,10 @@ import torch
 
 from ..problem import Problem
 from ..sweep import Case
-from ..timing import timed_build
+from ..timing import BuildStep, timed_build
 
-__all__ = ["DIFF_KEYS", "Backend", "Bound", "causal_keep", "per_query_head", "timed_build"]
+__all__ = ["DIFF_KEYS", "Backend", "BuildStep", "Bound", "causal_keep", "per_query_head",
+           "timed_build"]
 
 DIFF_KEYS = ("q", "k", "v", "bias")
 
@@ -44,7 +46,7 @@ DIFF_KEYS = ("q", "k", "v", "bias")
 @dataclass
 class Bound:
     call: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
-    build_ms: float | None = None
+    build: BuildStep | None = None
 
 
 class Backend:
@@ -116,9 +118,3 @@ def pairs_bytes(case: Case, heads: int, itemsize: int, count: int = 1) -> int:
 
 def dtype_size(case: Case) -> int:
     return {"bf16": 2, "fp16": 2, "fp32": 4}[case.dtype]
-
-
-def total_build_ms(*parts: float | None) -> float | None:
-    """The sum of the build times that were measured, or None when none was."""
-    known = [p for p in parts if p is not None]
-    return sum(known) if known else None

@@ -63,16 +63,17 @@ class TritonBackend(Backend):
         q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
         # Like flex's block mask: a bool mask's tile lists are built once, outside the timing,
         # and their build time is reported. Intervals are read by the call itself.
-        build_ms = None
+        build = None
         if mask is not None and not is_intervals(mask):
-            mask, build_ms = timed_build(lambda: prepare_mask(mask, q, k, case.causal), q.device)
+            mask, build = timed_build(lambda: prepare_mask(mask, q, k, case.causal), q.device,
+                                      "prepare_mask")
 
         def call():
             result = dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=case.causal,
                                  return_lse=want_lse)
             return result if want_lse else (result, None)
 
-        return Bound(call, build_ms)
+        return Bound(call, build)
 
     def _bind_varlen(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         from kernels import dmattn_varlen_func
@@ -109,8 +110,9 @@ class ReferenceBackend(Backend):
     def adapt(self, problem: Problem) -> dict[str, Any]:
         adapted = super().adapt(problem)
         if is_intervals(problem.mask):
-            adapted["mask"], adapted["build_ms"] = timed_build(
-                lambda: dense_mask(problem.case, problem.mask), problem.q.device)
+            adapted["mask"], adapted["build"] = timed_build(
+                lambda: dense_mask(problem.case, problem.mask), problem.q.device,
+                "dense expansion")
         return adapted
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:

@@ -107,9 +107,9 @@ class FdmaBackend(Backend):
         k = problem.k.repeat_interleave(group, dim=2) if group > 1 else problem.k
         v = problem.v.repeat_interleave(group, dim=2) if group > 1 else problem.v
         fold_causal = case.causal and case.seqlen_q != case.seqlen_k
-        (mask, bias), build_ms = timed_build(lambda: _dense_inputs(problem, fold_causal),
-                                             q.device)
-        return {"q": q, "k": k, "v": v, "mask": mask, "bias": bias, "build_ms": build_ms,
+        (mask, bias), build = timed_build(lambda: _dense_inputs(problem, fold_causal), q.device,
+                                          "dense mask and bias")
+        return {"q": q, "k": k, "v": v, "mask": mask, "bias": bias, "build": build,
                 "is_causal": case.causal and not fold_causal}
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:

@@ -54,8 +54,8 @@ class SdpaBackend(Backend):
         if problem.mask is None and problem.bias is None:
             adapted["attn_mask"], adapted["is_causal"] = _causal_mask_arg(case, problem.q.device)
             return adapted
-        float_mask, adapted["build_ms"] = timed_build(lambda: _float_mask(problem),
-                                                      problem.q.device)
+        float_mask, adapted["build"] = timed_build(lambda: _float_mask(problem),
+                                                   problem.q.device, "float mask")
         # With a bias the float mask carries it, so it is the tensor the backward differentiates.
         adapted["bias" if problem.bias is not None else "attn_mask"] = float_mask
         return adapted
@@ -189,10 +189,10 @@ class FlexBackend(Backend):
         flex = self._flex()
         q, k, v, bias = (adapted[n] for n in ("q", "k", "v", "bias"))
         b, hq, lq, lk = case.batch, case.heads_q, case.seqlen_q, case.seqlen_k
-        block_mask, build_ms = None, None
+        block_mask, build = None, None
         if adapted["mask"] is not None or case.causal:
-            block_mask, build_ms = timed_build(lambda: self._block_mask(adapted, case, q.device),
-                                               q.device)
+            block_mask, build = timed_build(lambda: self._block_mask(adapted, case, q.device),
+                                            q.device, "create_block_mask")
 
         score_mod = None
         if bias is not None:
@@ -220,7 +220,7 @@ class FlexBackend(Backend):
             lse = extra.lse if hasattr(extra, "lse") else extra
             return out.transpose(1, 2), lse
 
-        return Bound(call, build_ms)
+        return Bound(call, build)
 
 
 def _mask_mod(case: Case, mask, documents, device):
