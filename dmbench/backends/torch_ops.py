@@ -173,26 +173,26 @@ class FlexBackend(Backend):
                 "mask": problem.mask, "bias": problem.bias, "documents": problem.documents}
 
     def _block_mask(self, adapted: dict[str, Any], case: Case, device):
-        """The BlockMask of the case's mask and causality (None when there is neither)."""
+        """(the BlockMask of the case's mask and causality, its build step), or (None, None)
+        when there is neither. One mask_mod serves the warm-up and the timed build, so the
+        compiled build is reused as it would be across calls."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         mask = adapted["mask"]
         if mask is None and not case.causal:
-            return None
+            return None, None
         mask_mod, batch, heads = _mask_mod(case, mask, adapted["documents"], device)
         compile_arg = ({"_compile": True} if self.compiled and "_compile" in
                        inspect.signature(create_block_mask).parameters else {})
-        return create_block_mask(mask_mod, batch, heads, case.seqlen_q, case.seqlen_k,
-                                 device=device, **compile_arg)
+        return timed_build(lambda: create_block_mask(mask_mod, batch, heads, case.seqlen_q,
+                                                     case.seqlen_k, device=device, **compile_arg),
+                           device, "create_block_mask")
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         flex = self._flex()
         q, k, v, bias = (adapted[n] for n in ("q", "k", "v", "bias"))
         b, hq, lq, lk = case.batch, case.heads_q, case.seqlen_q, case.seqlen_k
-        block_mask, build = None, None
-        if adapted["mask"] is not None or case.causal:
-            block_mask, build = timed_build(lambda: self._block_mask(adapted, case, q.device),
-                                            q.device, "create_block_mask")
+        block_mask, build = self._block_mask(adapted, case, q.device)
 
         score_mod = None
         if bias is not None:
@@ -226,7 +226,7 @@ class FlexBackend(Backend):
 def _mask_mod(case: Case, mask, documents, device):
     """(mask_mod, batch, heads) for create_block_mask: the case's mask and causality over
     captured tensors (the bool mask; the intervals' start and end; for the varlen format each
-    position's document id, made here). A mask shared by the batch or the heads gives a block
+    position's document id, made here in O(B·L) from the documents' lengths). A mask shared by the batch or the heads gives a block
     mask of batch or heads 1, which flex broadcasts."""
     b, hq, lq, lk = case.batch, case.heads_q, case.seqlen_q, case.seqlen_k
     offset = lk - lq
