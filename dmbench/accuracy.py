@@ -3,6 +3,14 @@
 The rule and the error metric live in ``kernels.tolerance``; this module only feeds it: the fp64
 reference, the eager low-precision run (both from ``kernels.attention_reference``) and the
 backend's own tensors, forward and backward, with one shared upstream gradient.
+
+Long cases are checked on a seeded subset of query rows, so the reference never needs
+O(Lq·Lk) memory: when B·Hq·Lq·Lk exceeds ``FULL_REFERENCE_SCORES``, ``ROW_SAMPLE`` rows (the
+first, the last and others drawn from the case's seed) are checked. The reference computes
+only those rows (their mask rows and causality, all keys). Forward: out and lse on those rows.
+Backward: the upstream gradient is zero on every other row, so the exact gradients of the
+whole problem are those of the sampled rows alone: dk, dv and dbias are checked whole, dq on
+every row (zero off the sample, which the backend must reproduce).
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ from .backends import Backend
 from .problem import Problem
 
 TENSORS = ("out", "lse", "dq", "dk", "dv", "dbias")
+# Above this many (batch, query head, query, key) scores the reference reads sampled rows.
+FULL_REFERENCE_SCORES = 1 << 27
+ROW_SAMPLE = 64
 FORWARD_TENSORS = ("out", "lse")
 GRAD_NAMES = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias"}
 
@@ -30,7 +41,8 @@ class Outputs:
 class GroundTruth:
     reference: Outputs  # fp64
     eager: Outputs      # the input dtype, the accuracy rule's baseline
-    dout: torch.Tensor
+    dout: torch.Tensor  # the whole problem's upstream gradient, zero off ``rows``
+    rows: torch.Tensor | None = None  # the query rows checked; None: all of them
 
 
 @dataclass
@@ -64,13 +76,39 @@ def _grads(out: torch.Tensor, leaves: dict[str, torch.Tensor], dout: torch.Tenso
             for n, g in zip(names, grads)}
 
 
-def _reference_run(problem: Problem, dout: torch.Tensor, upcast: bool, with_grad: bool) -> Outputs:
+def checked_rows(case) -> torch.Tensor | None:
+    """The query rows a check reads: None (all of them) up to ``FULL_REFERENCE_SCORES``,
+    else ``ROW_SAMPLE`` sorted rows, the first and the last among them, from the case's seed."""
+    scores = case.batch * case.heads_q * case.seqlen_q * case.seqlen_k
+    if scores <= FULL_REFERENCE_SCORES or case.seqlen_q <= ROW_SAMPLE:
+        return None
+    gen = torch.Generator().manual_seed(case.seed)
+    inner = torch.randperm(case.seqlen_q - 2, generator=gen)[:ROW_SAMPLE - 2] + 1
+    ends = torch.tensor([0, case.seqlen_q - 1])
+    return torch.cat([ends, inner]).sort().values
+
+
+def _reference_run(problem: Problem, dout: torch.Tensor, upcast: bool, with_grad: bool,
+                   rows: torch.Tensor | None) -> Outputs:
+    """The reference on the whole problem, or on ``rows`` only: their queries (and bias rows,
+    where the bias has a query axis) are selected inside the graph, so the gradients come back
+    in the whole tensors' shapes, zero where no sampled row reaches."""
     from kernels import attention_reference
 
+    from .mask_views import visible_rows
+
+    case = problem.case
     leafy, leaves = _leaf_problem(problem)
     with torch.set_grad_enabled(with_grad):
-        out, lse = attention_reference(leafy.q, leafy.k, leafy.v, leafy.mask, leafy.bias,
-                                       problem.case.causal, None, return_lse=True, upcast=upcast)
+        q, mask, bias, causal = leafy.q, problem.mask, leafy.bias, case.causal
+        if rows is not None:
+            rows = rows.to(q.device)
+            q, dout = q.index_select(1, rows), dout.index_select(1, rows)
+            mask, causal = visible_rows(case, problem.mask, rows), False
+            if bias is not None and bias.shape[2] > 1:
+                bias = bias.index_select(2, rows)
+        out, lse = attention_reference(q, leafy.k, leafy.v, mask, bias, causal, None,
+                                       return_lse=True, upcast=upcast)
     tensors = {"out": out.detach(), "lse": lse.detach()}
     if with_grad:
         tensors.update(_grads(out, leaves, dout.to(out.dtype)))
@@ -81,8 +119,13 @@ def ground_truth(problem: Problem, with_grad: bool) -> GroundTruth:
     gen = torch.Generator(device=problem.q.device)
     gen.manual_seed(problem.case.seed + 1)
     dout = torch.randn(problem.q.shape, generator=gen, device=problem.q.device, dtype=problem.q.dtype)
-    return GroundTruth(_reference_run(problem, dout, True, with_grad),
-                       _reference_run(problem, dout, False, with_grad), dout)
+    rows = checked_rows(problem.case)
+    if rows is not None:
+        off_sample = torch.ones(dout.shape[1], dtype=torch.bool, device=dout.device)
+        off_sample[rows.to(dout.device)] = False
+        dout[:, off_sample] = 0
+    return GroundTruth(_reference_run(problem, dout, True, with_grad, rows),
+                       _reference_run(problem, dout, False, with_grad, rows), dout, rows)
 
 
 def check_backend(backend: Backend, problem: Problem, truth: GroundTruth,
@@ -100,9 +143,10 @@ def check_backend(backend: Backend, problem: Problem, truth: GroundTruth,
     with torch.set_grad_enabled(grad):
         bound = backend.bind(backend.adapt(leafy), problem.case, want_lse=backend.has_lse)
         out, lse = bound.call()
-    mine = {"out": out.detach()}
+    rows = None if truth.rows is None else truth.rows.to(out.device)
+    mine = {"out": out.detach() if rows is None else out.detach().index_select(1, rows)}
     if lse is not None:
-        mine["lse"] = lse.detach()
+        mine["lse"] = lse.detach() if rows is None else lse.detach().index_select(2, rows)
     error = None
     if grad:
         try:

@@ -3,7 +3,11 @@
 It covers: odd and unequal lengths (Lq > Lk gives rows that see nothing under causality),
 Lq = 1 (with and without a mask or bias), Lk = 4095, D = 40/80/96/192/256, MHA/GQA/MQA, all 24 broadcast shapes of the mask and
 of the bias, fully masked rows (every ``random`` mask with a query axis has them), window >= Lk,
-every mask kind and all three dtypes.
+every mask kind and all three dtypes; key-interval masks (topk from a bias and from its own
+score, sliding, documents) with awkward Lk, empty intervals (keys topk never keeps, documents of
+length 0), a key seen by a single row (a sliding window of 1, documents of length 1), GQA, MQA
+and decode; the varlen format with sequences of length 0 and 1 and packed totals that are not
+multiples of 16, and the same documents as bool and intervals.
 
 ``large=False`` keeps every case tiny so the whole suite runs in a few minutes under the CPU
 interpreter; ``large=True`` scales lengths and heads to realistic GPU sizes.
@@ -71,6 +75,42 @@ def irregular_cases(large: bool) -> tuple[Case, ...]:
         Case(1, 2, 1, lq, lk, 64, 5, False, "fp32", "topk", bias="kv_row"),
         Case(1, 2, 1, lq, lk, 64, None, True, "fp32", "random", bias="shared"),
     ]
+    return tuple(cases) + interval_cases(large)
+
+
+def interval_cases(large: bool) -> tuple[Case, ...]:
+    """Key-interval and varlen cases (see the module docstring)."""
+    lq = _scaled(large, 17, 1025)
+    lk = _scaled(large, 33, 2049)
+    gqa = (_scaled(large, 4, 16), _scaled(large, 2, 4))
+    # One batch row of documents: empty ones, single tokens, and a length that is not a
+    # multiple of 16 (the packed batch of two rows is not one either).
+    documents = (0, 1, 5, 0, 17, 1, 13, 0) if not large else (0, 1, 2000, 0, 1, 1500, 595)
+    doc_len = sum(documents)
+    cases = [
+        # topk from a per-key bias, a small window: most keys' intervals are empty.
+        Case(2, *gqa, lq, lk, 40, 5, True, "bf16", "topk", bias="kv_row", seed=41,
+             mask_format="intervals"),
+        # topk from its own score, MQA, Lq > Lk (rows that see nothing under causality).
+        Case(1, gqa[0], 1, lk, lq, 64, 3, True, "fp16", "topk", seed=42, mask_format="intervals"),
+        # A sliding window of one key: key j is seen by row j alone. fp32: each dv is then the
+        # sum of two query heads' dout, which lands on a bf16 rounding tie often, and the
+        # reference gradient is rounded to the input dtype, so a 16-bit run is an ulp (0.031
+        # at |dv| ~ 4, over the bf16 floor) from it wherever its probability is not exactly 1.
+        Case(1, 2, 1, lq, lq, 32, 1, True, "fp32", "sliding", bias="kv_row", seed=43,
+             mask_format="intervals"),
+        # Without causality: the last `window` keys seen by every row, the others by none.
+        Case(1, 2, 1, lq, lk, 40, 9, False, "fp32", "sliding", seed=44, mask_format="intervals"),
+        # Decode against intervals.
+        Case(2, *gqa, 1, lk, 64, 7, True, "bf16", "topk", bias="kv_row", seed=45,
+             mask_format="intervals"),
+    ]
+    for fmt in ("bool", "intervals", "varlen"):
+        cases.append(Case(2, *gqa, doc_len, doc_len, 40, None, True, "bf16", "document",
+                          bias="kv_row", seed=46, mask_format=fmt, documents=documents))
+    # Drawn documents, bidirectional, MQA, no bias.
+    cases.append(Case(1, 2, 1, lk, lk, 64, 16, False, "fp16", "document", seed=47,
+                      mask_format="varlen"))
     return tuple(cases)
 
 

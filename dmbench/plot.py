@@ -1,8 +1,10 @@
-"""Speedup and TFLOP/s charts, drawn from a results CSV and nothing else.
+"""Speedup, TFLOP/s, memory and mask-build charts, drawn from a results CSV and nothing else.
 
 For every swept axis (a case parameter along which some points differ in that parameter alone)
 and every timed mode, two PNGs are written: speedup over a baseline backend, and
-dense-equivalent TFLOP/s. Points are joined by a line only when every other case parameter is
+dense-equivalent TFLOP/s; where rows record them, also ``memory`` (``peak_mib``: what one call
+allocates above its inputs) and, once per file (its first mode, since the mask is built once
+per point whatever is timed), ``build`` (``build_ms``: the mask's build). Points are joined by a line only when every other case parameter is
 equal. The other parameters that vary split the points into panels (up to ``MAX_PANELS`` per
 figure) and, past that, into separate series whose legend names the values that differ. When no
 axis has two such points, the cases themselves are the x axis and nothing is joined.
@@ -24,10 +26,11 @@ from pathlib import Path
 from .errors import ConfigError
 from .results import Row
 
-AXES = ("window", "seqlen_k", "head_dim", "heads", "batch", "mask", "bias", "causal", "dtype")
+AXES = ("window", "seqlen_k", "head_dim", "heads", "batch", "mask", "mask_format", "bias",
+        "causal", "dtype")
 # Every case parameter, as plotted: points on one line agree on all of these but the axis.
 PARAMS = ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "window", "causal", "dtype",
-          "mask", "bias", "seed")
+          "mask", "mask_format", "documents", "bias", "seed")
 TIMED = ("fwd", "bwd", "fwd+bwd")
 COMMAND_SUFFIXES = ("-fwd", "-bwd", "-equiv")
 BASELINE_FALLBACKS = ("fdma", "sdpa", "reference")
@@ -55,6 +58,8 @@ def backend_style(name: str) -> tuple[str, str]:
 
 
 def param_value(row: Row, name: str):
+    """A row's value of a case parameter as charted (``heads`` as "Hq/Hk", the mask with a
+    shape other than the full one)."""
     if name == "heads":
         return f"{row.heads_q}/{row.heads_kv}"
     if name == "q_shape":
@@ -63,6 +68,8 @@ def param_value(row: Row, name: str):
         return row.mask if row.mask_shape == "BxHkxLqxLk" else f"{row.mask}[{row.mask_shape}]"
     if name == "case":
         return row.case_id
+    if name == "documents":
+        return row.documents or "drawn"
     return getattr(row, name)
 
 
@@ -192,7 +199,7 @@ def draw(series: list[Series], axis: str, ylabel: str, log_y: bool, title: str):
         if not numeric:
             ax.set_xticks(range(len(xs_all)))
             ax.set_xticklabels([str(x) for x in xs_all], rotation=30, ha="right", fontsize=7)
-        if log_y:
+        if log_y and all(y > 0 for s in members for _, y in s.points):
             ax.set_yscale("log")
         name = ", ".join(f"{p}={v}" for p, v in panel) or "all"
         ax.set_title(textwrap.fill(name, 60), fontsize=7)
@@ -224,17 +231,24 @@ def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None) -
     axes = [a for a in AXES if has_line(timed, a)] or ["case"]
     sweep, prefix, gpu = sweep_title(timed, stem), _file_prefix(timed, stem), timed[0].gpu
     written = []
-    for mode in [m for m in TIMED if any(r.mode == m for r in timed)]:
+    modes = [m for m in TIMED if any(r.mode == m for r in timed)]
+    for mode in modes:
         mode_rows = [r for r in timed if r.mode == mode]
         base_ms = {r.case_id: r.ms_p50 for r in mode_rows if r.backend == baseline}
         speedup = {id(r): base_ms[r.case_id] / r.ms_p50 for r in mode_rows if r.case_id in base_ms}
         rate = {id(r): r.tflops_dense for r in mode_rows if r.tflops_dense is not None}
+        memory = {id(r): r.peak_mib for r in mode_rows if r.peak_mib is not None}
+        build = ({id(r): r.build_ms for r in mode_rows if r.build_ms is not None}
+                 if mode == modes[0] else {})
         title = f"{sweep} {mode} on {gpu}"
+        charts = ((speedup, "speedup", f"{title}: speedup over {baseline} (p50)",
+                   f"speedup vs {baseline}", True),
+                  (rate, "tflops", f"{title}: dense-equivalent TFLOP/s (p50)", "TFLOP/s", False),
+                  (memory, "memory", f"{title}: peak memory of one call above its inputs",
+                   "MiB", True),
+                  (build, "build", f"{sweep} on {gpu}: mask build (build_ms)", "ms", True))
         for axis in axes:
             tag = f"{prefix}-{mode.replace('+', '_')}-{axis}"
-            charts = ((speedup, "speedup", f"{title}: speedup over {baseline} (p50)",
-                       f"speedup vs {baseline}", True),
-                      (rate, "tflops", f"{title}: dense-equivalent TFLOP/s (p50)", "TFLOP/s", False))
             for values, metric, chart_title, ylabel, log_y in charts:
                 series = group_series(mode_rows, axis, values)
                 if not series:

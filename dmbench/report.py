@@ -9,8 +9,9 @@ that the text around them is untouched:
   are at least twice as fast as fdma; then the TFLOP/s floors of rows with no mask and no bias,
   and whether block-sparse time falls as the targets ask. Each target is stated in
   ``docs/TARGETS.md``.
-* the tables, in ``results/<gpu>/README.md``: each case's median time per backend, and for
-  block-sparse sweeps each backend's time divided by its time with every tile active.
+* the tables, in ``results/<gpu>/README.md``: each case's median time per backend, for
+  block-sparse sweeps each backend's time divided by its time with every tile active, and
+  per sweep each backend's mask build (``build_ms``) per case.
 
 ``sdpa-dense`` is shown as the no-mask ceiling but is not a peer: it computes a different
 (dense) function. Rows timed on the CPU under Triton's interpreter get no targets: their
@@ -90,8 +91,10 @@ def _shape_label(row) -> str:
 
 def _case_label(row) -> str:
     window = f" W{row.window}" if row.window and row.mask != "none" else ""
+    documents = f" [{row.documents}]" if row.documents else ""
+    mask_format = f" as {row.mask_format}" if row.mask_format != "bool" else ""
     causal = " causal" if row.causal else ""
-    return f"{_shape_label(row)} {row.mask}{window} {row.bias}{causal}"
+    return f"{_shape_label(row)} {row.mask}{window}{documents}{mask_format} {row.bias}{causal}"
 
 
 def _ratio_to_best_peer(times: dict[str, float]) -> tuple[float, str] | None:
@@ -268,6 +271,32 @@ def sparsity_markdown(rows, interpreted: bool = False) -> list[str]:
 # -- the full tables (results/<gpu>/README.md)
 
 
+def build_markdown(rows: list[Row]) -> list[str]:
+    """Per sweep with build times, each backend's mask build (ms) per case, from the rows of
+    one mode (fwd where there are any): the mask is built once per point whatever is timed."""
+    lines = []
+    by_sweep: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        if row.build_ms is not None:
+            by_sweep[row.sweep].append(row)
+    for sweep, built in sorted(by_sweep.items()):
+        modes = {r.mode for r in built}
+        mode = "fwd" if "fwd" in modes else min(modes)
+        cases: dict[str, dict[str, float]] = {}
+        for row in built:
+            if row.mode == mode:
+                cases.setdefault(_case_label(row), {})[row.backend] = row.build_ms
+        shown = [b for b in SHOWN if any(b in t for t in cases.values())]
+        lines += [f"\n**{sweep}: mask build, ms** (`build_ms` of the {mode} rows, never part "
+                  "of the timed call; a dash means no build time for that backend)\n",
+                  "| " + " | ".join(["case", *shown]) + " |", "|---" * (len(shown) + 1) + "|"]
+        for label, times in cases.items():
+            cells = [f"{times[b]:.3f}" if b in times else "–" for b in shown]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+
 def tables_markdown(collected: Collected) -> str:
     """Median ms per backend for every case, one table per (sweep, mode)."""
     parts = [measured_on(collected.rows), ""]
@@ -282,6 +311,7 @@ def tables_markdown(collected: Collected) -> str:
                      "means we are faster), with that peer named; a dash means no row for that "
                      "backend. sdpa-dense (no mask, no bias) is the dense ceiling, not a peer.")
     parts += sparsity_markdown(collected.rows, collected.interpreted)
+    parts += build_markdown(collected.rows)
     for (sweep, mode), cases in sorted(collected.tables.items()):
         shown = [b for b in SHOWN if any(b in times for times in cases.values())]
         ratio_column = [] if collected.interpreted else ["vs best peer"]

@@ -5,7 +5,7 @@ and flushed one at a time, so a killed run loses nothing it finished. Reading go
 ``read_rows``, which checks the header, so ``compare``, ``plot`` and ``merge`` reject a file that
 is not a dmbench CSV with a one-line error. A file re-saved by pandas reads back too: integral
 floats (``32.0``) are read as ints, and a leading unnamed index column is dropped. A file written
-before a column in ``ADDED_COLUMNS`` existed reads with that column empty.
+before a column in ``ADDED_COLUMNS`` existed reads with that column's default.
 
 Statuses: ``ok``; ``accuracy`` (a checked tensor over its allowed error); ``error`` (the backend
 raised; ``detail`` says what); ``oom``; ``skipped`` (the backend cannot run this case or is not
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -42,6 +42,11 @@ class Row:
     dtype: str
     mask: str
     mask_shape: str
+    # How the mask reached the backends (sweep.MASK_FORMATS) and a document mask's explicit
+    # lengths ("0,1,5"; empty when drawn). Keyword-only, with defaults, so that files written
+    # before these columns existed read back.
+    mask_format: str = field(default="bool", kw_only=True)
+    documents: str = field(default="", kw_only=True)
     bias: str
     seed: int
     backend: str
@@ -93,17 +98,18 @@ class Row:
 
 COLUMNS = tuple(f.name for f in fields(Row))
 CASE_COLUMNS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "window",
-                "causal", "dtype", "mask", "mask_shape", "bias", "seed")
+                "causal", "dtype", "mask", "mask_shape", "mask_format", "documents", "bias", "seed")
 ENV_COLUMNS = ("gpu", "driver", "torch", "triton", "git_sha", "git_dirty")
 ACCURACY_TENSORS = ("out", "lse", "dq", "dk", "dv", "dbias")
 # Columns appended after files were already being written; older files lack them.
-ADDED_COLUMNS = ("sweep_hash",)
+ADDED_COLUMNS = ("sweep_hash", "mask_format", "documents")
 _TYPES = {f.name: f.type for f in fields(Row)}
 
 
 def new_row(sweep: str, case: Case, backend: str, mode: str, status: str, env, detail: str = "",
             sweep_hash: str = "") -> Row:
     case_values = {name: getattr(case, name) for name in CASE_COLUMNS}
+    case_values["documents"] = case.documents_text
     return Row(sweep=sweep, case_id=case.case_id, backend=backend, mode=mode, status=status,
                detail=detail, gpu=env.gpu, driver=env.driver, torch=env.torch, triton=env.triton,
                git_sha=env.git_sha, git_dirty=env.git_dirty, host=env.host,
@@ -154,7 +160,8 @@ def _header_columns(path: Path, header: tuple[str, ...]) -> tuple[tuple[str, ...
     index = len(header) > 0 and header[0] in ("", "Unnamed: 0") and header[1:2] == COLUMNS[:1]
     named = header[1:] if index else header
     legacy = tuple(c for c in COLUMNS if c not in ADDED_COLUMNS)
-    if named in (COLUMNS, legacy):
+    # A file has every column but possibly some of ADDED_COLUMNS, all in COLUMNS' order.
+    if set(legacy) <= set(named) <= set(COLUMNS) and named == tuple(c for c in COLUMNS if c in named):
         return named, index
     missing = [c for c in legacy if c not in named]
     detail = f"missing column {missing[0]!r}" if missing else "columns in a different order"

@@ -24,7 +24,7 @@ from .device import DeviceFault, context_alive
 from .problem import Problem, make_problem
 from .results import Row, new_row, set_accuracy
 from .sweep import Case, Sweep, Timing
-from .timing import Measurement, measure, pooled
+from .timing import BuildStep, Measurement, build_total, measure, pooled
 
 TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 GRAD_MODES = ("bwd", "fwd+bwd", "equiv")
@@ -53,7 +53,7 @@ def plan_units(sweep: Sweep, cases: Iterable[Case], modes: tuple[str, ...],
             reason = (skipped.get(case) or backend.unavailable_reason(device)
                       or backend.skip_reason(case))
             for mode in modes:
-                why = reason
+                why = reason or backend.memory_reason(case, mode, device)
                 if why is None and mode in GRAD_MODES[:2] and not backend.has_grad:
                     why = f"{name} has no backward"
                 if why is None and mode == "equiv" and not backend.exact and (case.mask != "none" or case.bias != "none"):
@@ -80,7 +80,8 @@ def _failure(exc: BaseException) -> tuple[str, str]:
 
 
 def _timed_call(backend: Backend, problem: Problem, mode: str):
-    """(zero-arg function to time, build_ms). Everything else happens here, untimed."""
+    """(zero-arg function to time, the mask's build steps). Everything else happens here,
+    untimed. The steps are the case's mask build and the backend's own (``backends.base``)."""
     grad = mode != "fwd"
     with torch.no_grad():
         adapted = backend.adapt(problem)
@@ -90,13 +91,15 @@ def _timed_call(backend: Backend, problem: Problem, mode: str):
             adapted[name] = adapted[name].detach().requires_grad_(grad)
             leaves.append(adapted[name])
     bound = backend.bind(adapted, problem.case, want_lse=False)
+    steps = [s for s in (problem.mask_build if backend.takes_mask else None,
+                         adapted.get("build"), bound.build) if s is not None]
     if mode == "fwd":
-        return bound.call, bound.build_ms
+        return bound.call, steps
     out = bound.call()[0]
     dout = torch.randn_like(out)
     if mode == "bwd":
-        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), bound.build_ms
-    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), bound.build_ms
+        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), steps
+    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), steps
 
 
 def _apply_check(row: Row, result: CheckResult, mode: str) -> None:
@@ -144,7 +147,7 @@ class SweepRunner:
             return
         try:
             needs_grad = any(u.mode in GRAD_MODES for u in runnable)
-            problem = make_problem(case, self.device)
+            problem = make_problem(case, self.device, time_build=True)
             wants_truth = self.check or any(u.mode == "equiv" for u in runnable)
             truth = ground_truth(problem, needs_grad) if wants_truth else None
             self._needs_grad = needs_grad
@@ -170,7 +173,7 @@ class SweepRunner:
         timing = self.sweep.timing
         per_round = timing.per_round()
         rounds: dict[Unit, list[Measurement]] = {}
-        build_ms: dict[Unit, float | None] = {}
+        builds: dict[Unit, list[BuildStep]] = {}
         reported: set[Unit] = set()
         for index in range(timing.rounds):
             last = index == timing.rounds - 1
@@ -184,12 +187,12 @@ class SweepRunner:
                     if isinstance(timed, Row):
                         row = timed
                     else:
-                        build_ms.setdefault(unit, timed[0])
+                        builds.setdefault(unit, timed[0])
                         rounds.setdefault(unit, []).append(timed[1])
                         if not last:
                             continue
                         row = self._timed_row(unit, problem, truth, checks, pooled(rounds[unit]),
-                                              build_ms[unit])
+                                              builds[unit])
                 reported.add(unit)
                 if row.status in FAILED and not context_alive(self.device):
                     # Record the point, then stop: nothing after it could run in this process.
@@ -217,10 +220,10 @@ class SweepRunner:
         return row
 
     def _measure(self, unit: Unit, problem: Problem,
-                 timing: Timing) -> tuple[float | None, Measurement] | Row:
-        """(build_ms, one round's measurement), or the failed point's row."""
+                 timing: Timing) -> tuple[list[BuildStep], Measurement] | Row:
+        """(the mask's build steps, one round's measurement), or the failed point's row."""
         try:
-            fn, build_ms = _timed_call(self.backends[unit.backend], problem, unit.mode)
+            fn, steps = _timed_call(self.backends[unit.backend], problem, unit.mode)
             measured = measure(fn, timing, self.device)
             del fn
         except Exception as exc:
@@ -233,15 +236,15 @@ class SweepRunner:
             # pass, ran out of memory in a later round; a large cached block split to serve
             # other points' buffers is the likely cause (not isolated).
             torch.cuda.empty_cache()
-        return build_ms, measured
+        return steps, measured
 
     def _timed_row(self, unit: Unit, problem: Problem, truth, cache: dict,
-                   measured: Measurement, build_ms: float | None) -> Row:
+                   measured: Measurement, build: list[BuildStep]) -> Row:
         backend = self.backends[unit.backend]
         row = self._row(unit, "ok")
         row.ms_p20, row.ms_p50, row.ms_p80 = measured.p20, measured.p50, measured.p80
         row.repeats = len(measured.samples_ms)
-        row.build_ms = build_ms
+        row.build_ms, row.detail = build_total(build)
         row.peak_mib = measured.peak_mib
         row.active_fraction = problem.active_fraction
         if backend.exact:

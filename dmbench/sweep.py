@@ -13,8 +13,14 @@ A sweep file has these top-level keys (all optional except that it needs cases):
 
 Case keys: batch, heads ("16/4", {q: 16, kv: 4} or 8 for MHA), seqlen (2048, "1/65536" or
 {q: 1, k: 65536}), head_dim, window, causal, dtype (bf16/fp16/fp32), mask (none, topk,
-block_topk, block_sparse, sliding, random), mask_shape, bias (none, kv_row, kv_full, q_full,
-shared or an explicit shape), seed.
+block_topk, block_sparse, sliding, random, document), mask_shape, mask_format (bool, intervals,
+varlen), documents (explicit document lengths), bias (none, kv_row, kv_full, q_full, shared or
+an explicit shape), seed.
+
+``mask_format`` says how the mask reaches the backends that take it natively: ``bool`` a dense
+(B, Hk, Lq, Lk) mask; ``intervals`` a ``kernels.KeyIntervals`` (topk with a kv_row bias or its
+own per-key score, sliding, document); ``varlen`` the packed layout of the documents (document
+only; the bias per key or none). Any other combination is a ``ConfigError`` naming the key.
 
 Shapes of masks and biases are written as four axis tokens joined by ``x``: batch ``1``/``B``,
 heads ``1``/``Hk``/``Hq``, query ``1``/``Lq``, key ``1``/``Lk``; for example ``1xHqxLqx1``.
@@ -36,8 +42,13 @@ from .errors import ConfigError
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
           "half": "fp16", "fp32": "fp32", "float32": "fp32"}
-MASK_KINDS = ("none", "topk", "block_topk", "block_sparse", "sliding", "random")
-WINDOW_MASKS = ("topk", "block_topk", "block_sparse", "sliding")
+MASK_KINDS = ("none", "topk", "block_topk", "block_sparse", "sliding", "random", "document")
+# Masks whose generation reads ``window`` (for document: the longest drawn document).
+WINDOW_MASKS = ("topk", "block_topk", "block_sparse", "sliding", "document")
+MASK_FORMATS = ("bool", "intervals", "varlen")
+# The mask kinds each format can express (topk only with a per-key score, see _format_problem).
+FORMAT_MASKS = {"bool": MASK_KINDS, "intervals": ("topk", "sliding", "document"),
+                "varlen": ("document",)}
 BIAS_KINDS = {
     "none": None,
     "kv_row": "BxHkx1xLk",
@@ -67,6 +78,8 @@ class Case:
     mask_shape: str = FULL_MASK_SHAPE
     bias: str = "none"
     seed: int = 0
+    mask_format: str = "bool"
+    documents: tuple[int, ...] | None = None  # explicit document lengths of every batch row
 
     @property
     def bias_shape(self) -> str | None:
@@ -78,9 +91,18 @@ class Case:
         """A stable, readable key: the same parameters always give the same id."""
         window = "-" if self.window is None else self.window
         mask = self.mask if self.mask_shape == FULL_MASK_SHAPE else f"{self.mask}[{self.mask_shape}]"
+        if self.documents is not None:
+            mask += f"[{self.documents_text}]"
+        if self.mask_format != "bool":
+            mask += f":{self.mask_format}"
         return (f"B{self.batch}-H{self.heads_q}/{self.heads_kv}-Lq{self.seqlen_q}-"
                 f"Lk{self.seqlen_k}-D{self.head_dim}-W{window}-"
                 f"{'causal' if self.causal else 'full'}-{self.dtype}-{mask}-{self.bias}-s{self.seed}")
+
+    @property
+    def documents_text(self) -> str:
+        """The explicit document lengths as written in the CSV ("0,1,5"), or ""."""
+        return "" if self.documents is None else ",".join(map(str, self.documents))
 
 
 @dataclass(frozen=True)
@@ -123,7 +145,7 @@ class Sweep:
 
 
 CASE_KEYS = ("batch", "heads", "seqlen", "head_dim", "window", "causal", "dtype", "mask",
-             "mask_shape", "bias", "seed")
+             "mask_shape", "mask_format", "documents", "bias", "seed")
 REQUIRED_CASE_KEYS = ("batch", "heads", "seqlen", "head_dim")
 TOP_KEYS = ("name", "description", "backends", "timing", "check", "defaults", "grid", "cases")
 DEFAULT_BACKENDS = ("triton", "sdpa", "sdpa-dense", "flex", "fdma")
@@ -137,6 +159,13 @@ class _Where:
 
     def error(self, key: str, message: str) -> ConfigError:
         return ConfigError(f"{self.path}: {key}: {message}")
+
+
+def shape_from_tokens(tokens: str, case: Case) -> tuple[int, int, int, int]:
+    """The sizes of a shape written in axis tokens (``BxHkx1xLk``) for ``case``."""
+    sizes = {"1": 1, "B": case.batch, "Hk": case.heads_kv, "Hq": case.heads_q,
+             "Lq": case.seqlen_q, "Lk": case.seqlen_k}
+    return tuple(sizes[t] for t in tokens.split("x"))
 
 
 def _positive_int(where: _Where, key: str, value: Any) -> int:
@@ -218,19 +247,69 @@ def _parse_case(where: _Where, key: str, raw: dict[str, Any], defaults: dict[str
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise where.error(at("seed"), f"expected a non-negative integer, got {seed!r}")
-    if mask not in WINDOW_MASKS:
+    documents = _documents(where, at("documents"), raw.get("documents"), mask)
+    if mask not in WINDOW_MASKS or documents is not None:
         window = None  # the window only means something for window masks
+    mask_format = raw.get("mask_format", "bool")
+    if mask_format not in MASK_FORMATS:
+        raise where.error(at("mask_format"),
+                          f"expected one of {', '.join(MASK_FORMATS)}, got {mask_format!r}")
     batch = _positive_int(where, at("batch"), raw["batch"])
-    return Case(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, window, causal,
-                DTYPES[dtype], mask, mask_shape, bias, seed)
+    case = Case(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, window, causal,
+                DTYPES[dtype], mask, mask_shape, bias, seed, mask_format, documents)
+    problem = format_problem(case)
+    if problem:
+        raise where.error(at("mask_format"), problem)
+    return case
+
+
+def _documents(where: _Where, key: str, value: Any, mask: str) -> tuple[int, ...] | None:
+    """Explicit document lengths (a list of non-negative integers), only for mask document."""
+    if value is None:
+        return None
+    if mask != "document":
+        raise where.error(key, f"documents needs mask document, got mask {mask!r}")
+    if (not isinstance(value, list) or not value
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value)):
+        raise where.error(key, f"expected a non-empty list of non-negative integers (document "
+                          f"lengths), got {value!r}")
+    return tuple(value)
+
+
+def per_key_bias(case: Case) -> bool:
+    """Whether the case's bias is none or has no query axis (one value per key at most)."""
+    shape = case.bias_shape
+    return shape is None or shape.split("x")[2] == "1"
+
+
+def format_problem(case: Case) -> str | None:
+    """Why ``case.mask_format`` cannot express the case's mask, or None."""
+    fmt = case.mask_format
+    if case.mask not in FORMAT_MASKS[fmt]:
+        return (f"mask_format {fmt} expresses masks {', '.join(FORMAT_MASKS[fmt])}, "
+                f"got mask {case.mask}")
+    if fmt == "intervals" and case.mask == "topk" and case.bias_shape not in (None, "BxHkx1xLk"):
+        return ("mask_format intervals takes topk from a per-key score: bias kv_row (or none, "
+                f"a score of its own), got bias {case.bias}")
+    if fmt == "varlen" and not per_key_bias(case):
+        return f"mask_format varlen takes a bias per key (no query axis) or none, got bias {case.bias}"
+    return None
 
 
 def case_problem(case: Case) -> str | None:
     """Why this combination cannot run at all, or None. Backend limits live in the backends."""
     if case.heads_q % case.heads_kv:
         return f"heads_q {case.heads_q} is not a multiple of heads_kv {case.heads_kv}"
-    if case.mask in WINDOW_MASKS and case.window is None:
-        return f"mask {case.mask} needs a window"
+    if case.mask in WINDOW_MASKS and case.window is None and case.documents is None:
+        needs = "a window (the longest document) or documents" if case.mask == "document" else "a window"
+        return f"mask {case.mask} needs {needs}"
+    if case.mask == "document":
+        if case.seqlen_q != case.seqlen_k:
+            return (f"mask document packs documents along one sequence: seqlen q and k must be "
+                    f"equal, got {case.seqlen_q} and {case.seqlen_k}")
+        if case.documents is not None and sum(case.documents) != case.seqlen_k:
+            return (f"documents {list(case.documents)} sum to {sum(case.documents)}; each batch "
+                    f"row holds seqlen {case.seqlen_k}")
     if case.mask not in ("none", "random") and case.mask_shape != FULL_MASK_SHAPE:
         return f"mask {case.mask} is generated per (batch, KV head, row); mask_shape must be {FULL_MASK_SHAPE}"
     if case.mask == "none" and case.mask_shape != FULL_MASK_SHAPE:

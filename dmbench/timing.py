@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -136,3 +136,36 @@ def _measure_cuda(fn: Callable[[], object], timing: Timing, device: torch.device
     samples = tuple(s.elapsed_time(e) for s, e in events)
     del flush
     return Measurement(samples, _peak_mib(fn, device))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class BuildStep(NamedTuple):
+    """One timed step of a mask's build: what it made, and its wall time in ms."""
+
+    name: str
+    ms: float
+
+
+def timed_build(build: Callable[[], object], device: torch.device,
+                name: str) -> tuple[object, BuildStep]:
+    """Run ``build`` once to compile and warm up, then again on the clock (synchronized):
+    the second result and its ``BuildStep``, which the CSV reports in ``build_ms``."""
+    build()
+    synchronize(device)
+    start = time.perf_counter()
+    result = build()
+    synchronize(device)
+    return result, BuildStep(name, (time.perf_counter() - start) * 1e3)
+
+
+def build_total(steps: list[BuildStep]) -> tuple[float | None, str]:
+    """(the steps' total ms or None without steps, a line naming each: "build: topk_intervals
+    1.2 ms + create_block_mask 3.4 ms")."""
+    if not steps:
+        return None, ""
+    parts = " + ".join(f"{s.name} {s.ms:.3g} ms" for s in steps)
+    return sum(s.ms for s in steps), f"build: {parts}"

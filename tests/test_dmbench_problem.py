@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmbench.problem import BLOCK_KEYS, SPARSE_TILE, make_problem, shape_from_tokens
+from dmbench.masks import BLOCK_KEYS, SPARSE_TILE
+from dmbench.problem import make_problem, shape_from_tokens
 from dmbench.sweep import BIAS_KINDS, Case
 
 CPU = torch.device("cpu")

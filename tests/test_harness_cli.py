@@ -297,6 +297,50 @@ def test_equiv_irregular(tmp_path):
     assert {r.head_dim for r in rows} >= {40, 80, 96, 192, 256}
     assert any(r.seqlen_q == 1 for r in rows) and any(4095 in (r.seqlen_q, r.seqlen_k) for r in rows)
     assert any(r.heads_kv == 1 and r.heads_q > 1 for r in rows)
+    checked = {(r.mask, r.mask_format) for r in ok}
+    assert {("topk", "intervals"), ("sliding", "intervals"), ("document", "bool"),
+            ("document", "intervals"), ("document", "varlen")} <= checked
+    explicit = [r for r in ok if r.documents]
+    assert explicit and all({"0", "1"} <= set(r.documents.split(",")) for r in explicit)
+    assert any(r.mask_format == "varlen" and (r.batch * r.seqlen_q) % 16 for r in explicit)
+
+
+FORMATS_SWEEP = """
+name: formats-cli
+backends: [triton, sdpa, sdpa-dense]
+check: true
+timing: {warmup: 0, repeats: 1, budget_s: 1.0}
+defaults: {batch: 2, heads: "2/1", seqlen: 24, head_dim: 16, dtype: fp32, causal: true, mask: document, window: 8, bias: kv_row, seed: 0}
+grid:
+  - {mask_format: [bool, intervals, varlen]}
+  - {mask: topk, window: 5, mask_format: intervals}
+"""
+
+
+def test_every_mask_format_through_the_cli(tmp_path):
+    """Rows of each format: their columns, the same accuracy for one mask in three formats,
+    and the build (the mask's, then the backend's) in build_ms and detail."""
+    sweep = tmp_path / "formats-cli.yaml"
+    sweep.write_text(FORMATS_SWEEP)
+    out = tmp_path / "f.csv"
+    result = _invoke("fwd", sweep, "--out", out, "--no-plot", "--no-progress")
+    assert result.exit_code == ExitCode.OK, result.output
+    rows = read_rows(out)
+    assert len(rows) == 12 and all(r.status == "ok" for r in rows)
+    ok = [r for r in rows if r.backend != "sdpa-dense"]  # the dense ceiling is not checked
+    assert all(r.err_out <= r.allowed_out for r in ok)
+    triton = {r.mask_format: r for r in ok if r.backend == "triton" and r.mask == "document"}
+    assert set(triton) == {"bool", "intervals", "varlen"}
+    assert len({round(r.err_out, 9) for r in triton.values()}) == 1
+    assert triton["bool"].detail.startswith("build: document mask ")
+    assert "prepare_mask" in triton["bool"].detail
+    assert triton["intervals"].detail.startswith("build: document intervals ")
+    assert triton["varlen"].detail.startswith("build: cu_seqlens ")
+    for row in ok:
+        steps = [float(part.rsplit(" ", 2)[1]) for part in row.detail[len("build: "):].split(" + ")]
+        assert row.build_ms == pytest.approx(sum(steps), rel=1e-2, abs=1e-2)
+    dense = [r for r in rows if r.backend == "sdpa-dense"]
+    assert all(r.build_ms is None and r.detail == "" for r in dense)
 
 
 FAULT_SWEEP = """

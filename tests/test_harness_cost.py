@@ -37,18 +37,20 @@ def _estimate(sweep_name: str, command: str) -> tuple[float, int]:
     return sum(estimates.values()), len(units)
 
 
+@pytest.mark.parametrize("name", ["smoke.yaml", "formats.yaml"])
 @pytest.mark.parametrize("command", ["fwd", "bwd", "equiv"])
-def test_smoke_fits_the_cpu_limit(command):
-    seconds, points = _estimate("smoke.yaml", command)
+def test_cpu_sized_sweeps_fit_the_cpu_limit(command, name):
+    seconds, points = _estimate(name, command)
     assert 1.0 < seconds <= cost.CPU_LIMIT_S
-    cpu_guard(load_sweep(SWEEPS / "smoke.yaml", BACKEND_NAMES), seconds, points, allow_slow=False)
+    cpu_guard(load_sweep(SWEEPS / name, BACKEND_NAMES), seconds, points, allow_slow=False)
 
 
+@pytest.mark.parametrize("name", ["window.yaml", "longctx.yaml", "varlen.yaml"])
 @pytest.mark.parametrize("command", ["fwd", "bwd"])
-def test_window_is_over_the_cpu_limit(command):
-    seconds, points = _estimate("window.yaml", command)
+def test_long_sweeps_are_over_the_cpu_limit(command, name):
+    seconds, points = _estimate(name, command)
     assert seconds > 10 * cost.CPU_LIMIT_S
-    sweep = load_sweep(SWEEPS / "window.yaml", BACKEND_NAMES)
+    sweep = load_sweep(SWEEPS / name, BACKEND_NAMES)
     with pytest.raises(ConfigError) as info:
         cpu_guard(sweep, seconds, points, allow_slow=False)
     message = str(info.value)

@@ -141,3 +141,26 @@ def test_file_names_do_not_repeat_the_mode(tmp_path):
                      "smoke-fwd_bwd-seqlen_k-speedup.png", "smoke-fwd_bwd-seqlen_k-tflops.png"]
     numbered = plot.plot_rows(rows, tmp_path, "smoke-bwd.2", "reference")
     assert {p.name for p in numbered} == {n.replace("smoke-", "smoke.2-") for n in names}
+
+
+def test_memory_and_build_charts_where_rows_record_them(tmp_path):
+    """peak_mib gives a memory chart per mode; build_ms a build chart for the first mode only
+    (the mask is built once per point whatever is timed)."""
+    rows = _rows(modes=("bwd", "fwd+bwd"))
+    for i, row in enumerate(rows):
+        row.peak_mib = 100.0 + i
+        row.build_ms = 2.0 if row.backend != "reference" else None
+    names = sorted(p.name for p in plot.plot_rows(rows, tmp_path, "smoke-bwd", "reference"))
+    assert names == sorted(f"smoke-{mode}-seqlen_k-{metric}.png"
+                           for mode, metrics in (("bwd", ("speedup", "tflops", "memory", "build")),
+                                                 ("fwd_bwd", ("speedup", "tflops", "memory")))
+                           for metric in metrics)
+
+
+def test_mask_formats_are_an_axis_and_never_share_a_line():
+    case = replace(TOPK_48, mask_format="intervals")
+    rows = _rows(cases=(TOPK_48, case, replace(case, seqlen_q=96, seqlen_k=96)))
+    assert plot.has_line(rows, "mask_format")
+    # Along seqlen_k only the two intervals cases make a line; the bool one stands alone.
+    lines = [s for s in plot.group_series(rows, "seqlen_k", _values(rows)) if len(s.points) > 1]
+    assert lines and all(dict(s.panel + s.context).get("mask_format") == "intervals" for s in lines)

@@ -294,3 +294,25 @@ def test_named_commit_overrides_a_stale_git(monkeypatch):
         env = envinfo.collect(torch.device("cpu"))
         tracked_changes = bool(envinfo._git("status", "--porcelain", "--untracked-files=no"))
         assert (env.git_sha, env.git_dirty) == (head[:12], tracked_changes)
+
+
+def test_files_without_the_mask_format_and_documents_columns_read_with_defaults(tmp_path):
+    path = _write_csv(tmp_path / "r.csv", [_row()])
+    lines = list(csv.reader(path.read_text().splitlines()))
+    keep = [i for i, c in enumerate(lines[0]) if c not in ("mask_format", "documents", "sweep_hash")]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([[line[i] for i in keep] for line in lines])
+    (row,) = read_rows(path)
+    assert (row.mask_format, row.documents, row.sweep_hash) == ("bool", "", "")
+
+
+def test_mask_format_and_documents_round_trip(tmp_path):
+    case = Case(2, 4, 2, 37, 37, 16, None, True, "bf16", "document", bias="kv_row",
+                mask_format="varlen", documents=(0, 1, 36))
+    from dmbench.envinfo import Environment
+    from dmbench.results import new_row
+
+    row = new_row("unit", case, "triton", "fwd", "ok", Environment("g", "1", "2", "3", "s", False, "h"))
+    (back,) = read_rows(_write_csv(tmp_path / "r.csv", [row]))
+    assert (back.mask_format, back.documents) == ("varlen", "0,1,36")
+    assert back.case_id == case.case_id

@@ -241,3 +241,25 @@ def test_report_print_writes_nothing(tmp_path, monkeypatch):
     assert "| B1 H4/2 L64 D64 topk W32 kv_row causal | 1.000 | 2.000 | 2.00× (flex) |" in result.output
     assert readme.read_text() == before
     assert sorted(p.name for p in csv_path.parent.iterdir()) == ["s-fwd.csv"]
+
+
+def test_tables_show_each_backends_mask_build_per_case_and_name_the_format(tmp_path):
+    """One build table per sweep, from the fwd rows; a case in another format has its own row."""
+    from dataclasses import replace
+
+    case = _masked(0)
+    intervals = replace(case, mask_format="intervals")
+    rows = []
+    for c, builds in ((case, {"triton": 5.0, "flex": 9.0}), (intervals, {"triton": 0.5})):
+        for mode in ("fwd", "bwd"):
+            for row in _rows(c, "long", mode, {"triton": 1.0, "flex": 2.0, "sdpa-dense": 0.5},
+                             mask_format=c.mask_format):
+                row.build_ms = builds.get(row.backend)
+                rows.append(row)
+    text = tables_markdown(collect([_csv(tmp_path / "long.csv", rows)]))
+    table = text.split("**long: mask build, ms**", 1)[1].split("\n\n", 2)[1]
+    assert table.splitlines() == [
+        "| case | triton | flex |", "|---|---|---|",
+        "| B1 H4/2 L64 D64 topk W32 kv_row causal | 5.000 | 9.000 |",
+        "| B1 H4/2 L64 D64 topk W32 as intervals kv_row causal | 0.500 | – |"]
+    assert "**long, fwd**" in text and "topk W32 as intervals kv_row causal | 1.000" in text

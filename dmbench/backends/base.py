@@ -7,8 +7,20 @@ setup stays outside the timed region:
    a float mask). The keys ``q``, ``k``, ``v`` and ``bias`` of the returned dict are what the
    backward differentiates. Timing detaches them into fresh leaves; ``equiv`` keeps the graph so
    that gradients land back on the canonical tensors in their own shapes.
-2. ``bind(adapted, case, want_lse)``: builds the closure (and, for flex, the block mask, whose
-   build time is reported on its own).
+2. ``bind(adapted, case, want_lse)``: builds the closure (and, for flex, the block mask; for
+   ours, the prepared mask).
+
+``build_ms`` in the CSV is the mask's build, never part of the timed call: the case's mask
+built in its format from its source (``Problem.mask_build``: the torch.topk + scatter of a
+bool topk mask, ``kernels.topk_intervals``, a packed layout), for every backend that takes the
+mask, plus what the backend makes of it, each step timed once after a warm-up run
+(``timing.BuildStep``): a float mask or a dense expansion of intervals in ``adapt`` (the
+``"build"`` key of its dict), a prepared mask or a block mask in ``bind`` (``Bound.build``).
+An ok row's ``detail`` names the steps and their times.
+
+Backends that take only dense masks (sdpa, fdma, reference) get intervals expanded
+(``mask_views.dense_mask``); ``dense_bytes`` is a lower bound on what their dense tensors need,
+so a point that cannot fit in the device's memory is skipped with the sizes in its reason.
 
 The call returns ``(out, lse)`` with ``out`` in (B, Lq, Hq, D) layout (a view is fine) and
 ``lse`` (B, Hq, Lq) or None when the backend does not expose it.
@@ -16,7 +28,6 @@ The call returns ``(out, lse)`` with ``out`` in (B, Lq, Hq, D) layout (a view is
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,6 +35,10 @@ import torch
 
 from ..problem import Problem
 from ..sweep import Case
+from ..timing import BuildStep, timed_build
+
+__all__ = ["DIFF_KEYS", "Backend", "BuildStep", "Bound", "causal_keep", "per_query_head",
+           "timed_build"]
 
 DIFF_KEYS = ("q", "k", "v", "bias")
 
@@ -31,7 +46,7 @@ DIFF_KEYS = ("q", "k", "v", "bias")
 @dataclass
 class Bound:
     call: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
-    build_ms: float | None = None
+    build: BuildStep | None = None
 
 
 class Backend:
@@ -43,6 +58,7 @@ class Backend:
     has_lse = False
     exact = True  # computes the case's full math (mask and bias), so it can be checked
     interpreted = False  # a Triton kernel: on the CPU it runs under Triton's interpreter
+    takes_mask = True  # reads the case's mask (so its build counts in build_ms)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None when usable on ``device``; otherwise a one-line reason."""
@@ -51,6 +67,22 @@ class Backend:
     def skip_reason(self, case: Case) -> str | None:
         """None when this backend can run ``case``; otherwise a one-line reason."""
         return None
+
+    def dense_bytes(self, case: Case, mode: str) -> int:
+        """A lower bound on the bytes of the dense (Lq, Lk) tensors this backend makes for
+        ``case`` in ``mode``; 0 when it makes none."""
+        return 0
+
+    def memory_reason(self, case: Case, mode: str, device: torch.device) -> str | None:
+        """Why ``case`` cannot fit in ``device``'s memory in ``mode`` (dense tensors), or None."""
+        need = self.dense_bytes(case, mode)
+        if not need or device.type != "cuda":
+            return None
+        total = torch.cuda.get_device_properties(device).total_memory
+        if need <= total:
+            return None
+        return (f"{self.name}'s dense (Lq, Lk) tensors need at least {need / 2**30:.1f} GiB in "
+                f"{mode}; the device has {total / 2**30:.1f} GiB")
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         p = problem
@@ -79,17 +111,10 @@ def causal_keep(case: Case, device) -> torch.Tensor:
     return keep(case.seqlen_q, case.seqlen_k, device)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def pairs_bytes(case: Case, heads: int, itemsize: int, count: int = 1) -> int:
+    """Bytes of ``count`` (B, heads, Lq, Lk) tensors of ``itemsize`` bytes."""
+    return count * case.batch * heads * case.seqlen_q * case.seqlen_k * itemsize
 
 
-def timed_build(build: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    """Run ``build`` once to compile and warm up, then again on the clock (synchronized):
-    the second result and its wall time in ms, which the CSV reports as ``build_ms``."""
-    build()
-    synchronize(device)
-    start = time.perf_counter()
-    result = build()
-    synchronize(device)
-    return result, (time.perf_counter() - start) * 1e3
+def dtype_size(case: Case) -> int:
+    return {"bf16": 2, "fp16": 2, "fp32": 4}[case.dtype]

@@ -6,8 +6,10 @@ from typing import Any
 
 import torch
 
+from ..mask_views import dense_mask, is_intervals
+from ..problem import Problem
 from ..sweep import Case
-from .base import Backend, Bound, timed_build
+from .base import Backend, Bound, dtype_size, pairs_bytes, timed_build
 
 
 def import_error(module: str) -> str | None:
@@ -21,42 +23,97 @@ def import_error(module: str) -> str | None:
     return None
 
 
+def packed_bias(bias: torch.Tensor | None, case: Case) -> torch.Tensor | None:
+    """A bias without a query axis, (B or 1, Hb, 1, Lk or 1), as the packed layout's per-key
+    bias (Hb, B * Lk): batch rows in order, as their tokens are packed. Differentiable."""
+    if bias is None:
+        return None
+    heads = bias.shape[1]
+    rows = bias.expand(case.batch, heads, 1, case.seqlen_k)
+    return rows.permute(1, 0, 2, 3).reshape(heads, case.batch * case.seqlen_k)
+
+
 class TritonBackend(Backend):
     name = "triton"
-    description = ("ours: kernels.dmattn_func (Triton; the interpreter on CPU), the mask prepared "
-                   "once by kernels.prepare_mask (build_ms, like flex's block mask)")
+    description = ("ours: kernels.dmattn_func (Triton; the interpreter on CPU) with a bool mask "
+                   "prepared once by kernels.prepare_mask (build_ms, like flex's block mask) or "
+                   "KeyIntervals as they are; kernels.dmattn_varlen_func for the varlen format")
     has_lse = True
     interpreted = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return import_error("kernels")
 
+    def adapt(self, problem: Problem) -> dict[str, Any]:
+        case = problem.case
+        if case.mask_format != "varlen":
+            return super().adapt(problem)
+
+        def packed(t: torch.Tensor) -> torch.Tensor:  # (B, L, H, D) -> (B * L, H, D), a view
+            return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+        return {"q": packed(problem.q), "k": packed(problem.k), "v": packed(problem.v),
+                "bias": packed_bias(problem.bias, case), "layout": problem.packed}
+
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
+        if "layout" in adapted:
+            return self._bind_varlen(adapted, case, want_lse)
         from kernels import dmattn_func, prepare_mask
 
         q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
-        # Like flex's block mask: the mask's tile lists are built once, outside the timing,
-        # and their build time is reported on its own.
-        prepared, build_ms = None, None
-        if mask is not None:
-            prepared, build_ms = timed_build(lambda: prepare_mask(mask, q, k, case.causal),
-                                             q.device)
+        # Like flex's block mask: a bool mask's tile lists are built once, outside the timing,
+        # and their build time is reported. Intervals are read by the call itself.
+        build = None
+        if mask is not None and not is_intervals(mask):
+            mask, build = timed_build(lambda: prepare_mask(mask, q, k, case.causal), q.device,
+                                      "prepare_mask")
 
         def call():
-            result = dmattn_func(q, k, v, attn_mask=prepared, attn_bias=bias, is_causal=case.causal,
+            result = dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=case.causal,
                                  return_lse=want_lse)
             return result if want_lse else (result, None)
 
-        return Bound(call, build_ms)
+        return Bound(call, build)
+
+    def _bind_varlen(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
+        from kernels import dmattn_varlen_func
+
+        q, k, v, bias, layout = (adapted[n] for n in ("q", "k", "v", "bias", "layout"))
+        batch, length = case.batch, case.seqlen_q
+
+        def call():
+            result = dmattn_varlen_func(q, k, v, layout.cu_seqlens, layout.cu_seqlens,
+                                        layout.max_seqlen, layout.max_seqlen, attn_bias=bias,
+                                        is_causal=case.causal, return_lse=want_lse)
+            out, lse = result if want_lse else (result, None)
+            out = out.view(batch, length, *out.shape[1:])
+            if lse is not None:  # (Hq, B * L) -> (B, Hq, L)
+                lse = lse.view(lse.shape[0], batch, length).transpose(0, 1)
+            return out, lse
+
+        return Bound(call)
 
 
 class ReferenceBackend(Backend):
     name = "reference"
-    description = "kernels.attention_reference in the input dtype (eager, materializes scores)"
+    description = ("kernels.attention_reference in the input dtype (eager, materializes scores; "
+                   "intervals expanded to a dense mask)")
     has_lse = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return import_error("kernels.reference")
+
+    def dense_bytes(self, case: Case, mode: str) -> int:
+        # The scores, and the probabilities softmax makes of them; the backward adds their grads.
+        return pairs_bytes(case, case.heads_q, dtype_size(case), 2 if mode == "fwd" else 4)
+
+    def adapt(self, problem: Problem) -> dict[str, Any]:
+        adapted = super().adapt(problem)
+        if is_intervals(problem.mask):
+            adapted["mask"], adapted["build"] = timed_build(
+                lambda: dense_mask(problem.case, problem.mask), problem.q.device,
+                "dense expansion")
+        return adapted
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         from kernels import attention_reference

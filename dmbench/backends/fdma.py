@@ -4,7 +4,8 @@ Its launcher (read from the sdist's ``flash_dmattn/flash_dmattn_triton.py``) wan
 
 - q (B, Lq, H, D) and k/v (B, Lk, H, D) with the same H: no GQA, so KV heads are repeated;
 - mask and bias both materialized as (B, H, Lq, Lk) in the query dtype (a bool mask is converted
-  inside the timed call, and a missing one is allocated there), so both are built here;
+  inside the timed call, and a missing one is allocated there), so both are built here (and
+  timed, in ``build_ms``), intervals expanded;
 - D <= 128, fp16 or bf16, CUDA tensors;
 - top-left aligned causality (``offs_m >= offs_n``). That equals ours when Lq == Lk; otherwise
   the bottom-right pattern is folded into the mask and its causal flag is left off;
@@ -26,7 +27,8 @@ import torch
 
 from ..problem import Problem
 from ..sweep import Case
-from .base import Backend, Bound, causal_keep, per_query_head
+from ..mask_views import dense_mask
+from .base import Backend, Bound, causal_keep, dtype_size, pairs_bytes, per_query_head, timed_build
 
 MODULE = "flash_dmattn.flash_dmattn_triton"
 HINT = ("run `python -m dmbench fetch-peer` and put .peer/flash_dmattn-1.2.2 on PYTHONPATH")
@@ -94,29 +96,20 @@ class FdmaBackend(Backend):
             return "fdma supports fp16 and bf16 only"
         return _offset_overflow(case)
 
+    def dense_bytes(self, case: Case, mode: str) -> int:
+        # The mask and the bias, (B, H, Lq, Lk) each; a backward adds the bias gradient.
+        return pairs_bytes(case, case.heads_q, dtype_size(case), 2 if mode == "fwd" else 3)
+
     def adapt(self, problem: Problem) -> dict[str, Any]:
         case = problem.case
         q = problem.q
         group = case.heads_q // case.heads_kv
         k = problem.k.repeat_interleave(group, dim=2) if group > 1 else problem.k
         v = problem.v.repeat_interleave(group, dim=2) if group > 1 else problem.v
-        full = (case.batch, case.heads_q, case.seqlen_q, case.seqlen_k)
         fold_causal = case.causal and case.seqlen_q != case.seqlen_k
-        keep = None
-        if problem.mask is not None:
-            keep = per_query_head(problem.mask, case.heads_q)
-        if fold_causal:
-            causal = causal_keep(case, q.device)
-            keep = causal if keep is None else keep & causal
-        if keep is None:
-            mask = torch.ones(full, dtype=q.dtype, device=q.device)
-        else:
-            mask = keep.expand(full).to(q.dtype).contiguous()
-        if problem.bias is None:
-            bias = torch.zeros(full, dtype=q.dtype, device=q.device)
-        else:
-            bias = per_query_head(problem.bias, case.heads_q).expand(full).contiguous()
-        return {"q": q, "k": k, "v": v, "mask": mask, "bias": bias,
+        (mask, bias), build = timed_build(lambda: _dense_inputs(problem, fold_causal), q.device,
+                                          "dense mask and bias")
+        return {"q": q, "k": k, "v": v, "mask": mask, "bias": bias, "build": build,
                 "is_causal": case.causal and not fold_causal}
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
@@ -128,3 +121,25 @@ class FdmaBackend(Backend):
             return func(q, k, v, mask, bias, is_causal), None
 
         return Bound(call)
+
+
+def _dense_inputs(problem: Problem, fold_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The peer's (B, H, Lq, Lk) mask and bias in the query dtype, causality folded into the
+    mask when the lengths differ (its causality is top-left)."""
+    case, q = problem.case, problem.q
+    full = (case.batch, case.heads_q, case.seqlen_q, case.seqlen_k)
+    keep = dense_mask(case, problem.mask)
+    if keep is not None:
+        keep = per_query_head(keep, case.heads_q)
+    if fold_causal:
+        causal = causal_keep(case, q.device)
+        keep = causal if keep is None else keep & causal
+    if keep is None:
+        mask = torch.ones(full, dtype=q.dtype, device=q.device)
+    else:
+        mask = keep.expand(full).to(q.dtype).contiguous()
+    if problem.bias is None:
+        bias = torch.zeros(full, dtype=q.dtype, device=q.device)
+    else:
+        bias = per_query_head(problem.bias, case.heads_q).expand(full).contiguous()
+    return mask, bias

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from ..problem import Problem
 from ..sweep import Case
-from .base import Backend, Bound, causal_keep, per_query_head, timed_build
+from ..mask_views import dense_mask, is_intervals
+from .base import (Backend, Bound, causal_keep, dtype_size, pairs_bytes, per_query_head,
+                   timed_build)
 
 
 def _bhld(t: torch.Tensor) -> torch.Tensor:
@@ -31,7 +33,14 @@ def _causal_mask_arg(case: Case, device):
 
 class SdpaBackend(Backend):
     name = "sdpa"
-    description = "F.scaled_dot_product_attention with a float mask built from mask and bias"
+    description = ("F.scaled_dot_product_attention with a float mask built from mask (intervals "
+                   "expanded) and bias")
+
+    def dense_bytes(self, case: Case, mode: str) -> int:
+        if case.mask == "none" and case.bias == "none":
+            return 0  # causality alone runs a flash kernel, no mask
+        # The float mask, and in a backward its gradient.
+        return pairs_bytes(case, case.heads_q, dtype_size(case), 1 if mode == "fwd" else 2)
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         case = problem.case
@@ -45,17 +54,10 @@ class SdpaBackend(Backend):
         if problem.mask is None and problem.bias is None:
             adapted["attn_mask"], adapted["is_causal"] = _causal_mask_arg(case, problem.q.device)
             return adapted
-        keep = causal_keep(case, problem.q.device) if case.causal else None
-        if problem.mask is not None:
-            mask = per_query_head(problem.mask, case.heads_q)
-            keep = mask if keep is None else mask & keep
-        if problem.bias is None:
-            zero = torch.zeros((), dtype=problem.q.dtype, device=problem.q.device)
-            adapted["attn_mask"] = torch.where(keep, zero, float("-inf"))
-            return adapted
-        bias = per_query_head(problem.bias, case.heads_q)
-        # The float mask carries the bias, so it is the tensor the backward differentiates.
-        adapted["bias"] = bias if keep is None else torch.where(keep, bias, float("-inf"))
+        float_mask, adapted["build"] = timed_build(lambda: _float_mask(problem),
+                                                   problem.q.device, "float mask")
+        # With a bias the float mask carries it, so it is the tensor the backward differentiates.
+        adapted["bias" if problem.bias is not None else "attn_mask"] = float_mask
         return adapted
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
@@ -70,10 +72,26 @@ class SdpaBackend(Backend):
         return Bound(call)
 
 
+def _float_mask(problem: Problem) -> torch.Tensor:
+    """SDPA's additive mask: the bias (or 0) where the mask and causality keep, -inf elsewhere."""
+    case = problem.case
+    keep = causal_keep(case, problem.q.device) if case.causal else None
+    mask = dense_mask(case, problem.mask)
+    if mask is not None:
+        mask = per_query_head(mask, case.heads_q)
+        keep = mask if keep is None else mask & keep
+    if problem.bias is None:
+        zero = torch.zeros((), dtype=problem.q.dtype, device=problem.q.device)
+        return torch.where(keep, zero, float("-inf"))
+    bias = per_query_head(problem.bias, case.heads_q)
+    return bias if keep is None else torch.where(keep, bias, float("-inf"))
+
+
 class SdpaDenseBackend(Backend):
     name = "sdpa-dense"
     description = "F.scaled_dot_product_attention without mask or bias (causal only): the ceiling"
     exact = False
+    takes_mask = False
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         attn_mask, is_causal = _causal_mask_arg(problem.case, problem.q.device)
@@ -106,10 +124,14 @@ _FAIL_FLAGS = ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
 
 class FlexBackend(Backend):
     name = "flex"
-    description = "torch.compile'd flex_attention; score_mod adds the bias, block_mask from the mask"
+    description = ("torch.compile'd flex_attention; score_mod adds the bias, block_mask from a "
+                   "mask_mod over the bool mask, the intervals' start/end or the documents' ids")
     has_lse = True
 
-    def __init__(self):
+    def __init__(self, compiled: bool = True):
+        """``compiled=False`` runs flex_attention and create_block_mask eagerly (any device;
+        materializes the scores): for checking the mask_mods on the CPU."""
+        self.compiled = compiled
         self._compiled = None
 
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -124,6 +146,8 @@ class FlexBackend(Backend):
     def _flex(self):
         from torch.nn.attention.flex_attention import flex_attention
 
+        if not self.compiled:
+            return flex_attention
         config = torch._dynamo.config
         for limit in _LIMITS:
             if hasattr(config, limit):
@@ -146,33 +170,29 @@ class FlexBackend(Backend):
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         return {"q": _bhld(problem.q), "k": _bhld(problem.k), "v": _bhld(problem.v),
-                "mask": problem.mask, "bias": problem.bias}
+                "mask": problem.mask, "bias": problem.bias, "documents": problem.documents}
 
-    def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
+    def _block_mask(self, adapted: dict[str, Any], case: Case, device):
+        """(the BlockMask of the case's mask and causality, its build step), or (None, None)
+        when there is neither. One mask_mod serves the warm-up and the timed build, so the
+        compiled build is reused as it would be across calls."""
         from torch.nn.attention.flex_attention import create_block_mask
 
+        mask = adapted["mask"]
+        if mask is None and not case.causal:
+            return None, None
+        mask_mod, batch, heads = _mask_mod(case, mask, adapted["documents"], device)
+        compile_arg = ({"_compile": True} if self.compiled and "_compile" in
+                       inspect.signature(create_block_mask).parameters else {})
+        return timed_build(lambda: create_block_mask(mask_mod, batch, heads, case.seqlen_q,
+                                                     case.seqlen_k, device=device, **compile_arg),
+                           device, "create_block_mask")
+
+    def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         flex = self._flex()
-        q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
+        q, k, v, bias = (adapted[n] for n in ("q", "k", "v", "bias"))
         b, hq, lq, lk = case.batch, case.heads_q, case.seqlen_q, case.seqlen_k
-        offset = lk - lq
-        device = q.device
-
-        block_mask = None
-        build_ms = None
-        if mask is not None or case.causal:
-            mask_view = None if mask is None else mask.expand(b, mask.shape[1], lq, lk)
-            mask_div = 1 if mask is None else hq // mask.shape[1]
-
-            def mask_mod(bi, h, qi, ki):
-                keep = ki <= qi + offset if case.causal else ki >= 0
-                if mask_view is not None:
-                    keep = keep & mask_view[bi, h // mask_div, qi, ki]
-                return keep
-
-            compile_arg = {"_compile": True} if "_compile" in inspect.signature(create_block_mask).parameters else {}
-            block_mask, build_ms = timed_build(
-                lambda: create_block_mask(mask_mod, b, hq, lq, lk, device=device, **compile_arg),
-                device)
+        block_mask, build = self._block_mask(adapted, case, q.device)
 
         score_mod = None
         if bias is not None:
@@ -200,4 +220,42 @@ class FlexBackend(Backend):
             lse = extra.lse if hasattr(extra, "lse") else extra
             return out.transpose(1, 2), lse
 
-        return Bound(call, build_ms)
+        return Bound(call, build)
+
+
+def _mask_mod(case: Case, mask, documents, device):
+    """(mask_mod, batch, heads) for create_block_mask: the case's mask and causality over
+    captured tensors (the bool mask; the intervals' start and end; for the varlen format each
+    position's document id, made here in O(B·L) from the documents' lengths). A mask shared by the batch or the heads gives a block
+    mask of batch or heads 1, which flex broadcasts."""
+    b, hq, lq, lk = case.batch, case.heads_q, case.seqlen_q, case.seqlen_k
+    offset = lk - lq
+
+    def causal(qi, ki):
+        return ki <= qi + offset if case.causal else ki >= 0
+
+    if case.mask_format == "varlen":
+        ids = documents.ids(device)
+
+        def document_mod(bi, h, qi, ki):
+            return causal(qi, ki) & (ids[bi, qi] == ids[bi, ki])
+
+        return document_mod, b, 1
+    if mask is None:
+        return (lambda bi, h, qi, ki: causal(qi, ki)), 1, 1
+    mask_b, mask_h = mask.shape[:2]
+    div = hq // mask_h
+    if is_intervals(mask):
+        start = mask.start.expand(b, mask_h, lk)
+        end = mask.end.expand(b, mask_h, lk)
+
+        def mask_mod(bi, h, qi, ki):
+            head = h // div
+            return causal(qi, ki) & (start[bi, head, ki] <= qi) & (qi < end[bi, head, ki])
+    else:
+        view = mask.expand(b, mask_h, lq, lk)
+
+        def mask_mod(bi, h, qi, ki):
+            return causal(qi, ki) & view[bi, h // div, qi, ki]
+
+    return mask_mod, (b if mask_b > 1 else 1), (hq if mask_h > 1 else 1)
