@@ -10,7 +10,8 @@ from ._launch import ensure_runnable
 from .backward import attention_backward
 from .forward import ForwardPlan, plan_schedule
 from .forward_kernels import _attn_fwd_kernel
-from .prepared import PreparedMask
+from .intervals import KeyIntervals
+from .prepared import PreparedMask, prepared_intervals
 from .schedule import normalize_options
 
 
@@ -60,6 +61,9 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
     mask was not prepared. ``for_backward``: a backward will follow (an unprepared mask's
     activity map is then made fine enough for the backward's tiles too)."""
     prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+    if (isinstance(attn_mask, KeyIntervals) and isinstance(query, torch.Tensor)
+            and isinstance(key, torch.Tensor)):
+        prepared = prepared_intervals(attn_mask, query, key, is_causal)
     if prepared is not None:
         prepared.check_fresh()
         attn_mask, plans = prepared.mask, prepared.plans

@@ -20,7 +20,7 @@ What the kernels read:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -97,6 +97,9 @@ class KeyIntervals:
 
     start: torch.Tensor
     end: torch.Tensor
+    # Tile lists built by the calls made with these intervals, per call form (see
+    # ``prepared.prepared_intervals``): a later call of the same form skips that work.
+    _preparations: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         _check_index_tensor("KeyIntervals start", self.start)

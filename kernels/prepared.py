@@ -21,6 +21,7 @@ from ._blocks import ActivityMap
 from ._checks import AttnShape, check_flags, check_inputs
 from .intervals import KeyIntervals
 from ._launch import ensure_runnable
+from ._scratch import graph_capturing
 from .backward import prepare_backward_lists
 from .forward import call_problem, mask_activity
 from .forward_kernels import _attn_fwd_kernel
@@ -86,6 +87,37 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     if not isinstance(attn_mask, (torch.Tensor, KeyIntervals)):
         raise TypeError(f"attn_mask must be a bool torch.Tensor or KeyIntervals to prepare, got "
                         f"{type(attn_mask).__name__}")
+    return _prepare(attn_mask, query, key, is_causal, count_shares=True)
+
+
+# Call forms whose preparations one KeyIntervals keeps (a model calls with one or two).
+MAX_INTERVAL_PREPARATIONS = 4
+
+
+def prepared_intervals(intervals: KeyIntervals, query: torch.Tensor, key: torch.Tensor,
+                       is_causal: bool) -> PreparedMask | None:
+    """The preparation of ``intervals`` for a call with this query and key, made by the first
+    such call and kept on the intervals, so that later calls with the same intervals (a
+    model's layers, repeated steps) run as with ``prepare_mask``, with no mask work and a kept
+    plan. Unlike ``prepare_mask`` it counts no tile shares (a device sync inside a call), so
+    dkdv's pipeline depth takes the uncounted default. A write into start or end since then
+    (their version counters) makes a new preparation. None during a CUDA graph capture, whose
+    tensors must not outlive it: such a call reads the intervals itself."""
+    if graph_capturing(query.device):
+        return None
+    form = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, is_causal,
+            _version(intervals.start), _version(intervals.end))
+    kept = intervals._preparations
+    prepared = kept.get(form)
+    if prepared is None:
+        prepared = _prepare(intervals, query, key, is_causal, count_shares=False)
+        kept[form] = prepared
+        if len(kept) > MAX_INTERVAL_PREPARATIONS:
+            del kept[next(iter(kept))]  # the oldest
+    return prepared
+
+
+def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMask:
     check_flags(is_causal=is_causal)
     # The key stands in for the value: same shape by contract, and only shapes are read.
     checked = check_inputs(query, key, key, attn_mask, None, None)
@@ -95,7 +127,8 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     sched = schedule(problem)
     activity = mask_activity(checked, sched, with_backward=True)
     activity.lists(*sched.forward.list_tile, transposed=False)
-    prepare_backward_lists(activity, problem)
+    if count_shares:  # otherwise the backward builds its lists from the map on first use
+        prepare_backward_lists(activity, problem)
     kernel_mask = checked.mask.view if checked.mask.interval_pairs is not None else attn_mask
     return PreparedMask(attn_mask, kernel_mask, checked.shape, query.dtype, query.device,
                         is_causal, activity, _version(attn_mask))

@@ -173,6 +173,34 @@ def test_interval_activity_kernel_follows_the_block_bounds(causal, sub_rows, sub
     assert torch.equal(got, expected)
 
 
+def test_intervals_keep_their_preparation_for_later_calls(device):
+    """A second call with the same intervals reuses the first call's lists and plan (no mask
+    work); a call of another shape prepares again; a write into start makes the next call
+    read the new intervals; results equal those of fresh intervals throughout."""
+    dims = Dims(1, 40, 50, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    intervals = random_intervals(dims, "Hk", "1", device, seed=7)
+    first = dmattn_func(q, k, v, intervals, None, True)
+    (prepared,) = intervals._preparations.values()
+    plans = dict(prepared.plans)
+    second = dmattn_func(q, k, v, intervals, None, True)
+    assert torch.equal(first, second)
+    assert list(intervals._preparations.values()) == [prepared]
+    assert prepared.plans == plans, "the second call made a new plan"
+    fresh = KeyIntervals(intervals.start.clone(), intervals.end.clone())
+    assert torch.equal(dmattn_func(q, k, v, fresh, None, True), first)
+
+    dmattn_func(q[:, :20], k, v, intervals, None, True)
+    assert len(intervals._preparations) == 2
+
+    intervals.start[..., :25] = dims.seqlen_q  # the first 25 keys are seen by no row now
+    changed = dmattn_func(q, k, v, intervals, None, True)
+    truth = attention_reference(q, k, v, intervals, None, True)
+    low = attention_reference(q, k, v, intervals, None, True, upcast=False)
+    _check("out after a write", changed, truth, low, torch.float16)
+    assert not torch.equal(changed, first)
+
+
 def test_intervals_are_never_made_dense(device):
     """No (Lq, Lk) tensor anywhere in a call: the largest allocation is O(Lk) per head, or the
     outputs and the activity map."""
