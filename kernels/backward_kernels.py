@@ -32,8 +32,8 @@ import triton.language as tl
 
 from ._partials import merge_shares, store_gradient_rows
 from ._score import (block_at, block_spans, clamp_index, dense_spans, grid_position, head_base,
-                     interval_rows, mma, probs_from_lse, query_tile_scores, seq_base, span, tile_offsets,
-                     write_tile)
+                     interval_rows, mma, probs_from_lse, query_tile_scores, seq_base, span,
+                     tile_offsets, write_tile)
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
 
 

@@ -10,12 +10,14 @@ Every pattern in which each key is seen by one contiguous run of query rows fits
 sliding window, document (packed) masks, prefix-LM, and flash-dmattn's top-W dynamic mask for
 a per-key bias (``topk_intervals``).
 
-What the kernels read:
+What the kernels read, and the rule their tile skipping follows:
 
 * ``kernel_operand()``: one int32 tensor (Bm', Hm', 2, Lk), start at index 0 and end at 1.
 * ``block_bounds(block_n)``: per block of ``block_n`` keys, the four bounds that decide whether
   a tile of query rows [m0, m1) by that key block may have a visible pair (active), and whether
-  every pair of it is visible (full). See :class:`IntervalBlockBounds`.
+  every pair of it is visible (full). See :class:`IntervalBlockBounds`. The kernels compute the
+  same bounds on the device in one launch (``_blocks.interval_activity``); this is their
+  definition in torch, which the tests hold that launch to.
 """
 
 from __future__ import annotations
