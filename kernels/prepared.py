@@ -96,25 +96,28 @@ MAX_INTERVAL_PREPARATIONS = 4
 
 def prepared_intervals(intervals: KeyIntervals, query: torch.Tensor, key: torch.Tensor,
                        is_causal: bool) -> PreparedMask | None:
-    """The preparation of ``intervals`` for a call with this query and key, made by the first
+    """The preparation of ``intervals`` for a call with this query and key, made by the second
     such call and kept on the intervals, so that later calls with the same intervals (a
     model's layers, repeated steps) run as with ``prepare_mask``, with no mask work and a kept
-    plan. Unlike ``prepare_mask`` it counts no tile shares (a device sync inside a call), so
-    dkdv's pipeline depth takes the uncounted default. A write into start or end since then
-    (their version counters) makes a new preparation. None during a CUDA graph capture, whose
-    tensors must not outlive it: such a call reads the intervals itself."""
+    plan. A first call only notes its form and reads the intervals itself: intervals used once
+    (Doge builds one set per layer) pay no preparation beside their own checks and plan.
+    Unlike ``prepare_mask`` it counts no tile shares (a device sync inside a call), so dkdv's
+    pipeline depth takes the uncounted default. A write into start or end (their version
+    counters) makes a new form. None during a CUDA graph capture, whose tensors must not
+    outlive it: such a call reads the intervals itself."""
     if graph_capturing(query.device):
         return None
     form = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, is_causal,
             _version(intervals.start), _version(intervals.end))
     kept = intervals._preparations
-    prepared = kept.get(form)
-    if prepared is None:
-        prepared = _prepare(intervals, query, key, is_causal, count_shares=False)
-        kept[form] = prepared
+    if form not in kept:  # the first call of this form
+        kept[form] = None
         if len(kept) > MAX_INTERVAL_PREPARATIONS:
             del kept[next(iter(kept))]  # the oldest
-    return prepared
+        return None
+    if kept[form] is None:
+        kept[form] = _prepare(intervals, query, key, is_causal, count_shares=False)
+    return kept[form]
 
 
 def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMask:

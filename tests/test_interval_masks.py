@@ -174,19 +174,23 @@ def test_interval_activity_kernel_follows_the_block_bounds(causal, sub_rows, sub
 
 
 def test_intervals_keep_their_preparation_for_later_calls(device):
-    """A second call with the same intervals reuses the first call's lists and plan (no mask
-    work); a call of another shape prepares again; a write into start makes the next call
-    read the new intervals; results equal those of fresh intervals throughout."""
+    """A first call with new intervals prepares nothing; the second prepares them, and a third
+    reuses its lists and plan (no mask work); a call of another shape is another form; a write
+    into start makes the next call read the new intervals; results equal those of fresh
+    intervals throughout."""
     dims = Dims(1, 40, 50, heads_q=4, heads_kv=2, head_dim=16)
     q, k, v = random_qkv(dims, torch.float16, device)
     intervals = random_intervals(dims, "Hk", "1", device, seed=7)
     first = dmattn_func(q, k, v, intervals, None, True)
-    (prepared,) = intervals._preparations.values()
-    plans = dict(prepared.plans)
+    assert list(intervals._preparations.values()) == [None]
     second = dmattn_func(q, k, v, intervals, None, True)
-    assert torch.equal(first, second)
+    (prepared,) = intervals._preparations.values()
+    assert prepared is not None
+    plans = dict(prepared.plans)
+    third = dmattn_func(q, k, v, intervals, None, True)
+    assert torch.equal(first, second) and torch.equal(first, third)
     assert list(intervals._preparations.values()) == [prepared]
-    assert prepared.plans == plans, "the second call made a new plan"
+    assert prepared.plans == plans, "the third call made a new plan"
     fresh = KeyIntervals(intervals.start.clone(), intervals.end.clone())
     assert torch.equal(dmattn_func(q, k, v, fresh, None, True), first)
 
