@@ -340,6 +340,44 @@ def train_command(
     _guarded(work)
 
 
+@app.command("compile-cost", epilog=EXIT_CODES_HELP)
+def compile_cost_command(
+        lengths: Annotated[Optional[str], typer.Option("--lengths", help="Comma-separated sequence lengths, called in this order (default: 20 lengths from 1000 to 8000, multiples of 16 and not).")] = None,
+        masks: Annotated[str, typer.Option("--masks", help="Comma-separated mask forms: none, bool, intervals.")] = "bool,intervals",
+        bias: Annotated[str, typer.Option("--bias", help="none or kv_row (a per-key bias with its gradient).")] = "kv_row",
+        heads: Annotated[str, typer.Option("--heads", help="Query/kv heads, e.g. 16/4.")] = "16/4",
+        head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension.")] = 128,
+        batch: Annotated[int, typer.Option("--batch", help="Batch size.")] = 1,
+        dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32.")] = "bf16",
+        causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Bottom-right causal calls.")] = True,
+        warmup: Annotated[bool, typer.Option("--warmup", help="Run kernels.warmup at the shortest and longest length first.")] = False,
+        require_zero: Annotated[bool, typer.Option("--require-zero", help="Exit 1 if a call after the warm-up (or after the first call) compiled a kernel.")] = False,
+        device: DeviceOpt = "auto",
+        out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/compile-cost.csv).")] = None,
+        force: ForceOpt = False):
+    """First-call latency and kernels compiled at each new sequence length, per mask form."""
+    from .compile_cost import BIASES, MASKS, CostOptions, parse_choice, parse_lengths, run_compile_cost
+
+    def work():
+        if dtype not in ("bf16", "fp16", "fp32"):
+            raise ConfigError(f"--dtype: expected bf16, fp16 or fp32, got {dtype!r}")
+        try:
+            heads_q, heads_kv = (int(part) for part in heads.split("/"))
+        except ValueError:
+            raise ConfigError(f"--heads: expected query/kv heads such as 16/4, got {heads!r}") from None
+        if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
+            raise ConfigError(f"--heads: query heads must be a positive multiple of kv heads, got {heads!r}")
+        opts = CostOptions(
+            lengths=parse_lengths(lengths) if lengths is not None else CostOptions.lengths,
+            masks=parse_choice("--masks", masks, MASKS), bias=parse_choice("--bias", bias, BIASES)[0],
+            batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+            causal=causal, warmup=warmup, require_zero=require_zero, device=device, out=out,
+            force=force)
+        return run_compile_cost(opts, _echo)
+
+    _guarded(work)
+
+
 def main() -> None:
     app(prog_name="dmbench")
 

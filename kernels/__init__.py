@@ -7,7 +7,8 @@ shares it. ``KeyIntervals`` is a mask in O(Lk) memory (each key's run of query r
 ``topk_intervals`` builds flash-dmattn's top-W dynamic mask as one; ``dmattn_func`` takes
 either as ``attn_mask``. ``dmattn_varlen_func`` takes flash-attn's packed (varlen) layout.
 ``schedule_for`` shows what a call will run (``kernels.schedule``). ``attention_reference`` is
-the eager ground truth and ``tolerance`` the accuracy rule.
+the eager ground truth and ``tolerance`` the accuracy rule. ``warmup`` compiles ahead the
+kernels a model's calls will need; ``compiled_forms`` counts the compiles so far.
 """
 
 from . import schedule, tolerance
@@ -17,7 +18,10 @@ from .prepared import PreparedMask, prepare_mask
 from .reference import attention_reference, attention_varlen_reference
 from .topk_intervals import topk_intervals
 from .varlen import dmattn_varlen_func
+from .warmup import WarmupReport, warmup
+from ._launch import compiled_forms
 
 __all__ = ["dmattn_func", "triton_dmattn_func", "dmattn_varlen_func", "prepare_mask",
            "PreparedMask", "KeyIntervals", "topk_intervals", "attention_reference",
-           "attention_varlen_reference", "schedule_for", "schedule", "tolerance"]
+           "attention_varlen_reference", "schedule_for", "schedule", "tolerance", "warmup",
+           "WarmupReport", "compiled_forms"]

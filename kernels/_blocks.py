@@ -28,15 +28,14 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
-from ._launch import ceil_div, launch, next_power_of_2, operand_args
+from ._launch import ceil_div, launch, operand_args
 from ._operands import NO_LISTS, ListStrides
 from ._score import tile_offsets, visible_keys
 
 
 @triton.jit
 def _tile_activity_kernel(
-    mask_ptr, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    active_ptr, heads, seqlen_q, seqlen_k, map_rows, map_cols, num_load_cols,
+    mask_ptr, mask_layout, active_ptr, heads, seqlen_q, seqlen_k, map_rows, map_cols, num_load_cols,
     SUB_ROWS: tl.constexpr, SUB_COLS: tl.constexpr,
     LOAD_ROWS: tl.constexpr, LOAD_COLS: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
@@ -55,7 +54,8 @@ def _tile_activity_kernel(
     h = bh % heads
     m_idx = (load_row * LOAD_ROWS + tl.arange(0, LOAD_ROWS))[:, None]
     n_idx = (load_col * LOAD_COLS + tl.arange(0, LOAD_COLS))[None, :]
-    base = mask_ptr + b.to(tl.int64) * stride_mask_b + h.to(tl.int64) * stride_mask_h
+    base = (mask_ptr + b.to(tl.int64) * mask_layout.stride_b
+            + h.to(tl.int64) * mask_layout.stride_h)
     reachable = True
     if IS_CAUSAL:
         # A block wholly above the diagonal reads no mask bytes: causal maps read half the mask.
@@ -66,7 +66,8 @@ def _tile_activity_kernel(
     activity = tl.zeros([FR, FC], dtype=tl.int8)
     if reachable:
         keep = visible_keys(m_idx, n_idx, seqlen_q, seqlen_k,
-                            base + tile_offsets(m_idx, n_idx, stride_mask_m, stride_mask_n),
+                            base + tile_offsets(m_idx, n_idx, mask_layout.stride_m,
+                                                 mask_layout.stride_n),
                             True, IS_CAUSAL)
         # Visible pairs per map tile; one count gives both "any" and "all".
         per_tile = tl.reshape(keep.to(tl.int32), [FR, SUB_ROWS, FC, SUB_COLS])
@@ -237,8 +238,7 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     grid = (ceil_div(shape.seqlen_q, load_rows) * num_load_cols, mask_batch * mask_heads)
     launch(
         _tile_activity_kernel, grid,
-        mask.view, *args[:4],
-        active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
+        mask.view, args, active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
         SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
         IS_CAUSAL=bool(is_causal), num_warps=4,
     )
@@ -297,10 +297,11 @@ def interval_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, s
     map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
     active = torch.empty((mask_batch, mask_heads, map_rows, map_cols), dtype=torch.int8,
                          device=pairs.device)
-    # 1024 keys and 1024 rows per program at most: the bounds of a key block are recomputed
-    # once per ROWS row blocks, so the pairs are read map_rows / ROWS times in all.
-    cols = max(1, min(next_power_of_2(map_cols), 1024 // sub_cols))
-    rows = max(1, min(next_power_of_2(map_rows), 1024 // sub_rows))
+    # 1024 keys and 1024 rows per program: the bounds of a key block are recomputed once per
+    # ROWS row blocks, so the pairs are read map_rows / ROWS times in all. Fixed sizes, not
+    # sizes that follow the lengths, so that a new length compiles nothing.
+    cols = max(1, 1024 // sub_cols)
+    rows = max(1, 1024 // sub_rows)
     grid = (ceil_div(map_rows, rows), ceil_div(map_cols, cols), mask_batch * mask_heads)
     launch(_interval_activity_kernel, grid, pairs, active, shape.seqlen_q, shape.seqlen_k,
            map_rows, map_cols, SUB_ROWS=sub_rows, SUB_COLS=sub_cols, ROWS=rows, COLS=cols,
@@ -328,7 +329,9 @@ def lists_from_activity(activity: ActivityMap, block_rows: int, block_cols: int,
         _compact_kernel, (mask_batch * mask_heads * num_rows,),
         activity.active, table, map_rows, map_cols, num_rows, num_cols,
         FR=fr, FC=fc, TRANSPOSED=bool(transposed),
-        CHUNK=max(16, min(1024 // (fr * fc), next_power_of_2(num_cols))), num_warps=4,
+        # A fixed chunk, not one that follows the number of columns, so that a new length
+        # compiles nothing (the chunk loop masks the columns past the row).
+        CHUNK=max(16, 1024 // (fr * fc)), num_warps=4,
     )
     return BlockLists(table, block_rows, block_cols)
 

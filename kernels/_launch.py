@@ -101,19 +101,91 @@ def multiprocessors(device: torch.device, interpreted: bool) -> int:
 _multiprocessors: dict[int, int] = {}
 
 
+# -- what a launch is compiled for
+# Triton specializes each int argument on == 1 and on divisibility by 16, and caches one
+# compiled kernel per pattern. Lengths and the strides that follow them change pattern from one
+# length to the next (1000 and 1024 differ; so do the strides of a (B, H, L, L) mask at
+# L = 1000 and 1001), and each new pattern cost ~3 s of compiling per kernel on the H100 host,
+# ~10 s for a masked forward and backward. ``compile_form`` gives each launch a canonical
+# stand-in of its arguments, by the rules of ``_operands``, and the kernel is compiled for the
+# stand-in and run with the real values: a kernel compiled for an int it knows nothing about
+# is correct for every value of it, 1 included (a stand-in is never 1, so no parameter is
+# compiled as the constant 1 and then handed another value).
+UNKNOWN_INT = 17  # neither 1 nor a multiple of 16: compiled for as an unknown int32
+_INT32 = range(-2**31, 2**31)
+
+
+def _unknown(value: int) -> int:
+    # int64 values keep their own type (and divisibility): a stand-in must keep the width.
+    return UNKNOWN_INT if value in _INT32 else value
+
+
+def compile_form(value):
+    """The canonical stand-in of a launch argument (see ``_operands`` for the rules)."""
+    if value.__class__ is int:
+        return _unknown(value)
+    if not isinstance(value, tuple):
+        return value  # tensors, floats, None
+    fields = getattr(value, "_fields", None)
+    if fields is None:
+        return tuple(compile_form(item) for item in value)
+    kept = getattr(value, "KEPT_FIELDS", ())
+    aligned = getattr(value, "ALIGNED_FIELDS", ())
+    aligned_values = [getattr(value, name) for name in aligned]
+    keep_aligned = all(v % 16 == 0 and v in _INT32 for v in aligned_values)
+    condition = getattr(value, "ALIGNED_ONLY_IF", None)
+    if condition is not None and getattr(value, condition[0]) != condition[1]:
+        keep_aligned = False
+    items = []
+    for name, item in zip(fields, value):
+        if name in kept or (keep_aligned and name in aligned):
+            items.append(item)
+        else:
+            items.append(compile_form(item))
+    return value.__class__(*items)
+
+
+def specialization(value):
+    """What Triton compiles ``value`` for: ints as 1, a multiple of 16 or other (with their
+    width), tensors by dtype and 16-byte alignment, floats by type, tuples item by item."""
+    if value.__class__ is int:
+        width = "i32" if value in _INT32 else "i64"
+        return 1 if value == 1 else (width, value % 16 == 0)
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() & 15
+    if isinstance(value, tuple):
+        return tuple(specialization(item) for item in value)
+    if value.__class__ is float:
+        return float
+    return value
+
+
+# Every (kernel, specialization, options) a launch has been compiled for in this process, the
+# interpreter's included (it compiles nothing, but records what would be compiled), so that
+# tests and ``dmbench compile-cost`` can count the compiles a call needs.
+_compiled_forms: set = set()
+
+
+def compiled_forms() -> int:
+    """How many distinct kernel compilations the launches so far have needed."""
+    return len(_compiled_forms)
+
+
+def _note_form(kernel, args: tuple, options: dict) -> tuple:
+    form = (getattr(kernel, "__name__", repr(kernel)), specialization(args),
+            tuple(sorted(options.items())))
+    _compiled_forms.add(form)
+    return form
+
+
 # -- launching with less host time
 # ``kernel[grid](...)`` runs Triton's JIT dispatch on every call: it binds and specializes
 # each argument, builds a cache key and looks the compiled kernel up. On the H100 benchmark
 # host that is ~37 us per launch back to back and ~75 us inside a real call, against ~9 us for
 # the compiled kernel's own launcher (triton 3.6), and the backward makes
-# three launches. ``launch`` does the dispatch once per argument signature and then calls the
+# three launches. ``launch`` compiles once per form (``compile_form``) and then calls the
 # compiled kernel's launcher directly.
-#
-# The signature holds every int argument's value, each tensor's dtype and 16-byte alignment,
-# every constexpr, the launch options and the current device: everything Triton specializes
-# on (ints on == 1 and divisibility by 16, pointers on alignment), so a hit always gets the
-# kernel Triton itself would have chosen. Floats are specialized on type only, like Triton.
-MAX_SIGNATURES = 256  # per kernel; a model or a sweep uses a handful of shapes
+MAX_SIGNATURES = 256  # per kernel; a model or a sweep uses a handful of forms
 _compiled: dict = {}
 
 
@@ -131,7 +203,8 @@ def _hook_installed(hook) -> bool:
 
 def _direct_launch_available() -> bool:
     """The direct path needs Triton's driver and no launch hooks installed (profilers such as
-    proton rely on them, and only the JIT path calls them)."""
+    proton rely on them, and only the JIT path calls them; that path compiles for the real
+    values, as Triton does)."""
     if _knobs is None:
         return False
     runtime = _knobs.runtime
@@ -139,18 +212,12 @@ def _direct_launch_available() -> bool:
                 or _hook_installed(runtime.launch_exit_hook))
 
 
-def _arg_signature(args: tuple) -> tuple:
-    return tuple([a if a.__class__ is int
-                  else (a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor)
-                  else a.__class__ if a.__class__ is float
-                  else a for a in args])
-
-
-def _jit_launch(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
-    """Launch through Triton's JIT dispatch; return what a direct launch of the same
-    signature needs: the compiled kernel and the parameters after ``args`` (the launcher
-    takes them all and skips the constexprs itself)."""
-    compiled = kernel[grid](*map(_kernel_arg, args), **options)
+def _compile(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
+    """Compile ``kernel`` for the canonical ``args`` without running it (Triton's own cache
+    answers a form it has compiled before); return what ``_run_compiled`` needs: the compiled
+    kernel and the parameters after ``args`` (the launcher takes them all and skips the
+    constexprs itself)."""
+    compiled = kernel.warmup(*map(_kernel_arg, args), grid=grid, **options)
     compiled = compiled.result() if hasattr(compiled, "result") else compiled
     tail = tuple(options[name] for name in kernel.arg_names[len(args):])
     return compiled, tail
@@ -174,23 +241,26 @@ def _grid3(grid: tuple) -> tuple:
 
 def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
            **constexprs) -> None:
-    """``kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)``, with Triton's
-    per-call dispatch skipped on repeat signatures. ``args`` are the runtime arguments in the
-    kernel's order and ``constexprs`` name every remaining parameter."""
+    """``kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)``, compiled for the
+    arguments' ``compile_form`` and with Triton's per-call dispatch skipped on repeat forms.
+    ``args`` are the runtime arguments in the kernel's order and ``constexprs`` name every
+    remaining parameter."""
     options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
+    form = tuple(map(compile_form, args))
     if is_interpreted(kernel) or not _direct_launch_available():
+        _note_form(kernel, form, options)
         kernel[grid](*map(_kernel_arg, args), **options)
         return
     device = _current_device()
-    key = (device, num_warps, num_stages, tuple(constexprs.values()), _arg_signature(args))
+    key = (device, num_warps, num_stages, tuple(constexprs.values()), specialization(form))
     cache = _compiled.setdefault(kernel, OrderedDict())
     hit = cache.get(key)
     if hit is None:
-        cache[key] = _jit_launch(kernel, grid, args, options)
+        _note_form(kernel, form, options)
+        hit = cache[key] = _compile(kernel, _grid3(grid), form, options)
         if len(cache) > MAX_SIGNATURES:
             cache.popitem(last=False)
-        return
-    _run_compiled(hit, _grid3(grid), args, device)
+    _run_compiled(hit, _grid3(grid), tuple(map(_plain, args)), device)
 
 
 def _plain(value):
@@ -212,9 +282,10 @@ class PlannedLaunch:
     constexprs and the options are fixed, and each call passes only the kernel's tensors, which
     its first parameter takes as one ``pointers`` NamedTuple (``_operands``).
 
-    The plan's owner guarantees the pointers' dtypes (they follow from the call signature), so
-    the only thing left that Triton specializes on is each pointer's 16-byte alignment: one
-    compiled kernel is kept per alignment pattern and device.
+    The plan's owner guarantees the pointers' dtypes (they follow from the call signature) and
+    the scalars are compiled for their ``compile_form``, so the only thing left that a call
+    changes is each pointer's 16-byte alignment: one compiled kernel is kept per alignment
+    pattern and device.
     """
 
     def __init__(self, kernel, grid: tuple, pointers: type, scalars: tuple,
@@ -225,11 +296,13 @@ class PlannedLaunch:
         self.pointers = pointers
         self.scalars = tuple(scalars)
         self._plain_scalars = _plain(self.scalars)
+        self._form_scalars = compile_form(self.scalars)
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
         self._compiled: dict = {}
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if self.interpreted or not _direct_launch_available():
+            _note_form(self.kernel, (self.pointers(*tensors), *self._form_scalars), self.options)
             self.kernel[self.grid](self.pointers(*map(_kernel_arg, tensors)), *self.scalars,
                                    **self.options)
             return
@@ -241,8 +314,7 @@ class PlannedLaunch:
         key = (device, *map(_alignment, addresses))
         hit = self._compiled.get(key)
         if hit is None:
-            self._compiled[key] = _jit_launch(
-                self.kernel, self.grid, (self.pointers(*map(_kernel_arg, tensors)),
-                                         *self.scalars), self.options)
-            return
+            form = (self.pointers(*map(_kernel_arg, tensors)), *self._form_scalars)
+            _note_form(self.kernel, form, self.options)
+            hit = self._compiled[key] = _compile(self.kernel, self.grid, form, self.options)
         _run_compiled(hit, self.grid, (addresses, *self._plain_scalars), device)

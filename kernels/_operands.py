@@ -11,6 +11,23 @@ launch reads like a sentence and a kernel takes a few dozen parameters, not a hu
   tensor (its kernel never dereferences it).
 
 Inside a kernel the fields are read by name (``q_strides.stride_l``, ``ptrs.mask``).
+
+What a kernel is compiled for: Triton specializes every int on == 1 and on divisibility by 16,
+so a new sequence length would compile new kernels wherever a length or a stride that follows
+it changes class. The launcher (``_launch.compile_form``) compiles each launch for a canonical
+stand-in of its ints instead, by the rules each tuple states here:
+
+* ``ALIGNED_FIELDS``: strides that place a tile's base address. Only their common alignment
+  pays (a vectorized load needs the whole offset to be a multiple of 16 elements), so the
+  kernel is compiled either for all of them being multiples of 16 (as they are) or for none;
+  ``ALIGNED_ONLY_IF`` names the field value without which alignment cannot pay (a mask or
+  bias read along keys with a stride other than 1, such as KeyIntervals' (start, end) pairs).
+* ``KEPT_FIELDS``: values fixed by the call's form (a unit key stride, a head divisor, head
+  counts): compiled for as they are.
+* every other int (lengths, list strides, grid counts) is compiled for as unknown.
+
+A model then compiles at most two variants of each kernel across all lengths: one for
+lengths that keep its strides multiples of 16 and one for the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +44,10 @@ class Layout(NamedTuple):
     stride_n: int
     head_div: int
 
+    ALIGNED_FIELDS = ("stride_b", "stride_h", "stride_m")
+    ALIGNED_ONLY_IF = ("stride_n", 1)  # key loads vectorize only along contiguous keys
+    KEPT_FIELDS = ("stride_n", "head_div")
+
 
 ABSENT = Layout(0, 0, 0, 0, 1)  # an absent mask or bias: HAS_MASK / HAS_BIAS are False
 
@@ -35,6 +56,8 @@ class SeqStrides(NamedTuple):
     stride_b: int
     stride_l: int
     stride_h: int
+
+    ALIGNED_FIELDS = ("stride_b", "stride_l", "stride_h")
 
 
 def seq_strides(t: torch.Tensor) -> SeqStrides:
@@ -56,6 +79,8 @@ class Sizes(NamedTuple):
     group_size: int  # query heads per kv head
     seqlen_q: int
     seqlen_k: int
+
+    KEPT_FIELDS = ("heads_q", "group_size")
 
 
 def sizes_of(shape) -> Sizes:

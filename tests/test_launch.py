@@ -8,16 +8,51 @@ from __future__ import annotations
 import torch
 
 
-def test_launch_signature_keeps_what_triton_specializes_on():
-    from kernels._launch import _arg_signature
+def test_specialization_is_what_triton_compiles_for():
+    from kernels._launch import specialization
 
     base = torch.zeros(8, dtype=torch.float16)
     shifted = base[1:]  # the same storage, 2 bytes further: not 16-byte aligned
-    assert _arg_signature((base, 16, 1.5)) == _arg_signature((base.clone(), 16, 2.5))
-    assert _arg_signature((base, 16)) != _arg_signature((shifted, 16))
-    assert _arg_signature((base, 16)) != _arg_signature((base.float(), 16))
-    assert _arg_signature((base, 16)) != _arg_signature((base, 17))
-    assert _arg_signature((base, 1)) != _arg_signature((base, 2))
+    assert specialization((base, 16, 1.5)) == specialization((base.clone(), 32, 2.5))
+    assert specialization((base, 16)) != specialization((shifted, 16))
+    assert specialization((base, 16)) != specialization((base.float(), 16))
+    assert specialization((base, 16)) != specialization((base, 17))
+    assert specialization((base, 17)) == specialization((base, 1001))
+    assert specialization((base, 1)) != specialization((base, 2))
+    assert specialization(2**31) != specialization(2**31 - 16)  # int64 against int32
+
+
+def test_compile_form_forgets_lengths_and_keeps_what_pays():
+    """Lengths and list strides are compiled for as unknown (1 too); a stride group is
+    compiled for as all multiples of 16 or as unknown; kept fields stay as they are."""
+    from kernels._launch import UNKNOWN_INT, compile_form, specialization
+    from kernels._operands import Layout, ListStrides, SeqStrides, Sizes
+
+    unknown = UNKNOWN_INT
+    assert compile_form(Sizes(16, 4, 1000, 1024)) == Sizes(16, 4, unknown, unknown)
+    assert compile_form(Sizes(16, 4, 1, 4096)) == Sizes(16, 4, unknown, unknown)
+    assert compile_form(ListStrides(0, 96, 32)) == ListStrides(unknown, unknown, unknown)
+    # A (B, H, L, L) mask: aligned at L = 1024, not at 1000 (1000 * 1000 is a multiple of 16,
+    # 1000 is not) nor at 1001; its unit key stride and head divisor are kept.
+    aligned = Layout(4 * 1024 * 1024, 1024 * 1024, 1024, 1, 4)
+    assert compile_form(aligned) == aligned
+    for length in (1000, 1001):
+        layout = Layout(4 * length * length, length * length, length, 1, 4)
+        assert compile_form(layout) == Layout(unknown, unknown, unknown, 1, 4)
+    # KeyIntervals' (start, end) pairs (key stride 2) never load vectors along keys.
+    assert compile_form(Layout(4 * 2048 * 2, 2048 * 2, 0, 2, 1)) == Layout(
+        unknown, unknown, unknown, 2, 1)
+    # A per-key bias broadcast over rows (row stride 0) at a multiple of 16 stays aligned.
+    assert compile_form(Layout(4 * 2048, 2048, 0, 1, 1)) == Layout(4 * 2048, 2048, 0, 1, 1)
+    # Lengths of one class compile once: 20 lengths, two forms (aligned or not).
+    forms = {specialization(compile_form((SeqStrides(length * 2048, 2048, 128),
+                                          Layout(4 * length, length, 0, 1, 1),
+                                          Sizes(16, 4, length, length), length)))
+             for length in range(1000, 1100, 5)}
+    assert len(forms) == 2
+    # Nested tuples are canonicalized item by item; int64 values keep their width.
+    assert compile_form(((1000, 1), 2.5)) == ((unknown, unknown), 2.5)
+    assert compile_form(2**33) == 2**33
 
 
 def test_launch_hooks_send_launches_through_triton():

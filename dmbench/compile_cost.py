@@ -1,0 +1,230 @@
+"""``dmbench compile-cost``: what the first call at a new sequence length costs.
+
+For each call form (mask kind, bias kind), one forward and backward at each of the given
+lengths, in order, in one process: the first call's latency (host time until the call returns,
+and wall time to the end of its GPU work), the second call's wall time at the same length, and
+how many kernels the first call compiled: ``compiled`` counts the kernel forms the launches
+needed that no earlier call had (``kernels.compiled_forms``, also under the interpreter), and
+``triton_compiled`` the entries Triton's caches gained (GPU only). With ``--warmup``,
+``kernels.warmup`` runs first at the shortest and longest length and is a row of its own.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import pkgutil
+import time
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .envinfo import collect, gpu_slug
+from .errors import ConfigError, ExitCode
+
+MASKS = ("none", "bool", "intervals")
+BIASES = ("none", "kv_row")
+# 20 lengths from 1000 to 8000: a mix of multiples of 16 and not, as dynamic padding makes.
+DEFAULT_LENGTHS = (1000, 1001, 1024, 1500, 2049, 3000, 1100, 1337, 2048, 2500, 3333, 4000,
+                   4096, 4500, 5000, 5555, 6000, 7000, 7777, 8000)
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    masks: tuple[str, ...] = ("bool", "intervals")
+    bias: str = "kv_row"
+    batch: int = 1
+    heads_q: int = 16
+    heads_kv: int = 4
+    head_dim: int = 128
+    dtype: str = "bf16"
+    causal: bool = True
+    warmup: bool = False
+    require_zero: bool = False
+    device: str = "auto"
+    out: Path | None = None
+    force: bool = False
+
+
+@dataclass
+class CostRow:
+    mask: str
+    bias: str
+    step: str  # "warmup", or "call" (the first call at this length)
+    seqlen: int
+    first_host_ms: float | None
+    first_ms: float
+    second_ms: float | None
+    compiled: int
+    triton_compiled: int | None
+    batch: int
+    heads: str
+    head_dim: int
+    dtype: str
+    causal: bool
+    gpu: str
+    torch: str
+    triton: str
+    git_sha: str
+    git_dirty: bool
+    timestamp: str
+
+
+COLUMNS = tuple(f.name for f in fields(CostRow))
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--lengths: expected comma-separated positive integers, got {text!r}")
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"--lengths: expected comma-separated positive integers, got {text!r}")
+    return lengths
+
+
+def parse_choice(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    chosen = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [name for name in chosen if name not in allowed]
+    if bad or not chosen:
+        raise ConfigError(f"{flag}: expected a comma-separated subset of {', '.join(allowed)}, "
+                          f"got {text!r}")
+    return chosen
+
+
+def triton_cache_entries() -> int | None:
+    """Compiled kernels in Triton's caches of this package's kernels (None without a GPU)."""
+    import kernels
+
+    if not torch.cuda.is_available():
+        return None
+    total, seen = 0, set()
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        for value in vars(module).values():
+            caches = getattr(value, "device_caches", None)
+            if caches is None or id(value) in seen:
+                continue
+            seen.add(id(value))
+            total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+class _Call:
+    """One forward and backward of a form at a length, on fresh random inputs."""
+
+    def __init__(self, opts: CostOptions, mask: str, device: torch.device):
+        self.opts, self.mask, self.device = opts, mask, device
+        self.dtype = _DTYPES[opts.dtype]
+
+    def inputs(self, seqlen: int):
+        import kernels
+
+        o, device = self.opts, self.device
+
+        def tensor(*shape):
+            return torch.randn(*shape, device=device, dtype=self.dtype, requires_grad=True)
+
+        q = tensor(o.batch, seqlen, o.heads_q, o.head_dim)
+        k = tensor(o.batch, seqlen, o.heads_kv, o.head_dim)
+        v = tensor(o.batch, seqlen, o.heads_kv, o.head_dim)
+        bias = tensor(o.batch, o.heads_kv, 1, seqlen) if o.bias == "kv_row" else None
+        attn_mask = None
+        if self.mask == "bool":
+            attn_mask = torch.rand(o.batch, o.heads_kv, seqlen, seqlen, device=device) < 0.5
+        elif self.mask == "intervals":
+            start = torch.randint(0, seqlen, (o.batch, o.heads_kv, seqlen), device=device,
+                                  dtype=torch.int32)
+            attn_mask = kernels.KeyIntervals(start, start + seqlen // 2)
+        return q, k, v, attn_mask, bias
+
+    def timed(self, seqlen: int) -> tuple[float, float]:
+        """(host ms until the backward returns, wall ms to the end of the GPU work)."""
+        import kernels
+
+        q, k, v, attn_mask, bias = self.inputs(seqlen)
+        self._sync()
+        start = time.perf_counter()
+        out = kernels.dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=bias,
+                                  is_causal=self.opts.causal)
+        out.backward(torch.ones_like(out))
+        host = time.perf_counter() - start
+        self._sync()
+        return host * 1e3, (time.perf_counter() - start) * 1e3
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode:
+    from .device import select_device
+
+    device = select_device(opts.device)  # before kernels is imported: it sets the interpreter
+    import kernels
+
+    env = collect(device)
+    out = opts.out or Path("results") / gpu_slug(env.gpu) / "compile-cost.csv"
+    if out.exists() and not opts.force:
+        raise ConfigError(f"--out: {out} exists; pass --force to overwrite it")
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    common = dict(bias=opts.bias, batch=opts.batch, heads=f"{opts.heads_q}/{opts.heads_kv}",
+                  head_dim=opts.head_dim, dtype=opts.dtype, causal=opts.causal, gpu=env.gpu,
+                  torch=env.torch, triton=env.triton, git_sha=env.git_sha,
+                  git_dirty=env.git_dirty, timestamp=stamp)
+    rows: list[CostRow] = []
+    compiled_after_warmup = 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+
+        def emit(row: CostRow):
+            rows.append(row)
+            writer.writerow({k: "" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
+                             for k, v in asdict(row).items()})
+            handle.flush()
+            echo(f"{row.mask:>9} {row.step:>6} L{row.seqlen:<6} first {row.first_ms:9.1f} ms"
+                 + ("" if row.second_ms is None else f", second {row.second_ms:7.2f} ms")
+                 + f", compiled {row.compiled}"
+                 + ("" if row.triton_compiled is None else f" (triton {row.triton_compiled})"))
+
+        for mask in opts.masks:
+            call = _Call(opts, mask, device)
+            if opts.warmup:
+                forms, entries = kernels.compiled_forms(), triton_cache_entries()
+                report = kernels.warmup(
+                    seqlens=[min(opts.lengths), max(opts.lengths)], heads_q=opts.heads_q,
+                    heads_kv=opts.heads_kv, head_dim=opts.head_dim, batch=opts.batch,
+                    dtype=_DTYPES[opts.dtype], device=device, mask=mask, bias=opts.bias,
+                    is_causal=opts.causal)
+                emit(CostRow(mask=mask, step="warmup", seqlen=max(report.seqlens),
+                             first_host_ms=None, first_ms=report.seconds * 1e3, second_ms=None,
+                             compiled=kernels.compiled_forms() - forms,
+                             triton_compiled=_delta(entries), **common))
+            for index, seqlen in enumerate(opts.lengths):
+                forms, entries = kernels.compiled_forms(), triton_cache_entries()
+                host_ms, first_ms = call.timed(seqlen)
+                compiled, triton_compiled = kernels.compiled_forms() - forms, _delta(entries)
+                _, second_ms = call.timed(seqlen)
+                if opts.warmup or index > 0:
+                    compiled_after_warmup += compiled + (triton_compiled or 0)
+                emit(CostRow(mask=mask, step="call", seqlen=seqlen, first_host_ms=host_ms,
+                             first_ms=first_ms, second_ms=second_ms, compiled=compiled,
+                             triton_compiled=triton_compiled, **common))
+    echo(f"wrote {len(rows)} rows to {out}")
+    if opts.require_zero and compiled_after_warmup:
+        echo(f"--require-zero: calls at new lengths compiled {compiled_after_warmup} kernels "
+             f"after the {'warm-up' if opts.warmup else 'first call'}")
+        return ExitCode.PERF_REGRESSION
+    return ExitCode.OK
+
+
+def _delta(before: int | None) -> int | None:
+    after = triton_cache_entries()
+    return None if before is None or after is None else after - before

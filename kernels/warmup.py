@@ -1,0 +1,113 @@
+"""Compile ahead the kernels a model's calls will need, and count compiles.
+
+A launch is compiled for a canonical form of its arguments (``_launch.compile_form``), so the
+lengths of a call change what it compiles only through two things: whether its lengths keep
+its strides multiples of 16 (two variants of each kernel), and the schedule, which changes at a
+few length thresholds (key splits where a short grid underfills the GPU, group packing for
+decode-sized query lengths). ``warmup`` runs one forward and backward of the described form at
+an aligned and an unaligned length next to each length given, which compiles both variants of
+the schedule each length takes, so that later calls at other lengths of the same ranges
+compile nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ._launch import compiled_forms
+from .interface import dmattn_func
+from .intervals import KeyIntervals
+
+MASK_FORMS = ("none", "bool", "intervals")
+BIAS_FORMS = ("none", "kv_row", "full")
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What ``warmup`` ran: the lengths, how many kernel forms it compiled (or, under the
+    interpreter, would have), and its wall time in seconds."""
+
+    seqlens: tuple[int, ...]
+    compiled: int
+    seconds: float
+
+
+def warmup_lengths(seqlen: int) -> tuple[int, int]:
+    """An aligned (a multiple of 16) and an unaligned length beside ``seqlen``: the two variants
+    of every kernel that lengths in its schedule's range compile."""
+    if seqlen < 1:
+        raise ValueError(f"warmup: seqlens must be positive, got {seqlen}")
+    aligned = max(16, seqlen - seqlen % 16)
+    unaligned = seqlen if seqlen % 16 else seqlen + 1
+    return aligned, unaligned
+
+
+def _call_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
+                 backward, scattered):
+    def tensor(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=backward)
+
+    q = tensor(batch, seqlen, heads_q, head_dim)
+    k, v = tensor(batch, seqlen, heads_kv, head_dim), tensor(batch, seqlen, heads_kv, head_dim)
+    attn_bias = None
+    if bias == "kv_row":
+        attn_bias = tensor(batch, heads_kv, 1, seqlen)
+    elif bias == "full":
+        attn_bias = tensor(batch, heads_kv, seqlen, seqlen)
+    attn_mask = None
+    # A mask with every pair visible and a scattered one: the schedule reads the share of
+    # partial tiles (dkdv's pipeline stages), so each kind compiles its own kernels.
+    if mask == "bool":
+        shape = (batch, heads_kv, seqlen, seqlen)
+        attn_mask = (torch.rand(shape, device=device) < 0.5 if scattered
+                     else torch.ones(shape, dtype=torch.bool, device=device))
+    elif mask == "intervals":
+        shape = (batch, heads_kv, seqlen)
+        start = (torch.randint(0, seqlen, shape, dtype=torch.int32, device=device) if scattered
+                 else torch.zeros(shape, dtype=torch.int32, device=device))
+        attn_mask = KeyIntervals(start, start + (seqlen // 2 if scattered else seqlen))
+    return q, k, v, attn_mask, attn_bias
+
+
+def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
+           batch: int = 1, dtype: torch.dtype = torch.bfloat16, device=None,
+           mask: str = "none", bias: str = "none", is_causal: bool = False,
+           backward: bool = True) -> WarmupReport:
+    """Compile the kernels that calls of this form at lengths near ``seqlens`` will use.
+
+    Runs one call (and its backward, with ``backward``) at an aligned and an unaligned length
+    next to each length in ``seqlens`` (``warmup_lengths``), with a mask twice: every pair
+    visible and a scattered half. ``mask`` is "none", "bool" or
+    "intervals", ``bias`` "none", "kv_row" (B, Hk, 1, L) or "full" (B, Hk, L, L); the call has
+    the form a model's call of the same description has. Give one length per range a model
+    uses (say its shortest and longest batch); a length whose schedule differs from every warmed
+    length's (a new key-split or packing decision) still compiles on its first call.
+    """
+    if mask not in MASK_FORMS:
+        raise ValueError(f"warmup: mask must be one of {', '.join(MASK_FORMS)}, got {mask!r}")
+    if bias not in BIAS_FORMS:
+        raise ValueError(f"warmup: bias must be one of {', '.join(BIAS_FORMS)}, got {bias!r}")
+    seqlens = (seqlens,) if isinstance(seqlens, int) else tuple(seqlens)
+    if not seqlens:
+        raise ValueError("warmup: seqlens is empty; give the lengths a model will call with")
+    heads_kv = heads_q if heads_kv is None else heads_kv
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
+    before, started = compiled_forms(), time.perf_counter()
+    for seqlen in lengths:
+        for scattered in ((False, True) if mask != "none" else (False,)):
+            q, k, v, attn_mask, attn_bias = _call_inputs(
+                batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
+                backward, scattered)
+            out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
+                              is_causal=is_causal)
+            if backward:
+                out.backward(torch.ones_like(out))
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return WarmupReport(tuple(lengths), compiled_forms() - before,
+                        time.perf_counter() - started)

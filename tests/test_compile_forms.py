@@ -1,0 +1,63 @@
+"""What a call at a new sequence length compiles (kernels._launch.compile_form): after
+``kernels.warmup`` at one length, calls of the same form at other lengths of its range compile
+no kernel. The interpreter compiles nothing, but every launch records the form it would be
+compiled for, the count ``dmbench compile-cost`` reports on a GPU as well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import KeyIntervals, compiled_forms, dmattn_func, warmup
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
+
+
+def _call(seqlen: int, mask: str, bias: str, generator: torch.Generator) -> None:
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator, requires_grad=True)
+
+    q = tensor(1, seqlen, HEADS_Q, HEAD_DIM)
+    k, v = tensor(1, seqlen, HEADS_KV, HEAD_DIM), tensor(1, seqlen, HEADS_KV, HEAD_DIM)
+    attn_bias = tensor(1, HEADS_KV, 1, seqlen) if bias == "kv_row" else None
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(1, HEADS_KV, seqlen, seqlen, generator=generator) < 0.5
+    elif mask == "intervals":
+        start = torch.randint(0, seqlen, (1, HEADS_KV, seqlen), generator=generator,
+                              dtype=torch.int32)
+        attn_mask = KeyIntervals(start, start + seqlen // 2)
+    out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias, is_causal=True)
+    out.backward(torch.ones_like(out))
+
+
+@pytest.mark.parametrize("mask,bias", [("bool", "kv_row"), ("intervals", "kv_row"),
+                                       ("none", "kv_row"), ("bool", "none")])
+def test_no_compile_at_new_lengths_after_warmup(device, mask, bias):
+    report = warmup(seqlens=[120], heads_q=HEADS_Q, heads_kv=HEADS_KV, head_dim=HEAD_DIM,
+                    dtype=torch.float32, device=device, mask=mask, bias=bias, is_causal=True)
+    assert report.seqlens == (112, 120)
+    generator = torch.Generator().manual_seed(0)
+    before = compiled_forms()
+    for seqlen in (97, 128, 131, 150):
+        _call(seqlen, mask, bias, generator)
+        assert compiled_forms() == before, f"a call at length {seqlen} compiled a new kernel"
+
+
+def test_warmup_counts_what_it_compiles(device):
+    first = warmup(seqlens=[40], heads_q=2, head_dim=32, dtype=torch.float32, device=device,
+                   bias="full")
+    again = warmup(seqlens=[40], heads_q=2, head_dim=32, dtype=torch.float32, device=device,
+                   bias="full")
+    assert first.seqlens == (32, 40) and again.compiled == 0
+
+
+def test_warmup_names_bad_arguments():
+    with pytest.raises(ValueError, match="mask must be one of"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, mask="dense")
+    with pytest.raises(ValueError, match="bias must be one of"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, bias="row")
+    with pytest.raises(ValueError, match="seqlens is empty"):
+        warmup(seqlens=[], heads_q=2, head_dim=32)
+    with pytest.raises(ValueError, match="seqlens must be positive"):
+        warmup(seqlens=[0], heads_q=2, head_dim=32)

@@ -1,0 +1,48 @@
+"""``dmbench compile-cost``: one row per first call at a length (and one for the warm-up), the
+compile counts in them, --require-zero's exit code, and one-line errors for bad flags."""
+
+from __future__ import annotations
+
+import csv
+
+from typer.testing import CliRunner
+
+from dmbench.cli import app
+from dmbench.errors import ExitCode
+
+runner = CliRunner()
+TINY = ["--device", "cpu", "--heads", "4/2", "--head-dim", "16", "--dtype", "fp32",
+        "--masks", "intervals", "--bias", "kv_row"]
+
+
+def test_rows_and_zero_compiles_after_warmup(tmp_path):
+    out = tmp_path / "cost.csv"
+    result = runner.invoke(app, ["compile-cost", *TINY, "--lengths", "24,33,40",
+                                 "--warmup", "--require-zero", "--out", str(out)])
+    assert result.exit_code == ExitCode.OK, result.output
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["step"], row["seqlen"]) for row in rows] == [
+        ("warmup", "40"), ("call", "24"), ("call", "33"), ("call", "40")]
+    assert int(rows[0]["compiled"]) > 0  # the warm-up compiled (or, here, recorded) kernels
+    assert all(row["compiled"] == "0" for row in rows[1:])
+    assert all(float(row["first_ms"]) > 0 and float(row["second_ms"]) > 0 for row in rows[1:])
+
+
+def test_require_zero_fails_when_a_new_length_compiles(tmp_path):
+    # Without a warm-up, 40 follows 32: the bias's head stride (the length) is a multiple of
+    # 16 at 32 and not at 40, so 40's first call compiles the unaligned variant.
+    # (head_dim 32: forms no other test in this process has compiled.)
+    result = runner.invoke(app, ["compile-cost", *TINY, "--head-dim", "32", "--lengths", "32,40",
+                                 "--require-zero",
+                                 "--out", str(tmp_path / "cost.csv")])
+    assert result.exit_code == ExitCode.PERF_REGRESSION, result.output
+    assert "compiled" in result.output
+
+
+def test_bad_flags_exit_2(tmp_path):
+    for flags, named in ((["--lengths", "12,x"], "--lengths"), (["--masks", "dense"], "--masks"),
+                         (["--heads", "3/2"], "--heads"), (["--dtype", "fp8"], "--dtype")):
+        result = runner.invoke(app, ["compile-cost", "--device", "cpu", *flags,
+                                     "--out", str(tmp_path / "cost.csv")])
+        assert result.exit_code == ExitCode.USAGE, (flags, result.output)
+        assert named in result.output
