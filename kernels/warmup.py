@@ -82,9 +82,11 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     next to each length in ``seqlens`` (``warmup_lengths``), with a mask twice: every pair
     visible and a scattered half. ``mask`` is "none", "bool" or
     "intervals", ``bias`` "none", "kv_row" (B, Hk, 1, L) or "full" (B, Hk, L, L); the call has
-    the form a model's call of the same description has. Give one length per range a model
-    uses (say its shortest and longest batch); a length whose schedule differs from every warmed
-    length's (a new key-split or packing decision) still compiles on its first call.
+    the form a model's call of the same description has. Give the shortest and longest length
+    a model uses: each schedule decision that follows the length (key splits where a short grid
+    underfills the GPU, dkdv's stages) changes at one threshold, so lengths between them take
+    forms the two ends compile. On the H100, after a warm-up at 1000 and 8000, calls at 20
+    lengths between compiled nothing (``dmbench compile-cost --warmup``).
     """
     if mask not in MASK_FORMS:
         raise ValueError(f"warmup: mask must be one of {', '.join(MASK_FORMS)}, got {mask!r}")

@@ -11,13 +11,13 @@ from dmbench.cli import app
 from dmbench.errors import ExitCode
 
 runner = CliRunner()
-TINY = ["--device", "cpu", "--heads", "4/2", "--head-dim", "16", "--dtype", "fp32",
+TINY = ["--heads", "4/2", "--head-dim", "16", "--dtype", "fp32",
         "--masks", "intervals", "--bias", "kv_row"]
 
 
-def test_rows_and_zero_compiles_after_warmup(tmp_path):
+def test_rows_and_zero_compiles_after_warmup(tmp_path, device):
     out = tmp_path / "cost.csv"
-    result = runner.invoke(app, ["compile-cost", *TINY, "--lengths", "24,33,40",
+    result = runner.invoke(app, ["compile-cost", *TINY, "--device", device.type, "--lengths", "24,33,40",
                                  "--warmup", "--require-zero", "--out", str(out)])
     assert result.exit_code == ExitCode.OK, result.output
     rows = list(csv.DictReader(out.open()))
@@ -28,11 +28,12 @@ def test_rows_and_zero_compiles_after_warmup(tmp_path):
     assert all(float(row["first_ms"]) > 0 and float(row["second_ms"]) > 0 for row in rows[1:])
 
 
-def test_require_zero_fails_when_a_new_length_compiles(tmp_path):
+def test_require_zero_fails_when_a_new_length_compiles(tmp_path, device):
     # Without a warm-up, 40 follows 32: the bias's head stride (the length) is a multiple of
     # 16 at 32 and not at 40, so 40's first call compiles the unaligned variant.
     # (head_dim 32: forms no other test in this process has compiled.)
-    result = runner.invoke(app, ["compile-cost", *TINY, "--head-dim", "32", "--lengths", "32,40",
+    result = runner.invoke(app, ["compile-cost", *TINY, "--device", device.type,
+                                 "--head-dim", "32", "--lengths", "32,40",
                                  "--require-zero",
                                  "--out", str(tmp_path / "cost.csv")])
     assert result.exit_code == ExitCode.PERF_REGRESSION, result.output
@@ -42,7 +43,7 @@ def test_require_zero_fails_when_a_new_length_compiles(tmp_path):
 def test_bad_flags_exit_2(tmp_path):
     for flags, named in ((["--lengths", "12,x"], "--lengths"), (["--masks", "dense"], "--masks"),
                          (["--heads", "3/2"], "--heads"), (["--dtype", "fp8"], "--dtype")):
-        result = runner.invoke(app, ["compile-cost", "--device", "cpu", *flags,
+        result = runner.invoke(app, ["compile-cost", *flags,
                                      "--out", str(tmp_path / "cost.csv")])
         assert result.exit_code == ExitCode.USAGE, (flags, result.output)
         assert named in result.output
