@@ -29,13 +29,13 @@ import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
 from ._launch import ceil_div, launch, operand_args
-from ._operands import NO_LISTS, ListStrides
+from ._operands import NO_LISTS, ListStrides, sizes_of
 from ._score import tile_offsets, visible_keys
 
 
 @triton.jit
 def _tile_activity_kernel(
-    mask_ptr, mask_layout, active_ptr, heads, seqlen_q, seqlen_k, map_rows, map_cols, num_load_cols,
+    mask_ptr, mask_layout, active_ptr, heads, sizes, map_rows, map_cols, num_load_cols,
     SUB_ROWS: tl.constexpr, SUB_COLS: tl.constexpr,
     LOAD_ROWS: tl.constexpr, LOAD_COLS: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
@@ -43,7 +43,12 @@ def _tile_activity_kernel(
     of each (SUB_ROWS x SUB_COLS) tile in it: 0 if no pair is visible, 2 if all are, else 1.
 
     The load block is wider than the map's tiles so that the mask loads stay long and
-    vectorized whatever granularity the kernels' tiles need."""
+    vectorized whatever granularity the kernels' tiles need. The lengths come in ``sizes`` (a
+    ``_operands.Sizes``), which keeps them compiled for their divisibility by 16: the loads
+    stay vectorized only where the predicate's length is known to be a multiple of 16 (sm_90
+    PTX: 4 vector loads against 64 byte loads at L4096)."""
+    seqlen_q = sizes.seqlen_q
+    seqlen_k = sizes.seqlen_k
     FR: tl.constexpr = LOAD_ROWS // SUB_ROWS
     FC: tl.constexpr = LOAD_COLS // SUB_COLS
     block = tl.program_id(0)
@@ -238,7 +243,7 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     grid = (ceil_div(shape.seqlen_q, load_rows) * num_load_cols, mask_batch * mask_heads)
     launch(
         _tile_activity_kernel, grid,
-        mask.view, args, active, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols, num_load_cols,
+        mask.view, args, active, mask_heads, sizes_of(shape), map_rows, map_cols, num_load_cols,
         SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
         IS_CAUSAL=bool(is_causal), num_warps=4,
     )

@@ -109,15 +109,25 @@ _multiprocessors: dict[int, int] = {}
 # ~10 s for a masked forward and backward. ``compile_form`` gives each launch a canonical
 # stand-in of its arguments, by the rules of ``_operands``, and the kernel is compiled for the
 # stand-in and run with the real values: a kernel compiled for an int it knows nothing about
-# is correct for every value of it, 1 included (a stand-in is never 1, so no parameter is
-# compiled as the constant 1 and then handed another value).
+# is correct for every value of it. The value 1 is kept: Triton folds it into the code (a
+# single key split, one head share), and a stand-in is never 1 unless the value is, so no
+# parameter compiled as the constant 1 is handed another value.
+#
+# Compiled for sm_90 without a GPU (``triton.compile`` to PTX), the forward, dq, dkdv, fused
+# and packed kernels came out identical, line for line, to their compilation for the real
+# values in every case tried (dense, bool mask with per-key bias, full bias, KeyIntervals,
+# decode Lq 1 and 4, the fused route; lengths 1000, 2001, 2048, 4001, 4096): the canonical
+# form changes what is compiled how often, never the code that runs. Of the small launches,
+# the mask's activity pass came out identical too (its lengths travel in a ``Sizes``); the
+# list compaction and the intervals' activity pass read or write the small activity map with
+# byte accesses where 2- to 8-byte ones were used at some lengths.
 UNKNOWN_INT = 17  # neither 1 nor a multiple of 16: compiled for as an unknown int32
 _INT32 = range(-2**31, 2**31)
 
 
 def _unknown(value: int) -> int:
     # int64 values keep their own type (and divisibility): a stand-in must keep the width.
-    return UNKNOWN_INT if value in _INT32 else value
+    return value if value == 1 or value not in _INT32 else UNKNOWN_INT
 
 
 def compile_form(value):

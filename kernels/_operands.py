@@ -22,12 +22,15 @@ stand-in of its ints instead, by the rules each tuple states here:
   kernel is compiled either for all of them being multiples of 16 (as they are) or for none;
   ``ALIGNED_ONLY_IF`` names the field value without which alignment cannot pay (a mask or
   bias read along keys with a stride other than 1, such as KeyIntervals' (start, end) pairs).
-* ``KEPT_FIELDS``: values fixed by the call's form (a unit key stride, a head divisor, head
-  counts): compiled for as they are.
-* every other int (lengths, list strides, grid counts) is compiled for as unknown.
+* ``KEPT_FIELDS``: values compiled for as they are: those fixed by the call's form (a unit key
+  stride, a head divisor, head counts) and the lengths in ``Sizes``, which Triton compiles for
+  by class (1, a multiple of 16, or other).
+* every other int (list strides, grid counts, a length passed alone) is compiled for as
+  unknown, except 1.
 
-A model then compiles at most two variants of each kernel across all lengths: one for
-lengths that keep its strides multiples of 16 and one for the rest.
+A model with equal query and key lengths then compiles at most two variants of each kernel
+across all lengths (besides the schedule's own few decisions): one for lengths that are
+multiples of 16, which keep its strides multiples of 16 too, and one for the rest.
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ class Sizes(NamedTuple):
     seqlen_q: int
     seqlen_k: int
 
-    KEPT_FIELDS = ("heads_q", "group_size")
+    # The lengths are compiled for as Triton would (1, a multiple of 16, or other): LSE, delta
+    # and split-K partial rows are addressed by (row block, length) offsets, and the backward's
+    # vector loads of them need that alignment.
+    KEPT_FIELDS = ("heads_q", "group_size", "seqlen_q", "seqlen_k")
 
 
 def sizes_of(shape) -> Sizes:

@@ -13,20 +13,20 @@ from kernels import KeyIntervals, compiled_forms, dmattn_func, warmup
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
 
 
-def _call(seqlen: int, mask: str, bias: str, generator: torch.Generator) -> None:
+def _call(seqlen: int, mask: str, bias: str, generator: torch.Generator, device) -> None:
     def tensor(*shape):
-        return torch.randn(*shape, generator=generator, requires_grad=True)
+        return torch.randn(*shape, generator=generator).to(device).requires_grad_()
 
     q = tensor(1, seqlen, HEADS_Q, HEAD_DIM)
     k, v = tensor(1, seqlen, HEADS_KV, HEAD_DIM), tensor(1, seqlen, HEADS_KV, HEAD_DIM)
     attn_bias = tensor(1, HEADS_KV, 1, seqlen) if bias == "kv_row" else None
     attn_mask = None
     if mask == "bool":
-        attn_mask = torch.rand(1, HEADS_KV, seqlen, seqlen, generator=generator) < 0.5
+        attn_mask = (torch.rand(1, HEADS_KV, seqlen, seqlen, generator=generator) < 0.5).to(device)
     elif mask == "intervals":
         start = torch.randint(0, seqlen, (1, HEADS_KV, seqlen), generator=generator,
                               dtype=torch.int32)
-        attn_mask = KeyIntervals(start, start + seqlen // 2)
+        attn_mask = KeyIntervals(start.to(device), start.to(device) + seqlen // 2)
     out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias, is_causal=True)
     out.backward(torch.ones_like(out))
 
@@ -43,7 +43,7 @@ def test_no_compile_at_new_lengths_after_warmup(device, mask, bias):
     generator = torch.Generator().manual_seed(0)
     before = compiled_forms()
     for seqlen in (113, 128, 131, 140):
-        _call(seqlen, mask, bias, generator)
+        _call(seqlen, mask, bias, generator, device)
         assert compiled_forms() == before, f"a call at length {seqlen} compiled a new kernel"
 
 

@@ -23,14 +23,15 @@ def test_specialization_is_what_triton_compiles_for():
 
 
 def test_compile_form_forgets_lengths_and_keeps_what_pays():
-    """Lengths and list strides are compiled for as unknown (1 too); a stride group is
-    compiled for as all multiples of 16 or as unknown; kept fields stay as they are."""
+    """List strides and grid counts are compiled for as unknown (1 stays 1); a stride group is
+    compiled for as all multiples of 16 or as unknown; kept fields (the lengths among them)
+    stay as they are, which Triton then compiles for by class."""
     from kernels._launch import UNKNOWN_INT, compile_form, specialization
     from kernels._operands import Layout, ListStrides, SeqStrides, Sizes
 
     unknown = UNKNOWN_INT
-    assert compile_form(Sizes(16, 4, 1000, 1024)) == Sizes(16, 4, unknown, unknown)
-    assert compile_form(Sizes(16, 4, 1, 4096)) == Sizes(16, 4, unknown, unknown)
+    assert compile_form(Sizes(16, 4, 1000, 1024)) == Sizes(16, 4, 1000, 1024)
+    assert compile_form((7, 1, 4096)) == (unknown, 1, unknown)
     assert compile_form(ListStrides(0, 96, 32)) == ListStrides(unknown, unknown, unknown)
     # A (B, H, L, L) mask: aligned at L = 1024, not at 1000 (1000 * 1000 is a multiple of 16,
     # 1000 is not) nor at 1001; its unit key stride and head divisor are kept.
@@ -51,7 +52,7 @@ def test_compile_form_forgets_lengths_and_keeps_what_pays():
              for length in range(1000, 1100, 5)}
     assert len(forms) == 2
     # Nested tuples are canonicalized item by item; int64 values keep their width.
-    assert compile_form(((1000, 1), 2.5)) == ((unknown, unknown), 2.5)
+    assert compile_form(((1000, 1), 2.5)) == ((unknown, 1), 2.5)
     assert compile_form(2**33) == 2**33
 
 
