@@ -18,7 +18,8 @@ class ExitCode(IntEnum):
 
 
 EXIT_CODES_HELP = (
-    "Exit codes: 0 pass; 1 performance regression (compare); 2 usage or config error "
+    "Exit codes: 0 pass; 1 performance regression (compare), or a call that compiled at a new "
+    "length (compile-cost --require-zero); 2 usage or config error "
     "(bad flag, bad sweep file, unreadable CSV, a path missing or of the wrong kind, an existing "
     "--out without --resume or --force, a CPU run estimated over 5 minutes without --allow-slow); 3 accuracy failure (a checked tensor over its "
     "allowed error, a backend error during equiv, or a device fault that stopped a run); "

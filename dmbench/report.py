@@ -20,6 +20,8 @@ timings are not performance numbers, and both sections say so.
 
 from __future__ import annotations
 
+import csv
+
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -65,10 +67,29 @@ def is_interpreter_row(row: Row) -> bool:
     return row.gpu.lower().startswith("cpu")
 
 
+def other_command(path: Path) -> str | None:
+    """The command that wrote ``path`` when it is not a sweep's (``compile-cost``, ``train``):
+    a glob such as ``results/<gpu>/*.csv`` takes those files too, and the report leaves them."""
+    from .compile_cost import COLUMNS as COST_COLUMNS
+    from .train import TRAIN_COLUMNS
+
+    try:
+        with open(path, newline="") as handle:
+            header = tuple(next(csv.reader(handle), ()))
+    except OSError:
+        return None  # read_rows names the problem
+    return {COST_COLUMNS: "compile-cost", TRAIN_COLUMNS: "train"}.get(header)
+
+
+def sweep_csvs(csv_paths: list[Path]) -> list[Path]:
+    return [path for path in csv_paths if other_command(path) is None]
+
+
 def collect(csv_paths: list[Path]) -> Collected:
-    """The ok timed rows of ``csv_paths``; they must come from one device."""
+    """The ok timed rows of the sweep CSVs among ``csv_paths``; they must come from one
+    device."""
     rows: list[Row] = []
-    for path in csv_paths:
+    for path in sweep_csvs(csv_paths):
         rows += [r for r in read_rows(path)
                  if r.status == "ok" and r.ms_p50 is not None and r.mode != "equiv"]
     if not rows:
@@ -376,7 +397,9 @@ def write_reports(csv_paths: list[Path], readme: Path | None, tables: Path | Non
     collected = collect(csv_paths)
     tables_path = tables if tables is not None else tables_path_for(csv_paths)
     write_tables(tables_path, collected)
-    done = [f"tables: {tables_path}"]
+    done = [f"left {path} alone: a {other_command(path)} file"
+            for path in csv_paths if other_command(path) is not None]
+    done.append(f"tables: {tables_path}")
     if readme is None and collected.interpreted:
         return done + ["README.md left as it is: CPU rows (name it with --readme to write them)"]
     readme_path = readme if readme is not None else Path("README.md")

@@ -263,3 +263,23 @@ def test_tables_show_each_backends_mask_build_per_case_and_name_the_format(tmp_p
         "| B1 H4/2 L64 D64 topk W32 kv_row causal | 5.000 | 9.000 |",
         "| B1 H4/2 L64 D64 topk W32 as intervals kv_row causal | 0.500 | – |"]
     assert "**long, fwd**" in text and "topk W32 as intervals kv_row causal | 1.000" in text
+
+
+def test_report_leaves_compile_cost_and_train_files_alone(tmp_path):
+    """``results/<gpu>/*.csv`` also matches other commands' files: they are named and left
+    out, and the sweep rows are reported as without them."""
+    from dmbench.compile_cost import COLUMNS as COST_COLUMNS
+    from dmbench.train import TRAIN_COLUMNS
+
+    readme = _readme(tmp_path / "README.md")
+    folder = tmp_path / "results" / "test-gpu"
+    csv_path = _csv(folder / "s-fwd.csv", _rows(_masked(0), "s", "fwd", {"triton": 1.0, "flex": 2.0}))
+    cost, train = folder / "compile-cost.csv", folder / "train.csv"
+    cost.write_text(",".join(COST_COLUMNS) + "\n")
+    train.write_text(",".join(TRAIN_COLUMNS) + "\n")
+    result = runner.invoke(app, ["report", str(cost), str(csv_path), str(train),
+                                 "--readme", str(readme)])
+    assert result.exit_code == 0, result.output
+    assert f"left {cost} alone: a compile-cost file" in result.output
+    assert f"left {train} alone: a train file" in result.output
+    assert "| s | 1 | 1 of 1 (2.00× – 2.00×) | – | – | – |" in readme.read_text()
