@@ -356,7 +356,8 @@ def compile_cost_command(
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/compile-cost.csv).")] = None,
         force: ForceOpt = False):
     """First-call latency and kernels compiled at each new sequence length, per mask form."""
-    from .compile_cost import BIASES, MASKS, CostOptions, parse_choice, parse_lengths, run_compile_cost
+    from .compile_cost import BIASES, MASKS, CostOptions, parse_lengths, run_compile_cost
+    from .train import parse_list
 
     def work():
         if dtype not in ("bf16", "fp16", "fp32"):
@@ -367,9 +368,11 @@ def compile_cost_command(
             raise ConfigError(f"--heads: expected query/kv heads such as 16/4, got {heads!r}") from None
         if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
             raise ConfigError(f"--heads: query heads must be a positive multiple of kv heads, got {heads!r}")
+        if bias not in BIASES:
+            raise ConfigError(f"--bias: expected one of {', '.join(BIASES)}, got {bias!r}")
         opts = CostOptions(
             lengths=parse_lengths(lengths) if lengths is not None else CostOptions.lengths,
-            masks=parse_choice("--masks", masks, MASKS), bias=parse_choice("--bias", bias, BIASES)[0],
+            masks=parse_list("--masks", masks, MASKS), bias=bias,
             batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
             causal=causal, warmup=warmup, require_zero=require_zero, device=device, out=out,
             force=force)

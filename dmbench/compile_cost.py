@@ -88,15 +88,6 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     return lengths
 
 
-def parse_choice(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
-    chosen = tuple(part.strip() for part in text.split(",") if part.strip())
-    bad = [name for name in chosen if name not in allowed]
-    if bad or not chosen:
-        raise ConfigError(f"{flag}: expected a comma-separated subset of {', '.join(allowed)}, "
-                          f"got {text!r}")
-    return chosen
-
-
 def triton_cache_entries() -> int | None:
     """Compiled kernels in Triton's caches of this package's kernels (None without a GPU)."""
     import kernels
