@@ -357,11 +357,12 @@ def compile_cost_command(
         force: ForceOpt = False):
     """First-call latency and kernels compiled at each new sequence length, per mask form."""
     from .compile_cost import BIASES, MASKS, CostOptions, parse_lengths, run_compile_cost
+    from .problem import TORCH_DTYPES
     from .train import parse_list
 
     def work():
-        if dtype not in ("bf16", "fp16", "fp32"):
-            raise ConfigError(f"--dtype: expected bf16, fp16 or fp32, got {dtype!r}")
+        if dtype not in TORCH_DTYPES:
+            raise ConfigError(f"--dtype: expected {', '.join(TORCH_DTYPES)}, got {dtype!r}")
         try:
             heads_q, heads_kv = (int(part) for part in heads.split("/"))
         except ValueError:

@@ -24,6 +24,8 @@ import torch
 
 from .envinfo import collect, gpu_slug
 from .errors import ConfigError, ExitCode
+from .problem import TORCH_DTYPES
+from .results import csv_cell
 
 MASKS = ("none", "bool", "intervals")
 BIASES = ("none", "kv_row")
@@ -75,7 +77,6 @@ class CostRow:
 
 
 COLUMNS = tuple(f.name for f in fields(CostRow))
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
@@ -107,32 +108,20 @@ def triton_cache_entries() -> int | None:
 
 
 class _Call:
-    """One forward and backward of a form at a length, on fresh random inputs."""
+    """One forward and backward of a form at a length, on fresh random inputs: those of
+    ``kernels.warmup``'s scattered call (a bool mask keeping half the pairs, or intervals of
+    half the length)."""
 
     def __init__(self, opts: CostOptions, mask: str, device: torch.device):
         self.opts, self.mask, self.device = opts, mask, device
-        self.dtype = _DTYPES[opts.dtype]
 
     def inputs(self, seqlen: int):
-        import kernels
+        from kernels.warmup import form_inputs
 
-        o, device = self.opts, self.device
-
-        def tensor(*shape):
-            return torch.randn(*shape, device=device, dtype=self.dtype, requires_grad=True)
-
-        q = tensor(o.batch, seqlen, o.heads_q, o.head_dim)
-        k = tensor(o.batch, seqlen, o.heads_kv, o.head_dim)
-        v = tensor(o.batch, seqlen, o.heads_kv, o.head_dim)
-        bias = tensor(o.batch, o.heads_kv, 1, seqlen) if o.bias == "kv_row" else None
-        attn_mask = None
-        if self.mask == "bool":
-            attn_mask = torch.rand(o.batch, o.heads_kv, seqlen, seqlen, device=device) < 0.5
-        elif self.mask == "intervals":
-            start = torch.randint(0, seqlen, (o.batch, o.heads_kv, seqlen), device=device,
-                                  dtype=torch.int32)
-            attn_mask = kernels.KeyIntervals(start, start + seqlen // 2)
-        return q, k, v, attn_mask, bias
+        o = self.opts
+        return form_inputs(o.batch, seqlen, o.heads_q, o.heads_kv, o.head_dim,
+                           TORCH_DTYPES[o.dtype], self.device, self.mask, o.bias,
+                           backward=True, scattered=True)
 
     def timed(self, seqlen: int) -> tuple[float, float]:
         """(host ms until the backward returns, wall ms to the end of the GPU work)."""
@@ -177,8 +166,7 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
 
         def emit(row: CostRow):
             rows.append(row)
-            writer.writerow({k: "" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)
-                             for k, v in asdict(row).items()})
+            writer.writerow({k: csv_cell(v) for k, v in asdict(row).items()})
             handle.flush()
             echo(f"{row.mask:>9} {row.step:>6} L{row.seqlen:<6} first {row.first_ms:9.1f} ms"
                  + ("" if row.second_ms is None else f", second {row.second_ms:7.2f} ms")
@@ -188,20 +176,20 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
         for mask in opts.masks:
             call = _Call(opts, mask, device)
             if opts.warmup:
-                forms, entries = kernels.compiled_forms(), triton_cache_entries()
+                before = _counts()
                 report = kernels.warmup(
                     seqlens=[min(opts.lengths), max(opts.lengths)], heads_q=opts.heads_q,
                     heads_kv=opts.heads_kv, head_dim=opts.head_dim, batch=opts.batch,
-                    dtype=_DTYPES[opts.dtype], device=device, mask=mask, bias=opts.bias,
+                    dtype=TORCH_DTYPES[opts.dtype], device=device, mask=mask, bias=opts.bias,
                     is_causal=opts.causal)
+                compiled, triton_compiled = _since(before)
                 emit(CostRow(mask=mask, step="warmup", seqlen=max(report.seqlens),
                              first_host_ms=None, first_ms=report.seconds * 1e3, second_ms=None,
-                             compiled=kernels.compiled_forms() - forms,
-                             triton_compiled=_delta(entries), **common))
+                             compiled=compiled, triton_compiled=triton_compiled, **common))
             for index, seqlen in enumerate(opts.lengths):
-                forms, entries = kernels.compiled_forms(), triton_cache_entries()
+                before = _counts()
                 host_ms, first_ms = call.timed(seqlen)
-                compiled, triton_compiled = kernels.compiled_forms() - forms, _delta(entries)
+                compiled, triton_compiled = _since(before)
                 _, second_ms = call.timed(seqlen)
                 if opts.warmup or index > 0:
                     compiled_after_warmup += compiled + (triton_compiled or 0)
@@ -216,6 +204,14 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
     return ExitCode.OK
 
 
-def _delta(before: int | None) -> int | None:
-    after = triton_cache_entries()
-    return None if before is None or after is None else after - before
+def _counts() -> tuple[int, int | None]:
+    """(kernel forms compiled so far, Triton cache entries or None without a GPU)."""
+    import kernels
+
+    return kernels.compiled_forms(), triton_cache_entries()
+
+
+def _since(before: tuple[int, int | None]) -> tuple[int, int | None]:
+    """What ``_counts`` gained since ``before``."""
+    forms, entries = _counts()
+    return forms - before[0], None if entries is None else entries - before[1]

@@ -21,7 +21,6 @@ timings are not performance numbers, and both sections say so.
 from __future__ import annotations
 
 import csv
-
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -397,8 +396,8 @@ def write_reports(csv_paths: list[Path], readme: Path | None, tables: Path | Non
     collected = collect(csv_paths)
     tables_path = tables if tables is not None else tables_path_for(csv_paths)
     write_tables(tables_path, collected)
-    done = [f"left {path} alone: a {other_command(path)} file"
-            for path in csv_paths if other_command(path) is not None]
+    done = [f"left {path} alone: a {command} file"
+            for path in csv_paths if (command := other_command(path)) is not None]
     done.append(f"tables: {tables_path}")
     if readme is None and collected.interpreted:
         return done + ["README.md left as it is: CPU rows (name it with --readme to write them)"]

@@ -117,7 +117,8 @@ def new_row(sweep: str, case: Case, backend: str, mode: str, status: str, env, d
                sweep_hash=sweep_hash, **case_values)
 
 
-def _format(value) -> str:
+def csv_cell(value) -> str:
+    """A CSV cell: empty for None, floats to 6 significant digits."""
     if value is None:
         return ""
     if isinstance(value, float):
@@ -182,7 +183,7 @@ class RowWriter:
 
     def write(self, row: Row) -> None:
         values = asdict(row)
-        self._writer.writerow([_format(values[c]) for c in COLUMNS])
+        self._writer.writerow([csv_cell(values[c]) for c in COLUMNS])
         self._file.flush()
 
     def close(self) -> None:

@@ -57,6 +57,8 @@ from . import outfile
 from .device import CPU_NOTE, select_device
 from .envinfo import REPO_ROOT, Environment, collect, gpu_slug
 from .errors import ConfigError, ExitCode
+from .problem import TORCH_DTYPES
+from .results import csv_cell
 
 IMPLEMENTATIONS = {"dmattn": "dmattn", "eager": "eager", "flex": "flex_attention", "sdpa": "sdpa"}
 MODES = ("eager", "compiled")
@@ -145,7 +147,7 @@ class TrainRow:
 
 
 TRAIN_COLUMNS = tuple(f.name for f in fields(TrainRow))
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = TORCH_DTYPES
 
 
 # -- options ----------------------------------------------------------------------------------
@@ -501,14 +503,6 @@ def describe(row: TrainRow) -> str:
 
 # -- files ------------------------------------------------------------------------------------
 
-def _format(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
-
-
 class TrainWriter:
     """Writes the header and the ``kept`` rows, then one flushed line per row: a killed run
     keeps its finished rows."""
@@ -524,7 +518,7 @@ class TrainWriter:
 
     def write(self, row: TrainRow) -> None:
         values = asdict(row)
-        self._writer.writerow([_format(values[c]) for c in TRAIN_COLUMNS])
+        self._writer.writerow([csv_cell(values[c]) for c in TRAIN_COLUMNS])
         self._file.flush()
 
     def __enter__(self):

@@ -181,11 +181,9 @@ def compiled_forms() -> int:
     return len(_compiled_forms)
 
 
-def _note_form(kernel, args: tuple, options: dict) -> tuple:
-    form = (getattr(kernel, "__name__", repr(kernel)), specialization(args),
-            tuple(sorted(options.items())))
-    _compiled_forms.add(form)
-    return form
+def _note_form(kernel, args: tuple, options: dict) -> None:
+    _compiled_forms.add((getattr(kernel, "__name__", repr(kernel)), specialization(args),
+                         tuple(sorted(options.items()))))
 
 
 # -- launching with less host time
@@ -312,9 +310,9 @@ class PlannedLaunch:
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if self.interpreted or not _direct_launch_available():
-            _note_form(self.kernel, (self.pointers(*tensors), *self._form_scalars), self.options)
-            self.kernel[self.grid](self.pointers(*map(_kernel_arg, tensors)), *self.scalars,
-                                   **self.options)
+            pointers = self.pointers(*map(_kernel_arg, tensors))
+            _note_form(self.kernel, (pointers, *self._form_scalars), self.options)
+            self.kernel[self.grid](pointers, *self.scalars, **self.options)
             return
         device = _current_device()
         # The launcher takes addresses as plain ints too, which skips its per-tensor

@@ -45,8 +45,11 @@ def warmup_lengths(seqlen: int) -> tuple[int, int]:
     return aligned, unaligned
 
 
-def _call_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
-                 backward, scattered):
+def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
+                backward, scattered):
+    """(q, k, v, attn_mask, attn_bias) of one call of the form on random data: ``mask`` and
+    ``bias`` as ``warmup`` takes them; a scattered mask keeps half the pairs (bool) or half the
+    length per key (intervals), an unscattered one every pair."""
     def tensor(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=backward)
 
@@ -102,7 +105,7 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     before, started = compiled_forms(), time.perf_counter()
     for seqlen in lengths:
         for scattered in ((False, True) if mask != "none" else (False,)):
-            q, k, v, attn_mask, attn_bias = _call_inputs(
+            q, k, v, attn_mask, attn_bias = form_inputs(
                 batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
                 backward, scattered)
             out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
