@@ -20,11 +20,18 @@ stably into the keys with a 0 bit and those with a 1 bit (a prefix sum gives eac
 every query looks at how many 0-bit keys its range holds, steps into the half that holds its
 answer and records the bit. Each level is used by every query before the next is built, so the
 memory is O(L) per row whatever the depth.
+
+Under ``torch.compile`` the selection runs as the custom ops ``dmattn::topk_intervals`` and
+``dmattn::topk_intervals_packed``, opaque to the compiler: it has no gradient to trace, and
+Inductor in torch 2.11 failed to lower its slice writes (``NotImplementedError: SliceView``)
+when a Doge model was compiled at a context above its keep window. Eager calls run the same
+function directly.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .intervals import KeyIntervals
 from .packed_seqlens import PackedKeys, check_cu_seqlens
@@ -138,21 +145,34 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
     if cu_seqlens_k is None:
         if cu_seqlens_q is not None:
             raise ValueError("cu_seqlens_q needs cu_seqlens_k (the packed keys' offsets)")
+        seqlen_q = _check_dense(bias, seqlen_q)
+        if torch.compiler.is_compiling():
+            return KeyIntervals(*torch.ops.dmattn.topk_intervals(bias, window, seqlen_q,
+                                                                   bool(is_causal)))
         return _dense(bias, window, seqlen_q, bool(is_causal))
     if seqlen_q is not None:
         raise ValueError("seqlen_q must be None with cu_seqlens (each sequence's query length "
                          "comes from cu_seqlens_q)")
+    if torch.compiler.is_compiling():
+        _check_packed(bias)
+        return KeyIntervals(*torch.ops.dmattn.topk_intervals_packed(
+            bias, window, bool(is_causal), cu_seqlens_q, cu_seqlens_k))
     return _packed(bias, window, bool(is_causal), cu_seqlens_q, cu_seqlens_k)
 
 
-def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
+def _check_dense(bias, seqlen_q) -> int:
+    """The query length of a dense call, after checking the bias's shape and ``seqlen_q``."""
     if bias.dim() != 4 or bias.shape[2] != 1:
         raise ValueError(f"bias must be per key, (B, H, 1, Lk), got shape {tuple(bias.shape)}")
-    b, h, _, lk = bias.shape
     if seqlen_q is None:
-        seqlen_q = lk
+        return bias.shape[-1]
     if isinstance(seqlen_q, bool) or not isinstance(seqlen_q, int) or seqlen_q < 1:
         raise ValueError(f"seqlen_q must be a positive int or None, got {seqlen_q!r}")
+    return seqlen_q
+
+
+def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
+    b, h, _, lk = bias.shape
     keys = PackedKeys.build(torch.tensor([0, seqlen_q], device=bias.device),
                             torch.tensor([0, lk], device=bias.device), lk)
     start, end = _intervals(bias.reshape(b * h, lk), window, is_causal, keys, packed=False)
@@ -160,13 +180,17 @@ def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
                         end.reshape(b, h, lk).to(torch.int32))
 
 
-def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals:
+def _check_packed(bias) -> None:
     if bias.dim() != 2:
         raise ValueError(f"bias must be (H, total_k) with cu_seqlens, got shape "
                          f"{tuple(bias.shape)}")
-    heads, total_k = bias.shape
-    if heads == 0:
+    if bias.shape[0] == 0:
         raise ValueError(f"bias must have at least one head, got shape {tuple(bias.shape)}")
+
+
+def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals:
+    _check_packed(bias)
+    total_k = bias.shape[1]
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, bias.device)
     if cu_seqlens_q is None:
         cu_seqlens_q = cu_seqlens_k
@@ -180,3 +204,34 @@ def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals
     keys = PackedKeys.build(cu_seqlens_q, cu_seqlens_k, total_k)
     start, end = _intervals(bias, window, is_causal, keys, packed=True)
     return KeyIntervals(start[None].to(torch.int32), end[None].to(torch.int32))
+
+
+# -- the custom ops that compiled calls take (see the module docstring)
+
+@torch.library.custom_op("dmattn::topk_intervals", mutates_args=())
+def _topk_intervals_op(bias: Tensor, window: int, seqlen_q: int,
+                       is_causal: bool) -> tuple[Tensor, Tensor]:
+    chosen = _dense(bias, window, seqlen_q, is_causal)
+    return chosen.start, chosen.end
+
+
+@_topk_intervals_op.register_fake
+def _topk_intervals_fake(bias, window, seqlen_q, is_causal):
+    b, h, _, lk = bias.shape
+    return (bias.new_empty((b, h, lk), dtype=torch.int32),
+            bias.new_empty((b, h, lk), dtype=torch.int32))
+
+
+@torch.library.custom_op("dmattn::topk_intervals_packed", mutates_args=())
+def _topk_intervals_packed_op(bias: Tensor, window: int, is_causal: bool,
+                              cu_seqlens_q: Tensor | None,
+                              cu_seqlens_k: Tensor) -> tuple[Tensor, Tensor]:
+    chosen = _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k)
+    return chosen.start, chosen.end
+
+
+@_topk_intervals_packed_op.register_fake
+def _topk_intervals_packed_fake(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k):
+    heads, total_k = bias.shape
+    return (bias.new_empty((1, heads, total_k), dtype=torch.int32),
+            bias.new_empty((1, heads, total_k), dtype=torch.int32))

@@ -18,7 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from kernels import KeyIntervals, attention_reference, dmattn_func, ops, prepare_mask
+from kernels import (KeyIntervals, attention_reference, dmattn_func, ops, prepare_mask,
+                     topk_intervals)
 
 from attn_helpers import (Dims, assert_close_to_reference, grads_of, random_bias, random_mask,
                           random_qkv)
@@ -447,3 +448,43 @@ def test_key_interval_masks_compile_whole(made_inside, device):
     got = run(compiled, q, k, v, mask, grad_out)
     assert counter.frame_count == 1
     assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_window_made_from_the_bias_compiles_whole(backend, device):
+    """Doge's pattern: the top-W intervals made from the trainable per-key bias inside the
+    compiled function. The selection is one opaque op in the graph (no gradient through it),
+    and the outputs and gradients are eager's bits. Inductor runs too: it once failed to
+    lower the selection's slice writes when it traced into them."""
+    q, k, v, _, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+
+    class TopWindowAttention(Attention):
+        def forward(self, q, k, v, mask):
+            chosen = topk_intervals(self.bias, 5, seqlen_q=q.shape[1], is_causal=True)
+            return super().forward(q, k, v, chosen)
+
+    module = TopWindowAttention(bias, is_causal=True, return_lse=True)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    counter = CompileCounterWithBackend(backend if backend == "inductor" else capture)
+    compiled = torch.compile(module, backend=counter, fullgraph=True)
+    got = run(compiled, q, k, v, None, grad_out)
+    assert counter.frame_count == 1
+    assert_bitwise_equal(got, run(module, q, k, v, None, grad_out))
+    if graphs:
+        assert len(op_calls(graphs[0], torch.ops.dmattn.topk_intervals)) == 1
+
+
+def test_top_window_ops_fakes_agree_with_their_kernels(device):
+    """opcheck of both selection ops: schema, fake shapes and dtypes against real runs."""
+    bias = torch.randn(2, 3, 1, 40, device=device)
+    torch.library.opcheck(torch.ops.dmattn.topk_intervals.default, (bias, 7, 29, True))
+    torch.library.opcheck(torch.ops.dmattn.topk_intervals.default, (bias, 7, 40, False))
+    cu = torch.tensor([0, 9, 9, 30], dtype=torch.int32, device=device)
+    packed = torch.randn(3, 30, device=device)
+    torch.library.opcheck(torch.ops.dmattn.topk_intervals_packed.default,
+                          (packed, 4, True, None, cu))
