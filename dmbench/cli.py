@@ -351,6 +351,7 @@ def compile_cost_command(
         dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32.")] = "bf16",
         causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Bottom-right causal calls.")] = True,
         warmup: Annotated[bool, typer.Option("--warmup", help="Run kernels.warmup at the shortest and longest length first.")] = False,
+        warmup_workers: Annotated[Optional[int], typer.Option("--warmup-workers", help="Threads the warm-up compiles with on a GPU (default: the CPU count, at most 32; 1 = one kernel at a time).")] = None,
         require_zero: Annotated[bool, typer.Option("--require-zero", help="Exit 1 if a call after the warm-up (or after the first call) compiled a kernel.")] = False,
         device: DeviceOpt = "auto",
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/compile-cost.csv).")] = None,
@@ -371,12 +372,14 @@ def compile_cost_command(
             raise ConfigError(f"--heads: query heads must be a positive multiple of kv heads, got {heads!r}")
         if bias not in BIASES:
             raise ConfigError(f"--bias: expected one of {', '.join(BIASES)}, got {bias!r}")
+        if warmup_workers is not None and warmup_workers < 1:
+            raise ConfigError(f"--warmup-workers: expected a positive number of threads, got {warmup_workers}")
         opts = CostOptions(
             lengths=parse_lengths(lengths) if lengths is not None else CostOptions.lengths,
             masks=parse_list("--masks", masks, MASKS), bias=bias,
             batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
-            causal=causal, warmup=warmup, require_zero=require_zero, device=device, out=out,
-            force=force)
+            causal=causal, warmup=warmup, warmup_workers=warmup_workers,
+            require_zero=require_zero, device=device, out=out, force=force)
         return run_compile_cost(opts, _echo)
 
     _guarded(work)

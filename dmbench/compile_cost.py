@@ -6,7 +6,8 @@ and wall time to the end of its GPU work), the second call's wall time at the sa
 how many kernels the first call compiled: ``compiled`` counts the kernel forms the launches
 needed that no earlier call had (``kernels.compiled_forms``, also under the interpreter), and
 ``triton_compiled`` the entries Triton's caches gained (GPU only). With ``--warmup``,
-``kernels.warmup`` runs first at the shortest and longest length and is a row of its own.
+``kernels.warmup`` runs first at the shortest and longest length and is a row of its own
+(``warmup_workers``: the threads it compiled with on a GPU).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class CostOptions:
     dtype: str = "bf16"
     causal: bool = True
     warmup: bool = False
+    warmup_workers: int | None = None  # kernels.warmup's default
     require_zero: bool = False
     device: str = "auto"
     out: Path | None = None
@@ -63,6 +65,7 @@ class CostRow:
     second_ms: float | None
     compiled: int
     triton_compiled: int | None
+    warmup_workers: int | None  # warm-up rows: the threads that compiled
     batch: int
     heads: str
     head_dim: int
@@ -181,11 +184,12 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
                     seqlens=[min(opts.lengths), max(opts.lengths)], heads_q=opts.heads_q,
                     heads_kv=opts.heads_kv, head_dim=opts.head_dim, batch=opts.batch,
                     dtype=TORCH_DTYPES[opts.dtype], device=device, mask=mask, bias=opts.bias,
-                    is_causal=opts.causal)
+                    is_causal=opts.causal, workers=opts.warmup_workers)
                 compiled, triton_compiled = _since(before)
                 emit(CostRow(mask=mask, step="warmup", seqlen=max(report.seqlens),
                              first_host_ms=None, first_ms=report.seconds * 1e3, second_ms=None,
-                             compiled=compiled, triton_compiled=triton_compiled, **common))
+                             compiled=compiled, triton_compiled=triton_compiled,
+                             warmup_workers=report.workers, **common))
             for index, seqlen in enumerate(opts.lengths):
                 before = _counts()
                 host_ms, first_ms = call.timed(seqlen)
@@ -195,7 +199,7 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
                     compiled_after_warmup += compiled + (triton_compiled or 0)
                 emit(CostRow(mask=mask, step="call", seqlen=seqlen, first_host_ms=host_ms,
                              first_ms=first_ms, second_ms=second_ms, compiled=compiled,
-                             triton_compiled=triton_compiled, **common))
+                             triton_compiled=triton_compiled, warmup_workers=None, **common))
     echo(f"wrote {len(rows)} rows to {out}")
     if opts.require_zero and compiled_after_warmup:
         echo(f"--require-zero: calls at new lengths compiled {compiled_after_warmup} kernels "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -231,6 +233,30 @@ def _compile(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
     return compiled, tail
 
 
+# While ``compile_only()`` is active, launches start the compile of their form and return
+# without running: Triton's ``kernel.warmup`` submits the compile to the executor of an active
+# ``AsyncCompileMode`` and returns at once, so a call's launches compile in parallel. The
+# kernels' outputs are left unwritten; no host code reads them (the host never waits for the
+# device within a call), so the call makes the same launches as when it runs.
+_compile_only: ContextVar[bool] = ContextVar("dmattn_compile_only", default=False)
+
+
+@contextmanager
+def compile_only():
+    """Launches inside only start compiling their kernels (see ``_compile_only``)."""
+    token = _compile_only.set(True)
+    try:
+        yield
+    finally:
+        _compile_only.reset(token)
+
+
+def _start_compile(kernel, grid: tuple, form: tuple, options: dict) -> None:
+    _note_form(kernel, form, options)
+    if not is_interpreted(kernel):
+        kernel.warmup(*map(_kernel_arg, form), grid=grid, **options)
+
+
 def _current_device() -> int:
     # torch's own query: Triton's, through its driver proxy, took 0.57 us per call on the H100
     # host against 0.32. Both return the same index.
@@ -255,6 +281,9 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
     remaining parameter."""
     options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
     form = tuple(map(compile_form, args))
+    if _compile_only.get():
+        _start_compile(kernel, _grid3(grid), form, options)
+        return
     if is_interpreted(kernel) or not _direct_launch_available():
         _note_form(kernel, form, options)
         kernel[grid](*map(_kernel_arg, args), **options)
@@ -309,6 +338,10 @@ class PlannedLaunch:
         self._compiled: dict = {}
 
     def __call__(self, *tensors: torch.Tensor) -> None:
+        if _compile_only.get():
+            form = (self.pointers(*map(_kernel_arg, tensors)), *self._form_scalars)
+            _start_compile(self.kernel, self.grid, form, self.options)
+            return
         if self.interpreted or not _direct_launch_available():
             pointers = self.pointers(*map(_kernel_arg, tensors))
             _note_form(self.kernel, (pointers, *self._form_scalars), self.options)

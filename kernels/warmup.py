@@ -8,16 +8,23 @@ decode-sized query lengths). ``warmup`` runs one forward and backward of the des
 an aligned and an unaligned length next to each length given, which compiles both variants of
 the schedule each length takes, so that later calls at other lengths of the same ranges
 compile nothing.
+
+On a GPU the warm-up compiles in parallel: a first pass makes the calls with every launch only
+starting its compile (``_launch.compile_only``) under Triton's ``AsyncCompileMode`` with a
+thread pool, and waits for all of them; a second pass makes the calls for real, which finds
+every kernel compiled (any form the first pass did not reach compiles there, serially).
 """
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from ._launch import compiled_forms
+from ._launch import compile_only, compiled_forms
 from .interface import dmattn_func
 from .intervals import KeyIntervals
 
@@ -28,11 +35,24 @@ BIAS_FORMS = ("none", "kv_row", "full")
 @dataclass(frozen=True)
 class WarmupReport:
     """What ``warmup`` ran: the lengths, how many kernel forms it compiled (or, under the
-    interpreter, would have), and its wall time in seconds."""
+    interpreter, would have), how many of those its parallel pass did not reach (compiled one
+    at a time in the calls that ran), the threads that compiled, and its wall time in
+    seconds."""
 
     seqlens: tuple[int, ...]
     compiled: int
     seconds: float
+    compiled_serially: int = 0
+    workers: int = 1
+
+
+def _async_compile_mode():
+    """Triton's AsyncCompileMode, or None where this Triton has none."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return None
+    return AsyncCompileMode
 
 
 def warmup_lengths(seqlen: int) -> tuple[int, int]:
@@ -78,7 +98,7 @@ def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask,
 def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
            batch: int = 1, dtype: torch.dtype = torch.bfloat16, device=None,
            mask: str = "none", bias: str = "none", is_causal: bool = False,
-           backward: bool = True) -> WarmupReport:
+           backward: bool = True, workers: int | None = None) -> WarmupReport:
     """Compile the kernels that calls of this form at lengths near ``seqlens`` will use.
 
     Runs one call (and its backward, with ``backward``) at an aligned and an unaligned length
@@ -90,11 +110,17 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     underfills the GPU, dkdv's stages) changes at one threshold, so lengths between them take
     forms the two ends compile. On the H100, after a warm-up at 1000 and 8000, calls at 20
     lengths between compiled nothing (``dmbench compile-cost --warmup``).
+
+    ``workers``: threads that compile at once on a GPU (default: the CPU count, at most 32);
+    1 compiles each kernel when its call first launches it.
     """
     if mask not in MASK_FORMS:
         raise ValueError(f"warmup: mask must be one of {', '.join(MASK_FORMS)}, got {mask!r}")
     if bias not in BIAS_FORMS:
         raise ValueError(f"warmup: bias must be one of {', '.join(BIAS_FORMS)}, got {bias!r}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or workers < 1):
+        raise ValueError(f"warmup: workers must be a positive int or None, got {workers!r}")
     seqlens = (seqlens,) if isinstance(seqlens, int) else tuple(seqlens)
     if not seqlens:
         raise ValueError("warmup: seqlens is empty; give the lengths a model will call with")
@@ -102,17 +128,32 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
+
+    def make_calls():
+        for seqlen in lengths:
+            for scattered in ((False, True) if mask != "none" else (False,)):
+                q, k, v, attn_mask, attn_bias = form_inputs(
+                    batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
+                    backward, scattered)
+                out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
+                                  is_causal=is_causal)
+                if backward:
+                    out.backward(torch.ones_like(out))
+
     before, started = compiled_forms(), time.perf_counter()
-    for seqlen in lengths:
-        for scattered in ((False, True) if mask != "none" else (False,)):
-            q, k, v, attn_mask, attn_bias = form_inputs(
-                batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
-                backward, scattered)
-            out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
-                              is_causal=is_causal)
-            if backward:
-                out.backward(torch.ones_like(out))
-    if torch.device(device).type == "cuda":
+    on_gpu = torch.device(device).type == "cuda"
+    async_mode = _async_compile_mode() if on_gpu else None
+    threads = min(32, os.cpu_count() or 1) if workers is None else workers
+    parallel = async_mode is not None and threads > 1
+    if parallel:
+        with ThreadPoolExecutor(threads) as pool, async_mode(pool), compile_only():
+            make_calls()
+    reached = compiled_forms()
+    make_calls()
+    if on_gpu:
         torch.cuda.synchronize(device)
     return WarmupReport(tuple(lengths), compiled_forms() - before,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started,
+                        compiled_serially=compiled_forms() - reached if parallel else
+                        compiled_forms() - before,
+                        workers=threads if parallel else 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import KeyIntervals, compiled_forms, dmattn_func, warmup
+from kernels import KeyIntervals, _launch, compiled_forms, dmattn_func, warmup
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
 
@@ -47,6 +47,34 @@ def test_no_compile_at_new_lengths_after_warmup(device, mask, bias):
         assert compiled_forms() == before, f"a call at length {seqlen} compiled a new kernel"
 
 
+@pytest.mark.parametrize("mask,bias", [("bool", "kv_row"), ("intervals", "full"),
+                                       ("none", "none")])
+def test_compile_only_calls_reach_every_form_a_real_call_compiles(device, mask, bias,
+                                                                  monkeypatch):
+    """The parallel warm-up's first pass launches nothing and only starts compiles: it must
+    reach every form the real call then compiles. Each pass records into an empty set."""
+    started, compiled = set(), set()
+    monkeypatch.setattr(_launch, "_compiled_forms", started)
+    with _launch.compile_only():
+        _call(203, mask, bias, torch.Generator().manual_seed(1), device)
+    monkeypatch.setattr(_launch, "_compiled_forms", compiled)
+    _call(203, mask, bias, torch.Generator().manual_seed(2), device)
+    assert started, "the compile-only call started no compile"
+    if device.type == "cuda":  # a form compiled before (another test) is not recorded again
+        assert compiled <= started
+    else:  # the interpreter records every launch's form
+        assert compiled == started
+
+
+def test_warmup_reports_its_passes(device):
+    report = warmup(seqlens=[57], heads_q=2, head_dim=16, dtype=torch.float32, device=device,
+                    mask="bool", bias="kv_row", is_causal=True)
+    if device.type == "cuda":  # every form compiled by the parallel pass
+        assert report.workers > 1 and report.compiled_serially == 0
+    else:  # the interpreter compiles nothing ahead: one pass, every form in it
+        assert report.workers == 1 and report.compiled_serially == report.compiled
+
+
 def test_warmup_counts_what_it_compiles(device):
     first = warmup(seqlens=[40], heads_q=2, head_dim=32, dtype=torch.float32, device=device,
                    bias="full")
@@ -64,3 +92,5 @@ def test_warmup_names_bad_arguments():
         warmup(seqlens=[], heads_q=2, head_dim=32)
     with pytest.raises(ValueError, match="seqlens must be positive"):
         warmup(seqlens=[0], heads_q=2, head_dim=32)
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, workers=0)
