@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Executor, wait
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 
@@ -183,9 +183,13 @@ def compiled_forms() -> int:
     return len(_compiled_forms)
 
 
+def _form_key(kernel, args: tuple, options: dict) -> tuple:
+    return (getattr(kernel, "__name__", repr(kernel)), specialization(args),
+            tuple(sorted(options.items())))
+
+
 def _note_form(kernel, args: tuple, options: dict) -> None:
-    _compiled_forms.add((getattr(kernel, "__name__", repr(kernel)), specialization(args),
-                         tuple(sorted(options.items()))))
+    _compiled_forms.add(_form_key(kernel, args, options))
 
 
 # -- launching with less host time
@@ -233,28 +237,43 @@ def _compile(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
     return compiled, tail
 
 
-# While ``compile_only()`` is active, launches start the compile of their form and return
-# without running: Triton's ``kernel.warmup`` submits the compile to the executor of an active
-# ``AsyncCompileMode`` and returns at once, so a call's launches compile in parallel. The
-# kernels' outputs are left unwritten; no host code reads them (the host never waits for the
-# device within a call), so the call makes the same launches as when it runs.
-_compile_only: ContextVar[bool] = ContextVar("dmattn_compile_only", default=False)
+# While ``compile_only(executor)`` is active, launches hand the compile of their form to the
+# executor and return without running. A process-wide setting, not a context variable: autograd
+# runs a backward's launches on its own thread. The kernels' outputs are left unwritten; no
+# host code reads them (the host never waits for the device within a call), so the calls make
+# the same launches as when they run.
+_compile_executor: Executor | None = None
+_pending: list = []
 
 
 @contextmanager
-def compile_only():
-    """Launches inside only start compiling their kernels (see ``_compile_only``)."""
-    token = _compile_only.set(True)
+def compile_only(executor: Executor):
+    """Launches made inside (by any thread) only start compiling their kernels, on
+    ``executor``'s threads; leaving waits for every compile and raises the first error. Calls
+    made elsewhere meanwhile would not run either: use it while nothing else calls the
+    kernels."""
+    global _compile_executor
+    if _compile_executor is not None:
+        raise RuntimeError("compile_only: already active")
+    _compile_executor = executor
     try:
         yield
     finally:
-        _compile_only.reset(token)
+        _compile_executor = None
+        started, _pending[:] = list(_pending), []
+        wait(started)
+    for future in started:
+        future.result()
 
 
 def _start_compile(kernel, grid: tuple, form: tuple, options: dict) -> None:
-    _note_form(kernel, form, options)
+    key = _form_key(kernel, form, options)
+    if key in _compiled_forms:  # compiled, or being compiled
+        return
+    _compiled_forms.add(key)
     if not is_interpreted(kernel):
-        kernel.warmup(*map(_kernel_arg, form), grid=grid, **options)
+        _pending.append(_compile_executor.submit(
+            kernel.warmup, *map(_kernel_arg, form), grid=grid, **options))
 
 
 def _current_device() -> int:
@@ -281,7 +300,7 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
     remaining parameter."""
     options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
     form = tuple(map(compile_form, args))
-    if _compile_only.get():
+    if _compile_executor is not None:
         _start_compile(kernel, _grid3(grid), form, options)
         return
     if is_interpreted(kernel) or not _direct_launch_available():
@@ -338,7 +357,7 @@ class PlannedLaunch:
         self._compiled: dict = {}
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        if _compile_only.get():
+        if _compile_executor is not None:
             form = (self.pointers(*map(_kernel_arg, tensors)), *self._form_scalars)
             _start_compile(self.kernel, self.grid, form, self.options)
             return

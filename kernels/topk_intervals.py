@@ -212,7 +212,8 @@ def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals
 def _topk_intervals_op(bias: Tensor, window: int, seqlen_q: int,
                        is_causal: bool) -> tuple[Tensor, Tensor]:
     chosen = _dense(bias, window, seqlen_q, is_causal)
-    return chosen.start, chosen.end
+    # Contiguous, as the fake says: Inductor checks the real outputs' strides against it.
+    return chosen.start.contiguous(), chosen.end.contiguous()
 
 
 @_topk_intervals_op.register_fake
@@ -227,7 +228,7 @@ def _topk_intervals_packed_op(bias: Tensor, window: int, is_causal: bool,
                               cu_seqlens_q: Tensor | None,
                               cu_seqlens_k: Tensor) -> tuple[Tensor, Tensor]:
     chosen = _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k)
-    return chosen.start, chosen.end
+    return chosen.start.contiguous(), chosen.end.contiguous()
 
 
 @_topk_intervals_packed_op.register_fake

@@ -10,9 +10,9 @@ the schedule each length takes, so that later calls at other lengths of the same
 compile nothing.
 
 On a GPU the warm-up compiles in parallel: a first pass makes the calls with every launch only
-starting its compile (``_launch.compile_only``) under Triton's ``AsyncCompileMode`` with a
-thread pool, and waits for all of them; a second pass makes the calls for real, which finds
-every kernel compiled (any form the first pass did not reach compiles there, serially).
+handing the compile of its form to a thread pool (``_launch.compile_only``), and waits for all
+of them; a second pass makes the calls for real, which finds every kernel compiled (any form
+the first pass did not reach compiles there, serially).
 """
 
 from __future__ import annotations
@@ -44,15 +44,6 @@ class WarmupReport:
     seconds: float
     compiled_serially: int = 0
     workers: int = 1
-
-
-def _async_compile_mode():
-    """Triton's AsyncCompileMode, or None where this Triton has none."""
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        return None
-    return AsyncCompileMode
 
 
 def warmup_lengths(seqlen: int) -> tuple[int, int]:
@@ -142,11 +133,10 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
 
     before, started = compiled_forms(), time.perf_counter()
     on_gpu = torch.device(device).type == "cuda"
-    async_mode = _async_compile_mode() if on_gpu else None
     threads = min(32, os.cpu_count() or 1) if workers is None else workers
-    parallel = async_mode is not None and threads > 1
+    parallel = on_gpu and threads > 1
     if parallel:
-        with ThreadPoolExecutor(threads) as pool, async_mode(pool), compile_only():
+        with ThreadPoolExecutor(threads) as pool, compile_only(pool):
             make_calls()
     reached = compiled_forms()
     make_calls()

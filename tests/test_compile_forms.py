@@ -5,6 +5,9 @@ compiled for, the count ``dmbench compile-cost`` reports on a GPU as well."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -55,7 +58,7 @@ def test_compile_only_calls_reach_every_form_a_real_call_compiles(device, mask, 
     reach every form the real call then compiles. Each pass records into an empty set."""
     started, compiled = set(), set()
     monkeypatch.setattr(_launch, "_compiled_forms", started)
-    with _launch.compile_only():
+    with ThreadPoolExecutor(2) as pool, _launch.compile_only(pool):
         _call(203, mask, bias, torch.Generator().manual_seed(1), device)
     monkeypatch.setattr(_launch, "_compiled_forms", compiled)
     _call(203, mask, bias, torch.Generator().manual_seed(2), device)
@@ -64,6 +67,37 @@ def test_compile_only_calls_reach_every_form_a_real_call_compiles(device, mask, 
         assert compiled <= started
     else:  # the interpreter records every launch's form
         assert compiled == started
+
+
+def test_compile_only_runs_no_launch_from_any_thread(device, monkeypatch):
+    """Compile-only holds for every thread: autograd makes a GPU backward's launches on its own
+    thread, and a launch that ran there would read the skipped forward's unwritten outputs.
+    Here a call and its backward come from another thread; no kernel may run."""
+    ran = []
+    if device.type == "cuda":
+        monkeypatch.setattr(_launch, "_run_compiled", lambda *args: ran.append(args))
+    else:  # the interpreter's launches: kernel[grid](...)
+        from triton.runtime.interpreter import InterpretedFunction
+
+        original = InterpretedFunction.__getitem__
+        monkeypatch.setattr(InterpretedFunction, "__getitem__",
+                            lambda self, grid: ran.append(grid) or original(self, grid))
+    monkeypatch.setattr(_launch, "_compiled_forms", set())
+    errors = []
+
+    def call():
+        try:
+            _call(77, "bool", "kv_row", torch.Generator().manual_seed(3), device)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    with ThreadPoolExecutor(2) as pool, _launch.compile_only(pool):
+        worker = threading.Thread(target=call)
+        worker.start()
+        worker.join()
+    assert not errors, errors
+    assert _launch.compiled_forms() > 0, "the call started no compile"
+    assert not ran, f"{len(ran)} launches ran under compile_only"
 
 
 def test_warmup_reports_its_passes(device):

@@ -415,3 +415,21 @@ def test_bad_masks_and_dropout_are_rejected():
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="dropout"):
         dm_hf.dmattn_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)
+
+
+@pytest.mark.parametrize("keep_window", DOGE_KEEP_WINDOWS)
+def test_doge_compiles_whole(device, keep_window):
+    """A Doge model on dmattn captures as one graph (fullgraph), with the top-W selection
+    (keep window below the length) and without it, and matches its eager run."""
+    config = transformers.DogeConfig(**TINY, keep_window_size=keep_window)
+    model = _dmattn_model(config, device)
+    _randomize_doge_decay(model)
+    ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        got = compiled(input_ids=ids).logits
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=0, atol=0)

@@ -37,6 +37,7 @@ from ..interface import dmattn_func
 from .masking import Masking, causal_family_masking, doge_masking
 
 IMPLEMENTATION = "dmattn"
+_doge_rotary = None  # transformers' Doge rotary embedding, bound by register()
 
 
 def register() -> None:
@@ -155,14 +156,12 @@ def doge_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                            attention_mask: torch.Tensor | None = None, past_key_values=None,
                            **kwargs) -> tuple[torch.Tensor, None]:
     """Doge's attention with the per-key bias and the top-W mask going to the kernel."""
-    from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
-
     batch, seqlen = hidden_states.shape[:-1]
     per_head = (batch, seqlen, -1, module.head_dim)
     query = module.q_norm(module.q_proj(hidden_states).view(per_head)).transpose(1, 2)
     key = module.k_norm(module.k_proj(hidden_states).view(per_head)).transpose(1, 2)
     value = module.v_proj(hidden_states).view(per_head).transpose(1, 2)
-    query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+    query, key = _doge_rotary(query, key, *position_embeddings)
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, module.layer_idx)
 
@@ -187,10 +186,14 @@ def doge_key_bias(module: torch.nn.Module, value: torch.Tensor) -> torch.Tensor:
 def _route_doge_attention() -> None:
     """Wrap ``DogeAttention.forward`` once: modules whose config selects ``"dmattn"`` take
     ``doge_attention_forward``, every other module its original forward."""
+    global _doge_rotary
     try:
-        from transformers.models.doge.modeling_doge import DogeAttention
+        from transformers.models.doge.modeling_doge import DogeAttention, apply_rotary_pos_emb
     except ImportError:  # a transformers without Doge: nothing to route
         return
+    # Bound here, not imported in the forward: under torch 2.11 Dynamo breaks the graph at an
+    # import from transformers' lazy modules (5 breaks per compiled Doge model).
+    _doge_rotary = apply_rotary_pos_emb
     original = DogeAttention.forward
     if getattr(original, "dmattn_original", None) is not None:
         return
