@@ -32,6 +32,12 @@ from __future__ import annotations
 import functools
 
 import torch
+# Imported here, once, not inside the functions a compiled model traces: under torch 2.11
+# Dynamo breaks the graph at every import from transformers' lazy modules (5 breaks per
+# compiled Doge model).
+from transformers import AttentionInterface
+from transformers import masking_utils as mu
+from transformers.utils.import_utils import is_tracing
 
 from ..interface import dmattn_func
 from .masking import Masking, causal_family_masking, doge_masking
@@ -45,11 +51,8 @@ def register() -> None:
 
     Safe to call more than once. Needs the ``hf`` extra (transformers).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(IMPLEMENTATION, dmattn_attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, dmattn_mask)
+    mu.AttentionMaskInterface.register(IMPLEMENTATION, dmattn_mask)
     _route_doge_attention()
 
 
@@ -65,20 +68,17 @@ def dmattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     causal rule is bottom-right aligned), so offsets that break that alignment, or that are
     tensors (a static cache), take the 4-D mask.
     """
-    from transformers.masking_utils import prepare_padding_mask, sdpa_mask
-    from transformers.utils.import_utils import is_tracing
-
     aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
                and q_offset + q_length == kv_offset + kv_length)
     if allow_is_causal_skip and not use_vmap and aligned and _is_plain_causal(mask_function):
         if attention_mask is None:
             return None
-        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
         padding = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)
         if not is_tracing(padding) and bool(padding.all()):
             return None
         return padding
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                      q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                      attention_mask=attention_mask, allow_is_causal_skip=False,
                      use_vmap=use_vmap, **kwargs)
@@ -88,8 +88,6 @@ def _is_plain_causal(mask_function) -> bool:
     """Whether ``mask_function`` is transformers' causal mask function, or its sliding-window
     causal one (an ``and_masks`` of the window overlay and the causal function). The window
     itself reaches the attention function as its ``sliding_window`` argument."""
-    from transformers import masking_utils as mu
-
     if mask_function is None or mask_function is mu.causal_mask_function:
         return True
     parts = _closure_values(mask_function)
@@ -191,8 +189,7 @@ def _route_doge_attention() -> None:
         from transformers.models.doge.modeling_doge import DogeAttention, apply_rotary_pos_emb
     except ImportError:  # a transformers without Doge: nothing to route
         return
-    # Bound here, not imported in the forward: under torch 2.11 Dynamo breaks the graph at an
-    # import from transformers' lazy modules (5 breaks per compiled Doge model).
+    # Bound here, not imported in the forward (see the imports at the top).
     _doge_rotary = apply_rotary_pos_emb
     original = DogeAttention.forward
     if getattr(original, "dmattn_original", None) is not None:
