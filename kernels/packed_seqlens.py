@@ -66,6 +66,17 @@ class PackedKeys:
     seqlen_q: torch.Tensor
 
     @classmethod
+    def single(cls, seqlen_q: int, seqlen_k: int, device) -> "PackedKeys":
+        """One sequence of ``seqlen_k`` keys and ``seqlen_q`` queries: ``build`` of the offsets
+        [0, seqlen_q] and [0, seqlen_k], made without copying them to the device (so a CUDA
+        graph can capture it)."""
+        local = torch.arange(seqlen_k, device=device)
+        zeros = torch.zeros_like(local)
+        return cls(seq=zeros, local=local, key_start=zeros,
+                   seqlen_k=torch.full_like(local, seqlen_k), query_start=zeros,
+                   seqlen_q=torch.full_like(local, seqlen_q))
+
+    @classmethod
     def build(cls, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
               total_k: int) -> "PackedKeys":
         """From checked offsets (see :func:`check_cu_seqlens`)."""

@@ -30,6 +30,8 @@ function directly.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import Tensor
 
@@ -173,11 +175,73 @@ def _check_dense(bias, seqlen_q) -> int:
 
 def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
     b, h, _, lk = bias.shape
-    keys = PackedKeys.build(torch.tensor([0, seqlen_q], device=bias.device),
-                            torch.tensor([0, lk], device=bias.device), lk)
-    start, end = _intervals(bias.reshape(b * h, lk), window, is_causal, keys, packed=False)
-    return KeyIntervals(start.reshape(b, h, lk).to(torch.int32),
-                        end.reshape(b, h, lk).to(torch.int32))
+    start, end = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal)
+    return KeyIntervals(start.reshape(b, h, lk), end.reshape(b, h, lk))
+
+
+def _rows_direct(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (start, end) of the (R, Lk) bias rows, one sequence each; capturable."""
+    keys = PackedKeys.single(seqlen_q, bias.shape[1], bias.device)
+    start, end = _intervals(bias, window, is_causal, keys, packed=False)
+    return start.to(torch.int32), end.to(torch.int32)
+
+
+# -- host time on a GPU: the selection as a CUDA graph
+# One selection is ~440 small torch ops at Lk = 8192 (~15 per bit of the position, plus the
+# sort): on a GPU each costs host time to launch, more than its device time at short lengths,
+# and a Doge model makes one per layer. A form seen twice (rows, length, dtype, device, window,
+# query length, causality) is captured as a CUDA graph and replayed from then on: a copy in,
+# the replay, a copy out of each output. A graph keeps its intermediates (a few tens of 8-byte
+# buffers of the bias's size), so only forms up to GRAPH_MAX_ELEMENTS bias elements are
+# captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate, and at most
+# MAX_GRAPHS are kept, the least recently used dropped first.
+GRAPH_MAX_ELEMENTS = 1 << 20
+MAX_GRAPHS = 4
+_graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None once seen
+
+
+class _SelectionGraph:
+    def __init__(self, form: tuple, bias: torch.Tensor):
+        _, window, seqlen_q, is_causal = form[:4]
+        self.bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+        self.bias.copy_(bias)
+        side = torch.cuda.Stream(bias.device)  # warm-up off the capturing stream, as required
+        side.wait_stream(torch.cuda.current_stream(bias.device))
+        with torch.cuda.stream(side):
+            _rows_direct(self.bias, window, seqlen_q, is_causal)
+        torch.cuda.current_stream(bias.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.start, self.end = _rows_direct(self.bias, window, seqlen_q, is_causal)
+
+    def __call__(self, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.bias.copy_(bias)
+        self.graph.replay()
+        return self.start.clone(), self.end.clone()
+
+
+def _select_rows(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
+    if (bias.device.type != "cuda" or bias.numel() > GRAPH_MAX_ELEMENTS
+            or torch.cuda.is_current_stream_capturing()):
+        return _rows_direct(bias, window, seqlen_q, is_causal)
+    form = (tuple(bias.shape), window, seqlen_q, is_causal, bias.dtype, bias.device)
+    if form not in _graphs:  # the first call of a form only notes it
+        _remember(form, None)
+        return _rows_direct(bias, window, seqlen_q, is_causal)
+    graph = _graphs[form]
+    if graph is None:
+        graph = _SelectionGraph(form, bias)
+        _remember(form, graph)
+        return graph.start.clone(), graph.end.clone()
+    _graphs.move_to_end(form)
+    return graph(bias)
+
+
+def _remember(form: tuple, graph) -> None:
+    _graphs[form] = graph
+    _graphs.move_to_end(form)
+    while len(_graphs) > MAX_GRAPHS:
+        _graphs.popitem(last=False)
 
 
 def _check_packed(bias) -> None:
