@@ -70,7 +70,7 @@ def other_command(path: Path) -> str | None:
     """The command that wrote ``path`` when it is not a sweep's (``compile-cost``, ``train``):
     a glob such as ``results/<gpu>/*.csv`` takes those files too, and the report leaves them."""
     from .compile_cost import COLUMNS as COST_COLUMNS
-    from .train import TRAIN_COLUMNS
+    from .train_results import TRAIN_COLUMNS
 
     try:
         with open(path, newline="") as handle:

@@ -189,15 +189,16 @@ def _rows_direct(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch
 # -- host time on a GPU: the selection as a CUDA graph
 # One selection is ~440 small torch ops at Lk = 8192 (~15 per bit of the position, plus the
 # sort): on a GPU each costs host time to launch, more than its device time at short lengths,
-# and a Doge model makes one per layer. A form seen twice (rows, length, dtype, device, window,
-# query length, causality) is captured as a CUDA graph and replayed from then on: a copy in,
-# the replay, a copy out of each output. A graph keeps its intermediates (a few tens of 8-byte
-# buffers of the bias's size), so only forms up to GRAPH_MAX_ELEMENTS bias elements are
-# captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate, and at most
-# MAX_GRAPHS are kept, the least recently used dropped first.
+# and a Doge model makes one per layer. The first call of a form (rows, length, dtype, device,
+# window, query length, causality) captures it as a CUDA graph, and every call replays it: a
+# copy in, the replay, a copy out of each output. A graph keeps its intermediates (a few tens
+# of 8-byte buffers of the bias's size), so only forms up to GRAPH_MAX_ELEMENTS bias elements
+# are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate, and at most
+# MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture fails runs
+# the ops directly from then on.
 GRAPH_MAX_ELEMENTS = 1 << 20
 MAX_GRAPHS = 4
-_graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None once seen
+_graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None: not capturable
 
 
 class _SelectionGraph:
@@ -211,7 +212,8 @@ class _SelectionGraph:
             _rows_direct(self.bias, window, seqlen_q, is_causal)
         torch.cuda.current_stream(bias.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: work other threads do meanwhile (autograd, data loading) is not ours
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.start, self.end = _rows_direct(self.bias, window, seqlen_q, is_causal)
 
     def __call__(self, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,23 +227,20 @@ def _select_rows(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch
             or torch.cuda.is_current_stream_capturing()):
         return _rows_direct(bias, window, seqlen_q, is_causal)
     form = (tuple(bias.shape), window, seqlen_q, is_causal, bias.dtype, bias.device)
-    if form not in _graphs:  # the first call of a form only notes it
-        _remember(form, None)
-        return _rows_direct(bias, window, seqlen_q, is_causal)
-    graph = _graphs[form]
+    if form in _graphs:
+        _graphs.move_to_end(form)
+        graph = _graphs[form]
+    else:
+        try:
+            graph = _SelectionGraph(form, bias)
+        except RuntimeError:  # not capturable here: the ops, directly, for this form
+            graph = None
+        _graphs[form] = graph
+        while len(_graphs) > MAX_GRAPHS:
+            _graphs.popitem(last=False)
     if graph is None:
-        graph = _SelectionGraph(form, bias)
-        _remember(form, graph)
-        return graph.start.clone(), graph.end.clone()
-    _graphs.move_to_end(form)
+        return _rows_direct(bias, window, seqlen_q, is_causal)
     return graph(bias)
-
-
-def _remember(form: tuple, graph) -> None:
-    _graphs[form] = graph
-    _graphs.move_to_end(form)
-    while len(_graphs) > MAX_GRAPHS:
-        _graphs.popitem(last=False)
 
 
 def _check_packed(bias) -> None:

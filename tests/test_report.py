@@ -269,7 +269,7 @@ def test_report_leaves_compile_cost_and_train_files_alone(tmp_path):
     """``results/<gpu>/*.csv`` also matches other commands' files: they are named and left
     out, and the sweep rows are reported as without them."""
     from dmbench.compile_cost import COLUMNS as COST_COLUMNS
-    from dmbench.train import TRAIN_COLUMNS
+    from dmbench.train_results import TRAIN_COLUMNS
 
     readme = _readme(tmp_path / "README.md")
     folder = tmp_path / "results" / "test-gpu"

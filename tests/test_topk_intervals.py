@@ -249,20 +249,20 @@ def test_single_sequence_keys_equal_their_offsets_build(device):
 
 
 def test_repeated_forms_replay_a_graph_with_the_direct_bits(device, monkeypatch):
-    """On a GPU a form's second call captures the selection as a CUDA graph and later calls
-    replay it: every call must give the bits of the direct ops for its own bias. Off the GPU
+    """On a GPU a form's first call captures the selection as a CUDA graph and every call
+    replays it: each must give the bits of the direct ops for its own bias. Off the GPU
     nothing is kept."""
     tk = importlib.import_module("kernels.topk_intervals")
     monkeypatch.setattr(tk, "_graphs", type(tk._graphs)())
     generator = torch.Generator().manual_seed(5)
-    for call in range(6):  # per form: noted, captured, replayed
+    for call in range(4):  # per form: captured and replayed, then replayed
         bias = torch.randn(2, 3, 1, 300, generator=generator).to(device)
         got = topk_intervals(bias, 40, seqlen_q=250, is_causal=call % 2 == 0)
         start, end = tk._rows_direct(bias.reshape(6, 300), 40, 250, call % 2 == 0)
         assert torch.equal(got.start, start.reshape(2, 3, 300)), f"call {call}: start"
         assert torch.equal(got.end, end.reshape(2, 3, 300)), f"call {call}: end"
     kept = list(tk._graphs.values())
-    if device.type == "cuda":  # two forms (causal and not), each seen twice: two graphs
+    if device.type == "cuda":  # two forms (causal and not): two graphs
         assert len(kept) == 2 and all(isinstance(g, tk._SelectionGraph) for g in kept)
     else:
         assert not kept
