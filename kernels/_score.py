@@ -404,8 +404,8 @@ def block_spans(dense, lists_ptr, list_strides, head_div, b, h, block, split, nu
                 HAS_MASK: tl.constexpr, EDGE_SLOTS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The spans of blocks that a program walks: the one block walker of every kernel.
 
-    ``dense`` are the spans without a mask (``dense_spans``). Returns ``(list, spans)``:
-    ``spans[kind]`` is the ``(lo, hi)`` of span FULL, LEAD, INNER or TAIL, the walk order:
+    ``dense`` are the spans without a mask (``dense_spans``). Returns ``(list, spans)``, where
+    ``spans[kind]`` is the ``(lo, hi)`` of a kind of span: FULL, LEAD, INNER, TAIL, in walk order.
 
     * full [full_lo, full_hi): active tiles whose every pair is visible, walked with no mask
       read and no per-pair test (a mask's only: without one it is empty);
