@@ -389,19 +389,34 @@ def dense_spans(start, seqlen_q, seqlen_k, LOOP_ROWS: tl.constexpr, STEP_ROWS: t
     return lead_lo, inner_lo, inner_hi, tail_hi
 
 
+# The kinds of span of ``block_spans``, in the order a program walks them; a kernel walks
+# them in a ``tl.static_range(SPAN_KINDS)`` loop, so each kind's inner loop is compiled with
+# that kind's constexpr flags.
+FULL = tl.constexpr(0)
+LEAD = tl.constexpr(1)
+INNER = tl.constexpr(2)
+TAIL = tl.constexpr(3)
+SPAN_KINDS = tl.constexpr(4)
+
+
 @triton.jit
 def block_spans(dense, lists_ptr, list_strides, head_div, b, h, block, split, num_splits,
                 HAS_MASK: tl.constexpr, EDGE_SLOTS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The spans of blocks that a program walks: the one block walker of every kernel.
 
-    ``dense`` are the spans without a mask (``dense_spans``). Returns
-    ``(list, full_lo, full_hi, lead_lo, inner_lo, inner_hi, tail_hi)``, the spans
-    full [full_lo, full_hi), lead [lead_lo, inner_lo), inner [inner_lo, inner_hi) and
-    tail [inner_hi, tail_hi), which ``span`` turns into loop arguments. With a mask they are
-    positions in ``list``, the active-tile list of row ``block`` of (batch b, head h) (see
-    ``_blocks``): full tiles need no mask read and no per-pair test, and the partial ones are
-    cut where the dense spans' interior begins and ends. Without a mask they are the dense
-    spans (full is empty).
+    ``dense`` are the spans without a mask (``dense_spans``). Returns ``(list, spans)``, where
+    ``spans[kind]`` is the ``(lo, hi)`` of a kind of span: FULL, LEAD, INNER, TAIL, in walk order.
+
+    * full [full_lo, full_hi): active tiles whose every pair is visible, walked with no mask
+      read and no per-pair test (a mask's only: without one it is empty);
+    * lead [lead_lo, inner_lo), inner [inner_lo, inner_hi) and tail [inner_hi, tail_hi): the
+      dense spans. Not TRANSPOSED the lead is empty (the interior starts at the share's first
+      block) and kernels skip it; TRANSPOSED the tail holds no causal diagonal.
+
+    ``span`` turns one into loop arguments. With a mask they are positions in ``list``, the
+    active-tile list of row ``block`` of (batch b, head h) (see ``_blocks``): the full tiles
+    first, then the partial ones, cut where the dense spans' interior begins and ends.
+    Without a mask they are block indices.
 
     Not TRANSPOSED, split-K cuts the positions into ``num_splits`` contiguous shares; the spans
     cover share ``split``.
@@ -429,13 +444,16 @@ def block_spans(dense, lists_ptr, list_strides, head_div, b, h, block, split, nu
         inner_lo = tl.minimum(tl.maximum(inner_lo, share_lo), tail_hi)
         inner_hi = tl.minimum(tl.maximum(inner_hi, share_lo), tail_hi)
         lead_lo = inner_lo
-    return span_list, full_lo, full_hi, lead_lo, inner_lo, inner_hi, tail_hi
+    spans = ((full_lo, full_hi), (lead_lo, inner_lo), (inner_lo, inner_hi), (inner_hi, tail_hi))
+    return span_list, spans
 
 
 @triton.jit
-def span(span_list, lo, hi, HAS_MASK: tl.constexpr):
-    """(list pointer, first block, count) of the span [lo, hi) of ``block_spans``, as an inner
-    loop's ``block_at`` reads them: list positions with a mask, block indices without."""
+def span(span_list, bounds, HAS_MASK: tl.constexpr):
+    """(list pointer, first block, count) of the span ``bounds`` = (lo, hi) of ``block_spans``,
+    as an inner loop's ``block_at`` reads them: list positions with a mask, block indices
+    without."""
+    lo, hi = bounds
     # One return statement: compiled Triton rejects returns of different types.
     if HAS_MASK:
         list_ptr = span_list + lo

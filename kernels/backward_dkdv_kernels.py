@@ -10,9 +10,10 @@ import triton.language as tl
 
 from ._partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
                         sum_partials)
-from ._score import (block_at, block_spans, clamp_index, dense_spans, grid_position, head_base,
-                     interval_rows, load_bias, mma, probs_from_lse, scores_log2, seq_base, span,
-                     tile_offsets, visible_keys, write_tile)
+from ._score import (FULL, INNER, LEAD, SPAN_KINDS, block_at, block_spans, clamp_index,
+                     dense_spans, grid_position, head_base, interval_rows, load_bias, mma,
+                     probs_from_lse, scores_log2, seq_base, span, tile_offsets, visible_keys,
+                     write_tile)
 
 
 @triton.jit
@@ -224,48 +225,23 @@ def attn_bwd_dkdv_program(
         delta_row = ptrs.delta + bh.to(tl.int64) * seqlen_q
         if not DBIAS_SUM_GROUP:
             dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
-        span_list, full_lo, full_hi, lead_lo, inner_lo, inner_hi, tail_hi = block_spans(
+        span_list, spans = block_spans(
             dense, ptrs.kv_lists, layouts.kv_lists, layouts.mask.head_div, b, h, n_block, 0, 1,
             HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=True)
-        if HAS_MASK:
-            # Full tiles: every pair visible, so no mask read and no per-pair test.
-            blocks, first, count = span(span_list, full_lo, full_hi, HAS_MASK)
-            dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-                dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_row,
-                delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
-                BLOCK_M=BLOCK_M, HAS_MASK=False, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
-                CAUSAL_TILES=False, USE_LIST=True, INTERIOR=True, DOT_PRECISION=DOT_PRECISION,
-                WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS, DBIAS_REDUCE_M=DBIAS_REDUCE_M,
-                DBIAS_ACCUMULATE=DBIAS_ACCUMULATE, DELTA_FROM_OUT=DELTA_FROM_OUT,
-                MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
-        # Blocks on the causal diagonal, interior blocks, then a partial last query block.
-        blocks, first, count = span(span_list, lead_lo, inner_lo, HAS_MASK)
-        dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_row,
-            delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_M=BLOCK_M, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
-            CAUSAL_TILES=IS_CAUSAL, USE_LIST=HAS_MASK, INTERIOR=False,
-            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS,
-            DBIAS_REDUCE_M=DBIAS_REDUCE_M, DBIAS_ACCUMULATE=DBIAS_ACCUMULATE,
-            DELTA_FROM_OUT=DELTA_FROM_OUT, MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
-        blocks, first, count = span(span_list, inner_lo, inner_hi, HAS_MASK)
-        dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_row,
-            delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_M=BLOCK_M, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
-            CAUSAL_TILES=False, USE_LIST=HAS_MASK, INTERIOR=True,
-            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS,
-            DBIAS_REDUCE_M=DBIAS_REDUCE_M, DBIAS_ACCUMULATE=DBIAS_ACCUMULATE,
-            DELTA_FROM_OUT=DELTA_FROM_OUT, MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
-        blocks, first, count = span(span_list, inner_hi, tail_hi, HAS_MASK)
-        dk, dv, dbias_col = _attn_bwd_dkdv_inner(
-            dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps, lse_row,
-            delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
-            BLOCK_M=BLOCK_M, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
-            CAUSAL_TILES=False, USE_LIST=HAS_MASK, INTERIOR=False,
-            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS,
-            DBIAS_REDUCE_M=DBIAS_REDUCE_M, DBIAS_ACCUMULATE=DBIAS_ACCUMULATE,
-            DELTA_FROM_OUT=DELTA_FROM_OUT, MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
+        # Full tiles (every pair visible: no mask read, no per-pair test), blocks on the
+        # causal diagonal, interior blocks, then a partial last query block.
+        for kind in tl.static_range(SPAN_KINDS):
+            if HAS_MASK or kind != FULL:
+                blocks, first, count = span(span_list, spans[kind], HAS_MASK)
+                dk, dv, dbias_col = _attn_bwd_dkdv_inner(
+                    dk, dv, dbias_col, k, v, offs_n, offs_m0, d_ok, n_ok, tiles, steps,
+                    lse_row, delta_row, blocks, first, count, seqlen_q, seqlen_k, qk_scale,
+                    BLOCK_M=BLOCK_M, HAS_MASK=HAS_MASK and kind != FULL, HAS_BIAS=HAS_BIAS,
+                    BIAS_ROW=BIAS_ROW, CAUSAL_TILES=IS_CAUSAL and kind == LEAD,
+                    USE_LIST=HAS_MASK, INTERIOR=kind == FULL or kind == INNER,
+                    DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, HAS_DBIAS=HAS_DBIAS,
+                    DBIAS_REDUCE_M=DBIAS_REDUCE_M, DBIAS_ACCUMULATE=DBIAS_ACCUMULATE,
+                    DELTA_FROM_OUT=DELTA_FROM_OUT, MASK_KEYS_CLAMPED=MASK_KEYS_CLAMPED)
         if HAS_DBIAS and DBIAS_REDUCE_M and not DBIAS_SUM_GROUP:
             # Row (b, hq) of a (B, Hq, 1, Lk) buffer: a single writer, no atomics.
             tl.store(head_base(ptrs.dbias, layouts.dbias, b, h)

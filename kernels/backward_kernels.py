@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from ._partials import merge_shares, store_gradient_rows
-from ._score import (block_at, block_spans, clamp_index, dense_spans, grid_position, head_base,
-                     interval_rows, mma, probs_from_lse, query_tile_scores, seq_base, span,
-                     tile_offsets, write_tile)
+from ._score import (FULL, INNER, LEAD, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
+                     dense_spans, grid_position, head_base, interval_rows, mma, probs_from_lse,
+                     query_tile_scores, seq_base, span, tile_offsets, write_tile)
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
 
 
@@ -176,33 +176,21 @@ def _attn_bwd_dq_program(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dense = dense_spans(start_m, seqlen_q, seqlen_k, LOOP_ROWS=BLOCK_M, STEP_ROWS=BLOCK_N,
                         IS_CAUSAL=IS_CAUSAL, TRANSPOSED=False)
-    span_list, full_lo, full_hi, _, inner_lo, inner_hi, tail_hi = block_spans(
+    span_list, spans = block_spans(
         dense, ptrs.q_lists, layouts.q_lists, layouts.mask.head_div, b, h, m_block, split,
         num_splits, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
-    if HAS_MASK:
-        # Full tiles: every pair visible, so no mask read and no per-pair test.
-        blocks, first, count = span(span_list, full_lo, full_hi, HAS_MASK)
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, offs_m, offs_n0, d_ok, m_ok, tiles, steps, blocks, first,
-            count, seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=False,
-            HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW, CAUSAL_TILES=False, USE_LIST=True,
-            INTERIOR=True, DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS,
-            DQ_DBIAS=DQ_DBIAS, DBIAS_ATOMIC=DBIAS_ATOMIC)
-    # Interior key blocks, then the causal diagonal and a partial last key block.
-    blocks, first, count = span(span_list, inner_lo, inner_hi, HAS_MASK)
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, offs_m, offs_n0, d_ok, m_ok, tiles, steps, blocks, first, count,
-        seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS,
-        BIAS_ROW=BIAS_ROW, CAUSAL_TILES=False, USE_LIST=HAS_MASK, INTERIOR=True,
-        DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, DQ_DBIAS=DQ_DBIAS,
-        DBIAS_ATOMIC=DBIAS_ATOMIC)
-    blocks, first, count = span(span_list, inner_hi, tail_hi, HAS_MASK)
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, offs_m, offs_n0, d_ok, m_ok, tiles, steps, blocks, first, count,
-        seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS,
-        BIAS_ROW=BIAS_ROW, CAUSAL_TILES=IS_CAUSAL, USE_LIST=HAS_MASK, INTERIOR=False,
-        DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS, DQ_DBIAS=DQ_DBIAS,
-        DBIAS_ATOMIC=DBIAS_ATOMIC)
+    # The forward's walk: full tiles, interior key blocks, then the causal diagonal and a
+    # partial last key block.
+    for kind in tl.static_range(SPAN_KINDS):
+        if (HAS_MASK or kind != FULL) and kind != LEAD:
+            blocks, first, count = span(span_list, spans[kind], HAS_MASK)
+            dq = _attn_bwd_dq_inner(
+                dq, q, do, lse, delta, offs_m, offs_n0, d_ok, m_ok, tiles, steps, blocks,
+                first, count, seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N,
+                HAS_MASK=HAS_MASK and kind != FULL, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
+                CAUSAL_TILES=IS_CAUSAL and kind == TAIL, USE_LIST=HAS_MASK,
+                INTERIOR=kind == FULL or kind == INNER, DOT_PRECISION=DOT_PRECISION,
+                WIDEN_DOTS=WIDEN_DOTS, DQ_DBIAS=DQ_DBIAS, DBIAS_ATOMIC=DBIAS_ATOMIC)
 
     dq *= sm_scale
     store = True

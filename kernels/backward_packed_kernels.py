@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from ._partials import merge_shares
-from ._score import (block_spans, clamp_index, dense_spans, head_base, load_bias, mma,
-                     probs_from_lse, row_offsets, scores_log2, seq_base, tile_offsets,
+from ._score import (INNER, TAIL, block_spans, clamp_index, dense_spans, head_base, load_bias,
+                     mma, probs_from_lse, row_offsets, scores_log2, seq_base, tile_offsets,
                      visible_keys)
 
 
@@ -127,10 +127,9 @@ def attn_bwd_packed_kernel(
     # (the tile's rows are several queries and heads, so no block is interior to all of them).
     dense = dense_spans(0, seqlen_q, seqlen_k, LOOP_ROWS=BLOCK_M, STEP_ROWS=BLOCK_N,
                         IS_CAUSAL=False, TRANSPOSED=False)
-    _, _, _, _, lo, _, hi = block_spans(dense, ptrs.mask, layouts.kv_lists, 1, b, first_head,
-                                        0, split, num_splits, HAS_MASK=False, EDGE_SLOTS=1,
-                                        TRANSPOSED=False)
-    for block in range(lo, hi):
+    _, spans = block_spans(dense, ptrs.mask, layouts.kv_lists, 1, b, first_head, 0, split,
+                           num_splits, HAS_MASK=False, EDGE_SLOTS=1, TRANSPOSED=False)
+    for block in range(spans[INNER][0], spans[TAIL][1]):  # the inner and tail spans as one
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
         keys_ok = (offs_n < seqlen_k)[None, :]

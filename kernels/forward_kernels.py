@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from ._partials import last_share_arrived, split_rows, store_partial
-from ._score import (LN2, block_at, block_spans, clamp_index, dense_spans, grid_position,
-                     head_base, interval_rows, mma, operand_base, query_tile_scores,
-                     row_offsets, span, tile_offsets)
+from ._score import (FULL, INNER, LEAD, LN2, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
+                     dense_spans, grid_position, head_base, interval_rows, mma, operand_base,
+                     query_tile_scores, row_offsets, span, tile_offsets)
 
 
 @triton.jit
@@ -131,32 +131,23 @@ def _attn_fwd_kernel(
     # When packed, the host guarantees that the tile's heads share one mask head.
     dense = dense_spans(start_m, seqlen_q, seqlen_k, LOOP_ROWS=QUERY_ROWS, STEP_ROWS=BLOCK_N,
                         IS_CAUSAL=IS_CAUSAL, TRANSPOSED=False)
-    span_list, full_lo, full_hi, _, inner_lo, inner_hi, tail_hi = block_spans(
+    span_list, spans = block_spans(
         dense, ptrs.lists, list_strides, mask_layout.head_div, b, first_head, m_block, split,
         num_splits, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
     tiles = (k_ptrs, v_ptrs, mask_ptrs, bias_ptrs)
     steps = (k_strides.stride_l, v_strides.stride_l, mask_layout.stride_n, bias_layout.stride_n)
-    if HAS_MASK:
-        # Full tiles: every pair visible, so no mask read and no per-pair test.
-        blocks, first, count = span(span_list, full_lo, full_hi, HAS_MASK)
-        acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
-            seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=False, HAS_BIAS=HAS_BIAS,
-            BIAS_ROW=BIAS_ROW, CAUSAL_TILES=False, USE_LIST=True, INTERIOR=True,
-            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS)
-    # Interior key blocks, then the causal diagonal and a partial last key block.
-    blocks, first, count = span(span_list, inner_lo, inner_hi, HAS_MASK)
-    acc, m_i, l_i = _attn_fwd_inner(
-        acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
-        seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS,
-        BIAS_ROW=BIAS_ROW, CAUSAL_TILES=False, USE_LIST=HAS_MASK, INTERIOR=True,
-        DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS)
-    blocks, first, count = span(span_list, inner_hi, tail_hi, HAS_MASK)
-    acc, m_i, l_i = _attn_fwd_inner(
-        acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
-        seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N, HAS_MASK=HAS_MASK, HAS_BIAS=HAS_BIAS,
-        BIAS_ROW=BIAS_ROW, CAUSAL_TILES=IS_CAUSAL, USE_LIST=HAS_MASK, INTERIOR=False,
-        DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS)
+    # Full tiles (every pair visible: no mask read, no per-pair test), interior key blocks,
+    # then the causal diagonal and a partial last key block. The lead span is empty here.
+    for kind in tl.static_range(SPAN_KINDS):
+        if (HAS_MASK or kind != FULL) and kind != LEAD:
+            blocks, first, count = span(span_list, spans[kind], HAS_MASK)
+            acc, m_i, l_i = _attn_fwd_inner(
+                acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
+                seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N,
+                HAS_MASK=HAS_MASK and kind != FULL, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
+                CAUSAL_TILES=IS_CAUSAL and kind == TAIL, USE_LIST=HAS_MASK,
+                INTERIOR=kind == FULL or kind == INNER, DOT_PRECISION=DOT_PRECISION,
+                WIDEN_DOTS=WIDEN_DOTS)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
