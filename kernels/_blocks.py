@@ -204,6 +204,14 @@ class BlockLists:
         return self.table[..., 2:]
 
 
+def call_activity(activity: ActivityMap | None) -> ActivityMap:
+    """``activity``, the map a plan with lists per call was handed; a ValueError without one
+    (the kernels would read some other tensor as their lists)."""
+    if activity is None:
+        raise ValueError("this plan takes its tile lists per call: pass the call's activity map")
+    return activity
+
+
 def block_list_strides(lists: BlockLists | None, batch: int) -> ListStrides:
     """The (b, h, row) strides of the lists' table (its pointer is passed per call). A
     batch-broadcast mask has one set of lists; batch stride 0 shares it across the batch.
