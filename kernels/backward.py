@@ -15,7 +15,8 @@ from dataclasses import replace
 
 import torch
 
-from ._blocks import ActivityMap, BlockLists, block_list_strides, call_activity
+from ._blocks import (ActivityMap, BlockLists, ListCompaction, block_list_strides,
+                      call_activity)
 from ._dbias import DbiasMode, broadcast_args
 from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
                       operand_pointer)
@@ -71,12 +72,17 @@ class BackwardPlan:
         self.device = fwd.device
         self.dbias = bwd.dbias
         # A forward plan with lists per call gives the call's map (``activity``): its tables
-        # set the strides here and are not kept.
+        # set the strides here and are not kept; their compactions are.
         self.lists_per_call = fwd.lists_per_call
-        kv_lists, q_lists = backward_lists(fwd.lists_activity(activity), cfg_kv, cfg_q)
-        kept = not self.lists_per_call
-        self.kv_table = kv_lists.table if kv_lists is not None and kept else None
-        self.q_table = q_lists.table if q_lists is not None and kept else None
+        activity = fwd.lists_activity(activity)
+        kv_lists, q_lists = backward_lists(activity, cfg_kv, cfg_q)
+        self.kv_table = self.q_table = self.compactions = None
+        if self.lists_per_call:
+            map_form = (activity.active.shape, activity.sub_rows, activity.sub_cols)
+            self.compactions = (ListCompaction(*map_form, cfg_kv.block_n, cfg_kv.block_m, True),
+                                ListCompaction(*map_form, cfg_q.block_m, cfg_q.block_n, False))
+        elif kv_lists is not None:
+            self.kv_table, self.q_table = kv_lists.table, q_lists.table
 
         key_blocks = ceil_div(shape.seqlen_k, cfg_kv.block_n)
         rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
@@ -190,9 +196,8 @@ class BackwardPlan:
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
         kv_table, q_table = self.kv_table, self.q_table
         if self.lists_per_call:
-            kv_lists, q_lists = backward_lists(call_activity(activity), self.schedule.dkdv,
-                                               self.schedule.dq)
-            kv_table, q_table = kv_lists.table, q_lists.table
+            activity = call_activity(activity)
+            kv_table, q_table = (activity.compacted(c).table for c in self.compactions)
         q_table = lse if q_table is None else q_table
         kv_table = lse if kv_table is None else kv_table
         dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse

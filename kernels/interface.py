@@ -7,8 +7,8 @@ from collections import OrderedDict
 import torch
 
 from . import ops
-from ._blocks import interval_activity
-from ._checks import check_flags, check_inputs, interval_operand
+from ._blocks import ActivityMap, IntervalActivityPass
+from ._checks import BroadcastOperand, check_flags, check_inputs
 from ._launch import ensure_runnable
 from .backward import attention_backward
 from .forward import ForwardPlan, plan_schedule
@@ -28,11 +28,11 @@ _is_compiling = torch.compiler.is_compiling
 MAX_PLANS = 64
 _plans: dict = {}
 # Forward plans of calls with a KeyIntervals mask that is not prepared (intervals used once,
-# such as Doge's: new ones per layer and step), by call signature and the intervals' form
-# (shape, strides, dtypes, device), least recently used first. These plans take their tile
-# lists per call (``ForwardPlan.lists_per_call``) and hold no tensor, so a kept one costs only
-# its launch objects and the scratch its calls keep (``_scratch``). A model calls with one or
-# two forms per layer shape (with and without gradients).
+# such as Doge's: new ones per layer and step), each with its ``_IntervalReader``, by call
+# signature and the intervals' form (``_interval_form``), least recently used first. These
+# plans take their tile lists per call (``ForwardPlan.lists_per_call``) and hold no tensor, so
+# a kept one costs only its launch objects and the scratch its calls keep (``_scratch``). A
+# model calls with one or two forms per layer shape (with and without gradients).
 MAX_INTERVAL_PLANS = 8
 _interval_plans: OrderedDict = OrderedDict()
 
@@ -66,18 +66,29 @@ def _interval_form(intervals: KeyIntervals, for_backward: bool) -> tuple:
             for_backward)
 
 
-def _remember(plans: dict, signature: tuple, plan: ForwardPlan, limit: int = MAX_PLANS) -> None:
+def _remember(plans: dict, signature: tuple, plan, limit: int = MAX_PLANS) -> None:
     plans[signature] = plan
     while len(plans) > limit:
         del plans[next(iter(plans))]  # the oldest (the least recently used: interval plans)
 
 
-def _read_intervals(plan: ForwardPlan, intervals: KeyIntervals):
-    """(the kernels' mask operand, the activity map) of ``intervals`` for a call of ``plan``'s
-    signature, which the plan's first call checked: the per-call work of intervals used once,
-    the interleaved pairs (two or three torch ops) and one activity launch."""
-    operand = interval_operand(intervals.kernel_operand(), plan.shape)
-    return operand.view, interval_activity(operand, plan.shape, *plan.map_tile, plan.is_causal)
+class _IntervalReader:
+    """What a call with unprepared ``KeyIntervals`` of a kept form does with them, planned by
+    the form's first call (which checked them): interleave the pairs (``kernel_operand``, two
+    or three torch ops), view them as the kernels' mask operand, and run the planned activity
+    pass into a new map. Everything after that (the lists, the launches) is the plan's."""
+
+    def __init__(self, mask: BroadcastOperand, activity: ActivityMap, shape, is_causal: bool):
+        self.view_size, self.view_stride = tuple(mask.view.shape), mask.view.stride()
+        pairs = mask.interval_pairs
+        self.activity_pass = IntervalActivityPass(pairs.shape[0], pairs.shape[1], shape,
+                                                  activity.sub_rows, activity.sub_cols,
+                                                  is_causal)
+
+    def __call__(self, intervals: KeyIntervals) -> tuple[torch.Tensor, ActivityMap]:
+        """(the kernels' mask operand, the activity map) of ``intervals``."""
+        pairs = intervals.kernel_operand()
+        return pairs.as_strided(self.view_size, self.view_stride), self.activity_pass(pairs)
 
 
 def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
@@ -113,9 +124,10 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
             signature = (signature, _interval_form(intervals, for_backward))
         plan = plans.get(signature) if signature is not None else None
         if plan is not None:
-            if intervals is not None:
+            if intervals is not None:  # kept with its reader
                 plans.move_to_end(signature)
-                return (plan, query, key, value, *_read_intervals(plan, intervals))
+                plan, read = plan
+                return (plan, query, key, value, *read(intervals))
             return (plan, query, key, value, kernel_mask if prepared is not None else attn_mask,
                     None)
 
@@ -136,8 +148,11 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
     plan = ForwardPlan(checked, query, key, value, sched, options,
                        lists_per_call=intervals is not None)
     if signature is not None and not copied:
-        _remember(plans, signature, plan,
-                  MAX_INTERVAL_PLANS if intervals is not None else MAX_PLANS)
+        if intervals is not None:
+            kept = (plan, _IntervalReader(checked.mask, activity, checked.shape, is_causal))
+            _remember(plans, signature, kept, MAX_INTERVAL_PLANS)
+        else:
+            _remember(plans, signature, plan)
     # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs.
     if checked.mask is not None and checked.mask.interval_pairs is not None:
         attn_mask = checked.mask.view
