@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
-from ._launch import ceil_div, launch, operand_args
+from ._launch import PlannedLaunch, ceil_div, launch, operand_args
 from ._operands import NO_LISTS, ListStrides, sizes_of
 from ._score import tile_offsets, visible_keys
 
@@ -149,6 +149,14 @@ class ActivityMap:
             self._lists[key] = lists_from_activity(self, block_rows, block_cols, transposed)
         return self._lists[key]
 
+    def compacted(self, compaction: ListCompaction) -> BlockLists:
+        """The lists of ``compaction``, a planned ``lists``: built on first use and kept with
+        the others (one table per tile, whichever of the two made it)."""
+        lists = self._lists.get(compaction.key)
+        if lists is None:
+            lists = self._lists[compaction.key] = compaction(self)
+        return lists
+
     def count_partial_share(self, block_rows: int, block_cols: int, transposed: bool) -> float:
         """Count, and keep, which share of the active tiles in these lists are partial (read
         mask bytes) rather than full. This reads the counts back to the host, a device sync,
@@ -202,6 +210,14 @@ class BlockLists:
     @property
     def indices(self) -> torch.Tensor:
         return self.table[..., 2:]
+
+
+def call_activity(activity: ActivityMap | None) -> ActivityMap:
+    """``activity``, the map a plan with lists per call was handed; a ValueError without one
+    (the kernels would read some other tensor as their lists)."""
+    if activity is None:
+        raise ValueError("this plan takes its tile lists per call: pass the call's activity map")
+    return activity
 
 
 def block_list_strides(lists: BlockLists | None, batch: int) -> ListStrides:
@@ -287,6 +303,36 @@ def _interval_activity_kernel(
              mask=(rows < map_rows) & (cols[None, :] < map_cols))
 
 
+class IntervalActivityPass:
+    """The activity pass of a ``KeyIntervals`` mask (``_interval_activity_kernel``) planned for
+    one form: the pairs' (Bm', Hm'), the lengths, the map's tile and causality. A call
+    allocates the map and launches; a kept plan of intervals used once keeps one
+    (``interface``), so that a call spends no host time on the launch's grid or form."""
+
+    def __init__(self, mask_batch: int, mask_heads: int, shape: AttnShape, sub_rows: int,
+                 sub_cols: int, is_causal: bool):
+        map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
+        self.map_shape = (mask_batch, mask_heads, map_rows, map_cols)
+        self.sub_rows, self.sub_cols = sub_rows, sub_cols
+        # 1024 keys and 1024 rows per program: the bounds of a key block are recomputed once
+        # per ROWS row blocks, so the pairs are read map_rows / ROWS times in all. Fixed sizes,
+        # not sizes that follow the lengths, so that a new length compiles nothing.
+        cols = max(1, 1024 // sub_cols)
+        rows = max(1, 1024 // sub_rows)
+        grid = (ceil_div(map_rows, rows), ceil_div(map_cols, cols), mask_batch * mask_heads)
+        self.launch = PlannedLaunch(
+            _interval_activity_kernel, grid, None,
+            (shape.seqlen_q, shape.seqlen_k, map_rows, map_cols),
+            SUB_ROWS=sub_rows, SUB_COLS=sub_cols, ROWS=rows, COLS=cols,
+            IS_CAUSAL=bool(is_causal), num_warps=4)
+
+    def __call__(self, pairs: torch.Tensor) -> ActivityMap:
+        """The map of ``pairs``, (Bm', Hm', Lk, 2) int32 contiguous (``kernel_operand``)."""
+        active = torch.empty(self.map_shape, dtype=torch.int8, device=pairs.device)
+        self.launch(pairs, active)
+        return ActivityMap(active, self.sub_rows, self.sub_cols)
+
+
 def interval_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_cols: int,
                       is_causal: bool) -> ActivityMap:
     """The activity map of a ``KeyIntervals`` mask (its checked operand) in one launch of
@@ -298,45 +344,47 @@ def interval_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, s
     launch in place of ~45 torch ops, which cost ~1.1 ms of host time per call at L1024 on the
     H100 host."""
     pairs = mask.interval_pairs  # (Bm', Hm', Lk, 2) int32, contiguous
-    mask_batch, mask_heads = pairs.shape[0], pairs.shape[1]
-    map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
-    active = torch.empty((mask_batch, mask_heads, map_rows, map_cols), dtype=torch.int8,
-                         device=pairs.device)
-    # 1024 keys and 1024 rows per program: the bounds of a key block are recomputed once per
-    # ROWS row blocks, so the pairs are read map_rows / ROWS times in all. Fixed sizes, not
-    # sizes that follow the lengths, so that a new length compiles nothing.
-    cols = max(1, 1024 // sub_cols)
-    rows = max(1, 1024 // sub_rows)
-    grid = (ceil_div(map_rows, rows), ceil_div(map_cols, cols), mask_batch * mask_heads)
-    launch(_interval_activity_kernel, grid, pairs, active, shape.seqlen_q, shape.seqlen_k,
-           map_rows, map_cols, SUB_ROWS=sub_rows, SUB_COLS=sub_cols, ROWS=rows, COLS=cols,
-           IS_CAUSAL=bool(is_causal), num_warps=4)
-    return ActivityMap(active, sub_rows, sub_cols)
+    return IntervalActivityPass(pairs.shape[0], pairs.shape[1], shape, sub_rows, sub_cols,
+                                is_causal)(pairs)
+
+
+class ListCompaction:
+    """The list compaction (``_compact_kernel``) of a map of one shape and tile into lists of
+    (block_rows x block_cols) tiles (keys on rows when transposed), planned once: a call
+    allocates the table and launches."""
+
+    def __init__(self, map_shape: tuple, sub_rows: int, sub_cols: int, block_rows: int,
+                 block_cols: int, transposed: bool):
+        tile_q, tile_k = (block_cols, block_rows) if transposed else (block_rows, block_cols)
+        if tile_q % sub_rows or tile_k % sub_cols:
+            raise ValueError(f"a ({tile_q}, {tile_k}) tile is not made of the activity map's "
+                             f"({sub_rows}, {sub_cols}) tiles")
+        self.key = (block_rows, block_cols, bool(transposed))
+        fq, fk = tile_q // sub_rows, tile_k // sub_cols
+        mask_batch, mask_heads, map_rows, map_cols = map_shape
+        # A list tile's last map tiles may lie past the map (the lengths end inside the tile).
+        q_tiles, k_tiles = ceil_div(map_rows, fq), ceil_div(map_cols, fk)
+        num_rows, num_cols = (k_tiles, q_tiles) if transposed else (q_tiles, k_tiles)
+        fr, fc = (fk, fq) if transposed else (fq, fk)
+        self.table_shape = (mask_batch, mask_heads, num_rows, num_cols + 2)
+        self.launch = PlannedLaunch(
+            _compact_kernel, (mask_batch * mask_heads * num_rows,), None,
+            (map_rows, map_cols, num_rows, num_cols),
+            FR=fr, FC=fc, TRANSPOSED=bool(transposed),
+            # A fixed chunk, not one that follows the number of columns, so that a new length
+            # compiles nothing (the chunk loop masks the columns past the row).
+            CHUNK=max(16, 1024 // (fr * fc)), num_warps=4,
+        )
+
+    def __call__(self, activity: ActivityMap) -> BlockLists:
+        table = torch.empty(self.table_shape, dtype=torch.int32, device=activity.active.device)
+        self.launch(activity.active, table)
+        return BlockLists(table, *self.key[:2])
 
 
 def lists_from_activity(activity: ActivityMap, block_rows: int, block_cols: int,
                         transposed: bool) -> BlockLists:
     """Lists for (block_rows x block_cols) tiles (keys on rows when transposed) from a map
     whose tiles divide them: one small launch reading the map, never the mask."""
-    tile_q, tile_k = (block_cols, block_rows) if transposed else (block_rows, block_cols)
-    if tile_q % activity.sub_rows or tile_k % activity.sub_cols:
-        raise ValueError(f"a ({tile_q}, {tile_k}) tile is not made of the activity map's "
-                         f"({activity.sub_rows}, {activity.sub_cols}) tiles")
-    fq, fk = tile_q // activity.sub_rows, tile_k // activity.sub_cols
-    mask_batch, mask_heads, map_rows, map_cols = activity.active.shape
-    # A list tile's last map tiles may lie past the map (the lengths end inside the tile).
-    q_tiles, k_tiles = ceil_div(map_rows, fq), ceil_div(map_cols, fk)
-    num_rows, num_cols = (k_tiles, q_tiles) if transposed else (q_tiles, k_tiles)
-    fr, fc = (fk, fq) if transposed else (fq, fk)
-    table = torch.empty((mask_batch, mask_heads, num_rows, num_cols + 2), dtype=torch.int32,
-                        device=activity.active.device)
-    launch(
-        _compact_kernel, (mask_batch * mask_heads * num_rows,),
-        activity.active, table, map_rows, map_cols, num_rows, num_cols,
-        FR=fr, FC=fc, TRANSPOSED=bool(transposed),
-        # A fixed chunk, not one that follows the number of columns, so that a new length
-        # compiles nothing (the chunk loop masks the columns past the row).
-        CHUNK=max(16, 1024 // (fr * fc)), num_warps=4,
-    )
-    return BlockLists(table, block_rows, block_cols)
-
+    return ListCompaction(activity.active.shape, activity.sub_rows, activity.sub_cols,
+                          block_rows, block_cols, transposed)(activity)

@@ -117,12 +117,13 @@ def _check_broadcast(name: str, t: torch.Tensor, shape: AttnShape, device) -> Br
 
 def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
     """A ``KeyIntervals`` mask as the kernels read it: (start, end) int32 pairs interleaved per
-    key, (Bm', Hm', Lk, 2) with broadcast batch or head axes cut to one (O(Bm' Hm' Lk) bytes,
-    never O(Lq Lk)), viewed as a (B, Hm', Lq, Lk) operand whose query stride is 0 and key
-    stride 2: a mask tile's pointer at key n addresses n's start, and the next element its end."""
+    key (``KeyIntervals.kernel_operand``), (Bm', Hm', Lk, 2) with broadcast batch or head axes
+    cut to one (O(Bm' Hm' Lk) bytes, never O(Lq Lk)), viewed as a (B, Hm', Lq, Lk) operand
+    whose query stride is 0 and key stride 2: a mask tile's pointer at key n addresses n's
+    start, and the next element its end."""
     intervals.check_against(shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q,
                             shape.seqlen_k, device=device)
-    pairs = intervals.kernel_operand().transpose(2, 3).contiguous()  # (Bm', Hm', Lk, 2)
+    pairs = intervals.kernel_operand()  # (Bm', Hm', Lk, 2)
     batch, heads = pairs.shape[0], pairs.shape[1]
     view = pairs.as_strided(
         (shape.batch, heads, shape.seqlen_q, shape.seqlen_k),

@@ -336,7 +336,8 @@ _alignment = (15).__and__  # an address's offset from 16-byte alignment
 class PlannedLaunch:
     """A launch planned once per call signature: the grid, every scalar argument, the
     constexprs and the options are fixed, and each call passes only the kernel's tensors, which
-    its first parameter takes as one ``pointers`` NamedTuple (``_operands``).
+    its first parameter takes as one ``pointers`` NamedTuple (``_operands``), or, with
+    ``pointers`` None, its leading parameters take one by one (the small list launches).
 
     The plan's owner guarantees the pointers' dtypes (they follow from the call signature) and
     the scalars are compiled for their ``compile_form``, so the only thing left that a call
@@ -356,15 +357,20 @@ class PlannedLaunch:
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
         self._compiled: dict = {}
 
+    def _leading(self, tensors: tuple) -> tuple:
+        """The kernel's leading arguments: the pointers tuple, or the tensors themselves."""
+        tensors = tuple(map(_kernel_arg, tensors))
+        return tensors if self.pointers is None else (self.pointers(*tensors),)
+
     def __call__(self, *tensors: torch.Tensor) -> None:
         if _compile_executor is not None:
             form = (self.pointers(*map(_kernel_arg, tensors)), *self._form_scalars)
             _start_compile(self.kernel, self.grid, form, self.options)
             return
         if self.interpreted or not _direct_launch_available():
-            pointers = self.pointers(*map(_kernel_arg, tensors))
-            _note_form(self.kernel, (pointers, *self._form_scalars), self.options)
-            self.kernel[self.grid](pointers, *self.scalars, **self.options)
+            leading = self._leading(tensors)
+            _note_form(self.kernel, (*leading, *self._form_scalars), self.options)
+            self.kernel[self.grid](*leading, *self.scalars, **self.options)
             return
         device = _current_device()
         # The launcher takes addresses as plain ints too, which skips its per-tensor
@@ -374,7 +380,10 @@ class PlannedLaunch:
         key = (device, *map(_alignment, addresses))
         hit = self._compiled.get(key)
         if hit is None:
-            form = (self.pointers(*map(_kernel_arg, tensors)), *self._form_scalars)
+            form = (*self._leading(tensors), *self._form_scalars)
             _note_form(self.kernel, form, self.options)
             hit = self._compiled[key] = _compile(self.kernel, self.grid, form, self.options)
-        _run_compiled(hit, self.grid, (addresses, *self._plain_scalars), device)
+        if self.pointers is None:
+            _run_compiled(hit, self.grid, (*addresses, *self._plain_scalars), device)
+        else:
+            _run_compiled(hit, self.grid, (addresses, *self._plain_scalars), device)

@@ -15,7 +15,8 @@ from dataclasses import replace
 
 import torch
 
-from ._blocks import ActivityMap, BlockLists, block_list_strides
+from ._blocks import (ActivityMap, BlockLists, ListCompaction, block_list_strides,
+                      call_activity)
 from ._dbias import DbiasMode, broadcast_args
 from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
                       operand_pointer)
@@ -60,7 +61,8 @@ class BackwardPlan:
     every scalar argument. The forward plan keeps its backward plans, so a repeat backward only
     allocates and launches."""
 
-    def __init__(self, fwd, bwd: BackwardSchedule, grad_out, query, key, value, dq, dk, dv):
+    def __init__(self, fwd, bwd: BackwardSchedule, grad_out, query, key, value, dq, dk, dv,
+                 activity: ActivityMap | None = None):
         shape = fwd.shape
         problem = fwd.schedule.problem
         block_d = problem.block_d
@@ -69,9 +71,18 @@ class BackwardPlan:
         self.schedule = bwd
         self.device = fwd.device
         self.dbias = bwd.dbias
-        kv_lists, q_lists = backward_lists(fwd.activity, cfg_kv, cfg_q)
-        self.kv_table = kv_lists.table if kv_lists is not None else None
-        self.q_table = q_lists.table if q_lists is not None else None
+        # A forward plan with lists per call gives the call's map (``activity``): its tables
+        # set the strides here and are not kept; their compactions are.
+        self.lists_per_call = fwd.lists_per_call
+        activity = fwd.lists_activity(activity)
+        kv_lists, q_lists = backward_lists(activity, cfg_kv, cfg_q)
+        self.kv_table = self.q_table = self.compactions = None
+        if self.lists_per_call:
+            map_form = (activity.active.shape, activity.sub_rows, activity.sub_cols)
+            self.compactions = (ListCompaction(*map_form, cfg_kv.block_n, cfg_kv.block_m, True),
+                                ListCompaction(*map_form, cfg_q.block_m, cfg_q.block_n, False))
+        elif kv_lists is not None:
+            self.kv_table, self.q_table = kv_lists.table, q_lists.table
 
         key_blocks = ceil_div(shape.seqlen_k, cfg_kv.block_n)
         rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
@@ -172,16 +183,23 @@ class BackwardPlan:
         self._scratch_names = [name for name, spec in specs.items() if spec is not None]
         self._scratch = Scratch(fwd.device, *(specs[name] for name in self._scratch_names))
 
-    def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
-        """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
+    def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
+            activity: ActivityMap | None = None):
+        """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None). ``activity``: the
+        call's own map, for a forward plan with lists per call (both kernels' lists are
+        compacted from it here)."""
         scratch = dict(zip(self._scratch_names, self._scratch.buffers()))
         # Pointer arguments a launch does not read get any tensor (lse).
         dq_part, dq_count = scratch.get("dq_part", lse), scratch.get("dq_count", lse)
         dk_part, dv_part = scratch.get("dk_part", lse), scratch.get("dv_part", lse)
         kv_count = scratch.get("kv_count", lse)
         mask, bias = operand_pointer(mask, lse), operand_pointer(bias, lse)
-        q_table = lse if self.q_table is None else self.q_table
-        kv_table = lse if self.kv_table is None else self.kv_table
+        kv_table, q_table = self.kv_table, self.q_table
+        if self.lists_per_call:
+            activity = call_activity(activity)
+            kv_table, q_table = (activity.compacted(c).table for c in self.compactions)
+        q_table = lse if q_table is None else q_table
+        kv_table = lse if kv_table is None else kv_table
         dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
         # With group rows, dkdv writes a row per query head and sums each group's into dbias.
         dkdv_dbias = scratch.get("dbias_rows", dbias)
@@ -200,12 +218,14 @@ class BackwardPlan:
 
 
 def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
-                       deterministic: bool, bias_needs_grad: bool):
+                       deterministic: bool, bias_needs_grad: bool,
+                       activity: ActivityMap | None = None):
     """Launch the backward of a forward run with plan ``fwd`` (a ``forward.ForwardPlan``) on
     these saved tensors. Returns (dq, dk, dv, dbias or None).
 
     With a mask, both kernels' lists come from the forward's activity map (made fine enough
-    for the backward's tiles), never from the mask itself.
+    for the backward's tiles), never from the mask itself: the plan's, or the forward call's
+    own ``activity`` for a plan with lists per call.
     """
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
@@ -221,7 +241,7 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
             bwd = schedule(replace(problem, deterministic=bool(deterministic),
                                    bias_grad=bool(bias_needs_grad)), fwd.options).backward
         plan_class = PackedBackwardPlan if bwd.route is BackwardRoute.PACKED else BackwardPlan
-        plan = plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv)
+        plan = plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
         fwd.backward_plans[signature] = plan
-    dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv)
+    dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv, activity)
     return dq, dk, dv, dbias

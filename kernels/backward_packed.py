@@ -19,7 +19,8 @@ class PackedBackwardPlan:
     """A Schedule's packed backward for one forward plan and gradient signature; the same
     ``run`` as ``backward.BackwardPlan``."""
 
-    def __init__(self, fwd, bwd: BackwardSchedule, grad_out, query, key, value, dq, dk, dv):
+    def __init__(self, fwd, bwd: BackwardSchedule, grad_out, query, key, value, dq, dk, dv,
+                 activity=None):
         shape = fwd.shape
         problem = fwd.schedule.problem
         tile = bwd.packed
@@ -56,8 +57,10 @@ class PackedBackwardPlan:
             *(((self.splits, pairs, tile.block_m, problem.block_d), torch.float32),
               ((pairs,), torch.int32)) if split else ())
 
-    def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv):
-        """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None)."""
+    def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
+            activity=None):
+        """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None). The packed launch
+        walks no lists, so it reads no activity map (``activity`` is unused)."""
         dq_part, counts = self._scratch.buffers() or (lse, lse)
         dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
         self.launch(query, key, value, out, grad_out, lse, dq, dk, dv, dq_part, counts,

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import torch
 
-from ._blocks import ActivityMap, block_list_strides, shared_granularity, tile_activity
+from ._blocks import (ActivityMap, ListCompaction, block_list_strides, call_activity,
+                      shared_granularity, tile_activity)
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
                       is_interpreted, multiprocessors, operand_args, operand_pointer)
@@ -61,23 +62,38 @@ class ForwardPlan:
     mask and bias layout, causality, scale, what the backward will need, options), planned
     once: the interface keeps plans by signature, so that a repeat call only allocates its
     outputs and launches. The backward reads the problem's layout from here too and keeps its
-    own plans in ``backward_plans``."""
+    own plans in ``backward_plans``.
+
+    ``lists_per_call``: every call brings its own activity map (``run``'s ``activity``; an
+    unprepared ``KeyIntervals`` mask, read per call), and the plan keeps no map, list or other
+    tensor of the call that made it. Otherwise the lists come from the schedule's map (a
+    prepared mask's) and are kept here."""
 
     def __init__(self, checked: CheckedInputs, query, key, value, sched: Schedule,
-                 options: dict):
+                 options: dict, lists_per_call: bool = False):
         problem, fwd = sched.problem, sched.forward
         shape = problem.shape
-        self.schedule, self.options = sched, options
+        self.options = options
         self.shape, self.dtype, self.device = shape, query.dtype, query.device
         self.is_causal, self.softmax_scale = problem.is_causal, problem.softmax_scale
         self.mask = operand_args(checked.mask) if checked.mask is not None else None
         self.bias = operand_args(checked.bias) if checked.bias is not None else None
         self.bias_shape = problem.bias.shape if problem.bias is not None else None
-        self.activity = problem.activity
+        self.lists_per_call = lists_per_call
+        activity = problem.activity
         lists = None
         if checked.mask is not None:
-            lists = self.activity.lists(*fwd.list_tile, transposed=False)
-        self.list_table = lists.table if lists is not None else None
+            lists = activity.lists(*fwd.list_tile, transposed=False)
+        self.compaction = None
+        if lists_per_call:
+            # Kept: the compaction of a call's map (of this map's shape and tile) into the
+            # forward's list, and the table's strides; not the map or the table.
+            self.compaction = ListCompaction(activity.active.shape, activity.sub_rows,
+                                             activity.sub_cols, *fwd.list_tile, False)
+            activity = None
+            sched = replace(sched, problem=replace(problem, activity=None))
+        self.schedule, self.activity = sched, activity
+        self.list_table = lists.table if lists is not None and not lists_per_call else None
         self.backward_plans: dict = {}  # kept here by kernels.backward, per grad signature
 
         pack = fwd.group_pack
@@ -114,11 +130,20 @@ class ForwardPlan:
     def bias_one_row(self) -> bool:
         return self.bias_shape is not None and self.bias_shape[2] == 1
 
-    def run(self, query, key, value, mask, bias,
-            keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def lists_activity(self, activity: ActivityMap | None) -> ActivityMap | None:
+        """The map a call's lists come from: the call's own ``activity`` where the plan takes
+        lists per call, else the plan's (None without a mask)."""
+        return call_activity(activity) if self.lists_per_call else self.activity
+
+    def run(self, query, key, value, mask, bias, keep_lse: bool = True,
+            activity: ActivityMap | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, or None without ``keep_lse``) for
         tensors of this plan's signature; ``mask`` is the bool mask (or its uint8 view) and
-        ``bias`` the bias, either may be None."""
+        ``bias`` the bias, either may be None; ``activity``: the call's own activity map, for a
+        plan with ``lists_per_call``."""
+        table = self.list_table
+        if self.lists_per_call:  # compacted from the call's map on first use
+            table = call_activity(activity).compacted(self.compaction).table
         # ``new_empty`` takes dtype and device from ``query`` (the plan's own): 2.9 us of host
         # per call against 3.9 for ``torch.empty`` with both named, on the H100 host.
         out = query.new_empty(self.out_shape)
@@ -130,6 +155,6 @@ class ForwardPlan:
         out_part, lse_part, counts = parts if parts else (lse, lse, lse)
         self.main(query, key, value, out, lse, operand_pointer(mask, out),
                   operand_pointer(bias, out),
-                  lse if self.list_table is None else self.list_table, out_part, lse_part,
+                  lse if table is None else table, out_part, lse_part,
                   counts)
         return out, (lse if keep_lse else None)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from . import ops
-from ._checks import check_flags, check_inputs
+from ._blocks import ActivityMap, IntervalActivityPass
+from ._checks import BroadcastOperand, check_flags, check_inputs
 from ._launch import ensure_runnable
 from .backward import attention_backward
 from .forward import ForwardPlan, plan_schedule
@@ -24,6 +27,14 @@ _is_compiling = torch.compiler.is_compiling
 # Forward plans of calls without a mask, by call signature (a prepared mask keeps its own).
 MAX_PLANS = 64
 _plans: dict = {}
+# Forward plans of calls with a KeyIntervals mask that is not prepared (intervals used once,
+# such as Doge's: new ones per layer and step), each with its ``_IntervalReader``, by call
+# signature and the intervals' form (``_interval_form``), least recently used first. These
+# plans take their tile lists per call (``ForwardPlan.lists_per_call``) and hold no tensor, so
+# a kept one costs only its launch objects and the scratch its calls keep (``_scratch``). A
+# model calls with one or two forms per layer shape (with and without gradients).
+MAX_INTERVAL_PLANS = 8
+_interval_plans: OrderedDict = OrderedDict()
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -46,38 +57,79 @@ def _signature(query, key, value, attn_bias, is_causal, softmax_scale, determini
             *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
 
-def _remember(plans: dict, signature: tuple, plan: ForwardPlan) -> None:
+def _interval_form(intervals: KeyIntervals, for_backward: bool) -> tuple:
+    """What a plan with lists per call follows from besides the signature: the intervals'
+    layout (which axes collapse, the checks against the call's sizes and device) and the
+    activity map's tile (finer where a backward follows); never their values."""
+    start, end = intervals.start, intervals.end
+    return (start.shape, start.stride(), start.dtype, end.stride(), end.dtype, start.device,
+            for_backward)
+
+
+def _remember(plans: dict, signature: tuple, plan, limit: int = MAX_PLANS) -> None:
     plans[signature] = plan
-    if len(plans) > MAX_PLANS:
-        del plans[next(iter(plans))]  # the oldest
+    while len(plans) > limit:
+        del plans[next(iter(plans))]  # the oldest (the least recently used: interval plans)
+
+
+class _IntervalReader:
+    """What a call with unprepared ``KeyIntervals`` of a kept form does with them, planned by
+    the form's first call (which checked them): interleave the pairs (``kernel_operand``, two
+    or three torch ops), view them as the kernels' mask operand, and run the planned activity
+    pass into a new map. Everything after that (the lists, the launches) is the plan's."""
+
+    def __init__(self, mask: BroadcastOperand, activity: ActivityMap, shape, is_causal: bool):
+        self.view_size, self.view_stride = tuple(mask.view.shape), mask.view.stride()
+        pairs = mask.interval_pairs
+        self.activity_pass = IntervalActivityPass(pairs.shape[0], pairs.shape[1], shape,
+                                                  activity.sub_rows, activity.sub_cols,
+                                                  is_causal)
+
+    def __call__(self, intervals: KeyIntervals) -> tuple[torch.Tensor, ActivityMap]:
+        """(the kernels' mask operand, the activity map) of ``intervals``."""
+        pairs = intervals.kernel_operand()
+        return pairs.as_strided(self.view_size, self.view_stride), self.activity_pass(pairs)
 
 
 def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                for_backward: bool, deterministic: bool = False, bias_grad: bool = False,
                kernel_options=None):
-    """(forward plan, query, key, value, mask tensor or None) for this call. A repeat
-    signature reuses its plan with no checks or planning; otherwise the inputs are checked
-    (errors first), scheduled (``kernels.schedule``) and a plan is made, and kept unless the
-    mask was not prepared. ``for_backward``: a backward will follow (an unprepared mask's
-    activity map is then made fine enough for the backward's tiles too)."""
+    """(forward plan, query, key, value, mask tensor or None, activity map or None) for this
+    call. A repeat signature reuses its plan with no checks or planning; otherwise the inputs
+    are checked (errors first), scheduled (``kernels.schedule``) and a plan is made, and kept
+    unless the mask is a bool tensor that was not prepared. ``for_backward``: a backward will
+    follow (an unprepared mask's activity map is then made fine enough for the backward's
+    tiles too). The activity map is the call's own, read from an unprepared ``KeyIntervals``
+    mask for a plan that takes its lists per call; None where the plan's own lists serve."""
     prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
+    intervals = None  # an unprepared KeyIntervals mask, read by this call
     if (isinstance(attn_mask, KeyIntervals) and isinstance(query, torch.Tensor)
             and isinstance(key, torch.Tensor)):
         prepared = prepared_intervals(attn_mask, query, key, is_causal)
+        intervals = attn_mask if prepared is None else None
     if prepared is not None:
         prepared.check_fresh()
         attn_mask, plans = prepared.mask, prepared.plans
         kernel_mask = prepared.kernel_mask
+    elif intervals is not None:
+        plans = _interval_plans
     else:
-        plans = _plans if attn_mask is None else None  # an unprepared mask is read per call
+        plans = _plans if attn_mask is None else None  # a bool mask is read per call
     options_key = tuple(sorted(kernel_options.items())) if kernel_options else ()
     signature = None
     if plans is not None:
         signature = _signature(query, key, value, attn_bias, is_causal, softmax_scale,
                                deterministic, bias_grad, options_key)
+        if signature is not None and intervals is not None:
+            signature = (signature, _interval_form(intervals, for_backward))
         plan = plans.get(signature) if signature is not None else None
         if plan is not None:
-            return plan, query, key, value, kernel_mask if prepared is not None else attn_mask
+            if intervals is not None:  # kept with its reader
+                plans.move_to_end(signature)
+                plan, read = plan
+                return (plan, query, key, value, *read(intervals))
+            return (plan, query, key, value, kernel_mask if prepared is not None else attn_mask,
+                    None)
 
     checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
     options = normalize_options(kernel_options)
@@ -91,13 +143,20 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
         activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
     sched = plan_schedule(checked, query, is_causal, deterministic, bias_grad, options,
                           activity, with_backward=for_backward)
-    plan = ForwardPlan(checked, query, key, value, sched, options)
+    if intervals is not None:  # the map this call read, handed to the call, not to the plan
+        activity = sched.problem.activity
+    plan = ForwardPlan(checked, query, key, value, sched, options,
+                       lists_per_call=intervals is not None)
     if signature is not None and not copied:
-        _remember(plans, signature, plan)
+        if intervals is not None:
+            kept = (plan, _IntervalReader(checked.mask, activity, checked.shape, is_causal))
+            _remember(plans, signature, kept, MAX_INTERVAL_PLANS)
+        else:
+            _remember(plans, signature, plan)
     # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs.
     if checked.mask is not None and checked.mask.interval_pairs is not None:
         attn_mask = checked.mask.view
-    return plan, query, key, value, attn_mask
+    return plan, query, key, value, attn_mask, (activity if intervals is not None else None)
 
 
 class _DMAttnFunction(torch.autograd.Function):
@@ -107,14 +166,15 @@ class _DMAttnFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                 deterministic, return_lse, kernel_options):
         bias_grad = attn_bias is not None and attn_bias.requires_grad
-        plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
-                                                   is_causal, softmax_scale, True,
-                                                   deterministic, bias_grad, kernel_options)
-        out, lse = plan.run(query, key, value, mask, attn_bias)
+        plan, query, key, value, mask, activity = _plan_call(
+            query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, True,
+            deterministic, bias_grad, kernel_options)
+        out, lse = plan.run(query, key, value, mask, attn_bias, activity=activity)
         # The LSE is saved either way; it is an output only when asked for. Each output is
         # one more tensor for autograd to wrap and track on every call.
         ctx.save_for_backward(query, key, value, out, lse, mask, attn_bias)
         ctx.plan = plan
+        ctx.activity = activity  # the call's own map, whose lists the backward walks too
         ctx.deterministic = deterministic
         if not return_lse:
             return out
@@ -132,6 +192,7 @@ class _DMAttnFunction(torch.autograd.Function):
         dq, dk, dv, dbias = attention_backward(
             ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
             ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
+            activity=ctx.activity,
         )
         return dq, dk, dv, None, dbias, None, None, None, None, None
 
@@ -200,10 +261,11 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
         return _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, is_causal,
                                      softmax_scale, deterministic, return_lse, kernel_options)
     # No graph to record: skip autograd.Function's own host time.
-    plan, query, key, value, mask = _plan_call(query, key, value, attn_mask, attn_bias,
-                                               is_causal, softmax_scale, False,
-                                               kernel_options=kernel_options)
-    out, lse = plan.run(query, key, value, mask, attn_bias, keep_lse=return_lse)
+    plan, query, key, value, mask, activity = _plan_call(
+        query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, False,
+        kernel_options=kernel_options)
+    out, lse = plan.run(query, key, value, mask, attn_bias, keep_lse=return_lse,
+                        activity=activity)
     return (out, lse) if return_lse else out
 
 

@@ -12,7 +12,7 @@ a per-key bias (``topk_intervals``).
 
 What the kernels read, and the rule their tile skipping follows:
 
-* ``kernel_operand()``: one int32 tensor (Bm', Hm', 2, Lk), start at index 0 and end at 1.
+* ``kernel_operand()``: one int32 tensor (Bm', Hm', Lk, 2): each key's start, then its end.
 * ``block_bounds(block_n)``: per block of ``block_n`` keys, the four bounds that decide whether
   a tile of query rows [m0, m1) by that key block may have a visible pair (active), and whether
   every pair of it is visible (full). See :class:`IntervalBlockBounds`. The kernels compute the
@@ -160,20 +160,21 @@ class KeyIntervals:
         return start, end
 
     def kernel_operand(self) -> torch.Tensor:
-        """One contiguous int32 tensor (Bm', Hm', 2, Lk): start at [:, :, 0], end at [:, :, 1].
+        """One contiguous int32 tensor (Bm', Hm', Lk, 2): key j's start at [..., j, 0] and its
+        end at [..., j, 1], interleaved as the kernels read them.
 
         Bm' is Bm, or 1 when both tensors broadcast over batch with stride 0; Hm' likewise
         (a size-1 axis broadcasts like any mask axis). Values are clamped into [0, 2**31 - 1],
-        which keeps their meaning for every row 0 <= i < 2**31 - 1.
+        which keeps their meaning for every row 0 <= i < 2**31 - 1. Two torch ops for int32
+        intervals (stack, then clamp in place), three for int64 (and the cast).
         """
         start, end = self._collapsed()
-        return torch.stack((start.clamp(0, INT32_MAX), end.clamp(0, INT32_MAX)),
-                           dim=2).to(torch.int32)
+        return torch.stack((start, end), dim=-1).clamp_(0, INT32_MAX).to(torch.int32)
 
     def block_bounds(self, block_n: int) -> IntervalBlockBounds:
         """Per block of ``block_n`` keys, the bounds of :class:`IntervalBlockBounds`, in
         O(Bm' * Hm' * Lk) torch ops (the last block padded with neutral values)."""
-        start, end = self.kernel_operand().unbind(2)
+        start, end = self.kernel_operand().unbind(-1)
         return block_bounds(start, end, block_n)
 
 

@@ -22,9 +22,10 @@ through planned launches (``_launch.PlannedLaunch``), not ``kernel[grid](...)`` 
 What an op cannot carry, and what that costs:
 
 * A forward plan is a Python object, so the backward op plans again from its inputs. Without a
-  mask that is a lookup of the plan the forward kept for its signature. With a mask, plans are
-  not kept, so the backward reads the mask once more to find its active tiles (one pass over
-  the mask, as an eager forward makes per call).
+  mask that is a lookup of the plan the forward kept for its signature. With a mask the
+  backward reads the mask once more to find its active tiles (one pass over a bool mask, as an
+  eager forward makes per call; a KeyIntervals mask's pairs and activity pass, with the plan
+  kept for its form).
 * A ``PreparedMask`` travels as its mask tensor: a compiled call reads the mask per call, in
   the forward and again in the backward, as an unprepared mask is read. Its prepared lists go
   unused, and so do its checks against the call's shapes and against writes since
@@ -166,20 +167,21 @@ def _forward_impl(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
                   deterministic, plan_backward, bias_needs_grad):
     """(out, lse) of one forward call, lse float32 (B, Hq, Lq), planned as the eager call
     plans it: for a backward (with its determinism and bias gradient) when one will follow."""
-    plan, query, key, value, mask = interface._plan_call(
+    plan, query, key, value, mask, activity = interface._plan_call(
         query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, plan_backward,
         deterministic and plan_backward, bias_needs_grad and plan_backward)
-    return plan.run(query, key, value, mask, attn_bias)
+    return plan.run(query, key, value, mask, attn_bias, activity=activity)
 
 
 def _backward_impl(grad_out, query, key, value, out, lse, attn_mask, attn_bias, is_causal,
                    softmax_scale, deterministic, bias_needs_grad):
     """(dq, dk, dv, dbias or None) of one backward call, on the forward's saved tensors."""
-    plan, query, key, value, mask = interface._plan_call(
+    plan, query, key, value, mask, activity = interface._plan_call(
         query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, True,
         deterministic, bias_needs_grad)
     return attention_backward(plan, grad_out, query, key, value, out, lse, mask, attn_bias,
-                              deterministic, bias_needs_grad=bias_needs_grad)
+                              deterministic, bias_needs_grad=bias_needs_grad,
+                              activity=activity)
 
 
 # -- schemas

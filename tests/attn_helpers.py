@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kernels import attention_reference, dmattn_func, schedule_for
+from kernels import KeyIntervals, attention_reference, dmattn_func, schedule_for
 from kernels._checks import AttnShape
 from kernels.tolerance import check_tensor
 
@@ -389,3 +389,43 @@ def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
         assert_close_to_reference(name, got, truth, low, q.dtype)
     assert (grads.dbias is None) == (bias is None)
     return BackwardRun(grads, ref, watch)
+
+
+def random_intervals(dims: Dims, heads: str, batch: str, device, seed: int = 0) -> KeyIntervals:
+    """Random runs of rows per key: some empty, some covering every row, some one row long."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    b = dims.batch if batch == "B" else 1
+    h = {"1": 1, "Hk": dims.heads_kv, "Hq": dims.heads_q}[heads]
+    lq, lk = dims.seqlen_q, dims.seqlen_k
+    start = torch.randint(-2, lq + 1, (b, h, lk), generator=gen)
+    length = torch.randint(0, lq + 2, (b, h, lk), generator=gen)
+    kind = torch.randint(0, 6, (b, h, lk), generator=gen)
+    end = start + length
+    start = torch.where(kind == 0, torch.zeros_like(start), start)  # every row
+    end = torch.where(kind == 0, torch.full_like(end, lq), end)
+    end = torch.where(kind == 1, start, end)  # empty
+    end = torch.where(kind == 2, start + 1, end)  # one row
+    return KeyIntervals(start.to(device), end.to(device=device, dtype=torch.int32))
+
+
+class SyncWatch(TorchDispatchMode):
+    """Records every op run while active that makes the host wait for the device: a value read
+    back (``.item()``), an output sized by data, or a copy to the host (on a GPU; a CPU
+    tensor's ``.tolist()`` reaches no op at all)."""
+
+    READS_BACK = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal",
+                  "unique", "_unique2")
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        on_device = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                     and t.device.type != "cpu"]
+        to_host = on_device and any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                    for t in tree_leaves(result))
+        if func.overloadpacket.__name__ in self.READS_BACK or to_host:
+            self.syncs.append(str(func))
+        return result

@@ -42,9 +42,10 @@ def _seeded():
 
 @pytest.fixture()
 def no_kept_plans():
-    """Start with no kept forward plans: another test in the session may have made a plan of
-    the very signature a test means to plan afresh (a kept plan also keeps its backward
-    plans)."""
+    """Start with no kept forward plans (those of mask-free calls and of unprepared
+    KeyIntervals): another test in the session may have made a plan of the very signature a
+    test means to plan afresh (a kept plan also keeps its backward plans)."""
     from kernels import interface  # after pytest_configure has set TRITON_INTERPRET
 
     interface._plans.clear()
+    interface._interval_plans.clear()

@@ -15,14 +15,13 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from kernels import (KeyIntervals, attention_reference, dmattn_func, ops, prepare_mask,
                      topk_intervals)
 
-from attn_helpers import (Dims, assert_close_to_reference, grads_of, random_bias, random_mask,
-                          random_qkv)
+from attn_helpers import (Dims, SyncWatch, assert_close_to_reference, grads_of, random_bias,
+                          random_mask, random_qkv)
 
 DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)  # GQA
 # Bias shapes as axis tokens (batch 1/B, heads 1/Hk/Hq, query 1/Lq, key 1/Lk): every size of
@@ -382,29 +381,6 @@ def operands(mask, bias, bias_base) -> tuple:
     slots = dict.fromkeys(ops.OPERANDS)
     slots.update(attn_mask=mask, attn_bias=bias, bias_base=bias_base)
     return tuple(slots.values())
-
-
-class SyncWatch(TorchDispatchMode):
-    """Records every op run while active that makes the host wait for the device: a value read
-    back (``.item()``), an output sized by data, or a copy to the host (on a GPU; a CPU
-    tensor's ``.tolist()`` reaches no op at all)."""
-
-    READS_BACK = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal",
-                  "unique", "_unique2")
-
-    def __init__(self):
-        super().__init__()
-        self.syncs: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        on_device = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                     and t.device.type != "cpu"]
-        to_host = on_device and any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                                    for t in tree_leaves(result))
-        if func.overloadpacket.__name__ in self.READS_BACK or to_host:
-            self.syncs.append(str(func))
-        return result
 
 
 def test_ops_never_wait_for_the_device(device):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attn_helpers import (Dims, assert_close_to_reference, assert_empty_rows_and_finite,
-                          backward_schedule, forcing, grads_of, random_bias, random_qkv)
+                          backward_schedule, forcing, grads_of, random_bias, random_intervals,
+                          random_qkv)
 from kernels import KeyIntervals, attention_reference, dmattn_func, prepare_mask
 from kernels._blocks import interval_activity, tile_activity
 from kernels._checks import check_inputs
@@ -23,23 +24,6 @@ SHAPES = [
     pytest.param(Dims(1, 1, 130, heads_q=8, heads_kv=2, head_dim=16), "Hk", "1", id="decode"),
     pytest.param(Dims(1, 3, 65, heads_q=6, heads_kv=2, head_dim=16), "Hq", "1", id="lq3-packed"),
 ]
-
-
-def random_intervals(dims: Dims, heads: str, batch: str, device, seed: int = 0) -> KeyIntervals:
-    """Random runs of rows per key: some empty, some covering every row, some one row long."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    b = dims.batch if batch == "B" else 1
-    h = {"1": 1, "Hk": dims.heads_kv, "Hq": dims.heads_q}[heads]
-    lq, lk = dims.seqlen_q, dims.seqlen_k
-    start = torch.randint(-2, lq + 1, (b, h, lk), generator=gen)
-    length = torch.randint(0, lq + 2, (b, h, lk), generator=gen)
-    kind = torch.randint(0, 6, (b, h, lk), generator=gen)
-    end = start + length
-    start = torch.where(kind == 0, torch.zeros_like(start), start)  # every row
-    end = torch.where(kind == 0, torch.full_like(end, lq), end)
-    end = torch.where(kind == 1, start, end)  # empty
-    end = torch.where(kind == 2, start + 1, end)  # one row
-    return KeyIntervals(start.to(device), end.to(device=device, dtype=torch.int32))
 
 
 def _check(name, got, truth, low, dtype):

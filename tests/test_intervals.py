@@ -106,10 +106,10 @@ def test_to_dense_follows_the_definition(dtype, seqlen_q):
 def test_kernel_operand_layout():
     intervals = random_intervals((2, 3, 17), 9)
     operand = intervals.kernel_operand()
-    assert operand.dtype == torch.int32 and operand.shape == (2, 3, 2, 17)
+    assert operand.dtype == torch.int32 and operand.shape == (2, 3, 17, 2)
     assert operand.is_contiguous()
-    assert torch.equal(operand[:, :, 0], intervals.start.clamp(0, INT32_MAX).int())
-    assert torch.equal(operand[:, :, 1], intervals.end.clamp(0, INT32_MAX).int())
+    assert torch.equal(operand[..., 0], intervals.start.clamp(0, INT32_MAX).int())
+    assert torch.equal(operand[..., 1], intervals.end.clamp(0, INT32_MAX).int())
 
 
 def test_kernel_operand_keeps_the_meaning_of_values_outside_int32():
@@ -118,7 +118,7 @@ def test_kernel_operand_keeps_the_meaning_of_values_outside_int32():
     end = torch.tensor([[[big, -big + 1, big, big + 5, 2, 4, 3]]])
     intervals = KeyIntervals(start, end)
     operand = intervals.kernel_operand()
-    again = KeyIntervals(operand[:, :, 0], operand[:, :, 1])
+    again = KeyIntervals(operand[..., 0], operand[..., 1])
     assert torch.equal(again.to_dense(6), intervals.to_dense(6))
 
 
@@ -140,7 +140,7 @@ def test_kernel_operand_collapses_axes_broadcast_in_both(broadcast, expected):
     intervals = KeyIntervals(*views[broadcast])
     operand = intervals.kernel_operand()
     assert tuple(operand.shape[:2]) == expected
-    dense = KeyIntervals(operand[:, :, 0], operand[:, :, 1]).to_dense(9)
+    dense = KeyIntervals(operand[..., 0], operand[..., 1]).to_dense(9)
     assert torch.equal(dense.expand(2, 3, 9, 17), intervals.to_dense(9))
 
 
@@ -148,13 +148,13 @@ def test_kernel_operand_collapses_axes_broadcast_in_both(broadcast, expected):
 def bounds_by_definition(intervals: KeyIntervals, block_n: int):
     """(min_start, max_end, max_start, min_end) per key block, element by element."""
     operand = intervals.kernel_operand()
-    bm, hm, _, lk = operand.shape
+    bm, hm, lk, _ = operand.shape
     blocks = -(-lk // block_n)
     out = torch.zeros(4, bm, hm, blocks, dtype=torch.int64)
     for b in range(bm):
         for h in range(hm):
             for n in range(blocks):
-                pairs = [(int(operand[b, h, 0, j]), int(operand[b, h, 1, j]))
+                pairs = [(int(operand[b, h, j, 0]), int(operand[b, h, j, 1]))
                          for j in range(n * block_n, min(lk, (n + 1) * block_n))]
                 live = [(s, e) for s, e in pairs if s < e]
                 out[:, b, h, n] = torch.tensor([
