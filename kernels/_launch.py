@@ -364,7 +364,7 @@ class PlannedLaunch:
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if _compile_executor is not None:
-            form = (self.pointers(*map(_kernel_arg, tensors)), *self._form_scalars)
+            form = (*self._leading(tensors), *self._form_scalars)
             _start_compile(self.kernel, self.grid, form, self.options)
             return
         if self.interpreted or not _direct_launch_available():
