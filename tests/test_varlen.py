@@ -251,3 +251,29 @@ def test_varlen_backward_matches_the_reference(dtype, is_causal, device):
         assert a.shape == r.shape, name
         check = check_tensor(name, a, r, e, dtype)
         assert check.passed, check.describe()
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_varlen_compiles_whole_with_eager_bits(is_causal, device):
+    """torch.compile(fullgraph=True) of dmattn_varlen_func, bias gradient included: one graph
+    (the offsets' value checks, which read them back, are skipped while tracing) and eager's
+    outputs and gradients bit for bit."""
+    problem, mask, bias = kernel_problem(torch.float16, device)
+    q, k, v, cu_q, cu_k, max_q, max_k = problem
+    grad_out = torch.randn_like(q, dtype=torch.float32).to(q.dtype)
+
+    def attend(q, k, v, bias):
+        return dmattn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, attn_mask=mask,
+                                  attn_bias=bias, is_causal=is_causal)
+
+    results = []
+    torch._dynamo.reset()
+    try:
+        for fn in (torch.compile(attend, backend="aot_eager", fullgraph=True), attend):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+            out = fn(*leaves)
+            results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    finally:
+        torch._dynamo.reset()
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dbias"), *results):
+        assert torch.equal(got, want), f"{name} differs between compiled and eager runs"
