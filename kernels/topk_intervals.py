@@ -202,8 +202,7 @@ _graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None: not ca
 
 
 class _SelectionGraph:
-    def __init__(self, form: tuple, bias: torch.Tensor):
-        _, window, seqlen_q, is_causal = form[:4]
+    def __init__(self, bias: torch.Tensor, window: int, seqlen_q: int, is_causal: bool):
         self.bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
         self.bias.copy_(bias)
         side = torch.cuda.Stream(bias.device)  # warm-up off the capturing stream, as required
@@ -232,7 +231,7 @@ def _select_rows(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch
         graph = _graphs[form]
     else:
         try:
-            graph = _SelectionGraph(form, bias)
+            graph = _SelectionGraph(bias, window, seqlen_q, is_causal)
         except RuntimeError:  # not capturable here: the ops, directly, for this form
             graph = None
         _graphs[form] = graph

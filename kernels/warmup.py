@@ -144,6 +144,5 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
         torch.cuda.synchronize(device)
     return WarmupReport(tuple(lengths), compiled_forms() - before,
                         time.perf_counter() - started,
-                        compiled_serially=compiled_forms() - reached if parallel else
-                        compiled_forms() - before,
+                        compiled_serially=compiled_forms() - reached,
                         workers=threads if parallel else 1)
