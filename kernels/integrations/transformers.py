@@ -79,9 +79,9 @@ def dmattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
             return None
         return padding
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                     q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
-                     attention_mask=attention_mask, allow_is_causal_skip=False,
-                     use_vmap=use_vmap, **kwargs)
+                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                        attention_mask=attention_mask, allow_is_causal_skip=False,
+                        use_vmap=use_vmap, **kwargs)
 
 
 def _is_plain_causal(mask_function) -> bool:
