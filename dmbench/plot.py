@@ -44,9 +44,10 @@ BACKEND_STYLE = {
     "flex": ("tab:green", "D"),
     "fdma": ("tab:red", "v"),
     "reference": ("tab:brown", "x"),
+    "triton-base": ("tab:cyan", "P"),
 }
 # For a backend not listed above: chosen by a hash of its name, so still stable across charts.
-SPARE_STYLES = (("tab:purple", "P"), ("tab:pink", "*"), ("tab:olive", "h"), ("tab:cyan", "<"))
+SPARE_STYLES = (("tab:purple", "<"), ("tab:pink", "*"), ("tab:olive", "h"), ("black", ">"))
 LINE_STYLES = ("-", "--", ":", "-.")
 
 

@@ -11,10 +11,12 @@ that the text around them is untouched:
   ``docs/TARGETS.md``.
 * the tables, in ``results/<gpu>/README.md``: each case's median time per backend, for
   block-sparse sweeps each backend's time divided by its time with every tile active, and
-  per sweep each backend's mask build (``build_ms``) per case.
+  per sweep each backend's mask build (``build_ms``) per case, and, where a run had
+  ``triton-base`` rows (the kernels of another checkout), our time over theirs per sweep and
+  mode.
 
 ``sdpa-dense`` is shown as the no-mask ceiling but is not a peer: it computes a different
-(dense) function. Rows timed on the CPU under Triton's interpreter get no targets: their
+(dense) function; nor is ``triton-base``. Rows timed on the CPU under Triton's interpreter get no targets: their
 timings are not performance numbers, and both sections say so.
 """
 
@@ -30,7 +32,11 @@ from .errors import ConfigError
 from .results import Row, read_rows
 
 PEERS = ("sdpa", "flex", "fdma")
-SHOWN = ("triton", "sdpa", "flex", "fdma", "sdpa-dense", "reference")
+SHOWN = ("triton", "triton-base", "sdpa", "flex", "fdma", "sdpa-dense", "reference")
+# Our kernels from another checkout (an A/B of two kernel versions), not a peer.
+BASELINE = "triton-base"
+# An A/B row counts as unchanged within this ratio either way.
+UNCHANGED_WITHIN = 0.03
 TARGETS_DOC = "docs/TARGETS.md"
 # docs/TARGETS.md: FlashAttention-class TFLOP/s with no mask and no bias, D = 128, L >= 4096.
 DENSE_FLOOR_TFLOPS = {"fwd": 450.0, "bwd": 250.0}
@@ -317,6 +323,38 @@ def build_markdown(rows: list[Row]) -> list[str]:
 
 
 
+def _quantile(sorted_values: list[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def baseline_markdown(collected: Collected) -> list[str]:
+    """Per (sweep, mode) with ``triton-base`` rows: the distribution of our median time over
+    the baseline kernels' on the same cases (below 1 means the current kernels are faster)."""
+    lines = []
+    for (sweep, mode), cases in sorted(collected.tables.items()):
+        ratios = sorted((t["triton"] / t[BASELINE], label) for label, t in cases.items()
+                        if "triton" in t and BASELINE in t)
+        if not ratios:
+            continue
+        values = [r for r, _ in ratios]
+        within = sum(abs(r - 1) <= UNCHANGED_WITHIN for r in values)
+        slower = sum(r > 1 + UNCHANGED_WITHIN for r in values)
+        (low, low_case), (high, high_case) = ratios[0], ratios[-1]
+        lines.append(f"| {sweep}, {mode} | {len(values)} | {_quantile(values, 0.5):.3f} | "
+                     f"{_quantile(values, 0.25):.3f} – {_quantile(values, 0.75):.3f} | {within} | "
+                     f"{slower} | {low:.3f} ({low_case}) | {high:.3f} ({high_case}) |")
+    if not lines:
+        return []
+    head = [f"\n**triton ÷ {BASELINE}: our kernels against the baseline checkout's, same run**\n",
+            f"Median time ratio per case (below 1: the current kernels are faster); within "
+            f"±{UNCHANGED_WITHIN:.0%} counts as unchanged.\n",
+            "| sweep, mode | cases | median | p25 – p75 | within | slower | fastest | slowest |",
+            "|---|---|---|---|---|---|---|---|"]
+    return head + lines
+
+
 def tables_markdown(collected: Collected) -> str:
     """Median ms per backend for every case, one table per (sweep, mode)."""
     parts = [measured_on(collected.rows), ""]
@@ -330,6 +368,7 @@ def tables_markdown(collected: Collected) -> str:
                      "sdpa (float mask), flex and fdma that has a row, divided by ours (above 1 "
                      "means we are faster), with that peer named; a dash means no row for that "
                      "backend. sdpa-dense (no mask, no bias) is the dense ceiling, not a peer.")
+    parts += baseline_markdown(collected)
     parts += sparsity_markdown(collected.rows, collected.interpreted)
     parts += build_markdown(collected.rows)
     for (sweep, mode), cases in sorted(collected.tables.items()):

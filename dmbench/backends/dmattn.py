@@ -1,7 +1,10 @@
-"""Our kernels (``triton``) and the eager reference in the input dtype (``reference``)."""
+"""Our kernels (``triton``), the same kernels from another checkout (``triton-base``), and the
+eager reference in the input dtype (``reference``)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,8 +61,8 @@ class TritonBackend(Backend):
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         if "layout" in adapted:
             return self._bind_varlen(adapted, case, want_lse)
-        from kernels import dmattn_func, prepare_mask
-
+        kernels = self.kernels()
+        dmattn_func, prepare_mask = kernels.dmattn_func, kernels.prepare_mask
         q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
         # Like flex's block mask: a bool mask's tile lists are built once, outside the timing,
         # and their build time is reported. Intervals are read by the call itself.
@@ -75,8 +78,14 @@ class TritonBackend(Backend):
 
         return Bound(call, build)
 
+    def kernels(self):
+        """The kernels package this backend calls."""
+        import kernels
+
+        return kernels
+
     def _bind_varlen(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
-        from kernels import dmattn_varlen_func
+        dmattn_varlen_func = self.kernels().dmattn_varlen_func
 
         q, k, v, bias, layout = (adapted[n] for n in ("q", "k", "v", "bias", "layout"))
         batch, length = case.batch, case.seqlen_q
@@ -92,6 +101,80 @@ class TritonBackend(Backend):
             return out, lse
 
         return Bound(call)
+
+
+BASELINE_ENV = "DMBENCH_BASELINE_KERNELS"
+BASELINE_MODULE = "dmbench_baseline_kernels"
+
+
+class BaselineBackend(TritonBackend):
+    """Our kernels as another checkout has them, beside ``triton`` in the same process: an A/B
+    of two kernel versions on every row of a sweep, each point timed alternately with the
+    others when ``timing.rounds`` > 1.
+
+    ``DMBENCH_BASELINE_KERNELS`` names that checkout's ``kernels`` directory (for example one
+    made by ``git worktree add /tmp/base <commit>``); it is imported under another module name,
+    so both versions' Triton kernels and caches live side by side. A baseline without
+    ``KeyIntervals`` or ``dmattn_varlen_func`` skips the cases that need them.
+    """
+
+    name = "triton-base"
+    description = (f"ours from the checkout whose kernels directory ${BASELINE_ENV} names, "
+                   "called as triton is (an A/B of two kernel versions in one process)")
+
+    def __init__(self):
+        self._module = None
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        folder = os.environ.get(BASELINE_ENV)
+        if not folder:
+            return f"set {BASELINE_ENV} to another checkout's kernels directory"
+        if not Path(folder, "__init__.py").is_file():
+            return f"{BASELINE_ENV}={folder} is not a kernels package (no __init__.py there)"
+        try:
+            self.kernels()
+        except Exception as exc:  # any failure means "not available here"; the reason is reported
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            return f"cannot import the kernels at {folder}: {type(exc).__name__}: {first}"
+        return None
+
+    def adapt(self, problem: Problem) -> dict[str, Any]:
+        adapted = super().adapt(problem)
+        mask = adapted.get("mask")
+        if is_intervals(mask):  # the same intervals as the baseline package's own class
+            adapted["mask"] = self.kernels().KeyIntervals(mask.start, mask.end)
+        return adapted
+
+    def skip_reason(self, case: Case) -> str | None:
+        needs = {"intervals": "KeyIntervals", "varlen": "dmattn_varlen_func"}.get(case.mask_format)
+        if needs and not hasattr(self.kernels(), needs):
+            return f"the baseline kernels have no {needs}"
+        return None
+
+    def kernels(self):
+        if self._module is None:
+            self._module = load_package(BASELINE_MODULE, Path(os.environ[BASELINE_ENV]))
+        return self._module
+
+
+def load_package(name: str, folder: Path):
+    """The package in ``folder`` imported as ``name`` (its relative imports resolve inside it);
+    loaded once per process."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 class ReferenceBackend(Backend):

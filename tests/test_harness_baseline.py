@@ -1,0 +1,106 @@
+"""``triton-base``: our kernels from another checkout, timed beside ``triton`` in one process,
+and the report's A/B section over the two."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from dmbench.backends import make_backends
+from dmbench.backends.dmattn import BASELINE_ENV
+from dmbench.cli import app
+from dmbench.errors import ExitCode
+from dmbench.report import baseline_markdown, collect, tables_markdown
+from dmbench.results import read_rows
+from dmbench.sweep import Case
+from test_report import _csv, _masked, _rows
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+SWEEP = """\
+name: ab
+backends: [triton, triton-base]
+check: true
+timing: {warmup: 1, repeats: 3, budget_s: 1.0}
+defaults: {batch: 1, heads: "2/1", head_dim: 32, dtype: bf16, causal: true, seed: 0}
+cases:
+  - {seqlen: 40, mask: topk, window: 16, bias: kv_row}
+  - {seqlen: 40, mask: topk, mask_format: intervals, window: 16, bias: kv_row}
+"""
+
+
+def _run(tmp_path: Path, mode: str = "fwd") -> list:
+    sweep = tmp_path / "ab.yaml"
+    sweep.write_text(SWEEP)
+    out = tmp_path / "ab.csv"
+    result = runner.invoke(app, [mode, str(sweep), "--out", str(out), "--no-plot", "--no-progress"])
+    assert result.exit_code == ExitCode.OK, result.output
+    return read_rows(out)
+
+
+def test_the_same_kernels_as_a_baseline_give_the_same_outputs(tmp_path, monkeypatch):
+    monkeypatch.setenv(BASELINE_ENV, str(REPO / "kernels"))
+    rows = _run(tmp_path, "bwd")
+    by_backend = {(r.backend, r.mask_format): r for r in rows}
+    assert {r.status for r in rows} == {"ok"}, [(r.backend, r.detail) for r in rows]
+    for fmt in ("bool", "intervals"):
+        ours, base = by_backend[("triton", fmt)], by_backend[("triton-base", fmt)]
+        # Checked against the fp64 reference, each with its own error; same code, same numbers.
+        for name in ("err_dq", "err_dk", "err_dv", "err_dbias"):
+            assert getattr(ours, name) == getattr(base, name), name
+
+
+def test_without_the_variable_the_baseline_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.delenv(BASELINE_ENV, raising=False)
+    rows = _run(tmp_path)
+    base = [r for r in rows if r.backend == "triton-base"]
+    assert base and {r.status for r in base} == {"skipped"}
+    assert all(BASELINE_ENV in r.detail for r in base)
+    assert {r.status for r in rows if r.backend == "triton"} == {"ok"}
+
+
+def test_a_folder_that_is_no_package_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv(BASELINE_ENV, str(tmp_path))
+    reason = make_backends()["triton-base"].unavailable_reason(None)
+    assert reason is not None and str(tmp_path) in reason and "__init__.py" in reason
+
+
+def test_a_baseline_without_intervals_skips_their_cases(tmp_path, monkeypatch):
+    package = tmp_path / "old_kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from kernels import dmattn_func, prepare_mask\n")  # no KeyIntervals, no varlen
+    monkeypatch.setenv(BASELINE_ENV, str(package))
+    monkeypatch.setattr("dmbench.backends.dmattn.BASELINE_MODULE", "dmbench_old_kernels_test")
+    backend = make_backends()["triton-base"]
+    assert backend.unavailable_reason(None) is None
+    bool_case = Case(1, 2, 1, 40, 40, 32, 16, True, "bf16", "topk", bias="kv_row")
+    intervals = Case(1, 2, 1, 40, 40, 32, 16, True, "bf16", "topk", bias="kv_row",
+                     mask_format="intervals")
+    assert backend.skip_reason(bool_case) is None
+    assert "KeyIntervals" in backend.skip_reason(intervals)
+
+
+def test_report_gives_the_ratio_distribution_against_the_baseline(tmp_path):
+    rows = []
+    for i, (new, old) in enumerate([(1.0, 1.0), (0.9, 1.0), (1.1, 1.0), (1.01, 1.0)]):
+        rows += _rows(_masked(i), "win", "fwd", {"triton": new, "triton-base": old, "sdpa": 2.0})
+    collected = collect([_csv(tmp_path / "r.csv", rows)])
+    lines = baseline_markdown(collected)
+    table = [line for line in lines if line.startswith("| win, fwd")]
+    assert len(table) == 1
+    cells = [c.strip() for c in table[0].strip("|").split("|")]
+    assert cells[1] == "4"                      # cases
+    assert cells[2] == "1.005"                  # median of 0.9, 1.0, 1.01, 1.1
+    assert cells[4] == "2" and cells[5] == "1"  # within ±3%; slower
+    assert cells[6].startswith("0.900") and cells[7].startswith("1.100")
+    # The baseline is shown beside ours in the per-case tables, never as a peer.
+    text = tables_markdown(collected)
+    assert "| case | triton | triton-base | sdpa | vs best peer |" in text
+    assert "(triton-base)" not in text
+
+
+def test_no_baseline_rows_no_section(tmp_path):
+    rows = _rows(_masked(0), "win", "fwd", {"triton": 1.0, "sdpa": 2.0})
+    assert baseline_markdown(collect([_csv(tmp_path / "r.csv", rows)])) == []
