@@ -249,11 +249,11 @@ def _capture_failure(exc: BaseException) -> tuple[str, bool]:
 
 def _recover(device: torch.device, pool: tuple[int, int]) -> None:
     """Put the caching allocator back in order after a failed capture, then free what the
-    capture held. torch before 2.12 (pytorch#180395) leaves a capture whose end failed
-    registered in the allocator, and every later ``empty_cache`` (the next capture's start
-    calls one) then fails an internal assert; those versions also never release the failed
-    capture's pool (pytorch#190348). Ending the registration raises where torch ended it
-    itself, and then torch's own reset releases the pool."""
+    capture held. torch without pytorch#180395 (2.11 among them) leaves a capture whose end
+    failed registered in the allocator, and every later ``empty_cache`` (the next capture's
+    start calls one) then fails an internal assert; without pytorch#190348, which came later,
+    it never releases the failed capture's pool either. Ending the registration raises where
+    torch ended it itself; the pool is released here only where it did not."""
     gc.collect()  # the failed graph and what the call's frames held
     index = device.index if device.index is not None else torch.cuda.current_device()
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
