@@ -64,7 +64,7 @@ DistOpt = Annotated[bool, typer.Option("--distributed", help="Under torchrun: ea
 PlotOpt = Annotated[bool, typer.Option("--plot/--no-plot", help="Draw PNG charts next to the CSV when done.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
 SlowOpt = Annotated[bool, typer.Option("--allow-slow", help="On the CPU, run a sweep the cost model estimates above 5 minutes (refused otherwise, exit 2).")]
-GraphOpt = Annotated[bool, typer.Option("--cuda-graph", help="Time each point as replays of a CUDA graph of its call, for every backend (timing.cuda_graph; CUDA only). Rows say so in their timing column.")]
+GraphOpt = Annotated[bool, typer.Option("--cuda-graph", help="Time replays of a CUDA graph of each point's call, for every backend (timing.cuda_graph; CUDA only); rows say so in their timing column.")]
 
 SWEEP_FILE = "a sweep YAML file"
 RESULTS_CSV = "a dmbench results CSV file"

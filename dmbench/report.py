@@ -68,10 +68,15 @@ class Collected:
 TIMING_SUFFIX = {"eager": "", "cuda_graph": " (CUDA graphs)"}
 
 
+def timing_suffix(timing: str) -> str:
+    """What follows a sweep's name or a target's line for rows of this ``timing``."""
+    return TIMING_SUFFIX.get(timing, f" ({timing})")
+
+
 def sweep_label(row: Row) -> str:
     """The sweep as the report names it: its name, marked when its rows were timed as CUDA
     graph replays, so that they are grouped apart from the same sweep's eager rows."""
-    return row.sweep + TIMING_SUFFIX.get(row.timing, f" ({row.timing})")
+    return row.sweep + timing_suffix(row.timing)
 
 
 def is_interpreter_row(row: Row) -> bool:
@@ -112,7 +117,8 @@ def collect(csv_paths: list[Path]) -> Collected:
                           "ratios are only comparable within one: report one device at a time")
     tables: dict[tuple[str, str], dict[str, dict[str, float]]] = defaultdict(dict)
     for row in rows:
-        tables[(sweep_label(row), row.mode)].setdefault(_case_label(row), {})[row.backend] = row.ms_p50
+        cases = tables[(sweep_label(row), row.mode)]
+        cases.setdefault(_case_label(row), {})[row.backend] = row.ms_p50
     return Collected(rows, dict(tables), is_interpreter_row(rows[0]))
 
 
@@ -215,9 +221,8 @@ def dense_floor_lines(rows: list[Row]) -> list[str]:
                   f"rows at or above {floor:.0f} TFLOP/s (lowest {min(by_mode[mode]):.0f})"
                   for mode, floor in DENSE_FLOOR_TFLOPS.items() if by_mode.get(mode)]
         if floors:
-            suffix = TIMING_SUFFIX.get(timing, f" ({timing})")
-            lines.append(f"- No mask, no bias, D{DENSE_HEAD_DIM}, L ≥ {DENSE_MIN_SEQLEN}{suffix}: "
-                         + "; ".join(floors) + ".")
+            where = f"D{DENSE_HEAD_DIM}, L ≥ {DENSE_MIN_SEQLEN}" + timing_suffix(timing)
+            lines.append(f"- No mask, no bias, {where}: " + "; ".join(floors) + ".")
     return lines
 
 
