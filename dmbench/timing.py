@@ -256,7 +256,8 @@ def _recover(device: torch.device, pool: tuple[int, int]) -> None:
     torch ended it itself; the pool is released here only where it did not."""
     gc.collect()  # the failed graph and what the call's frames held
     index = device.index if device.index is not None else torch.cuda.current_device()
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    end = (getattr(torch._C, "_cuda_endAllocateToPool", None)  # its name since torch 2.8
+           or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None))
     release = getattr(torch._C, "_cuda_releasePool", None)
     if end is not None and release is not None:
         try:
