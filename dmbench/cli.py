@@ -64,6 +64,7 @@ DistOpt = Annotated[bool, typer.Option("--distributed", help="Under torchrun: ea
 PlotOpt = Annotated[bool, typer.Option("--plot/--no-plot", help="Draw PNG charts next to the CSV when done.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
 SlowOpt = Annotated[bool, typer.Option("--allow-slow", help="On the CPU, run a sweep the cost model estimates above 5 minutes (refused otherwise, exit 2).")]
+GraphOpt = Annotated[bool, typer.Option("--cuda-graph", help="Time replays of a CUDA graph of each point's call, for every backend (timing.cuda_graph; CUDA only); rows say so in their timing column.")]
 
 SWEEP_FILE = "a sweep YAML file"
 RESULTS_CSV = "a dmbench results CSV file"
@@ -77,14 +78,15 @@ def _check_run_paths(sweep: Optional[Path], out: Optional[Path]) -> None:
 
 
 def _timed_command(command: str, sweep_path: Path, out, backends, resume, force, device, shard,
-                   distributed, plot, progress, allow_slow):
+                   distributed, plot, progress, allow_slow, cuda_graph):
     from .backends import BACKEND_NAMES
-    from .execute import RunOptions, execute, with_backends
+    from .execute import RunOptions, execute, with_backends, with_cuda_graph
     from .sweep import load_sweep
 
     def work():
         _check_run_paths(sweep_path, out)
         sweep = with_backends(load_sweep(sweep_path, BACKEND_NAMES), _backend_names(backends))
+        sweep = with_cuda_graph(sweep, cuda_graph)
         opts = RunOptions(command, out, resume, force, device, shard, distributed, plot, progress,
                           allow_slow)
         return execute(sweep, opts, _echo)
@@ -98,9 +100,10 @@ def _timing_command(command: str, summary: str):
     def timed(sweep: Annotated[Path, typer.Argument(help="Sweep YAML file.")], out: OutOpt = None,
               backends: BackendsOpt = None, resume: ResumeOpt = False, force: ForceOpt = False,
               device: DeviceOpt = "auto", shard: ShardOpt = None, distributed: DistOpt = False,
-              plot: PlotOpt = True, progress: ProgressOpt = True, allow_slow: SlowOpt = False):
+              plot: PlotOpt = True, progress: ProgressOpt = True, allow_slow: SlowOpt = False,
+              cuda_graph: GraphOpt = False):
         _timed_command(command, sweep, out, backends, resume, force, device, shard, distributed,
-                       plot, progress, allow_slow)
+                       plot, progress, allow_slow, cuda_graph)
 
     timed.__doc__ = summary
     return app.command(command, epilog=EXIT_CODES_HELP)(timed)

@@ -17,7 +17,8 @@ comparison incomplete (exit 4) unless ``allow_missing`` is set: a gate that pass
 new run lost rows would pass a run that crashed halfway.
 
 Exit codes, the first that applies: 3 accuracy, 1 regression, 4 incomplete, 0 pass.
-Timings from different GPUs are not comparable; that is a usage error (exit 2).
+Timings from different GPUs are not comparable, nor eager times with CUDA graph replays (the
+``timing`` column); either is a usage error (exit 2) naming both files.
 """
 
 from __future__ import annotations
@@ -125,6 +126,27 @@ def check_environments(base_rows: list[Row], new_rows: list[Row], base_label: st
                           f"{base_label} on {', '.join(sorted(base_gpus))}; compare runs from the same GPU model")
 
 
+def _timings(rows: list[Row]) -> set[str]:
+    return {r.timing for r in rows if r.mode in TIMED}
+
+
+def check_timings(base_rows: list[Row], new_rows: list[Row], base_label: str,
+                  new_label: str) -> None:
+    """Eager times against CUDA graph replays would gate on the host's time per call."""
+    base, new = _timings(base_rows), _timings(new_rows)
+    if base and new and base != new:
+        raise ConfigError(f"{new_label}: timed {', '.join(sorted(new))} but {base_label} "
+                          f"{', '.join(sorted(base))}; compare runs of the same timing "
+                          "(--cuda-graph on both or on neither)")
+
+
+def _same_timing(base: Row, new: Row, base_label: str, new_label: str) -> None:
+    """A row pair of different timings (files that mix both) is refused like whole files."""
+    if base.timing != new.timing:
+        raise ConfigError(f"{new_label}: {' '.join(new.key)} timed {new.timing} but in "
+                          f"{base_label} {base.timing}; compare rows of the same timing")
+
+
 def coverage(base: dict, new: dict) -> Coverage:
     missing = tuple(k for k in base if k not in new)
     return Coverage(len(base), len(new), sum(1 for k in base if k in new), missing,
@@ -137,6 +159,7 @@ def compare_rows(base_rows: list[Row], new_rows: list[Row], threshold: float,
     if not threshold > 1.0:
         raise ConfigError(f"--threshold: expected a ratio above 1.0 (e.g. 1.10), got {threshold}")
     check_environments(base_rows, new_rows, base_label, new_label)
+    check_timings(base_rows, new_rows, base_label, new_label)
     base = _index(base_rows, base_label)
     new = _index(new_rows, new_label)
     entries = []
@@ -146,7 +169,9 @@ def compare_rows(base_rows: list[Row], new_rows: list[Row], threshold: float,
         nrow = new.get(key)
         if nrow is None:
             entries.append(Entry(key, "missing", None, brow.ms_p50, None))
-        elif _timed(brow) and _timed(nrow):
+            continue
+        _same_timing(brow, nrow, base_label, new_label)
+        if _timed(brow) and _timed(nrow):
             entries.append(_verdict(brow, nrow, threshold))
         elif _timed(brow) and nrow.status in ("error", "oom"):
             entries.append(Entry(key, "broken", None, brow.ms_p50, None))

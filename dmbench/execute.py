@@ -4,6 +4,8 @@ sharding or torchrun, the CPU guard, the progress bar, the summary and the exit 
 The CPU guard: on the CPU every Triton kernel runs under the interpreter, thousands of times
 slower than on a GPU. Before running, the cost model (``dmbench.cost``) estimates the points to
 run; above ``cost.CPU_LIMIT_S`` the run is refused (exit 2) unless ``allow_slow`` is set.
+CUDA-graph timing (``--cuda-graph``, ``timing.cuda_graph``) is refused off a CUDA device, and a
+file is never resumed by a run that times the other way.
 
 The CLI parses flags and calls :func:`execute`; the measuring itself is in :mod:`dmbench.runner`.
 """
@@ -23,7 +25,7 @@ from .envinfo import REPO_ROOT, collect, gpu_slug
 from .errors import ConfigError, ExitCode
 from .results import Row, RowWriter, accuracy_failures, read_rows, rewrite
 from .progress import make_progress
-from .runner import SweepRunner, Unit, plan_units
+from .runner import TIMED_MODES, SweepRunner, Unit, plan_units
 from .sweep import Sweep, sweep_digest
 
 MODES = {"fwd": ("fwd",), "bwd": ("bwd", "fwd+bwd"), "equiv": ("equiv",)}
@@ -70,6 +72,22 @@ def cpu_guard(sweep: Sweep, estimate_s: float, points: int, allow_slow: bool) ->
         "this anyway")
 
 
+def graph_guard(sweep: Sweep, device, command: str) -> None:
+    """CUDA-graph timing needs a CUDA device; ``equiv`` times nothing, so it is not asked."""
+    if sweep.timing.cuda_graph and command != "equiv" and device.type != "cuda":
+        raise ConfigError(f"{sweep.path}: --cuda-graph (timing.cuda_graph) needs a CUDA device; "
+                          f"this run is on {device.type}")
+
+
+def check_resumed_timing(rows: list[Row], sweep: Sweep, path: Path) -> None:
+    """Rows timed one way are never continued by a run timed the other way."""
+    kinds = sorted({r.timing for r in rows if r.mode in TIMED_MODES} - {sweep.timing.kind})
+    if kinds:
+        raise ConfigError(f"{path}: its rows were timed {', '.join(kinds)}, this run times "
+                          f"{sweep.timing.kind} (--cuda-graph or timing.cuda_graph); resume it "
+                          "with the same timing, or write another --out")
+
+
 def _in_plan_order(rows: list[Row], plan: list[Unit]) -> list[Row]:
     """Latest row per key, ordered as a single process would have written them."""
     latest = {r.key: r for r in rows}
@@ -114,6 +132,7 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
     share = dist.Share(info.rank, info.world_size) if info else (
         dist.parse_shard(opts.shard) if opts.shard else None)
     device = select_device(opts.device, info.local_rank if info else None)
+    graph_guard(sweep, device, opts.command)
     is_main = info is None or info.rank == 0
     env = collect(device)
     digest = sweep_digest(sweep)
@@ -138,6 +157,8 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
     previous = _previous_rows(target)
     final_previous = (read_rows(out, tolerate_partial_last_line=True)
                       if info and is_main and opts.resume and out.exists() else [])
+    check_resumed_timing(previous, sweep, write_path)
+    check_resumed_timing(final_previous, sweep, out)
     done = {r.key for r in previous + final_previous}
 
     backends = make_backends()
@@ -207,3 +228,9 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
 
 def with_backends(sweep: Sweep, names: tuple[str, ...] | None) -> Sweep:
     return sweep if names is None else replace(sweep, backends=names)
+
+
+def with_cuda_graph(sweep: Sweep, on: bool) -> Sweep:
+    """``--cuda-graph`` turns CUDA-graph timing on over the sweep's ``timing``; without the flag
+    the sweep's own setting stands."""
+    return replace(sweep, timing=replace(sweep.timing, cuda_graph=True)) if on else sweep

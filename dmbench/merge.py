@@ -6,7 +6,9 @@ Problems found, each reported on its own line:
 - missing: a case that has rows for some (backend, mode) pairs seen in the files but not for
   others, and, given the sweep, a case of the sweep with no rows at all;
 - mismatched environments: rows measured on different GPUs, drivers, torch or triton versions,
-  or commits. Timings from mixed environments do not belong in one table.
+  or commits. Timings from mixed environments do not belong in one table;
+- mismatched timing: timed rows taken as eager calls in one file and as CUDA graph replays in
+  another (the ``timing`` column).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def merge_files(paths: list[Path], expected_cases: tuple[Case, ...] | None = Non
     rows: list[Row] = []
     seen: dict[tuple, Path] = {}
     envs: dict[tuple, Path] = {}
+    timings: dict[str, Path] = {}
     for path in paths:
         for row in read_rows(path):
             if row.key in seen:
@@ -40,11 +43,15 @@ def merge_files(paths: list[Path], expected_cases: tuple[Case, ...] | None = Non
                 continue
             seen[row.key] = path
             envs.setdefault(_environment(row), path)
+            if row.mode != "equiv":
+                timings.setdefault(row.timing, path)
             rows.append(row)
     if len(envs) > 1:
         described = [f"{p}: " + ", ".join(f"{c}={v}" for c, v in zip(ENV_COLUMNS, env))
                      for env, p in envs.items()]
         problems.append("mismatched environments: " + " | ".join(described))
+    if len(timings) > 1:
+        problems.append("mismatched timing: " + " | ".join(f"{p}: {t}" for t, p in timings.items()))
 
     pairs = sorted({(r.backend, r.mode) for r in rows})
     by_case: dict[str, set] = {}

@@ -12,6 +12,8 @@ axis has two such points, the cases themselves are the x axis and nothing is joi
 Each backend keeps one colour and marker in every chart (``backend_style``), whatever order the
 rows come in. Titles name the sweep (the CSV's ``sweep`` column, else the file name without its
 ``-fwd``/``-bwd``/``-equiv`` suffix); files are named ``<sweep>-<mode>-<axis>-<metric>.png``.
+Rows timed as CUDA graph replays (``timing`` ``cuda_graph``) are charted apart from eager rows:
+their titles say "(CUDA graphs)" and their files are named ``<sweep>-cuda_graph-<mode>-...``.
 """
 
 from __future__ import annotations
@@ -166,10 +168,12 @@ def sweep_title(rows: list[Row], stem: str) -> str:
     return base
 
 
-def _file_prefix(rows: list[Row], stem: str) -> str:
-    """The sweep's name plus the run number of a numbered results file (``smoke-fwd.2``)."""
+def _file_prefix(rows: list[Row], stem: str, timing: str = "eager") -> str:
+    """The sweep's name, ``-<timing>`` unless eager, and the run number of a numbered results
+    file (``smoke-fwd.2``)."""
     number = re.search(r"\.\d+$", stem)
-    return sweep_title(rows, stem) + (number.group(0) if number else "")
+    marked = "" if timing == "eager" else f"-{timing}"
+    return sweep_title(rows, stem) + marked + (number.group(0) if number else "")
 
 
 def draw(series: list[Series], axis: str, ylabel: str, log_y: bool, title: str):
@@ -223,14 +227,26 @@ def _save(fig, path: Path) -> None:
 
 
 def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None) -> list[Path]:
-    """Write the charts for ``rows`` (read from a CSV named ``stem``) into ``out_dir``."""
+    """Write the charts for ``rows`` (read from a CSV named ``stem``) into ``out_dir``, eager
+    rows and CUDA graph rows apart."""
     timed = [r for r in rows if r.mode in TIMED and r.status in ("ok", "accuracy") and r.ms_p50]
     if not timed:
         raise ConfigError(f"{stem}: no timed rows with status ok to plot")
-    baseline = choose_baseline(timed, baseline)
     out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for timing in sorted({r.timing for r in timed}, key=lambda t: (t != "eager", t)):
+        written += _plot_timed([r for r in timed if r.timing == timing], out_dir, stem, baseline,
+                               timing)
+    return written
+
+
+def _plot_timed(timed: list[Row], out_dir: Path, stem: str, baseline: str | None,
+                timing: str) -> list[Path]:
+    """The charts of rows of one timing."""
+    baseline = choose_baseline(timed, baseline)
     axes = [a for a in AXES if has_line(timed, a)] or ["case"]
-    sweep, prefix, gpu = sweep_title(timed, stem), _file_prefix(timed, stem), timed[0].gpu
+    sweep = sweep_title(timed, stem) + ("" if timing == "eager" else " (CUDA graphs)")
+    prefix, gpu = _file_prefix(timed, stem, timing), timed[0].gpu
     written = []
     modes = [m for m in TIMED if any(r.mode == m for r in timed)]
     for mode in modes:

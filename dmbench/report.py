@@ -15,6 +15,10 @@ that the text around them is untouched:
   ``triton-base`` rows (the kernels of another checkout), our time over theirs per sweep and
   mode.
 
+Rows timed as CUDA graph replays (``timing`` ``cuda_graph``, ``dmbench fwd --cuda-graph``)
+never mix with eager rows: their sweep is shown as ``<sweep> (CUDA graphs)`` in every table,
+line and group, and the TFLOP/s floors are counted per timing.
+
 ``sdpa-dense`` is shown as the no-mask ceiling but is not a peer: it computes a different
 (dense) function; nor is ``triton-base``. Rows timed on the CPU under Triton's interpreter get no targets: their
 timings are not performance numbers, and both sections say so.
@@ -67,6 +71,20 @@ class Collected:
         return self.rows[0].gpu
 
 
+TIMING_SUFFIX = {"eager": "", "cuda_graph": " (CUDA graphs)"}
+
+
+def timing_suffix(timing: str) -> str:
+    """What follows a sweep's name or a target's line for rows of this ``timing``."""
+    return TIMING_SUFFIX.get(timing, f" ({timing})")
+
+
+def sweep_label(row: Row) -> str:
+    """The sweep as the report names it: its name, marked when its rows were timed as CUDA
+    graph replays, so that they are grouped apart from the same sweep's eager rows."""
+    return row.sweep + timing_suffix(row.timing)
+
+
 def is_interpreter_row(row: Row) -> bool:
     """Rows timed on the CPU: their gpu column says so (``cpu (triton interpreter)``)."""
     return row.gpu.lower().startswith("cpu")
@@ -105,7 +123,8 @@ def collect(csv_paths: list[Path]) -> Collected:
                           "ratios are only comparable within one: report one device at a time")
     tables: dict[tuple[str, str], dict[str, dict[str, float]]] = defaultdict(dict)
     for row in rows:
-        tables[(row.sweep, row.mode)].setdefault(_case_label(row), {})[row.backend] = row.ms_p50
+        cases = tables[(sweep_label(row), row.mode)]
+        cases.setdefault(_case_label(row), {})[row.backend] = row.ms_p50
     return Collected(rows, dict(tables), is_interpreter_row(rows[0]))
 
 
@@ -191,17 +210,25 @@ def targets_markdown(collected: Collected) -> list[str]:
         count = max(len(cases) for cases in modes.values())
         fdma = f"{fdma_ok} of {fdma_all}" if fdma_all else "–"
         lines.append(f"| {sweep} | {count} | {' | '.join(cells)} | {fdma} |")
-    dense: dict[str, list[float]] = defaultdict(list)
-    for row in collected.rows:
-        if _is_dense_target_row(row):
-            dense[row.mode].append(row.tflops_dense)
-    floors = [f"{mode} {sum(v >= floor for v in dense[mode])} of {len(dense[mode])} rows at or "
-              f"above {floor:.0f} TFLOP/s (lowest {min(dense[mode]):.0f})"
-              for mode, floor in DENSE_FLOOR_TFLOPS.items() if dense.get(mode)]
     lines.append("")
-    if floors:
-        lines.append(f"- No mask, no bias, D{DENSE_HEAD_DIM}, L ≥ {DENSE_MIN_SEQLEN}: "
-                     + "; ".join(floors) + ".")
+    return lines + dense_floor_lines(collected.rows)
+
+
+def dense_floor_lines(rows: list[Row]) -> list[str]:
+    """Per timing (eager first), how many dense target rows reach the TFLOP/s floor per mode."""
+    dense: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if _is_dense_target_row(row):
+            dense[row.timing][row.mode].append(row.tflops_dense)
+    lines = []
+    for timing in sorted(dense, key=lambda t: (t != "eager", t)):
+        by_mode = dense[timing]
+        floors = [f"{mode} {sum(v >= floor for v in by_mode[mode])} of {len(by_mode[mode])} "
+                  f"rows at or above {floor:.0f} TFLOP/s (lowest {min(by_mode[mode]):.0f})"
+                  for mode, floor in DENSE_FLOOR_TFLOPS.items() if by_mode.get(mode)]
+        if floors:
+            where = f"D{DENSE_HEAD_DIM}, L ≥ {DENSE_MIN_SEQLEN}" + timing_suffix(timing)
+            lines.append(f"- No mask, no bias, {where}: " + "; ".join(floors) + ".")
     return lines
 
 
@@ -236,7 +263,7 @@ def headline_markdown(collected: Collected, tables_link: str | None = None) -> s
 
 def _sparse_group(row) -> tuple:
     """Rows that differ only in how many tiles their block_sparse mask keeps."""
-    return (row.sweep, row.mode, row.batch, row.heads_q, row.heads_kv, row.seqlen_q,
+    return (sweep_label(row), row.mode, row.batch, row.heads_q, row.heads_kv, row.seqlen_q,
             row.seqlen_k, row.head_dim, row.causal, row.dtype, row.bias)
 
 
@@ -264,7 +291,7 @@ def sparsity_lines(rows) -> list[str]:
             ratio = target["triton"] / full["triton"]
             verdict = "met" if ratio <= SPARSE_MAX_RATIO else "NOT met"
             causal = " causal" if row.causal else ""
-            label = f"{row.sweep}, {_shape_label(row)}{causal}, bias {row.bias}"
+            label = f"{sweep_label(row)}, {_shape_label(row)}{causal}, bias {row.bias}"
             by_shape[label].append(f"{row.mode} {ratio:.3f} ({verdict})")
     return [f"- Block-sparse ({label}): our time at {SPARSE_FRACTION:.4f} of the tiles ÷ with "
             f"all of them, at most {SPARSE_MAX_RATIO:.3f} wanted: {', '.join(modes)}."
@@ -280,7 +307,7 @@ def sparsity_markdown(rows, interpreted: bool = False) -> list[str]:
         shown = [name for name in SHOWN if name in full]
         target = ("" if interpreted else f"; {TARGETS_DOC}: in proportion to the active "
                   f"fraction, at most {SPARSE_MAX_RATIO:.3f} at {SPARSE_FRACTION:.4f}")
-        lines += [f"\n**{row.sweep}, {row.mode}: time ÷ time with every tile active** "
+        lines += [f"\n**{sweep_label(row)}, {row.mode}: time ÷ time with every tile active** "
                   f"({_shape_label(row)}{' causal' if row.causal else ''}; bias {row.bias}"
                   f"{target})\n",
                   "| active fraction | " + " | ".join(f"{name} ms | {name} ratio"
@@ -304,7 +331,7 @@ def build_markdown(rows: list[Row]) -> list[str]:
     by_sweep: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
         if row.build_ms is not None:
-            by_sweep[row.sweep].append(row)
+            by_sweep[sweep_label(row)].append(row)
     for sweep, built in sorted(by_sweep.items()):
         modes = {r.mode for r in built}
         mode = "fwd" if "fwd" in modes else min(modes)

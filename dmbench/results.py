@@ -57,6 +57,7 @@ class Row:
     ms_p50: float | None = None
     ms_p80: float | None = None
     repeats: int | None = None
+    timing: str = "eager"  # how the times were taken: eager calls, or cuda_graph replays
     build_ms: float | None = None
     tflops_dense: float | None = None
     tflops_active: float | None = None
@@ -102,19 +103,19 @@ CASE_COLUMNS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_di
 ENV_COLUMNS = ("gpu", "driver", "torch", "triton", "git_sha", "git_dirty")
 ACCURACY_TENSORS = ("out", "lse", "dq", "dk", "dv", "dbias")
 # Columns appended after files were already being written; older files lack them.
-ADDED_COLUMNS = ("sweep_hash", "mask_format", "documents")
+ADDED_COLUMNS = ("sweep_hash", "mask_format", "documents", "timing")
 _TYPES = {f.name: f.type for f in fields(Row)}
 
 
 def new_row(sweep: str, case: Case, backend: str, mode: str, status: str, env, detail: str = "",
-            sweep_hash: str = "") -> Row:
+            sweep_hash: str = "", timing: str = "eager") -> Row:
     case_values = {name: getattr(case, name) for name in CASE_COLUMNS}
     case_values["documents"] = case.documents_text
     return Row(sweep=sweep, case_id=case.case_id, backend=backend, mode=mode, status=status,
                detail=detail, gpu=env.gpu, driver=env.driver, torch=env.torch, triton=env.triton,
                git_sha=env.git_sha, git_dirty=env.git_dirty, host=env.host,
                timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               sweep_hash=sweep_hash, **case_values)
+               sweep_hash=sweep_hash, timing=timing, **case_values)
 
 
 def csv_cell(value) -> str:

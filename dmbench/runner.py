@@ -7,6 +7,10 @@ rounds: rows under ~0.5 ms time the host (Python, launches, autograd's engine) a
 GPU, and the benchmark VM's host slows down by up to 2x for seconds at a time, so timing each
 point in one stretch let such a spell decide which backend looked faster (results/notes.md). Modes: ``fwd``, ``bwd`` (backward alone, given a forward graph), ``fwd+bwd``, and ``equiv``
 (accuracy only, no timing).
+
+With ``timing.cuda_graph`` a point's call is built and timed on a side stream
+(``timing.point_stream``) and timed as CUDA graph replays; a call that cannot be captured
+becomes an ``error`` row whose detail starts ``cuda graph capture:``, and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from .device import DeviceFault, context_alive
 from .problem import Problem, make_problem
 from .results import Row, new_row, set_accuracy
 from .sweep import Case, Sweep, Timing
-from .timing import BuildStep, Measurement, build_total, measure, pooled
+from .timing import (BuildStep, CaptureError, Measurement, build_total, measure, point_stream,
+                     pooled)
 
 TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 GRAD_MODES = ("bwd", "fwd+bwd", "equiv")
@@ -73,6 +78,8 @@ def _release(device: torch.device) -> None:
 
 
 def _failure(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, CaptureError):
+        return ("oom" if exc.oom else "error"), str(exc)
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "oom", "out of memory"
     text = str(exc).strip().splitlines()
@@ -132,8 +139,10 @@ class SweepRunner:
             self._run_case(case, case_units)
 
     def _row(self, unit: Unit, status: str, detail: str = "") -> Row:
+        """A row of ``unit``; a timed mode's row names the timing (equiv rows time nothing)."""
+        timing = self.sweep.timing.kind if unit.mode in TIMED_MODES else "eager"
         return new_row(self.sweep.name, unit.case, unit.backend, unit.mode, status, self.env, detail,
-                       self.sweep_hash)
+                       self.sweep_hash, timing)
 
     def _finish(self, unit: Unit, row: Row) -> None:
         self.report(row, unit)
@@ -223,9 +232,10 @@ class SweepRunner:
                  timing: Timing) -> tuple[list[BuildStep], Measurement] | Row:
         """(the mask's build steps, one round's measurement), or the failed point's row."""
         try:
-            fn, steps = _timed_call(self.backends[unit.backend], problem, unit.mode)
-            measured = measure(fn, timing, self.device)
-            del fn
+            with point_stream(self.device, timing):
+                fn, steps = _timed_call(self.backends[unit.backend], problem, unit.mode)
+                measured = measure(fn, timing, self.device)
+                del fn
         except Exception as exc:
             status, detail = _failure(exc)
             _release(self.device)

@@ -5,7 +5,7 @@ A sweep file has these top-level keys (all optional except that it needs cases):
     name: window                  # defaults to the file stem
     description: free text
     backends: [triton, sdpa]      # names from dmbench.backends.BACKENDS
-    timing: {warmup: 5, repeats: 30, budget_s: 10.0, flush_l2: true}
+    timing: {warmup: 5, repeats: 30, budget_s: 10.0, flush_l2: true, cuda_graph: false}
     check: false                  # also check accuracy against the fp64 reference while timing
     defaults: {causal: true}      # case keys shared by every grid point and listed case
     grid: {...} or [{...}, ...]   # each value a scalar or a list; cartesian product per grid
@@ -110,13 +110,21 @@ class Timing:
     """How each point is timed. ``repeats`` and ``budget_s`` are per point in all. With
     ``rounds`` > 1, a case's points are timed round-robin, ``rounds`` times each, and a row pools
     its rounds' samples: a slow spell of the host then falls on every backend alike instead of
-    on whichever one was being timed (sub-millisecond rows are host-bound, see the runner)."""
+    on whichever one was being timed (sub-millisecond rows are host-bound, see the runner).
+    With ``cuda_graph`` each point's call is captured once into a CUDA graph and every timed
+    repeat replays it (``dmbench.timing``), which takes the host's time per call out."""
 
     warmup: int = 5
     repeats: int = 30
     budget_s: float = 10.0
     flush_l2: bool = True
     rounds: int = 1
+    cuda_graph: bool = False
+
+    @property
+    def kind(self) -> str:
+        """How the calls are timed, as the CSV's ``timing`` column says: eager or cuda_graph."""
+        return "cuda_graph" if self.cuda_graph else "eager"
 
     def per_round(self) -> "Timing":
         """The timing of one round: warmup each round (other backends ran in between), the
@@ -344,7 +352,7 @@ def _parse_timing(where: _Where, raw: Any) -> Timing:
     timing = Timing()
     for name, value in raw.items():
         key = f"timing.{name}"
-        if name == "flush_l2":
+        if name in ("flush_l2", "cuda_graph"):
             if not isinstance(value, bool):
                 raise where.error(key, f"expected true or false, got {value!r}")
         elif name == "budget_s":

@@ -9,14 +9,29 @@ The time budget caps how many repeats run, never below ``MIN_REPEATS``. On CUDA 
 enqueues calls far faster than a slow kernel finishes them, so a host clock alone would let
 every repeat through (20 calls of an 0.8 s backward took 16 s per row, not the 2 s budget);
 the plan is made from the GPU time of the last warmup call instead.
+
+With ``Timing.cuda_graph`` the call is captured once into a ``torch.cuda.CUDAGraph`` and each
+timed repeat is one replay of it, bracketed by events as above, the flush outside them: the
+host's time per call (Python, autograd, launches) drops out, for every backend alike. The
+warmup calls (at least one, so that kernels are compiled and plans made before the capture)
+run eagerly, then the capture, then one untimed replay (the first launch of a graph uploads
+it), then one timed replay that plans the repeats. The peak memory is the eager call's, as
+in eager timing; the graph's private memory pool is not counted. All of it runs on the
+stream ``point_stream`` makes current, a side stream, as torch requires of a capture: the
+runner builds the point's call inside it too, because autograd runs a backward on the stream
+its forward ran on. A call that cannot be captured (it reads a result back to the host, or
+an op refuses capture) raises ``CaptureError``, after ``capture`` has put the caching
+allocator back in order.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -82,12 +97,8 @@ def planned_repeats(call_ms: float | None, timing: Timing) -> int:
     return max(MIN_REPEATS, min(timing.repeats, fit))
 
 
-def _warm_up_cuda(fn: Callable[[], object], warmup: int) -> float | None:
-    """Run the warmup calls; the GPU milliseconds of the last one, or None without warmup."""
-    for _ in range(warmup - 1):
-        fn()
-    if warmup < 1:
-        return None
+def _gpu_ms(fn: Callable[[], object]) -> float:
+    """One call of ``fn`` on the clock of the current stream: its GPU milliseconds."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -96,8 +107,19 @@ def _warm_up_cuda(fn: Callable[[], object], warmup: int) -> float | None:
     return start.elapsed_time(end)
 
 
+def _warm_up_cuda(fn: Callable[[], object], warmup: int) -> float | None:
+    """Run the warmup calls; the GPU milliseconds of the last one, or None without warmup."""
+    for _ in range(warmup - 1):
+        fn()
+    if warmup < 1:
+        return None
+    return _gpu_ms(fn)
+
+
 def measure(fn: Callable[[], object], timing: Timing, device: torch.device) -> Measurement:
     if device.type == "cuda":
+        if timing.cuda_graph:
+            return _measure_graph(fn, timing, device)
         return _measure_cuda(fn, timing, device)
     return _measure_host(fn, timing)
 
@@ -118,6 +140,27 @@ def _measure_host(fn: Callable[[], object], timing: Timing) -> Measurement:
 
 def _measure_cuda(fn: Callable[[], object], timing: Timing, device: torch.device) -> Measurement:
     repeats = planned_repeats(_warm_up_cuda(fn, timing.warmup), timing)
+    samples = _timed_repeats(fn, repeats, timing, device)
+    return Measurement(samples, _peak_mib(fn, device))
+
+
+def _measure_graph(fn: Callable[[], object], timing: Timing,
+                   device: torch.device) -> Measurement:
+    """The module docstring's graph mode; call inside ``point_stream``."""
+    for _ in range(max(timing.warmup, 1)):
+        fn()
+    graph = capture(fn, device)
+    graph.replay()  # the first launch uploads the graph
+    repeats = planned_repeats(_gpu_ms(graph.replay), timing)
+    samples = _timed_repeats(graph.replay, repeats, timing, device)
+    del graph
+    return Measurement(samples, _peak_mib(fn, device))
+
+
+def _timed_repeats(fn: Callable[[], object], repeats: int, timing: Timing,
+                   device: torch.device) -> tuple[float, ...]:
+    """Up to ``repeats`` calls of ``fn``, each bracketed by events with the L2 flush before
+    them, stopped by the budget once ``MIN_REPEATS`` ran: their GPU milliseconds."""
     flush = _flush_buffer(device) if timing.flush_l2 else None
     events = []
     torch.cuda.synchronize(device)
@@ -133,9 +176,98 @@ def _measure_cuda(fn: Callable[[], object], timing: Timing, device: torch.device
         if i + 1 >= MIN_REPEATS and time.perf_counter() - start_all > timing.budget_s:
             break
     torch.cuda.synchronize(device)
-    samples = tuple(s.elapsed_time(e) for s, e in events)
     del flush
-    return Measurement(samples, _peak_mib(fn, device))
+    return tuple(s.elapsed_time(e) for s, e in events)
+
+
+class CaptureError(Exception):
+    """A point's call could not be captured into a CUDA graph. The message is one line that
+    starts with ``cuda graph capture:``; ``oom`` says whether the capture ran out of memory."""
+
+    def __init__(self, message: str, oom: bool = False):
+        super().__init__(message)
+        self.oom = oom
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the whole run: the caching allocator keeps a freed
+    block for the stream it was allocated on, so a stream per point would strand the cache of
+    every point before it."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+@contextmanager
+def point_stream(device: torch.device, timing: Timing) -> Iterator[None]:
+    """Where a point's call is built and timed: with ``timing.cuda_graph`` on a CUDA device, a
+    side stream (a capture cannot run on the default stream) that waits for the work queued
+    before it, and that the current stream waits for after it; otherwise nothing changes."""
+    if device.type != "cuda" or not timing.cuda_graph:
+        yield
+        return
+    side, current = _side_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        current.wait_stream(side)
+
+
+def capture(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``fn``'s work captured into a CUDA graph on the current stream (a side stream), into a
+    private memory pool of its own. A failure raises ``CaptureError`` naming the first error
+    (the call's own, not the end of capture that it invalidated), after ``_recover``."""
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    first = None  # the call's own error, as text: no reference to its frames and tensors
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.current_stream(device)):
+            try:
+                fn()
+            except Exception as exc:
+                first = _capture_failure(exc)
+                raise
+    except Exception as exc:
+        first = first or _capture_failure(exc)
+    if first is None:
+        return graph
+    del graph
+    _recover(device, pool)
+    raise CaptureError(f"cuda graph capture: {first[0]}"[:300], oom=first[1])
+
+
+def _capture_failure(exc: BaseException) -> tuple[str, bool]:
+    """(the exception's type and first line, whether it is an out-of-memory error)."""
+    lines = str(exc).strip().splitlines()
+    oom = isinstance(exc, torch.cuda.OutOfMemoryError)
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}", oom
+
+
+def _recover(device: torch.device, pool: tuple[int, int]) -> None:
+    """Put the caching allocator back in order after a failed capture, then free what the
+    capture held. torch without pytorch#180395 (2.11 among them) leaves a capture whose end
+    failed registered in the allocator, and every later ``empty_cache`` (the next capture's
+    start calls one) then fails an internal assert; without pytorch#190348, which came later,
+    it never releases the failed capture's pool either. Ending the registration raises where
+    torch ended it itself; the pool is released here only where it did not."""
+    gc.collect()  # the failed graph and what the call's frames held
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    end = (getattr(torch._C, "_cuda_endAllocateToPool", None)  # its name since torch 2.8
+           or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None))
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is not None and release is not None:
+        try:
+            end(index, pool)
+        except RuntimeError:
+            pass  # not registered: torch ended it when the capture ended
+        else:
+            release(index, pool)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def synchronize(device: torch.device) -> None:

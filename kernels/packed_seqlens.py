@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._scratch import graph_capturing
+
 
 def _check_offsets_tensor(name: str, cu: torch.Tensor) -> None:
     if not isinstance(cu, torch.Tensor):
@@ -27,12 +29,13 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, device,
     """Check dtype, shape and device, then the values: ``cu[0] == 0``, non-decreasing,
     ``cu[-1] == total`` (when given) and no sequence longer than ``max_seqlen`` (when given).
     The value checks read their verdicts back from the device together: one synchronization.
-    While ``torch.compile`` traces a call they are skipped (a read-back would break the graph);
-    dtype, shape and device are still checked."""
+    While ``torch.compile`` traces a call or a CUDA graph captures one they are skipped (a
+    read-back would break the graph, and a replay may see other values); dtype, shape and
+    device are still checked."""
     _check_offsets_tensor(name, cu)
     if cu.device != torch.device(device):
         raise ValueError(f"{name} must be on {device}, got {cu.device}")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or graph_capturing(cu.device):
         return
     lengths = cu[1:] - cu[:-1]
     true = torch.ones((), dtype=torch.bool, device=cu.device)

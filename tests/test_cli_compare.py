@@ -102,6 +102,40 @@ def test_a_regression_wins_over_missing_rows(tmp_path):
     assert _compare(tmp_path, base, new).exit_code == ExitCode.PERF_REGRESSION
 
 
+def _timed_as(rows: list[Row], timing: str) -> list[Row]:
+    for row in rows:
+        row.timing = timing
+    return rows
+
+
+def test_eager_against_cuda_graph_rows_is_refused_naming_both_files(tmp_path):
+    result = _compare(tmp_path, _rows(("fwd",)), _timed_as(_rows(("fwd",)), "cuda_graph"))
+    assert result.exit_code == ExitCode.USAGE, result.output
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert "base.csv" in line and "new.csv" in line and "cuda_graph" in line and "eager" in line
+    assert "Traceback" not in result.output
+
+
+def test_cuda_graph_rows_against_cuda_graph_rows_compare_as_usual(tmp_path):
+    base = _timed_as(_rows(("bwd", "fwd+bwd")), "cuda_graph")
+    assert _compare(tmp_path, base, base).exit_code == ExitCode.OK
+    slower = _timed_as(_rows(("bwd", "fwd+bwd"), ms=6.0), "cuda_graph")
+    assert _compare(tmp_path, base, slower).exit_code == ExitCode.PERF_REGRESSION
+
+
+def test_files_mixing_timings_never_match_rows_of_different_timing(tmp_path):
+    """Both files hold eager and CUDA graph rows, but not for the same cases."""
+    def mixed(first: str, second: str) -> list[Row]:
+        return (_timed_as(_rows(("fwd",), CASES[:2]), first)
+                + _timed_as(_rows(("fwd",), CASES[2:]), second))
+
+    result = _compare(tmp_path, mixed("eager", "cuda_graph"), mixed("cuda_graph", "eager"))
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert CASES[0].case_id in result.output and "same timing" in result.output
+    assert _compare(tmp_path, mixed("eager", "cuda_graph"),
+                    mixed("eager", "cuda_graph")).exit_code == ExitCode.OK
+
+
 def test_exit_code_4_is_documented():
     result = runner.invoke(app, ["compare", "--help"])
     assert result.exit_code == 0

@@ -143,6 +143,24 @@ def test_file_names_do_not_repeat_the_mode(tmp_path):
     assert {p.name for p in numbered} == {n.replace("smoke-", "smoke.2-") for n in names}
 
 
+def test_cuda_graph_rows_are_charted_apart_and_named_so(tmp_path, monkeypatch):
+    titles = []
+    draw = plot.draw
+    monkeypatch.setattr(plot, "draw", lambda series, axis, ylabel, log_y, title:
+                        titles.append(title) or draw(series, axis, ylabel, log_y, title))
+    eager, graph = _rows(), _rows()
+    for row in graph:
+        row.timing = "cuda_graph"
+        row.ms_p50 = row.ms_p20 = row.ms_p80 = 5.0
+    names = sorted(p.name for p in plot.plot_rows(eager + graph, tmp_path, "smoke-fwd.2",
+                                                   "reference"))
+    assert names == ["smoke-cuda_graph.2-fwd-seqlen_k-speedup.png",
+                     "smoke-cuda_graph.2-fwd-seqlen_k-tflops.png",
+                     "smoke.2-fwd-seqlen_k-speedup.png", "smoke.2-fwd-seqlen_k-tflops.png"]
+    assert sum("smoke (CUDA graphs) fwd on Test GPU" in t for t in titles) == 2
+    assert sum(t.startswith("smoke fwd on Test GPU") for t in titles) == 2
+
+
 def test_memory_and_build_charts_where_rows_record_them(tmp_path):
     """peak_mib gives a memory chart per mode; build_ms a build chart for the first mode only
     (the mask is built once per point whatever is timed)."""

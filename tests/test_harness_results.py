@@ -316,3 +316,35 @@ def test_mask_format_and_documents_round_trip(tmp_path):
     (back,) = read_rows(_write_csv(tmp_path / "r.csv", [row]))
     assert (back.mask_format, back.documents) == ("varlen", "0,1,36")
     assert back.case_id == case.case_id
+
+
+def test_timing_column_sits_after_repeats_and_round_trips(tmp_path):
+    assert COLUMNS.index("timing") == COLUMNS.index("repeats") + 1
+    assert _row().timing == "eager"
+    (back,) = read_rows(_write_csv(tmp_path / "r.csv", [_row(timing="cuda_graph")]))
+    assert back.timing == "cuda_graph"
+
+
+def test_files_without_the_timing_column_read_as_eager(tmp_path):
+    path = _write_csv(tmp_path / "r.csv", [_row(timing="cuda_graph")])
+    lines = list(csv.reader(path.read_text().splitlines()))
+    keep = [i for i, c in enumerate(lines[0]) if c != "timing"]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([[line[i] for i in keep] for line in lines])
+    (row,) = read_rows(path)
+    assert row.timing == "eager" and row.repeats == 10
+
+
+def test_committed_results_without_the_timing_column_read_as_eager():
+    from dmbench.report import sweep_csvs
+
+    def header(path):
+        with open(path, newline="") as f:
+            return next(csv.reader(f))
+
+    paths = sweep_csvs(sorted((Path(__file__).resolve().parents[1] / "results").glob("*/*.csv")))
+    older = [path for path in paths if "timing" not in header(path)]
+    assert older  # the H100 results were written before the column
+    for path in older:
+        rows = read_rows(path)
+        assert rows and {r.timing for r in rows} == {"eager"}, path

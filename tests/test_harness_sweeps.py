@@ -14,7 +14,7 @@ import pytest
 from dmbench.backends import BACKEND_NAMES
 from dmbench.errors import ConfigError
 from dmbench.flops import causal_visible_pairs, dense_flops
-from dmbench.sweep import FULL_MASK_SHAPE, Case, Timing, load_sweep
+from dmbench.sweep import FULL_MASK_SHAPE, Case, Timing, load_sweep, sweep_digest
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "sweeps").glob("*.yaml"))
@@ -154,6 +154,27 @@ def test_rounds_share_out_repeats_and_budget(tmp_path):
     # Each round warms up again, takes a third of the repeats (rounded up) and of the budget.
     assert sweep.timing.per_round() == Timing(warmup=2, repeats=7, budget_s=1.0, rounds=1)
     assert Timing(repeats=5).per_round() == Timing(repeats=5)
+
+
+@pytest.mark.parametrize("value, expected", [("true", True), ("false", False), (None, False)])
+def test_timing_cuda_graph_is_read_and_changes_the_digest(tmp_path, value, expected):
+    timing = "" if value is None else f"timing: {{cuda_graph: {value}}}\n"
+    sweep = _load(tmp_path, f"{timing}cases: [{{{BASE}}}]\n")
+    assert sweep.timing.cuda_graph is expected
+    assert sweep.timing.kind == ("cuda_graph" if expected else "eager")
+    eager = _load(tmp_path, f"cases: [{{{BASE}}}]\n")
+    assert (sweep_digest(sweep) != sweep_digest(eager)) is expected
+    assert sweep.timing.per_round() == sweep.timing  # rounds: 1
+
+
+@pytest.mark.parametrize("value", ["1", "'true'", "[true]", "null"])
+def test_timing_cuda_graph_takes_true_or_false_only(tmp_path, value):
+    path = _write(tmp_path, f"timing: {{cuda_graph: {value}}}\ncases: [{{{BASE}}}]\n")
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert "timing.cuda_graph: expected true or false" in message
 
 
 def test_smoke_sweep_is_present():

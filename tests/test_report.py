@@ -111,6 +111,41 @@ def test_block_sparse_time_against_the_full_tile_row(tmp_path):
     assert "L512" not in headline  # no full-tile row: no verdict
 
 
+def test_cuda_graph_rows_are_reported_apart_from_the_same_sweeps_eager_rows(tmp_path):
+    def timed(timing, times, dense_tflops):
+        dense = Case(2, 16, 4, 4096, 4096, 128, None, True, "bf16", "none", bias="none")
+        sparse = [Case(2, 4, 2, 1024, 1024, 64, w, False, "bf16", "block_sparse")
+                  for w in (1024, 64)]
+        return (_rows(_masked(0), "win", "fwd", times, timing=timing)
+                + _rows(dense, "win", "fwd", {"triton": 1.0}, timing=timing,
+                        tflops_dense=dense_tflops)
+                + _rows(sparse[0], "win", "fwd", {"triton": 2.0}, timing=timing,
+                        active_fraction=1.0)
+                + _rows(sparse[1], "win", "fwd", {"triton": times["triton"]}, timing=timing,
+                        active_fraction=0.0625))
+
+    eager = _csv(tmp_path / "win-fwd.csv", timed("eager", {"triton": 1.0, "sdpa": 1.5}, 470.0))
+    graph = _csv(tmp_path / "win-fwd.2.csv",
+                 timed("cuda_graph", {"triton": 0.5, "sdpa": 2.0}, 440.0))
+    collected = collect([eager, graph])
+    assert set(collected.tables) == {("win", "fwd"), ("win (CUDA graphs)", "fwd")}
+    assert collected.tables[("win (CUDA graphs)", "fwd")][
+        "B1 H4/2 L64 D64 topk W32 kv_row causal"] == {"triton": 0.5, "sdpa": 2.0}
+    headline = headline_markdown(collected)
+    assert "| win | 4 | 1 of 1 (1.50× – 1.50×) | – | – | – |" in headline
+    assert "| win (CUDA graphs) | 4 | 1 of 1 (4.00× – 4.00×) | – | – | – |" in headline
+    assert ("- No mask, no bias, D128, L ≥ 4096: fwd 1 of 1 rows at or above 450 TFLOP/s "
+            "(lowest 470).") in headline
+    assert ("- No mask, no bias, D128, L ≥ 4096 (CUDA graphs): fwd 0 of 1 rows at or above "
+            "450 TFLOP/s (lowest 440).") in headline
+    assert "- Block-sparse (win, B2 H4/2 L1024 D64, bias none)" in headline
+    assert "- Block-sparse (win (CUDA graphs), B2 H4/2 L1024 D64, bias none)" in headline
+    tables = tables_markdown(collected)
+    assert "\n**win, fwd**\n" in tables and "\n**win (CUDA graphs), fwd**\n" in tables
+    assert "**win (CUDA graphs): mask build, ms**" not in tables  # no build_ms in these rows
+    assert "**win (CUDA graphs), fwd: time ÷ time with every tile active**" in tables
+
+
 def test_measured_on_names_device_versions_and_the_commit_range(tmp_path):
     rows = (_rows(_masked(0), "s", "fwd", {"triton": 1.0}, sha="bbbbbbbbbb", stamp="2026-01-03T00:00:00Z")
             + _rows(_masked(1), "s", "fwd", {"triton": 1.0}, sha="aaaaaaaaaa", stamp="2026-01-01T00:00:00Z")
