@@ -268,6 +268,20 @@ def _recover(device: torch.device, pool: tuple[int, int]) -> None:
             release(index, pool)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+    _end_generator_capture(device)
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """The CUDA random generators stay in capture mode after a capture whose end failed: the
+    next random op outside a capture then fails ("Offset increment outside graph capture",
+    torch 2.11 on the H200: a ``bwd`` point's upstream gradient after its failed capture). A
+    capture that ends cleanly takes them out of it; this one records one tiny fill."""
+    scrap = torch.empty(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(device)):
+        scrap.zero_()
+    del graph, scrap
+    torch.cuda.synchronize(device)
 
 
 def synchronize(device: torch.device) -> None:

@@ -11,6 +11,7 @@ test_harness_timing.
 from __future__ import annotations
 
 import gc
+import os
 import textwrap
 from pathlib import Path
 
@@ -35,6 +36,16 @@ SMOKE = REPO / "sweeps" / "smoke.yaml"
 ENV = Environment("Test GPU", "1.0", "2.13", "3.9", "abc123", False, "host")
 cli = CliRunner()
 
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_setting_restored(monkeypatch):
+    """A CLI run on the CPU turns Triton's interpreter on for the process (TRITON_INTERPRET);
+    in a GPU session the later tests must not inherit it."""
+    original = os.environ.get("TRITON_INTERPRET")
+    monkeypatch.setenv("TRITON_INTERPRET", original or "")  # undone at teardown
+    if original is None:
+        monkeypatch.delenv("TRITON_INTERPRET")
 
 def _invoke(*args):
     return cli.invoke(app, [str(a) for a in args])

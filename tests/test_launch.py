@@ -40,6 +40,12 @@ def test_compile_form_forgets_lengths_and_keeps_what_pays():
     for length in (1000, 1001):
         layout = Layout(4 * length * length, length * length, length, 1, 4)
         assert compile_form(layout) == Layout(unknown, unknown, unknown, 1, 4)
+    # A stride past int32 (the batch stride of a (1, 4, 32768, 32768) mask) keeps its width and
+    # leaves the group aligned.
+    large = Layout(4 * 32768 * 32768, 32768 * 32768, 32768, 1, 4)
+    assert compile_form(large) == large
+    assert compile_form(Layout(2**32 + 8, 32768 * 32768, 32768, 1, 4)) == Layout(
+        2**32 + 8, unknown, unknown, 1, 4)
     # KeyIntervals' (start, end) pairs (key stride 2) never load vectors along keys.
     assert compile_form(Layout(4 * 2048 * 2, 2048 * 2, 0, 2, 1)) == Layout(
         unknown, unknown, unknown, 2, 1)
