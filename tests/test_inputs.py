@@ -176,6 +176,14 @@ def test_non_tensor_is_a_type_error(argument, entry_point, device):
         entry_point(**kwargs)
 
 
+@pytest.mark.parametrize("flag", ["is_causal", "return_lse", "deterministic"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_flag_that_is_not_a_bool_is_a_type_error(flag, value, device):
+    kwargs = _good(device)
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        dmattn_func(**kwargs, **{flag: value})
+
+
 def _run_python(code: str, *flags: str, interpret: bool) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
