@@ -28,14 +28,14 @@ import triton
 import triton.language as tl
 
 from ._checks import AttnShape, BroadcastOperand
-from ._launch import PlannedLaunch, ceil_div, launch, operand_args
+from ._launch import PlannedLaunch, ceil_div, operand_args
 from ._operands import NO_LISTS, ListStrides, sizes_of
 from ._score import tile_offsets, visible_keys
 
 
 @triton.jit
 def _tile_activity_kernel(
-    mask_ptr, mask_layout, active_ptr, heads, sizes, map_rows, map_cols, num_load_cols,
+    mask_ptr, active_ptr, mask_layout, heads, sizes, map_rows, map_cols, num_load_cols,
     SUB_ROWS: tl.constexpr, SUB_COLS: tl.constexpr,
     LOAD_ROWS: tl.constexpr, LOAD_COLS: tl.constexpr, IS_CAUSAL: tl.constexpr,
 ):
@@ -240,6 +240,37 @@ def shared_granularity(tiles) -> tuple[int, int]:
     return rows, cols
 
 
+class TileActivityPass:
+    """The activity pass of a bool mask (``_tile_activity_kernel``) planned for one form: the
+    mask's layout (its broadcast shape and strides), the lengths, the map's tile and
+    causality. A call allocates the map and launches on the mask it is given, a tensor of that
+    layout; a kept plan of a bool mask read per call keeps one (``interface``), so that such a
+    call spends no host time on the launch's grid, arguments or form."""
+
+    def __init__(self, mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_cols: int,
+                 is_causal: bool):
+        mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
+        map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
+        self.map_shape = (mask_batch, mask_heads, map_rows, map_cols)
+        self.sub_rows, self.sub_cols = sub_rows, sub_cols
+        # At least two map tiles per load block each way, and blocks of >= 64 x 128 mask bytes.
+        load_rows, load_cols = max(2 * sub_rows, 64), max(2 * sub_cols, 128)
+        num_load_cols = ceil_div(shape.seqlen_k, load_cols)
+        grid = (ceil_div(shape.seqlen_q, load_rows) * num_load_cols, mask_batch * mask_heads)
+        self.launch = PlannedLaunch(
+            _tile_activity_kernel, grid, None,
+            (operand_args(mask), mask_heads, sizes_of(shape), map_rows, map_cols, num_load_cols),
+            SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
+            IS_CAUSAL=bool(is_causal), num_warps=4)
+
+    def __call__(self, mask: torch.Tensor) -> ActivityMap:
+        """The map of ``mask``, a bool tensor of the planned layout (its broadcast view or the
+        tensor itself: both start at the same address)."""
+        active = torch.empty(self.map_shape, dtype=torch.int8, device=mask.device)
+        self.launch(mask, active)
+        return ActivityMap(active, self.sub_rows, self.sub_cols)
+
+
 def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_cols: int,
                   is_causal: bool) -> ActivityMap:
     """The activity map at (sub_rows x sub_cols) granularity: the one pass over the mask.
@@ -248,22 +279,7 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
     ``KeyIntervals`` masks take ``interval_activity`` instead: no pass over (Lq, Lk)."""
     if mask.interval_pairs is not None:
         return interval_activity(mask, shape, sub_rows, sub_cols, is_causal)
-    args = operand_args(mask)
-    mask_batch, mask_heads = mask.original_shape[0], mask.original_shape[1]
-    map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
-    # At least two map tiles per load block each way, and blocks of >= 64 x 128 mask bytes.
-    load_rows, load_cols = max(2 * sub_rows, 64), max(2 * sub_cols, 128)
-    num_load_cols = ceil_div(shape.seqlen_k, load_cols)
-    active = torch.empty((mask_batch, mask_heads, map_rows, map_cols), dtype=torch.int8,
-                         device=mask.view.device)
-    grid = (ceil_div(shape.seqlen_q, load_rows) * num_load_cols, mask_batch * mask_heads)
-    launch(
-        _tile_activity_kernel, grid,
-        mask.view, args, active, mask_heads, sizes_of(shape), map_rows, map_cols, num_load_cols,
-        SUB_ROWS=sub_rows, SUB_COLS=sub_cols, LOAD_ROWS=load_rows, LOAD_COLS=load_cols,
-        IS_CAUSAL=bool(is_causal), num_warps=4,
-    )
-    return ActivityMap(active, sub_rows, sub_cols)
+    return TileActivityPass(mask, shape, sub_rows, sub_cols, is_causal)(mask.view)
 
 
 @triton.jit

@@ -7,7 +7,7 @@ from collections import OrderedDict
 import torch
 
 from . import ops
-from ._blocks import ActivityMap, IntervalActivityPass
+from ._blocks import ActivityMap, IntervalActivityPass, TileActivityPass
 from ._checks import BroadcastOperand, check_flags, check_inputs
 from ._launch import ensure_runnable
 from .backward import attention_backward
@@ -35,6 +35,11 @@ _plans: dict = {}
 # model calls with one or two forms per layer shape (with and without gradients).
 MAX_INTERVAL_PLANS = 8
 _interval_plans: OrderedDict = OrderedDict()
+# The same for bool masks that are not prepared (a model's padding or causal mask, new each
+# step), each with its ``_MaskReader``, by call signature and the mask's layout
+# (``_mask_form``): the mask's values are read per call (one activity pass), never kept.
+MAX_MASK_PLANS = 8
+_mask_plans: OrderedDict = OrderedDict()
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +71,13 @@ def _interval_form(intervals: KeyIntervals, for_backward: bool) -> tuple:
             for_backward)
 
 
+def _mask_form(mask: torch.Tensor, for_backward: bool) -> tuple:
+    """What a plan with lists per call follows from besides the signature, for a bool mask:
+    its layout (broadcast axes, strides, dtype, device) and the activity map's tile; never
+    its values."""
+    return (mask.shape, mask.stride(), mask.dtype, mask.device, for_backward)
+
+
 def _remember(plans: dict, signature: tuple, plan, limit: int = MAX_PLANS) -> None:
     plans[signature] = plan
     while len(plans) > limit:
@@ -91,16 +103,29 @@ class _IntervalReader:
         return pairs.as_strided(self.view_size, self.view_stride), self.activity_pass(pairs)
 
 
+class _MaskReader:
+    """What a call with an unprepared bool mask of a kept form does with it: the planned
+    activity pass into a new map (the plan's lists are compacted from it per call)."""
+
+    def __init__(self, mask: BroadcastOperand, activity: ActivityMap, shape, is_causal: bool):
+        self.activity_pass = TileActivityPass(mask, shape, activity.sub_rows, activity.sub_cols,
+                                              is_causal)
+
+    def __call__(self, mask: torch.Tensor) -> tuple[torch.Tensor, ActivityMap]:
+        """(the kernels' mask operand, the activity map) of ``mask``."""
+        return mask, self.activity_pass(mask)
+
+
 def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                for_backward: bool, deterministic: bool = False, bias_grad: bool = False,
                kernel_options=None):
     """(forward plan, query, key, value, mask tensor or None, activity map or None) for this
     call. A repeat signature reuses its plan with no checks or planning; otherwise the inputs
-    are checked (errors first), scheduled (``kernels.schedule``) and a plan is made, and kept
-    unless the mask is a bool tensor that was not prepared. ``for_backward``: a backward will
-    follow (an unprepared mask's activity map is then made fine enough for the backward's
-    tiles too). The activity map is the call's own, read from an unprepared ``KeyIntervals``
-    mask for a plan that takes its lists per call; None where the plan's own lists serve."""
+    are checked (errors first), scheduled (``kernels.schedule``) and a plan is made and kept.
+    ``for_backward``: a backward will follow (an unprepared mask's activity map is then made
+    fine enough for the backward's tiles too). The activity map is the call's own, read from
+    an unprepared mask (``KeyIntervals`` or bool) for a plan that takes its lists per call;
+    None where the plan's own lists serve."""
     prepared = attn_mask if isinstance(attn_mask, PreparedMask) else None
     intervals = None  # an unprepared KeyIntervals mask, read by this call
     if (isinstance(attn_mask, KeyIntervals) and isinstance(query, torch.Tensor)
@@ -113,8 +138,12 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
         kernel_mask = prepared.kernel_mask
     elif intervals is not None:
         plans = _interval_plans
+    elif isinstance(attn_mask, torch.Tensor):  # a mask read by this call
+        plans = _mask_plans
     else:
-        plans = _plans if attn_mask is None else None  # a bool mask is read per call
+        plans = _plans if attn_mask is None else None
+    per_call = intervals if intervals is not None else (
+        attn_mask if plans is _mask_plans else None)  # the mask this call reads, if any
     options_key = tuple(sorted(kernel_options.items())) if kernel_options else ()
     signature = None
     if plans is not None:
@@ -122,12 +151,14 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
                                deterministic, bias_grad, options_key)
         if signature is not None and intervals is not None:
             signature = (signature, _interval_form(intervals, for_backward))
+        elif signature is not None and per_call is not None:
+            signature = (signature, _mask_form(per_call, for_backward))
         plan = plans.get(signature) if signature is not None else None
         if plan is not None:
-            if intervals is not None:  # kept with its reader
+            if per_call is not None:  # kept with its reader
                 plans.move_to_end(signature)
                 plan, read = plan
-                return (plan, query, key, value, *read(intervals))
+                return (plan, query, key, value, *read(per_call))
             return (plan, query, key, value, kernel_mask if prepared is not None else attn_mask,
                     None)
 
@@ -143,20 +174,23 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
         activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
     sched = plan_schedule(checked, query, is_causal, deterministic, bias_grad, options,
                           activity, with_backward=for_backward)
-    if intervals is not None:  # the map this call read, handed to the call, not to the plan
+    if per_call is not None:  # the map this call read, handed to the call, not to the plan
         activity = sched.problem.activity
     plan = ForwardPlan(checked, query, key, value, sched, options,
-                       lists_per_call=intervals is not None)
+                       lists_per_call=per_call is not None)
     if signature is not None and not copied:
         if intervals is not None:
             kept = (plan, _IntervalReader(checked.mask, activity, checked.shape, is_causal))
             _remember(plans, signature, kept, MAX_INTERVAL_PLANS)
+        elif per_call is not None:
+            kept = (plan, _MaskReader(checked.mask, activity, checked.shape, is_causal))
+            _remember(plans, signature, kept, MAX_MASK_PLANS)
         else:
             _remember(plans, signature, plan)
     # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs.
     if checked.mask is not None and checked.mask.interval_pairs is not None:
         attn_mask = checked.mask.view
-    return plan, query, key, value, attn_mask, (activity if intervals is not None else None)
+    return plan, query, key, value, attn_mask, (activity if per_call is not None else None)
 
 
 class _DMAttnFunction(torch.autograd.Function):
