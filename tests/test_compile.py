@@ -426,6 +426,39 @@ def test_key_interval_masks_compile_whole(made_inside, device):
     assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
 
 
+@pytest.mark.parametrize("mask_kind", ("bool", "intervals"))
+def test_reduce_overhead_replays_give_eager_bits(mask_kind, device):
+    """``torch.compile(mode="reduce-overhead")``: Inductor records the step into CUDA graphs
+    and replays them (no host time per kernel). Over steps with new inputs and new mask values
+    each step's outputs and gradients are eager's bits, and no graph was skipped. CUDA only."""
+    if device.type != "cuda":
+        return
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    _, _, _, _, bias, _ = problem(DIMS, "BxHkx1xLk", device)
+
+    class StepAttention(Attention):
+        def forward(self, q, k, v, mask):
+            if mask_kind == "intervals":
+                mask = KeyIntervals(*mask)
+            return super().forward(q, k, v, mask)
+
+    module = StepAttention(bias, is_causal=True, return_lse=True)
+    compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+    lq, lk = DIMS.seqlen_q, DIMS.seqlen_k
+    for step in range(4):  # the first steps warm up and record, the later ones replay
+        torch.compiler.cudagraph_mark_step_begin()
+        q, k, v, mask, _, grad_out = problem(DIMS, "BxHkx1xLk", device)
+        if mask_kind == "intervals":
+            start = torch.randint(0, lq, (1, DIMS.heads_kv, lk), device=device)
+            mask = (start, start + torch.randint(0, lq, (1, DIMS.heads_kv, lk), device=device))
+        got = run(compiled, q, k, v, mask, grad_out)
+        got = {name: None if t is None else t.clone() for name, t in got.items()}
+        assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_top_window_made_from_the_bias_compiles_whole(backend, device):
     """Doge's pattern: the top-W intervals made from the trainable per-key bias inside the
