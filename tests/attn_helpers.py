@@ -391,6 +391,21 @@ def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
     return BackwardRun(grads, ref, watch)
 
 
+def forward_plans_made(monkeypatch) -> list:
+    """The ``ForwardPlan`` objects made from now on, in order (recorded as they are made)."""
+    from kernels import interface
+
+    made = []
+    original_init = interface.ForwardPlan.__init__
+
+    def counted_init(self, *args, **kwargs):
+        made.append(self)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(interface.ForwardPlan, "__init__", counted_init)
+    return made
+
+
 def random_intervals(dims: Dims, heads: str, batch: str, device, seed: int = 0) -> KeyIntervals:
     """Random runs of rows per key: some empty, some covering every row, some one row long."""
     gen = torch.Generator(device="cpu").manual_seed(seed)

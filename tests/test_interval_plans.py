@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import (AllocationWatch, Dims, SyncWatch, grads_of, random_bias,
-                          random_intervals, random_qkv)
+from attn_helpers import (AllocationWatch, Dims, SyncWatch, forward_plans_made, grads_of,
+                          random_bias, random_intervals, random_qkv)
 from kernels import KeyIntervals, dmattn_func, interface, prepare_mask, schedule_for
 from kernels.schedule import BackwardRoute
 
@@ -88,14 +88,7 @@ def test_new_intervals_take_the_kept_plan_with_the_bits_of_planning_afresh(
     assert not interface._interval_plans
     monkeypatch.undo()
 
-    made = []
-    original_init = interface.ForwardPlan.__init__
-
-    def counted_init(self, *args, **kwargs):
-        made.append(self)
-        original_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(interface.ForwardPlan, "__init__", counted_init)
+    made = forward_plans_made(monkeypatch)
     # Fresh allocations are poisoned: a list or map entry the call leaves unwritten shows.
     with AllocationWatch():
         for s, (want, want_no_grad) in zip(interval_sets(dims, heads, batch, device), afresh):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import (AllocationWatch, Dims, SyncWatch, grads_of, random_bias,
-                          random_mask, random_qkv)
+from attn_helpers import (AllocationWatch, Dims, SyncWatch, forward_plans_made, grads_of,
+                          random_bias, random_mask, random_qkv)
 from kernels import dmattn_func, interface, schedule_for
 from kernels.schedule import BackwardRoute
 
@@ -79,14 +79,7 @@ def test_new_masks_take_the_kept_plan_with_the_bits_of_planning_afresh(
     assert not interface._mask_plans
     monkeypatch.undo()
 
-    made = []
-    original_init = interface.ForwardPlan.__init__
-
-    def counted_init(self, *args, **kwargs):
-        made.append(self)
-        original_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(interface.ForwardPlan, "__init__", counted_init)
+    made = forward_plans_made(monkeypatch)
     # Fresh allocations are poisoned: a list or map entry the call leaves unwritten shows.
     with AllocationWatch():
         for mask, (want, want_no_grad) in zip(masks, afresh):
