@@ -189,7 +189,8 @@ def test_a_failed_capture_names_the_calls_error_and_puts_the_allocator_back(
         monkeypatch, left_registered, error, oom):
     """The message is the call's own first error line; the allocator's registration of the
     capture is ended where torch left it (torch 2.11 does), and then the pool released; the
-    device is synchronized and the cache emptied last."""
+    device is synchronized and the cache emptied, and last the random generators are taken out
+    of capture mode (by a clean capture, which the GPU tests run for real)."""
     calls = []
     pool = (0, 7)
 
@@ -208,6 +209,8 @@ def test_a_failed_capture_names_the_calls_error_and_puts_the_allocator_back(
                         raising=False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(timing, "_end_generator_capture",
+                        lambda device: calls.append(("generators", device)))
 
     def call():
         raise error
@@ -218,7 +221,8 @@ def test_a_failed_capture_names_the_calls_error_and_puts_the_allocator_back(
     assert message == f"cuda graph capture: {type(error).__name__}: {str(error).splitlines()[0]}"
     assert info.value.oom is oom
     released = [("release", 0, pool)] if left_registered else []
-    assert calls == [("end", 0, pool), *released, "sync", "empty"]
+    assert calls == [("end", 0, pool), *released, "sync", "empty",
+                     ("generators", torch.device("cuda", 0))]
 
 
 def test_a_capture_that_ends_cleanly_returns_its_graph(monkeypatch):
