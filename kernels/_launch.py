@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from concurrent.futures import Executor, wait
 from contextlib import contextmanager
@@ -20,13 +21,41 @@ def is_interpreted(kernel) -> bool:
 
 
 def ensure_runnable(kernel, device: torch.device) -> None:
-    """CPU tensors only work under Triton's interpreter; say how to turn it on."""
-    if device.type == "cpu" and not is_interpreted(kernel):
+    """CPU tensors only work under Triton's interpreter; say how to turn it on, or what to
+    install where the installed interpreter cannot run the kernels."""
+    if device.type != "cpu":
+        return
+    if not is_interpreted(kernel):
         raise RuntimeError(
             "dmattn on CPU tensors needs Triton's interpreter: set the environment variable "
             "TRITON_INTERPRET=1 before importing kernels (or triton), e.g. "
             "`TRITON_INTERPRET=1 python your_script.py`, or move the tensors to a CUDA device"
         )
+    problem = interpreter_problem()
+    if problem:
+        raise RuntimeError(problem)
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why the installed Triton interpreter cannot run the kernels, or None.
+
+    Triton 3.6 and older interpret an integer argument as a one-element array and give a
+    loop bound to ``range`` through ``int(array)``, which NumPy 2.4 made an error (TypeError:
+    only 0-dimensional arrays can be converted to Python scalars); Triton 3.7 squeezes it."""
+    import numpy
+    import triton
+
+    if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter cannot run with NumPy "
+                f"{numpy.__version__} (its loops fail on NumPy 2.4 and later): for CPU tensors "
+                "install triton>=3.7 or numpy<2.4")
+    return None
 
 
 def dot_options(dtype: torch.dtype, interpreted: bool) -> dict:

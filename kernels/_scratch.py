@@ -9,12 +9,15 @@ a split-K decode forward were ~40 of its ~105 us per call.
 
 Buffers are allocated per call instead when keeping them is not clearly safe or cheap:
 off CUDA (the interpreter), while a CUDA graph is being captured (the graph owns its
-allocations), and above ``MAX_KEPT_BYTES``, where the call's GPU work dwarfs one allocation.
+allocations), within the custom ops that ``torch.compile`` calls (``allocated_per_call``), and
+above ``MAX_KEPT_BYTES``, where the call's GPU work dwarfs one allocation.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -33,6 +36,27 @@ def graph_capturing(device: torch.device) -> bool:
     """A CUDA graph is being captured on the current stream: allocations belong to the graph,
     and reading device memory back to the host is forbidden."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+_calls = threading.local()
+
+
+@contextmanager
+def allocated_per_call():
+    """Within this, every ``Scratch`` allocates its buffers per call and keeps none.
+
+    The custom ops run in it. Under ``torch.compile(mode="reduce-overhead")`` Inductor's CUDA
+    graph trees run an op's first calls eagerly with every allocation routed to the graph's
+    memory pool, then require each live tensor in that pool to be one of the graph's outputs: a
+    kept buffer is not, and the step failed ("tensor(s) in the cudagraph pool not tracked as
+    outputs"). Nothing tells a call that its allocations go to such a pool, so compiled calls
+    keep nothing; the replays that follow allocate nothing either way."""
+    depth = getattr(_calls, "per_call", 0)
+    _calls.per_call = depth + 1
+    try:
+        yield
+    finally:
+        _calls.per_call = depth
 
 
 def _current_stream(index: int) -> int:
@@ -64,7 +88,7 @@ class Scratch:
         """The buffers for a call enqueued now, on the current stream."""
         if not self.specs:
             return ()
-        if not self.keep or graph_capturing(self.device):
+        if not self.keep or graph_capturing(self.device) or getattr(_calls, "per_call", 0):
             return self._allocate()
         key = _current_stream(self.device.index)
         kept = self._by_stream.get(key)

@@ -61,6 +61,7 @@ from torch import Tensor
 
 from . import interface
 from ._checks import check_flags, check_inputs, resolve_scale
+from ._scratch import allocated_per_call
 from .backward import attention_backward
 from .intervals import KeyIntervals
 from .prepared import PreparedMask
@@ -170,7 +171,8 @@ def _forward_impl(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
     plan, query, key, value, mask, activity = interface._plan_call(
         query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, plan_backward,
         deterministic and plan_backward, bias_needs_grad and plan_backward)
-    return plan.run(query, key, value, mask, attn_bias, activity=activity)
+    with allocated_per_call():  # see there: Inductor's CUDA graph pools
+        return plan.run(query, key, value, mask, attn_bias, activity=activity)
 
 
 def _backward_impl(grad_out, query, key, value, out, lse, attn_mask, attn_bias, is_causal,
@@ -179,9 +181,10 @@ def _backward_impl(grad_out, query, key, value, out, lse, attn_mask, attn_bias, 
     plan, query, key, value, mask, activity = interface._plan_call(
         query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, True,
         deterministic, bias_needs_grad)
-    return attention_backward(plan, grad_out, query, key, value, out, lse, mask, attn_bias,
-                              deterministic, bias_needs_grad=bias_needs_grad,
-                              activity=activity)
+    with allocated_per_call():
+        return attention_backward(plan, grad_out, query, key, value, out, lse, mask, attn_bias,
+                                  deterministic, bias_needs_grad=bias_needs_grad,
+                                  activity=activity)
 
 
 # -- schemas

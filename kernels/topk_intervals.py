@@ -30,6 +30,7 @@ function directly.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -195,7 +196,7 @@ def _rows_direct(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch
 # of 8-byte buffers of the bias's size), so only forms up to GRAPH_MAX_ELEMENTS bias elements
 # are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate, and at most
 # MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture fails runs
-# the ops directly from then on.
+# the ops directly from then on. A graph is made on a thread of its own (``_made_apart``).
 GRAPH_MAX_ELEMENTS = 1 << 20
 MAX_GRAPHS = 4
 _graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None: not capturable
@@ -221,6 +222,31 @@ class _SelectionGraph:
         return self.start.clone(), self.end.clone()
 
 
+def _made_apart(bias, window, seqlen_q, is_causal) -> _SelectionGraph:
+    """A ``_SelectionGraph`` made on a thread of its own, on the caller's stream.
+
+    The graph's buffers outlive the call. Inductor's CUDA graph trees
+    (``torch.compile(mode="reduce-overhead")``) route every allocation of the calling thread
+    to their pool while they warm a step up, then fail the step if a tensor there is not one
+    of its outputs; allocations of another thread are not routed."""
+    stream = torch.cuda.current_stream(bias.device)
+    made = {}
+
+    def make():
+        try:
+            with torch.cuda.device(bias.device), torch.cuda.stream(stream):
+                made["graph"] = _SelectionGraph(bias, window, seqlen_q, is_causal)
+        except BaseException as error:  # raised again by the caller
+            made["error"] = error
+
+    worker = threading.Thread(target=make, name="topk_intervals graph")
+    worker.start()
+    worker.join()
+    if "error" in made:
+        raise made["error"]
+    return made["graph"]
+
+
 def _select_rows(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
     if (bias.device.type != "cuda" or bias.numel() > GRAPH_MAX_ELEMENTS
             or torch.cuda.is_current_stream_capturing()):
@@ -231,7 +257,7 @@ def _select_rows(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch
         graph = _graphs[form]
     else:
         try:
-            graph = _SelectionGraph(bias, window, seqlen_q, is_causal)
+            graph = _made_apart(bias, window, seqlen_q, is_causal)
         except RuntimeError:  # not capturable here: the ops, directly, for this form
             graph = None
         _graphs[form] = graph

@@ -7,6 +7,9 @@ at that moment), so the variable has to be in the environment before a test modu
 any test module, and ``setdefault`` leaves an explicit choice by the caller alone.
 
 On a GPU machine the same tests run compiled on CUDA tensors with ``pytest --device cuda``.
+Tests marked ``interpreter`` run kernels on CPU tensors whatever ``--device`` says (the harness
+and training CLIs on the CPU, the README's CPU recipes): ``--device cuda`` deselects them and
+says so, because a process that compiles the kernels cannot also interpret them.
 """
 
 import os
@@ -26,6 +29,24 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--device") == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") == "cpu":
+        return
+    interpreted = [item for item in items if item.get_closest_marker("interpreter")]
+    if interpreted:
+        config.hook.pytest_deselected(items=interpreted)
+        items[:] = [item for item in items if not item.get_closest_marker("interpreter")]
+        config._interpreted_deselected = len(interpreted)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = getattr(config, "_interpreted_deselected", 0)
+    if count:
+        terminalreporter.write_line(
+            f"{count} tests marked 'interpreter' deselected: they run kernels on CPU tensors "
+            "under Triton's interpreter, which the CPU suite (pytest without --device) covers")
 
 
 @pytest.fixture(scope="session")

@@ -92,6 +92,7 @@ def _rank_pid(parent: int, rank: int) -> int | None:
 
 
 @pytest.mark.slow
+@pytest.mark.interpreter
 def test_killed_rank_then_resume_completes(tmp_path):
     sweep_path = tmp_path / "kill.yaml"
     sweep_path.write_text(textwrap.dedent("""

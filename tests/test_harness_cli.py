@@ -22,6 +22,8 @@ from dmbench.errors import ExitCode
 from dmbench.results import COLUMNS, read_rows
 from dmbench.sweep import load_sweep
 
+pytestmark = pytest.mark.interpreter  # kernels on CPU tensors (see conftest)
+
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "smoke.yaml"
 BACKENDS = "triton,reference"

@@ -179,6 +179,7 @@ def _checked(backend, problem, with_grad=True):
     return result
 
 
+@pytest.mark.interpreter
 def test_every_format_of_one_document_case_gives_the_same_numbers():
     """Ours through dmattn_func (bool, intervals) and dmattn_varlen_func (varlen), sdpa and the
     eager reference on the dense expansion: each within the rule, and ours alike in all three."""
@@ -202,6 +203,7 @@ def test_every_format_of_one_document_case_gives_the_same_numbers():
     _case("topk", "intervals", causal=False, lq=37, lk=21),
     _case("sliding", "intervals", lq=37, lk=37, window=1, bias="kv_row"),
 ], ids=lambda c: c.case_id)
+@pytest.mark.interpreter
 def test_ours_on_intervals(case):
     _checked(make_backends()["triton"], make_problem(case, CPU))
 
@@ -238,6 +240,7 @@ def test_flex_mask_mods_match_the_reference(mask, fmt):
     ("intervals", "reference", ["topk_intervals", "dense expansion"]),
     ("intervals", "sdpa-dense", []),
 ])
+@pytest.mark.interpreter
 def test_build_steps_are_the_masks_and_the_backends(fmt, backend, steps):
     from dmbench.runner import _timed_call
 

@@ -70,6 +70,7 @@ def test_the_sampled_reference_is_the_whole_problem_with_that_upstream_gradient(
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.case_id)
+@pytest.mark.interpreter
 def test_ours_passes_the_sampled_check(sampled, case):
     problem = make_problem(case, CPU)
     result = check_backend(make_backends()["triton"], problem, ground_truth(problem, True), True)

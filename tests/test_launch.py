@@ -95,3 +95,25 @@ def test_planned_launch_hands_the_launcher_plain_tuples():
 
     assert "BackwardLayouts" not in str(kinds(plain)) and "Layout" not in str(kinds(plain))
     assert kinds(plain)[1][0][1][0] == ("tuple", ("int",) * 5)
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch):
+    """Triton 3.6's interpreter with NumPy 2.4 fails inside the first kernel loop with a
+    TypeError; the kernels say which versions to install instead."""
+    import numpy
+    import triton
+
+    from kernels._launch import interpreter_problem
+
+    check = interpreter_problem.__wrapped__  # uncached
+    for triton_version, numpy_version, fails in (("3.6.0", "2.4.6", True),
+                                                 ("3.5.1", "2.4.0", True),
+                                                 ("3.6.0", "2.3.5", False),
+                                                 ("3.7.0", "2.4.6", False),
+                                                 ("3.9.0+git1a2b", "2.5.0rc1", False)):
+        monkeypatch.setattr(triton, "__version__", triton_version)
+        monkeypatch.setattr(numpy, "__version__", numpy_version)
+        problem = check()
+        assert (problem is not None) == fails, (triton_version, numpy_version)
+        if fails:
+            assert "triton>=3.7" in problem and "numpy<2.4" in problem

@@ -41,6 +41,7 @@ def test_setup_commands_are_in_the_readme():
         assert f"\n{command}\n" in text, command
 
 
+@pytest.mark.interpreter
 def test_cpu_example_runs_as_written(tmp_path):
     cpu = [b for b in _python_blocks(README.read_text()) if 'TRITON_INTERPRET"] = "1"' in b]
     assert len(cpu) == 1
@@ -71,6 +72,7 @@ padding[1, 9:] = 0
 """
 
 
+@pytest.mark.interpreter
 def test_transformers_recipe_runs_as_written(tmp_path):
     """The five-line recipe trains a dmattn model: every parameter gets a gradient."""
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")

@@ -17,6 +17,8 @@ from dmbench import train  # noqa: E402
 from dmbench.cli import app  # noqa: E402
 from dmbench.errors import ConfigError, ExitCode  # noqa: E402
 
+pytestmark = pytest.mark.interpreter  # kernels on CPU tensors (see conftest)
+
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 CONTEXT = 40  # above the tiny model's keep window (32): Doge's top-W mask is in play
