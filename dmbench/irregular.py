@@ -105,6 +105,11 @@ def interval_cases(large: bool) -> tuple[Case, ...]:
         Case(2, *gqa, 1, lk, 64, 7, True, "bf16", "topk", bias="kv_row", seed=45,
              mask_format="intervals"),
     ]
+    # Head dims below their padded size, which take their own forward tiles with intervals.
+    window = _scaled(large, 9, 300)
+    for i, head_dim in enumerate((80, 192)):
+        cases.append(Case(1, *gqa, lq, lk, head_dim, window, True, DTYPES[i], "topk",
+                          bias="kv_row", seed=48 + i, mask_format="intervals"))
     for fmt in ("bool", "intervals", "varlen"):
         cases.append(Case(2, *gqa, doc_len, doc_len, 40, None, True, "bf16", "document",
                           bias="kv_row", seed=46, mask_format=fmt, documents=documents))

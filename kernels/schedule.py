@@ -32,6 +32,7 @@ class OperandLayout:
 
     shape: tuple[int, int, int, int]
     head_div: int
+    intervals: bool = False  # a KeyIntervals mask: (start, end) per key, not a bool tile
 
     @property
     def one_row(self) -> bool:
@@ -72,7 +73,8 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                activity=None) -> Problem:
     """The Problem of checked inputs."""
     def layout(op):
-        return None if op is None else OperandLayout(tuple(op.original_shape), op.head_div)
+        return None if op is None else OperandLayout(tuple(op.original_shape), op.head_div,
+                                                     op.interval_pairs is not None)
 
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),
@@ -123,9 +125,14 @@ def forward_tile(problem: Problem) -> tuning.Tile:
         return tuning.FORWARD_FP32 if block_d <= 128 else tuning.FORWARD_FP32_WIDE
     if block_d <= 64:
         return tuning.FORWARD_D64
+    # KeyIntervals with a head dim below its padded size: see tuning.FORWARD_INTERVALS_PADDED.
+    padded_intervals = (problem.mask is not None and problem.mask.intervals
+                        and problem.shape.head_dim != block_d)
     if block_d <= 128:
+        if padded_intervals:
+            return tuning.FORWARD_D128_INTERVALS_PADDED
         return tuning.FORWARD_D128_MASKED if problem.mask is not None else tuning.FORWARD_D128
-    return tuning.FORWARD_D256
+    return tuning.FORWARD_D256_INTERVALS_PADDED if padded_intervals else tuning.FORWARD_D256
 
 
 def group_pack(problem: Problem, block_m: int) -> int:

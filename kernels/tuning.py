@@ -38,6 +38,18 @@ FORWARD_D64 = Tile(64, 64, 4, 3)
 FORWARD_D128_MASKED = Tile(128, 64, 8, 3)
 FORWARD_D128 = Tile(64, 64, 4, 3)
 FORWARD_D256 = Tile(64, 32, 4, 2)
+# FORWARD_INTERVALS_PADDED: KeyIntervals masks where the head dim is below its padded size
+# (80, 96 -> 128; 192 -> 256). The per-key (start, end) registers and the head-dim predicates
+# together exceed the register file: the D80 forward compiled at 255 registers with spills
+# (H100 SASS: 39 LDL / 23 STL; ncu: 136M instructions against 105M at D128 and 100M for the
+# bool mask at D80). B1 H16/4 L4096 topk W1024 kv_row causal, H100, kernel ms (bool mask
+# 0.257 at D80/D96, 0.503 at D192):
+#   D80: 128x64 w8 s3 0.367, s2 0.313, 128x32 s3 0.316, 64x64 w4 s3 0.554, s4 0.362
+#   D96: 0.365, 0.316, 0.314, 0.556, 0.363 (same order)
+#   D192: 64x32 w4 s2 0.709, s1 0.761, 32x32 1.059, 64x16 w4 s2 0.645, 64x32 w8 1.065
+# At D128 and D256 (no padding) the default tiles stay best (D128: s3 0.270, s2 0.284).
+FORWARD_D128_INTERVALS_PADDED = Tile(128, 64, 8, 2)
+FORWARD_D256_INTERVALS_PADDED = Tile(64, 16, 4, 2)
 
 # -- backward tiles: dkdv keeps a key block resident and walks query blocks (block_m query rows
 # per step, block_n keys per program); dq the reverse.

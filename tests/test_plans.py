@@ -231,3 +231,27 @@ def test_prepare_mask_in_a_graph_capture_leaves_the_share_uncounted(device, monk
         monkeypatch.setattr(backward, "graph_capturing", lambda device: True)
         prepared = prepare_mask(mask, q, k)
     assert prepared.activity.partial_share(cfg_kv.block_n, cfg_kv.block_m, True) is None
+
+
+def test_intervals_with_a_padded_head_dim_take_their_own_forward_tile():
+    """KeyIntervals at head dims below their padded size (80, 96, 192) take the forward tiles
+    measured for them; at 64, 128 and 256, and for bool masks, the usual ones."""
+    from kernels import tuning
+    from kernels.schedule import forward_tile
+
+    def tile(head_dim, intervals, masked=True):
+        shape = Dims(1, 4096, 4096, heads_q=16, heads_kv=4, head_dim=head_dim)
+        mask = OperandLayout((1, 4, 4096, 4096), 4, intervals) if masked else None
+        return forward_tile(Problem(shape, torch.bfloat16, torch.device("cuda"),
+                                    interpreted=False, multiprocessors=132, is_causal=True,
+                                    softmax_scale=0.1, mask=mask))
+
+    for head_dim in (80, 96):
+        assert tile(head_dim, True) == tuning.FORWARD_D128_INTERVALS_PADDED
+        assert tile(head_dim, False) == tuning.FORWARD_D128_MASKED
+        assert tile(head_dim, False, masked=False) == tuning.FORWARD_D128
+    assert tile(128, True) == tuning.FORWARD_D128_MASKED
+    assert tile(192, True) == tuning.FORWARD_D256_INTERVALS_PADDED
+    assert tile(192, False) == tuning.FORWARD_D256
+    assert tile(256, True) == tuning.FORWARD_D256
+    assert tile(64, True) == tuning.FORWARD_D64
