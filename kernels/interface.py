@@ -132,18 +132,17 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
             and isinstance(key, torch.Tensor)):
         prepared = prepared_intervals(attn_mask, query, key, is_causal)
         intervals = attn_mask if prepared is None else None
+    per_call = None  # an unprepared mask (KeyIntervals or bool) that this call reads
     if prepared is not None:
         prepared.check_fresh()
         attn_mask, plans = prepared.mask, prepared.plans
         kernel_mask = prepared.kernel_mask
     elif intervals is not None:
-        plans = _interval_plans
-    elif isinstance(attn_mask, torch.Tensor):  # a mask read by this call
-        plans = _mask_plans
+        plans, per_call = _interval_plans, intervals
+    elif isinstance(attn_mask, torch.Tensor):
+        plans, per_call = _mask_plans, attn_mask
     else:
         plans = _plans if attn_mask is None else None
-    per_call = intervals if intervals is not None else (
-        attn_mask if plans is _mask_plans else None)  # the mask this call reads, if any
     options_key = tuple(sorted(kernel_options.items())) if kernel_options else ()
     signature = None
     if plans is not None:
