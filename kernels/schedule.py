@@ -125,7 +125,7 @@ def forward_tile(problem: Problem) -> tuning.Tile:
         return tuning.FORWARD_FP32 if block_d <= 128 else tuning.FORWARD_FP32_WIDE
     if block_d <= 64:
         return tuning.FORWARD_D64
-    # KeyIntervals with a head dim below its padded size: see tuning.FORWARD_INTERVALS_PADDED.
+    # KeyIntervals with a head dim below its padded size: tuning.FORWARD_D128_INTERVALS_PADDED.
     padded_intervals = (problem.mask is not None and problem.mask.intervals
                         and problem.shape.head_dim != block_d)
     if block_d <= 128:

@@ -38,7 +38,7 @@ FORWARD_D64 = Tile(64, 64, 4, 3)
 FORWARD_D128_MASKED = Tile(128, 64, 8, 3)
 FORWARD_D128 = Tile(64, 64, 4, 3)
 FORWARD_D256 = Tile(64, 32, 4, 2)
-# FORWARD_INTERVALS_PADDED: KeyIntervals masks where the head dim is below its padded size
+# FORWARD_D128/D256_INTERVALS_PADDED: KeyIntervals masks where the head dim is below its padded size
 # (80, 96 -> 128; 192 -> 256). The per-key (start, end) registers and the head-dim predicates
 # together exceed the register file: the D80 forward compiled at 255 registers with spills
 # (H100 SASS: 39 LDL / 23 STL; ncu: 136M instructions against 105M at D128 and 100M for the

@@ -34,10 +34,12 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--device") == "cpu":
         return
-    interpreted = [item for item in items if item.get_closest_marker("interpreter")]
+    kept, interpreted = [], []
+    for item in items:
+        (interpreted if item.get_closest_marker("interpreter") else kept).append(item)
     if interpreted:
         config.hook.pytest_deselected(items=interpreted)
-        items[:] = [item for item in items if not item.get_closest_marker("interpreter")]
+        items[:] = kept
         config._interpreted_deselected = len(interpreted)
 
 
