@@ -14,6 +14,7 @@ from .backward import attention_backward
 from .forward import ForwardPlan, plan_schedule
 from .forward_kernels import _attn_fwd_kernel
 from .intervals import KeyIntervals
+from .key_order import reorder_keys
 from .prepared import PreparedMask, prepared_intervals
 from .schedule import normalize_options
 
@@ -253,6 +254,17 @@ def _compact_bias(attn_bias):
     return attn_bias
 
 
+def _in_key_order(query, key, value, intervals, attn_bias, is_causal, softmax_scale):
+    """The call's arguments with its keys read in ``intervals.key_order``
+    (``kernels.key_order``): the same attention, with causality folded into the intervals."""
+    if not _is_compiling():  # traced calls are checked by the custom ops
+        check_flags(is_causal=is_causal)
+        check_inputs(query, key, value, intervals, attn_bias, softmax_scale)
+    key, value, intervals, attn_bias = reorder_keys(query, key, value, intervals,
+                                                    _compact_bias(attn_bias), is_causal)
+    return query, key, value, intervals, attn_bias, False
+
+
 def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
                 softmax_scale=None, return_lse=False, deterministic=False, kernel_options=None):
     """Flash dynamic-mask attention.
@@ -283,6 +295,9 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     Under ``torch.compile`` a call is the custom ops ``dmattn::fwd`` and ``dmattn::bwd``
     (``kernels.ops``): one graph, no breaks, bit for bit the eager results.
     """
+    if attn_mask.__class__ is KeyIntervals and attn_mask.key_order is not None:
+        query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(
+            query, key, value, attn_mask, attn_bias, is_causal, softmax_scale)
     # A call torch.compile or torch.export traces becomes the custom ops; eager calls never
     # reach them (nor their host time).
     if _is_compiling():
@@ -321,6 +336,9 @@ def schedule_for(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fa
     check_flags(is_causal=is_causal, deterministic=deterministic)
     if bias_requires_grad is None:
         bias_requires_grad = attn_bias is not None and attn_bias.requires_grad
+    if isinstance(attn_mask, KeyIntervals) and attn_mask.key_order is not None:
+        query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(
+            query, key, value, attn_mask, attn_bias, is_causal, softmax_scale)
     plan, *_ = _plan_call(query, key, value, attn_mask, _compact_bias(attn_bias), is_causal,
                           softmax_scale, True, deterministic,
                           attn_bias is not None and bool(bias_requires_grad), kernel_options)

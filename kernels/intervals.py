@@ -99,6 +99,11 @@ class KeyIntervals:
 
     start: torch.Tensor
     end: torch.Tensor
+    # A permutation of the keys per (batch, head), (Bm, Hm, Lk) int64, in which calls read the
+    # keys (``kernels.key_order``); results do not depend on it. Set by ``with_key_order``
+    # and ``topk_intervals``, never from outside: an order that is not a permutation would
+    # go unnoticed.
+    _key_order: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # Tile lists built by the calls made with these intervals, per call form (see
     # ``prepared.prepared_intervals``): a later call of the same form skips that work.
     _preparations: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -112,6 +117,27 @@ class KeyIntervals:
         if self.start.device != self.end.device:
             raise ValueError(f"KeyIntervals start and end must be on one device, got "
                              f"{self.start.device} and {self.end.device}")
+
+    @property
+    def key_order(self) -> torch.Tensor | None:
+        """The order in which calls read the keys (see :meth:`with_key_order`), or None for
+        their own order."""
+        return self._key_order
+
+    def with_key_order(self) -> "KeyIntervals":
+        """These intervals with a key order that groups keys seen by similar rows.
+
+        Attention does not depend on the order of its keys, but tile skipping does: where the
+        kept keys scatter (flash-dmattn's top-W mask keeps, at row i, the W keys with the
+        largest bias among the first i), nearly every tile holds a kept pair and the work
+        grows with Lq * Lk. ``dmattn_func`` reads the keys of intervals that carry an order in
+        that order (K, V, the bias and the intervals gathered, the gradients scattered back),
+        so that the work follows the kept pairs. The order costs one sort of Lk per (batch,
+        head) here and copies of K and V (and their gradients) per call; it pays where few
+        of the visible keys are kept. ``topk_intervals`` sets it by that rule.
+        """
+        from .key_order import grouping_order
+        return KeyIntervals(self.start, self.end, grouping_order(self.start, self.end))
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -1,0 +1,155 @@
+"""Key intervals read in a key order (``kernels.key_order``): the same attention and gradients
+as the keys' own order, against the float64 reference; the order is a permutation that groups
+keys seen by similar rows, and it cuts the active tiles of a top-W mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_helpers import Dims, assert_close_to_reference, grads_of, random_qkv
+from kernels import KeyIntervals, attention_reference, dmattn_func, schedule_for, topk_intervals
+from kernels.key_order import END_BUCKET, grouping_order
+from kernels.topk_intervals import orders_keys
+
+# (dims, selection heads: "1", "Hk" or "Hq", bias shape as axis names)
+SHAPES = [
+    pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hq",
+                 ("B", "Hk", "1", "Lk"), id="order-per-query-head"),
+    pytest.param(Dims(1, 50, 33, heads_q=4, heads_kv=2, head_dim=16), "Hk",
+                 ("1", "Hq", "1", "Lk"), id="order-per-kv-head"),
+    pytest.param(Dims(2, 40, 70, heads_q=4, heads_kv=1, head_dim=40), "1",
+                 ("B", "1", "Lq", "Lk"), id="one-order-mqa-full-bias"),
+]
+
+
+def _selection(dims, heads, device, seed=0):
+    count = {"1": 1, "Hk": dims.heads_kv, "Hq": dims.heads_q}[heads]
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(dims.batch, count, 1, dims.seqlen_k, generator=generator).to(device)
+
+
+def _bias(dims, axes, dtype, device):
+    sizes = {"1": 1, "B": dims.batch, "Hk": dims.heads_kv, "Hq": dims.heads_q,
+             "Lq": dims.seqlen_q, "Lk": dims.seqlen_k}
+    generator = torch.Generator().manual_seed(7)
+    bias = torch.randn([sizes[a] for a in axes], generator=generator)
+    return bias.to(device=device, dtype=dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dims,heads,bias_axes", SHAPES)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_ordered_intervals_match_the_reference(dims, heads, bias_axes, causal, device):
+    dtype = torch.float16
+    q, k, v = random_qkv(dims, dtype, device)
+    bias = _bias(dims, bias_axes, dtype, device)
+    intervals = topk_intervals(_selection(dims, heads, device), 7, seqlen_q=dims.seqlen_q,
+                               is_causal=causal, order_keys=True)
+    assert intervals.key_order is not None
+    out, lse = dmattn_func(q, k, v, intervals, bias, causal, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True)
+    low_out, low_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True,
+                                           upcast=False)
+    assert torch.isfinite(out).all()
+    assert_close_to_reference("out", out, ref_out, low_out, dtype)
+    assert_close_to_reference("lse", lse, ref_lse, low_lse, dtype)
+
+    grad_out = torch.randn(q.shape, device=device).to(dtype)
+    got = grads_of(dmattn_func, q, k, v, intervals, bias, causal, None, grad_out)
+    upcast = [t.float() for t in (q, k, v, bias)]
+    truth = grads_of(attention_reference, *upcast[:3], intervals, upcast[3], causal, None,
+                     grad_out.double())
+    low = grads_of(attention_reference, q, k, v, intervals, bias, causal, None, grad_out,
+                   upcast=False)
+    for (name, a), (_, t), (_, lo) in zip(got.named(), truth.named(), low.named()):
+        assert a.shape == t.shape, name  # gradients come back in each input's own shape
+        assert torch.isfinite(a).all(), f"{name} has NaN or Inf"
+        assert_close_to_reference(name, a, t, lo, dtype)
+
+
+def test_order_changes_no_bit_of_a_deterministic_call(device):
+    """Ordered and unordered: the same softmax over the same keys, summed in another order,
+    so equal within rounding; and each is bitwise reproducible run to run."""
+    dims = Dims(2, 64, 64, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    bias = _bias(dims, ("B", "Hk", "1", "Lk"), torch.float32, device)
+    ordered = topk_intervals(_selection(dims, "Hk", device), 9, order_keys=True)
+    plain = KeyIntervals(ordered.start, ordered.end)
+    grad_out = torch.randn(q.shape, device=device)
+    runs = [grads_of(dmattn_func, q, k, v, mask, bias, True, None, grad_out,
+                     deterministic=True) for mask in (ordered, ordered, plain)]
+    for (name, a), (_, b), (_, c) in zip(*(r.named() for r in runs)):
+        assert torch.equal(a, b), name
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_grouping_order_is_a_permutation_sorted_by_end_bucket_then_start():
+    generator = torch.Generator().manual_seed(3)
+    start = torch.randint(0, 5000, (2, 3, 300), generator=generator)
+    end = start + torch.randint(-50, 3000, (2, 3, 300), generator=generator)
+    order = grouping_order(start, end)
+    assert order.dtype == torch.int64 and order.shape == start.shape
+    assert torch.equal(order.sort(-1).values, torch.arange(300).expand(2, 3, 300))
+    s, e = start.gather(-1, order), end.gather(-1, order)
+    empty = s >= e
+    kept = (~empty).sum(-1, keepdim=True)
+    assert torch.equal(empty, torch.arange(300) >= kept)  # empty intervals come last
+    sort_key = (e // END_BUCKET) * (1 << 32) + s
+    assert bool((sort_key.diff(dim=-1)[~empty[..., 1:]] >= 0).all())
+
+
+def test_the_order_cuts_a_top_w_masks_active_tiles():
+    """Counted on the host (``IntervalBlockBounds.tiles``): causal top-256 of 8192 keys, 128x64
+    tiles: 3927 active in key order, 463 ordered, against 252 tiles' worth of kept pairs."""
+    bias = torch.randn(1, 1, 1, 8192, generator=torch.Generator().manual_seed(0))
+    ordered = topk_intervals(bias, 256, order_keys=True)
+    kept = int((ordered.end - ordered.start).clamp(min=0).sum())
+    counts = []
+    for start, end in ((ordered.start, ordered.end),
+                       (ordered.start.gather(-1, ordered.key_order),
+                        ordered.end.gather(-1, ordered.key_order))):
+        active, _ = KeyIntervals(start, end).block_bounds(64).tiles(128, 8192)
+        counts.append(int(active.sum()))
+    assert counts[0] > 6 * counts[1], counts
+    assert counts[1] * 128 * 64 < 2 * kept, (counts, kept)
+
+
+def test_topk_intervals_orders_keys_by_shape():
+    bias = torch.randn(1, 2, 1, 1024)
+    assert topk_intervals(bias, 256).key_order is not None  # 4 W visible, causal
+    assert topk_intervals(bias, 512).key_order is None
+    assert topk_intervals(bias, 512, is_causal=False).key_order is not None
+    assert topk_intervals(bias, 32, seqlen_q=1).key_order is None  # decode
+    assert topk_intervals(bias, 512, order_keys=True).key_order is not None
+    assert topk_intervals(bias, 32, order_keys=False).key_order is None
+    assert orders_keys(256, 8192, 2048, True) and not orders_keys(255, 8192, 2048, True)
+
+
+def test_order_keys_is_checked():
+    bias = torch.randn(1, 1, 1, 64)
+    with pytest.raises(TypeError, match="order_keys must be a bool or None"):
+        topk_intervals(bias, 8, order_keys="yes")
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match="order_keys must be None or False with cu_seqlens"):
+        topk_intervals(torch.randn(1, 64), 8, cu_seqlens_k=cu, order_keys=True)
+
+
+def test_an_ordered_call_checks_its_inputs_first():
+    dims = Dims(1, 16, 16, heads_q=2, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, "cpu")
+    intervals = topk_intervals(torch.randn(1, 2, 1, 17), 4, seqlen_q=16, order_keys=True)
+    with pytest.raises(ValueError, match="attn_mask.start dimension 2"):
+        dmattn_func(q, k, v, intervals, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        dmattn_func(q, k, v, topk_intervals(torch.randn(1, 2, 1, 16), 4, order_keys=True),
+                    is_causal="yes")
+
+
+def test_schedule_for_shows_the_ordered_call(device):
+    """What runs: no causal tiles (causality is in the intervals), K and V per mask head."""
+    dims = Dims(1, 64, 64, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    intervals = topk_intervals(_selection(dims, "Hq", device), 8, order_keys=True)
+    schedule = schedule_for(q, k, v, intervals, is_causal=True)
+    assert not schedule.problem.is_causal
+    assert schedule.problem.shape.heads_kv == dims.heads_q
