@@ -207,6 +207,32 @@ def test_offsets_check_reads_the_device_once():
         check_cu_seqlens("cu_seqlens_q", cu, 7, "cpu", max_seqlen=4)
 
 
+def test_packed_mask_is_built_once_per_offsets(monkeypatch):
+    """A model's layers call with the same offsets: the first call checks them and builds the
+    packed mask, the others reuse it. Writing into the offsets makes them new (checked again)."""
+    import kernels.varlen as varlen
+    problem, _, _ = packed_problem(PACKED[0].values[0], torch.float32, "cpu")
+    q, k, v, cu_q, cu_k, max_q, max_k = problem
+    built = []
+    real = varlen.packed_intervals
+    monkeypatch.setattr(varlen, "packed_intervals",
+                        lambda *args, **kw: built.append(1) or real(*args, **kw))
+    monkeypatch.setattr(varlen, "_packed_masks", type(varlen._packed_masks)())
+
+    def run(cu_q, cu_k, is_causal):
+        return varlen_call(attention_reference, q, k, v, cu_q, cu_k, max_q, max_k,
+                           is_causal=is_causal)
+
+    outs = [run(cu_q, cu_k, True) for _ in range(3)]
+    assert len(built) == 1 and all(torch.equal(outs[0], o) for o in outs)
+    run(cu_q, cu_k, False)  # another mask
+    run(cu_q.clone(), cu_k, True)  # other offsets
+    assert len(built) == 3
+    cu_k[1] = 9  # past the second offset (8): checked again, and refused
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        run(cu_q, cu_k, True)
+
+
 # -- dmattn_varlen_func through the Triton kernels
 def kernel_problem(dtype, device):
     lengths = PACKED[0].values[0]
