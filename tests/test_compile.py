@@ -467,17 +467,21 @@ def test_reduce_overhead_replays_give_eager_bits(mask_kind, device):
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+@pytest.mark.parametrize("order_keys", (False, True), ids=("key-order-off", "key-order-on"))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_top_window_made_from_the_bias_compiles_whole(backend, device):
+def test_top_window_made_from_the_bias_compiles_whole(backend, order_keys, device):
     """Doge's pattern: the top-W intervals made from the trainable per-key bias inside the
     compiled function. The selection is one opaque op in the graph (no gradient through it),
     and the outputs and gradients are eager's bits. Inductor runs too: it once failed to
-    lower the selection's slice writes when it traced into them."""
+    lower the selection's slice writes when it traced into them. With a key order
+    (``kernels.key_order``) the sort and the gathers of K, V and the bias are traced torch
+    ops around the same custom ops."""
     q, k, v, _, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
 
     class TopWindowAttention(Attention):
         def forward(self, q, k, v, mask):
-            chosen = topk_intervals(self.bias, 5, seqlen_q=q.shape[1], is_causal=True)
+            chosen = topk_intervals(self.bias, 5, seqlen_q=q.shape[1], is_causal=True,
+                                    order_keys=order_keys)
             return super().forward(q, k, v, chosen)
 
     module = TopWindowAttention(bias, is_causal=True, return_lse=True)

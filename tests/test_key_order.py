@@ -153,3 +153,20 @@ def test_schedule_for_shows_the_ordered_call(device):
     schedule = schedule_for(q, k, v, intervals, is_causal=True)
     assert not schedule.problem.is_causal
     assert schedule.problem.shape.heads_kv == dims.heads_q
+
+
+def test_doge_padding_keeps_the_key_order():
+    """Doge's masking intersects the top-W intervals with the padding: the result keeps their
+    key order (padding only empties or shortens runs) and gives the unordered call's output."""
+    from kernels.integrations.masking import doge_masking
+    dims = Dims(2, 256, 256, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, "cpu")
+    bias = torch.randn(2, 1, 1, 256, generator=torch.Generator().manual_seed(5))
+    padding = torch.ones(2, 256, dtype=torch.long)
+    padding[1, 200:] = 0  # right-padded second row
+    masking = doge_masking(padding, bias, 256, True, None, 16)
+    assert masking.attn_mask.key_order is not None
+    plain = KeyIntervals(masking.attn_mask.start, masking.attn_mask.end)
+    outs = [dmattn_func(q, k, v, mask, masking.attn_bias, masking.is_causal)
+            for mask in (masking.attn_mask, plain)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -128,9 +128,12 @@ def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: b
 
 
 def _intersect(a: KeyIntervals, b: KeyIntervals | None) -> KeyIntervals:
+    """The keys both see, read in ``a``'s key order (any order gives the same attention; the
+    padding only empties or shortens runs, so a's grouping still holds)."""
     if b is None:
         return a
-    return KeyIntervals(torch.maximum(a.start, b.start), torch.minimum(a.end, b.end))
+    return KeyIntervals(torch.maximum(a.start, b.start), torch.minimum(a.end, b.end),
+                        a.key_order)
 
 
 def _bool_top_window(visible: Masking, bias: torch.Tensor, seqlen_q: int,
