@@ -14,6 +14,7 @@ import typer
 
 from . import paths
 from .errors import EXIT_CODES_HELP, ConfigError, ExitCode
+from .watchdog import DEFAULT_POINT_TIMEOUT_S
 
 app = typer.Typer(
     add_completion=False,
@@ -64,10 +65,17 @@ DistOpt = Annotated[bool, typer.Option("--distributed", help="Under torchrun: ea
 PlotOpt = Annotated[bool, typer.Option("--plot/--no-plot", help="Draw PNG charts next to the CSV when done.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
 SlowOpt = Annotated[bool, typer.Option("--allow-slow", help="On the CPU, run a sweep the cost model estimates above 5 minutes (refused otherwise, exit 2).")]
+TimeoutOpt = Annotated[float, typer.Option("--point-timeout", help="Seconds a point may run; past it the point is recorded as an error (hung) and the sweep goes on in a fresh process with --resume. 0: no limit.")]
 GraphOpt = Annotated[bool, typer.Option("--cuda-graph", help="Time replays of a CUDA graph of each point's call, for every backend (timing.cuda_graph; CUDA only); rows say so in their timing column.")]
 
 SWEEP_FILE = "a sweep YAML file"
 RESULTS_CSV = "a dmbench results CSV file"
+
+
+def _point_timeout(seconds: float) -> float | None:
+    if not seconds >= 0:  # NaN too
+        raise ConfigError(f"--point-timeout must be >= 0 seconds (0: no limit), got {seconds}")
+    return seconds or None
 
 
 def _check_run_paths(sweep: Optional[Path], out: Optional[Path]) -> None:
@@ -78,7 +86,7 @@ def _check_run_paths(sweep: Optional[Path], out: Optional[Path]) -> None:
 
 
 def _timed_command(command: str, sweep_path: Path, out, backends, resume, force, device, shard,
-                   distributed, plot, progress, allow_slow, cuda_graph):
+                   distributed, plot, progress, allow_slow, cuda_graph, point_timeout):
     from .backends import BACKEND_NAMES
     from .execute import RunOptions, execute, with_backends, with_cuda_graph
     from .sweep import load_sweep
@@ -88,7 +96,7 @@ def _timed_command(command: str, sweep_path: Path, out, backends, resume, force,
         sweep = with_backends(load_sweep(sweep_path, BACKEND_NAMES), _backend_names(backends))
         sweep = with_cuda_graph(sweep, cuda_graph)
         opts = RunOptions(command, out, resume, force, device, shard, distributed, plot, progress,
-                          allow_slow)
+                          allow_slow, _point_timeout(point_timeout))
         return execute(sweep, opts, _echo)
 
     _guarded(work)
@@ -101,9 +109,9 @@ def _timing_command(command: str, summary: str):
               backends: BackendsOpt = None, resume: ResumeOpt = False, force: ForceOpt = False,
               device: DeviceOpt = "auto", shard: ShardOpt = None, distributed: DistOpt = False,
               plot: PlotOpt = True, progress: ProgressOpt = True, allow_slow: SlowOpt = False,
-              cuda_graph: GraphOpt = False):
+              cuda_graph: GraphOpt = False, point_timeout: TimeoutOpt = DEFAULT_POINT_TIMEOUT_S):
         _timed_command(command, sweep, out, backends, resume, force, device, shard, distributed,
-                       plot, progress, allow_slow, cuda_graph)
+                       plot, progress, allow_slow, cuda_graph, point_timeout)
 
     timed.__doc__ = summary
     return app.command(command, epilog=EXIT_CODES_HELP)(timed)
@@ -119,7 +127,8 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
           irregular: Annotated[bool, typer.Option("--irregular", help="Run the built-in suite of hard shapes.")] = False,
           out: OutOpt = None, backends: BackendsOpt = None, resume: ResumeOpt = False,
           force: ForceOpt = False, device: DeviceOpt = "auto", shard: ShardOpt = None,
-          distributed: DistOpt = False, progress: ProgressOpt = True, allow_slow: SlowOpt = False):
+          distributed: DistOpt = False, progress: ProgressOpt = True, allow_slow: SlowOpt = False,
+          point_timeout: TimeoutOpt = DEFAULT_POINT_TIMEOUT_S):
     """Check out, lse, dq, dk, dv and dbias against the fp64 reference.
 
     A tensor passes when its max abs error is at most 2x that of an eager run in the input dtype
@@ -146,7 +155,7 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
             suite = load_sweep(sweep, BACKEND_NAMES)
         suite = with_backends(suite, _backend_names(backends))
         opts = RunOptions("equiv", out, resume, force, device, shard, distributed, False, progress,
-                          allow_slow)
+                          allow_slow, _point_timeout(point_timeout))
         return execute(suite, opts, _echo)
 
     _guarded(work)

@@ -12,6 +12,7 @@ The CLI parses flags and calls :func:`execute`; the measuring itself is in :mod:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -26,6 +27,7 @@ from .errors import ConfigError, ExitCode
 from .results import Row, RowWriter, accuracy_failures, read_rows, rewrite
 from .progress import make_progress
 from .runner import TIMED_MODES, SweepRunner, Unit, plan_units
+from .watchdog import DEFAULT_POINT_TIMEOUT_S
 from .sweep import Sweep, sweep_digest
 
 MODES = {"fwd": ("fwd",), "bwd": ("bwd", "fwd+bwd"), "equiv": ("equiv",)}
@@ -44,6 +46,9 @@ class RunOptions:
     plot: bool = True
     progress: bool = True
     allow_slow: bool = False
+    # Seconds a point may run before it is recorded as hung and the sweep goes on in a fresh
+    # process (``dmbench.watchdog``); None: no limit.
+    point_timeout_s: float | None = DEFAULT_POINT_TIMEOUT_S
 
 
 RESULTS_DIR = REPO_ROOT / "results"
@@ -197,8 +202,15 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
             bar.advance(estimates[unit.key], _row_message(row),
                         important=row.status not in ("ok", "skipped"))
 
+        def on_hang(point: str, seconds: float) -> None:
+            from .restart import restart_after_hang
+
+            restart_after_hang(point, seconds, write_path,
+                               lambda message: print(message, file=sys.stderr))
+
         try:
-            SweepRunner(sweep, backends, device, env, check, report, digest).run(todo)
+            SweepRunner(sweep, backends, device, env, check, report, digest,
+                        point_timeout_s=opts.point_timeout_s, on_hang=on_hang).run(todo)
         except DeviceFault as fault:
             fault.out = write_path  # the restart resumes this file, numbered or not
             raise

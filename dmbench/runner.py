@@ -30,6 +30,7 @@ from .results import Row, new_row, set_accuracy
 from .sweep import Case, Sweep, Timing
 from .timing import (BuildStep, CaptureError, Measurement, build_total, measure, point_stream,
                      pooled)
+from .watchdog import PointWatchdog
 
 TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 GRAD_MODES = ("bwd", "fwd+bwd", "equiv")
@@ -69,6 +70,7 @@ def plan_units(sweep: Sweep, cases: Iterable[Case], modes: tuple[str, ...],
 
 FAILED = ("error", "oom")
 DEVICE_FAULT = "device fault, CUDA context lost"
+HUNG = "point timeout"
 
 
 def _release(device: torch.device) -> None:
@@ -125,11 +127,17 @@ class SweepRunner:
     """Runs planned units case by case and hands each finished row to ``emit``."""
 
     def __init__(self, sweep: Sweep, backends: dict[str, Backend], device: torch.device, env,
-                 check: bool, report: Callable[[Row, Unit], None], sweep_hash: str = ""):
+                 check: bool, report: Callable[[Row, Unit], None], sweep_hash: str = "",
+                 point_timeout_s: float | None = None,
+                 on_hang: Callable[[str, float], None] | None = None):
         """``report(row, unit)`` receives each finished row and the point it came from;
-        ``sweep_hash`` (``sweep.sweep_digest``) is recorded in every row."""
+        ``sweep_hash`` (``sweep.sweep_digest``) is recorded in every row. A point (one round
+        of it) that runs past ``point_timeout_s`` is reported as an error row from the
+        watchdog's thread, then ``on_hang(point, seconds)`` runs there (``dmbench.watchdog``;
+        it restarts the process)."""
         self.sweep, self.backends, self.device, self.env = sweep, backends, device, env
         self.check, self.report, self.sweep_hash = check, report, sweep_hash
+        self.point_timeout_s, self.on_hang = point_timeout_s, on_hang
 
     def run(self, units: list[Unit]) -> None:
         by_case: dict[Case, list[Unit]] = {}
@@ -189,26 +197,38 @@ class SweepRunner:
             for unit in runnable:
                 if unit in reported or (unit.mode == "equiv" and not last):
                     continue
-                if unit.mode == "equiv":
-                    row = self._equiv_row(unit, problem, truth, checks)
-                else:
-                    timed = self._measure(unit, problem, per_round)
-                    if isinstance(timed, Row):
-                        row = timed
+                with PointWatchdog(self.point_timeout_s, lambda u=unit: self._hung(u)) as dog:
+                    if unit.mode == "equiv":
+                        row = self._equiv_row(unit, problem, truth, checks)
                     else:
-                        builds.setdefault(unit, timed[0])
-                        rounds.setdefault(unit, []).append(timed[1])
-                        if not last:
-                            continue
-                        row = self._timed_row(unit, problem, truth, checks, pooled(rounds[unit]),
-                                              builds[unit])
+                        timed = self._measure(unit, problem, per_round)
+                        if isinstance(timed, Row):
+                            row = timed
+                        else:
+                            builds.setdefault(unit, timed[0])
+                            rounds.setdefault(unit, []).append(timed[1])
+                            if not last:
+                                continue
+                            row = self._timed_row(unit, problem, truth, checks,
+                                                  pooled(rounds[unit]), builds[unit])
                 reported.add(unit)
+                if dog.fired:  # reported by the watchdog (a test's on_hang returned)
+                    continue
                 if row.status in FAILED and not context_alive(self.device):
                     # Record the point, then stop: nothing after it could run in this process.
                     row.detail = f"{DEVICE_FAULT}: {row.detail}"[:300]
                     self._finish(unit, row)
                     raise DeviceFault(f"{unit.case.case_id} {unit.backend} {unit.mode}: {row.detail}")
                 self._finish(unit, row)
+
+    def _hung(self, unit: Unit) -> None:
+        """The watchdog's thread: record the point that gave no result, then ``on_hang``."""
+        seconds = self.point_timeout_s
+        point = f"{unit.case.case_id} {unit.backend} {unit.mode}"
+        self._finish(unit, self._row(unit, "error", f"{HUNG}: no result after {seconds:g} s "
+                                                    "(--point-timeout)"))
+        if self.on_hang is not None:
+            self.on_hang(point, seconds)
 
     def _check(self, backend: Backend, problem: Problem, truth, cache: dict) -> CheckResult | str:
         """One accuracy check per backend and case, shared by its fwd, bwd and fwd+bwd rows."""

@@ -398,6 +398,55 @@ def test_device_fault_records_the_row_and_resumes_in_a_fresh_process(tmp_path, m
     assert [r.status for r in rows].count("error") == 1
 
 
+def test_a_hung_point_is_recorded_and_the_sweep_resumes_in_a_fresh_process(tmp_path,
+                                                                            monkeypatch):
+    """A point that gives no result within --point-timeout (faked: it waits) is written as an
+    error row from the watchdog's thread, and the same command goes on with --resume in a
+    fresh process. Here the replacing exec is recorded instead, and the faked exit releases
+    the hung call, whose late result is then not written a second time."""
+    import threading
+
+    import dmbench.runner as runner_module
+
+    sweep = tmp_path / "hang.yaml"
+    sweep.write_text(FAULT_SWEEP)
+    out = tmp_path / "hang.csv"
+    args = ["fwd", str(sweep), "--out", str(out), "--no-plot", "--no-progress", "--force",
+            "--point-timeout", "0.5"]
+    real_measure = runner_module.measure
+    released = threading.Event()
+    calls = []
+
+    def measure(fn, timing, device):
+        calls.append(1)
+        if len(calls) == 3:  # the second case's triton point never returns on its own
+            assert released.wait(60), "the watchdog did not fire"
+        return real_measure(fn, timing, device)
+
+    execs, exits = [], []
+    monkeypatch.setattr(runner_module, "measure", measure)
+    monkeypatch.setattr(sys, "argv", ["dmbench", *args])
+    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append(argv))
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code) or released.set())
+    result = _invoke(*args)
+    assert "no result after 0.5 s at" in result.output and "--resume" in result.output
+    assert len(execs) == 1 and execs[0][-1] == "--resume" and "--force" not in execs[0]
+    rows = read_rows(out)
+    hung = [r for r in rows if r.status == "error"]
+    assert len(hung) == 1 and (hung[0].backend, hung[0].seqlen_q) == ("triton", 16)
+    assert hung[0].detail == "point timeout: no result after 0.5 s (--point-timeout)"
+    assert len({r.key for r in rows}) == len(rows) == 6
+    resumed = _invoke(*execs[0][3:])
+    assert resumed.exit_code == ExitCode.OK and "nothing to run" in resumed.output
+
+
+def test_point_timeout_must_not_be_negative(tmp_path):
+    result = _invoke("fwd", "sweeps/smoke.yaml", "--out", str(tmp_path / "x.csv"),
+                     "--point-timeout", "-1")
+    assert result.exit_code == ExitCode.USAGE
+    assert "--point-timeout must be >= 0 seconds" in result.output
+
+
 ROUNDS_SWEEP = FAULT_SWEEP.replace("timing: {warmup: 0, repeats: 1, budget_s: 1.0}",
                                    "timing: {warmup: 0, repeats: 6, budget_s: 5.0, rounds: 3}"
                                    ).replace("seqlen: [8, 16, 24]", "seqlen: [8, 16]")
