@@ -322,6 +322,21 @@ def grads_of(func, q, k, v, mask, bias, causal, scale, grad_out, bias_view=_iden
     return Grads(*grads[:3], grads[3] if bias is not None else None)
 
 
+def assert_grads_close_to_reference(q, k, v, mask, bias, causal, grad_out, dtype) -> None:
+    """dmattn_func's dq, dk, dv (and dbias) against the fp64 reference's, each finite, in its
+    input's shape and within the tolerance of an eager run in ``dtype``."""
+    got = grads_of(dmattn_func, q, k, v, mask, bias, causal, None, grad_out)
+    upcast = [None if t is None else t.float() for t in (q, k, v, bias)]
+    truth = grads_of(attention_reference, *upcast[:3], mask, upcast[3], causal, None,
+                     grad_out.double())
+    low = grads_of(attention_reference, q, k, v, mask, bias, causal, None, grad_out,
+                   upcast=False)
+    for (name, a), (_, t), (_, lo) in zip(got.named(), truth.named(), low.named()):
+        assert a.shape == t.shape, name
+        assert torch.isfinite(a).all(), f"{name} has NaN or Inf"
+        assert_close_to_reference(name, a, t, lo, dtype)
+
+
 def assert_same_bits(first: Grads, second: Grads) -> None:
     """Two runs of a deterministic backward gave identical gradients, bit for bit."""
     for (name, a), (_, b) in zip(first.named(), second.named()):

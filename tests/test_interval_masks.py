@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from attn_helpers import (Dims, assert_close_to_reference, assert_empty_rows_and_finite,
-                          backward_schedule, forcing, grads_of, random_bias, random_intervals,
-                          random_qkv)
+                          assert_grads_close_to_reference, backward_schedule, forcing, grads_of,
+                          random_bias, random_intervals, random_qkv)
 from kernels import KeyIntervals, attention_reference, dmattn_func, prepare_mask
 from kernels._blocks import interval_activity, tile_activity
 from kernels._checks import check_inputs
@@ -48,14 +48,7 @@ def test_intervals_forward_and_backward_match_the_reference(dims, heads, batch, 
     assert_close_to_reference("lse", lse, ref_lse, low_lse, dtype)  # -inf on empty rows
 
     grad_out = torch.randn(q.shape, device=device).to(dtype)
-    got = grads_of(dmattn_func, q, k, v, intervals, bias, causal, None, grad_out)
-    upcast = [t.float() for t in (q, k, v, bias)]
-    truth = grads_of(attention_reference, *upcast[:3], intervals, upcast[3], causal, None,
-                     grad_out.double())
-    low = grads_of(attention_reference, q, k, v, intervals, bias, causal, None, grad_out,
-                   upcast=False)
-    for (name, a), (_, t), (_, lo) in zip(got.named(), truth.named(), low.named()):
-        _check(name, a, t, lo, dtype)
+    assert_grads_close_to_reference(q, k, v, intervals, bias, causal, grad_out, dtype)
 
 
 @pytest.mark.parametrize("dims,heads,batch", SHAPES[:2] + SHAPES[3:4])

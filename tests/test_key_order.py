@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import Dims, assert_close_to_reference, grads_of, random_qkv
+from attn_helpers import (Dims, assert_close_to_reference, assert_grads_close_to_reference,
+                          grads_of, random_qkv)
 from kernels import KeyIntervals, attention_reference, dmattn_func, schedule_for, topk_intervals
 from kernels.key_order import END_BUCKET, grouping_order
 from kernels.topk_intervals import orders_keys
@@ -55,16 +56,7 @@ def test_ordered_intervals_match_the_reference(dims, heads, bias_axes, causal, d
     assert_close_to_reference("lse", lse, ref_lse, low_lse, dtype)
 
     grad_out = torch.randn(q.shape, device=device).to(dtype)
-    got = grads_of(dmattn_func, q, k, v, intervals, bias, causal, None, grad_out)
-    upcast = [t.float() for t in (q, k, v, bias)]
-    truth = grads_of(attention_reference, *upcast[:3], intervals, upcast[3], causal, None,
-                     grad_out.double())
-    low = grads_of(attention_reference, q, k, v, intervals, bias, causal, None, grad_out,
-                   upcast=False)
-    for (name, a), (_, t), (_, lo) in zip(got.named(), truth.named(), low.named()):
-        assert a.shape == t.shape, name  # gradients come back in each input's own shape
-        assert torch.isfinite(a).all(), f"{name} has NaN or Inf"
-        assert_close_to_reference(name, a, t, lo, dtype)
+    assert_grads_close_to_reference(q, k, v, intervals, bias, causal, grad_out, dtype)
 
 
 def test_order_changes_no_bit_of_a_deterministic_call(device):
