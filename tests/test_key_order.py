@@ -162,3 +162,17 @@ def test_doge_padding_keeps_the_key_order():
     outs = [dmattn_func(q, k, v, mask, masking.attn_bias, masking.is_causal)
             for mask in (masking.attn_mask, plain)]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_broadcast_bias_is_gathered_as_one_row():
+    """A per-key bias handed in expand()ed over the query rows (stride 0) is gathered as its
+    one row, not as an (Lq, Lk) copy."""
+    from kernels.key_order import reorder_keys
+    dims = Dims(2, 300, 300, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, "cpu")
+    per_key = torch.randn(2, 2, 1, 300)
+    intervals = topk_intervals(per_key, 16, order_keys=True)
+    _, _, _, bias = reorder_keys(q, k, v, intervals, per_key.expand(2, 2, 300, 300), True)
+    assert bias.shape == (2, 2, 1, 300)
+    order = intervals.key_order[:, :, None, :]
+    assert torch.equal(bias, per_key.gather(-1, order))
