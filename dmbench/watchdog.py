@@ -5,7 +5,8 @@ interrupted from Python: the thread is inside C code. ``PointWatchdog`` runs a t
 point; when it expires first, ``on_timeout`` runs on the timer's thread, which records the
 point and replaces the process with one that resumes the sweep (``restart.restart_after_hang``).
 A point that ends first cancels the timer. The lock makes the two outcomes exclusive: a point
-that ends while the timer is firing is not reported a second time (``fired``).
+that ends while the timer is firing waits for ``on_timeout`` and is not reported a second time
+(``fired``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ class PointWatchdog:
         return self
 
     def _fire(self) -> None:
+        # Held through on_timeout (which replaces the process): a point that ends meanwhile
+        # waits in __exit__ instead of going on to write rows beside it.
         with self._lock:
             if self._ended:
                 return
             self.fired = True
-        self.on_timeout()
+            self.on_timeout()
 
     def __exit__(self, *exc) -> None:
         with self._lock:

@@ -93,8 +93,8 @@ def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if is_causal:  # bottom-right: key j is first visible at row j + Lq - Lk
         first_row = torch.arange(seqlen_k, device=start.device) + (query.shape[1] - seqlen_k)
         start = torch.maximum(start.long(), first_row)
-    start = torch.gather(start.expand(order.shape), -1, order)
-    end = torch.gather(end.expand(order.shape), -1, order)
+    start = torch.gather(start, -1, order)  # the order has the intervals' own shape
+    end = torch.gather(end, -1, order)
     kv_order = _heads_of_order(order, max(heads_kv, hm))
     key = _gather_kv(key, kv_order, batch)
     value = _gather_kv(value, kv_order, batch)
