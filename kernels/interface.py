@@ -295,7 +295,7 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     Under ``torch.compile`` a call is the custom ops ``dmattn::fwd`` and ``dmattn::bwd``
     (``kernels.ops``): one graph, no breaks, bit for bit the eager results.
     """
-    if attn_mask.__class__ is KeyIntervals and attn_mask.key_order is not None:
+    if isinstance(attn_mask, KeyIntervals) and attn_mask.key_order is not None:
         query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(
             query, key, value, attn_mask, attn_bias, is_causal, softmax_scale)
     # A call torch.compile or torch.export traces becomes the custom ops; eager calls never

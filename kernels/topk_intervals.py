@@ -172,7 +172,7 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
         seqlen_q = _check_dense(bias, seqlen_q)
         if order_keys is None:
             order_keys = orders_keys(seqlen_q, bias.shape[-1], window, is_causal)
-        elif order_keys.__class__ is not bool:
+        elif not isinstance(order_keys, bool):  # torch 2.11's Dynamo misreads __class__ here
             raise TypeError(f"order_keys must be a bool or None, got "
                             f"{type(order_keys).__name__} {order_keys!r}")
         if torch.compiler.is_compiling():

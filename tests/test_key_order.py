@@ -10,7 +10,7 @@ import torch
 from attn_helpers import (Dims, assert_close_to_reference, assert_grads_close_to_reference,
                           grads_of, random_qkv)
 from kernels import KeyIntervals, attention_reference, dmattn_func, schedule_for, topk_intervals
-from kernels.key_order import END_BUCKET, grouping_order
+from kernels.key_order import end_buckets, grouping_order
 from kernels.topk_intervals import orders_keys
 
 # (dims, selection heads: "1", "Hk" or "Hq", bias shape as axis names)
@@ -86,13 +86,32 @@ def test_grouping_order_is_a_permutation_sorted_by_end_bucket_then_start():
     empty = s >= e
     kept = (~empty).sum(-1, keepdim=True)
     assert torch.equal(empty, torch.arange(300) >= kept)  # empty intervals come last
-    sort_key = (e // END_BUCKET) * (1 << 32) + s
+    bucket = end_buckets(start, end).gather(-1, order)
+    sort_key = bucket * (1 << 32) + s
     assert bool((sort_key.diff(dim=-1)[~empty[..., 1:]] >= 0).all())
+
+
+def test_end_buckets_widen_with_the_end():
+    """floor(sqrt(Lk W / end) / 8), negated: W = 1024 kept per row of 4096 keys, rows 4096."""
+    lk, rows = 4096, 4096
+    start = torch.zeros(1, 1, lk, dtype=torch.int64)
+    end = torch.full((1, 1, lk), rows // 4, dtype=torch.int64)
+    end[..., -1] = rows  # the latest end fixes the row count
+    window = float(end.sum()) / rows
+    bucket = end_buckets(start, end)
+    expected = -int((lk * window / (rows // 4)) ** 0.5 / 8)
+    assert int(bucket[0, 0, 0]) == expected
+    # monotone in the end: a later end never gets an earlier bucket
+    ends = torch.arange(1, lk + 1).view(1, 1, lk)
+    b = end_buckets(torch.zeros_like(ends), ends)
+    assert bool((b.diff(dim=-1) >= 0).all())
+    widths = torch.unique_consecutive(b[0, 0], return_counts=True)[1]
+    assert int(widths[-1]) > int(widths[1])  # buckets widen
 
 
 def test_the_order_cuts_a_top_w_masks_active_tiles():
     """Counted on the host (``IntervalBlockBounds.tiles``): causal top-256 of 8192 keys, 128x64
-    tiles: 3927 active in key order, 463 ordered, against 252 tiles' worth of kept pairs."""
+    tiles: 3927 active in key order, 450 ordered, against 252 tiles' worth of kept pairs."""
     bias = torch.randn(1, 1, 1, 8192, generator=torch.Generator().manual_seed(0))
     ordered = topk_intervals(bias, 256, order_keys=True)
     kept = int((ordered.end - ordered.start).clamp(min=0).sum())
@@ -147,14 +166,14 @@ def test_schedule_for_shows_the_ordered_call(device):
     assert schedule.problem.shape.heads_kv == dims.heads_q
 
 
-def test_doge_padding_keeps_the_key_order():
+def test_doge_padding_keeps_the_key_order(device):
     """Doge's masking intersects the top-W intervals with the padding: the result keeps their
     key order (padding only empties or shortens runs) and gives the unordered call's output."""
     from kernels.integrations.masking import doge_masking
     dims = Dims(2, 256, 256, heads_q=2, heads_kv=1, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float32, "cpu")
-    bias = torch.randn(2, 1, 1, 256, generator=torch.Generator().manual_seed(5))
-    padding = torch.ones(2, 256, dtype=torch.long)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    bias = torch.randn(2, 1, 1, 256, generator=torch.Generator().manual_seed(5)).to(device)
+    padding = torch.ones(2, 256, dtype=torch.long, device=device)
     padding[1, 200:] = 0  # right-padded second row
     masking = doge_masking(padding, bias, 256, True, None, 16)
     assert masking.attn_mask.key_order is not None
