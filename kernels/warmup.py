@@ -149,13 +149,14 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
 
     Runs one call (and its backward, with ``backward``) at an aligned and an unaligned length
     next to each length in ``seqlens`` (``warmup_lengths``), with a mask twice: every pair
-    visible and a scattered half (once with a ``window``: the selection's). ``mask`` is "none", "bool" or
-    "intervals", ``bias`` "none", "kv_row" (B, Hk, 1, L) or "full" (B, Hk, L, L); the call has
-    the form a model's call of the same description has. Give the shortest and longest length
-    a model uses: each schedule decision that follows the length (key splits where a short grid
-    underfills the GPU, dkdv's stages) changes at one threshold, so lengths between them take
-    forms the two ends compile. On the H100, after a warm-up at 1000 and 8000, calls at 20
-    lengths between compiled nothing (``dmbench compile-cost --warmup``).
+    visible and a scattered half (once with a ``window``: the selection's). ``mask`` is
+    "none", "bool" or "intervals", ``bias`` "none", "kv_row" (B, Hk, 1, L) or "full" (B, Hk,
+    L, L); the call has the form a model's call of the same description has. Give the
+    shortest and longest length a model uses: each schedule decision that follows the length
+    (key splits where a short grid underfills the GPU, dkdv's stages) changes at one
+    threshold, so lengths between them take forms the two ends compile. On the H100, after a
+    warm-up at 1000 and 8000, calls at 20 lengths between compiled nothing (``dmbench
+    compile-cost --warmup``).
 
     ``window``: with mask "intervals", the calls' masks are ``topk_intervals`` of a random
     per-key bias with this window and ``is_causal``, as a model that keeps each row's
@@ -189,9 +190,10 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
     if window is not None:
         lengths = list(window_lengths(lengths, window, is_causal))
-    # A window's masks are what the selection gives; otherwise every pair visible and a
-    # scattered half.
-    variants = (False, True) if mask != "none" and window is None else (True,)
+    if window is not None:  # the selection's mask, whatever ``scattered`` says
+        variants = (True,)
+    else:  # every pair visible and a scattered half
+        variants = (False, True) if mask != "none" else (False,)
 
     def make_calls():
         for seqlen in lengths:
