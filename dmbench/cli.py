@@ -365,6 +365,7 @@ def compile_cost_command(
         warmup: Annotated[bool, typer.Option("--warmup", help="Run kernels.warmup at the shortest and longest length first.")] = False,
         warmup_workers: Annotated[Optional[int], typer.Option("--warmup-workers", help="Threads the warm-up compiles with on a GPU (default: the CPU count, at most 32; 1 = one kernel at a time).")] = None,
         require_zero: Annotated[bool, typer.Option("--require-zero", help="Exit 1 if a call after the warm-up (or after the first call) compiled a kernel.")] = False,
+        window: Annotated[Optional[int], typer.Option("--window", help="The intervals form as a top-W model's (Doge's): topk_intervals of a random per-key bias with this window, key-ordered from max(256, 4W) causal (2W not); the warm-up gets the window too. Rows' mask: topk<W>.")] = None,
         device: DeviceOpt = "auto",
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/compile-cost.csv).")] = None,
         force: ForceOpt = False):
@@ -386,9 +387,14 @@ def compile_cost_command(
             raise ConfigError(f"--bias: expected one of {', '.join(BIASES)}, got {bias!r}")
         if warmup_workers is not None and warmup_workers < 1:
             raise ConfigError(f"--warmup-workers: expected a positive number of threads, got {warmup_workers}")
+        mask_forms = parse_list("--masks", masks, MASKS)
+        if window is not None and window < 1:
+            raise ConfigError(f"--window: expected a positive number of keys, got {window}")
+        if window is not None and "intervals" not in mask_forms:
+            raise ConfigError(f"--window: applies to the intervals mask form, which --masks {masks!r} leaves out")
         opts = CostOptions(
             lengths=parse_lengths(lengths) if lengths is not None else CostOptions.lengths,
-            masks=parse_list("--masks", masks, MASKS), bias=bias,
+            masks=mask_forms, bias=bias, window=window,
             batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
             causal=causal, warmup=warmup, warmup_workers=warmup_workers,
             require_zero=require_zero, device=device, out=out, force=force)

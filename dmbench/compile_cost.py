@@ -7,7 +7,10 @@ how many kernels the first call compiled: ``compiled`` counts the kernel forms t
 needed that no earlier call had (``kernels.compiled_forms``, also under the interpreter), and
 ``triton_compiled`` the entries Triton's caches gained (GPU only). With ``--warmup``,
 ``kernels.warmup`` runs first at the shortest and longest length and is a row of its own
-(``warmup_workers``: the threads it compiled with on a GPU).
+(``warmup_workers``: the threads it compiled with on a GPU). With ``window``, the interval
+form is a top-W model's (Doge's): its masks are ``topk_intervals`` of a random per-key bias
+(B, Hk, 1, L) with that window, key-ordered from the ordering threshold on, the warm-up gets
+the same window (``kernels.warmup(window=...)``), and its rows' ``mask`` reads ``topk<W>``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class CostOptions:
     causal: bool = True
     warmup: bool = False
     warmup_workers: int | None = None  # kernels.warmup's default
+    window: int | None = None  # the interval form as topk_intervals with this window
     require_zero: bool = False
     device: str = "auto"
     out: Path | None = None
@@ -110,10 +114,21 @@ def triton_cache_entries() -> int | None:
     return total
 
 
+def form_window(opts: CostOptions, mask: str) -> int | None:
+    """The top-W window of ``mask``'s calls: ``opts.window`` for the interval form."""
+    return opts.window if mask == "intervals" else None
+
+
+def form_name(opts: CostOptions, mask: str) -> str:
+    """The ``mask`` cell of a form's rows: ``topk<W>`` for intervals with a window."""
+    window = form_window(opts, mask)
+    return mask if window is None else f"topk{window}"
+
+
 class _Call:
     """One forward and backward of a form at a length, on fresh random inputs: those of
     ``kernels.warmup``'s scattered call (a bool mask keeping half the pairs, or intervals of
-    half the length)."""
+    half the length, or with a window the top-W intervals of a random per-key bias)."""
 
     def __init__(self, opts: CostOptions, mask: str, device: torch.device):
         self.opts, self.mask, self.device = opts, mask, device
@@ -124,7 +139,8 @@ class _Call:
         o = self.opts
         return form_inputs(o.batch, seqlen, o.heads_q, o.heads_kv, o.head_dim,
                            TORCH_DTYPES[o.dtype], self.device, self.mask, o.bias,
-                           backward=True, scattered=True)
+                           backward=True, scattered=True, window=form_window(o, self.mask),
+                           is_causal=o.causal)
 
     def timed(self, seqlen: int) -> tuple[float, float]:
         """(host ms until the backward returns, wall ms to the end of the GPU work)."""
@@ -177,16 +193,17 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
                  + ("" if row.triton_compiled is None else f" (triton {row.triton_compiled})"))
 
         for mask in opts.masks:
-            call = _Call(opts, mask, device)
+            call, name = _Call(opts, mask, device), form_name(opts, mask)
             if opts.warmup:
                 before = _counts()
                 report = kernels.warmup(
                     seqlens=[min(opts.lengths), max(opts.lengths)], heads_q=opts.heads_q,
                     heads_kv=opts.heads_kv, head_dim=opts.head_dim, batch=opts.batch,
                     dtype=TORCH_DTYPES[opts.dtype], device=device, mask=mask, bias=opts.bias,
-                    is_causal=opts.causal, workers=opts.warmup_workers)
+                    is_causal=opts.causal, workers=opts.warmup_workers,
+                    window=form_window(opts, mask))
                 compiled, triton_compiled = _since(before)
-                emit(CostRow(mask=mask, step="warmup", seqlen=max(report.seqlens),
+                emit(CostRow(mask=name, step="warmup", seqlen=max(report.seqlens),
                              first_host_ms=None, first_ms=report.seconds * 1e3, second_ms=None,
                              compiled=compiled, triton_compiled=triton_compiled,
                              warmup_workers=report.workers, **common))
@@ -197,7 +214,7 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
                 _, second_ms = call.timed(seqlen)
                 if opts.warmup or index > 0:
                     compiled_after_warmup += compiled + (triton_compiled or 0)
-                emit(CostRow(mask=mask, step="call", seqlen=seqlen, first_host_ms=host_ms,
+                emit(CostRow(mask=name, step="call", seqlen=seqlen, first_host_ms=host_ms,
                              first_ms=first_ms, second_ms=second_ms, compiled=compiled,
                              triton_compiled=triton_compiled, warmup_workers=None, **common))
     echo(f"wrote {len(rows)} rows to {out}")

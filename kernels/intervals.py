@@ -107,6 +107,10 @@ class KeyIntervals:
     # Tile lists built by the calls made with these intervals, per call form (see
     # ``prepared.prepared_intervals``): a later call of the same form skips that work.
     _preparations: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    # Intervals with an order: the reordered intervals their calls run with, per call form
+    # (``key_order.reordered_intervals``), so later calls get the same object and its
+    # preparations.
+    _reordered: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         _check_index_tensor("KeyIntervals start", self.start)

@@ -33,13 +33,21 @@ the key axis, and widens each to the heads the order needs (an order per query h
 and V a head per query head). Every step is a differentiable torch op, so autograd carries the
 gradients back: a gather's gradient is a scatter of each key to one place (exact, any order of
 execution), a widening's is a sum over the heads it copied to.
+
+The reordered intervals depend only on the intervals, the order, causality and the lengths,
+not on K, V or the heads they are widened to, so ``reordered_intervals`` keeps them on the
+ordered object per call form: a later call with the same object (a model's layers share one
+mask) gets the same reordered object, whose preparation (``prepared.prepared_intervals``)
+then serves it as a plain object's serves its own calls.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._scratch import graph_capturing
 from .intervals import INT32_MAX, KeyIntervals
+from .prepared import _version
 
 # A key's end bucket is floor(END_BUCKET_SCALE * sqrt(Lk * W / end)) (see above); 1/8 makes
 # buckets of sqrt(64 E**3 / (L W)) rows.
@@ -57,6 +65,11 @@ def end_buckets(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     window = lengths.sum(-1, keepdim=True) / rows
     spread = torch.sqrt(start.shape[-1] * window / end.clamp(min=1).double())
     return -torch.floor(spread * END_BUCKET_SCALE).long()
+
+
+# Call forms whose reordered intervals one ordered KeyIntervals keeps (a model calls with one
+# or two).
+MAX_REORDERED = 4
 
 
 def grouping_order(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
@@ -102,20 +115,50 @@ def _gather_bias(bias: torch.Tensor, order: torch.Tensor, batch: int) -> torch.T
     return out.reshape(batch, heads, rows, seqlen_k)
 
 
+def _reorder(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) -> KeyIntervals:
+    """``intervals`` with causality folded into start and their keys in their order."""
+    order = intervals.key_order
+    start, end = intervals.start, intervals.end
+    if is_causal:  # bottom-right: key j is first visible at row j + Lq - Lk
+        seqlen_k = start.shape[-1]
+        first_row = torch.arange(seqlen_k, device=start.device) + (seqlen_q - seqlen_k)
+        start = torch.maximum(start.long(), first_row)
+    # the order has the intervals' own shape
+    return KeyIntervals(torch.gather(start, -1, order), torch.gather(end, -1, order))
+
+
+def reordered_intervals(intervals: KeyIntervals, seqlen_q: int,
+                        is_causal: bool) -> KeyIntervals:
+    """The intervals, with no order, that a call with ``seqlen_q`` query rows and
+    ``is_causal`` runs for ordered ``intervals``. Kept on ``intervals`` per form (causality,
+    the query length where causal, the version counters of start, end and the order: a write
+    into one makes a new form, as for ``prepared.prepared_intervals``), at most
+    ``MAX_REORDERED`` forms, the oldest dropped first. Made afresh, and not kept, while
+    ``torch.compile`` traces (the trace must hold the gathers, not a constant) and during a
+    CUDA graph capture (the graph must gather what start and end hold at each replay)."""
+    if torch.compiler.is_compiling() or graph_capturing(intervals.device):
+        return _reorder(intervals, seqlen_q, is_causal)
+    is_causal = bool(is_causal)
+    form = (is_causal, seqlen_q if is_causal else None, _version(intervals.start),
+            _version(intervals.end), _version(intervals.key_order))
+    kept = intervals._reordered
+    found = kept.get(form)
+    if found is None:
+        found = kept[form] = _reorder(intervals, seqlen_q, is_causal)
+        while len(kept) > MAX_REORDERED:
+            kept.pop(next(iter(kept)), None)  # the oldest
+    return found
+
+
 def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  intervals: KeyIntervals, attn_bias, is_causal: bool):
     """(key, value, intervals, attn_bias) of ``intervals.key_order`` for one call, whose
     attention equals the call's with ``is_causal`` False (causality is folded into the
-    intervals). The returned intervals carry no order."""
+    intervals). The returned intervals carry no order (``reordered_intervals``)."""
     order = intervals.key_order
-    batch, seqlen_k, heads_kv = key.shape[0], key.shape[1], key.shape[2]
+    batch, heads_kv = key.shape[0], key.shape[2]
     bm, hm, _ = intervals.shape
-    start, end = intervals.start, intervals.end
-    if is_causal:  # bottom-right: key j is first visible at row j + Lq - Lk
-        first_row = torch.arange(seqlen_k, device=start.device) + (query.shape[1] - seqlen_k)
-        start = torch.maximum(start.long(), first_row)
-    start = torch.gather(start, -1, order)  # the order has the intervals' own shape
-    end = torch.gather(end, -1, order)
+    reordered = reordered_intervals(intervals, query.shape[1], is_causal)
     kv_order = _heads_of_order(order, max(heads_kv, hm))
     key = _gather_kv(key, kv_order, batch)
     value = _gather_kv(value, kv_order, batch)
@@ -125,4 +168,4 @@ def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_bias = attn_bias.narrow(axis, 0, 1)
         bias_order = _heads_of_order(order, max(attn_bias.shape[1], hm))
         attn_bias = _gather_bias(attn_bias, bias_order, max(attn_bias.shape[0], bm))
-    return key, value, KeyIntervals(start, end), attn_bias
+    return key, value, reordered, attn_bias

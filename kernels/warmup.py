@@ -9,6 +9,15 @@ an aligned and an unaligned length next to each length given, which compiles bot
 the schedule each length takes, so that later calls at other lengths of the same ranges
 compile nothing.
 
+A model whose mask is ``topk_intervals`` of a per-key bias (Doge) calls in one of two forms,
+chosen by the length (``topk_intervals.orders_keys``): below the ordering threshold plain
+intervals with the call's causality; from it on intervals with a key order, which the call
+runs with K and V gathered (widened to the selection's heads where those are more) and
+``is_causal`` False (``kernels.key_order``). ``warmup(window=...)`` makes its interval masks
+the same way, so each length takes the form a model's call at that length takes; where the
+lengths lie on both sides of the threshold it also runs the lengths next to it on each side,
+the ends of each form's range.
+
 On a GPU the warm-up compiles in parallel: a first pass makes the calls with every launch only
 handing the compile of its form to a thread pool (``_launch.compile_only``), and waits for all
 of them; a second pass makes the calls for real, which finds every kernel compiled (any form
@@ -27,6 +36,7 @@ import torch
 from ._launch import compile_only, compiled_forms
 from .interface import dmattn_func
 from .intervals import KeyIntervals
+from .topk_intervals import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, topk_intervals
 
 MASK_FORMS = ("none", "bool", "intervals")
 BIAS_FORMS = ("none", "kv_row", "full")
@@ -56,11 +66,33 @@ def warmup_lengths(seqlen: int) -> tuple[int, int]:
     return aligned, unaligned
 
 
+def ordering_threshold(window: int, is_causal: bool) -> int:
+    """The shortest length L at which ``topk_intervals`` gives the intervals of a call with
+    L query rows and L keys a key order (``orders_keys``); every longer length gets one too."""
+    return max(ORDER_MIN_ROWS, ORDER_MIN_KEYS_PER_WINDOW[bool(is_causal)] * window)
+
+
+def window_lengths(lengths, window: int, is_causal: bool) -> tuple[int, ...]:
+    """``lengths`` (warm-up lengths), and where some of them fall below the ordering threshold
+    and some at or above it, an aligned and an unaligned length on each side next to it: the
+    ends of the plain form's range and the ordered form's."""
+    lengths = set(lengths)
+    threshold = ordering_threshold(window, is_causal)
+    if min(lengths) < threshold <= max(lengths):
+        below = threshold - 1
+        lengths |= {below - below % 16, below if below % 16 else below - 1}
+        lengths |= {threshold + (-threshold) % 16, threshold if threshold % 16 else threshold + 1}
+    return tuple(sorted(lengths))
+
+
 def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
-                backward, scattered):
+                backward, scattered, *, window=None, selection_heads=None, is_causal=False):
     """(q, k, v, attn_mask, attn_bias) of one call of the form on random data: ``mask`` and
     ``bias`` as ``warmup`` takes them; a scattered mask keeps half the pairs (bool) or half the
-    length per key (intervals), an unscattered one every pair."""
+    length per key (intervals), an unscattered one every pair. With a ``window`` (mask
+    "intervals") the mask is ``topk_intervals`` of a random per-key bias of
+    ``selection_heads`` heads (default ``heads_kv``) with this causality, whatever
+    ``scattered`` says: ordered or not as a model's at this length."""
     def tensor(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=backward)
 
@@ -78,6 +110,10 @@ def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask,
         shape = (batch, heads_kv, seqlen, seqlen)
         attn_mask = (torch.rand(shape, device=device) < 0.5 if scattered
                      else torch.ones(shape, dtype=torch.bool, device=device))
+    elif mask == "intervals" and window is not None:
+        heads = heads_kv if selection_heads is None else selection_heads
+        selection = torch.randn(batch, heads, 1, seqlen, device=device, dtype=dtype)
+        attn_mask = topk_intervals(selection, window, seqlen_q=seqlen, is_causal=is_causal)
     elif mask == "intervals":
         shape = (batch, heads_kv, seqlen)
         start = (torch.randint(0, seqlen, shape, dtype=torch.int32, device=device) if scattered
@@ -86,21 +122,53 @@ def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask,
     return q, k, v, attn_mask, attn_bias
 
 
+def _check_window(window, selection_heads, mask: str, heads_q: int, heads_kv: int) -> None:
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"warmup: window must be a positive int or None, got {window!r}")
+        if mask != "intervals":
+            raise ValueError(f"warmup: window needs mask='intervals' (the top-window mask is "
+                             f"key intervals), got mask={mask!r}")
+    if selection_heads is None:
+        return
+    if window is None:
+        raise ValueError("warmup: selection_heads needs a window (the heads of the bias the "
+                         "window ranks)")
+    if selection_heads.__class__ is not int or selection_heads not in (1, heads_kv, heads_q):
+        raise ValueError(f"warmup: selection_heads must be one of "
+                         f"{sorted({1, heads_kv, heads_q})} (1, heads_kv or heads_q), got "
+                         f"{selection_heads!r}")
+
+
 def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
            batch: int = 1, dtype: torch.dtype = torch.bfloat16, device=None,
            mask: str = "none", bias: str = "none", is_causal: bool = False,
-           backward: bool = True, workers: int | None = None) -> WarmupReport:
+           backward: bool = True, workers: int | None = None, window: int | None = None,
+           selection_heads: int | None = None) -> WarmupReport:
     """Compile the kernels that calls of this form at lengths near ``seqlens`` will use.
 
     Runs one call (and its backward, with ``backward``) at an aligned and an unaligned length
     next to each length in ``seqlens`` (``warmup_lengths``), with a mask twice: every pair
-    visible and a scattered half. ``mask`` is "none", "bool" or
-    "intervals", ``bias`` "none", "kv_row" (B, Hk, 1, L) or "full" (B, Hk, L, L); the call has
-    the form a model's call of the same description has. Give the shortest and longest length
-    a model uses: each schedule decision that follows the length (key splits where a short grid
-    underfills the GPU, dkdv's stages) changes at one threshold, so lengths between them take
-    forms the two ends compile. On the H100, after a warm-up at 1000 and 8000, calls at 20
-    lengths between compiled nothing (``dmbench compile-cost --warmup``).
+    visible and a scattered half (once with a ``window``: the selection's). ``mask`` is
+    "none", "bool" or "intervals", ``bias`` "none", "kv_row" (B, Hk, 1, L) or "full" (B, Hk,
+    L, L); the call has the form a model's call of the same description has. Give the
+    shortest and longest length a model uses: each schedule decision that follows the length
+    (key splits where a short grid underfills the GPU, dkdv's stages) changes at one
+    threshold, so lengths between them take forms the two ends compile. On the H100, after a
+    warm-up at 1000 and 8000, calls at 20 lengths between compiled nothing (``dmbench
+    compile-cost --warmup``).
+
+    ``window``: with mask "intervals", the calls' masks are ``topk_intervals`` of a random
+    per-key bias with this window and ``is_causal``, as a model that keeps each row's
+    ``window`` keys of largest bias (Doge) makes them: plain intervals below the ordering
+    threshold (``ordering_threshold``: the larger of 256 and 4 windows causal, 2 windows not)
+    and intervals with a key order from it on, whose calls run with the keys gathered and
+    ``is_causal`` False. Each length compiles the form of its side; where the warm-up lengths
+    lie on both sides, the lengths next to the threshold on each side run too
+    (``window_lengths``), so give the shortest and longest length as without a window.
+    ``selection_heads``: the heads of the bias the window ranks, 1, ``heads_kv`` (the default:
+    Doge ranks a (B, Hk, 1, L) bias) or ``heads_q`` (an order per query head, whose calls
+    widen K and V to ``heads_q`` heads).
 
     ``workers``: threads that compile at once on a GPU (default: the CPU count, at most 32);
     1 compiles each kernel when its call first launches it.
@@ -116,16 +184,24 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     if not seqlens:
         raise ValueError("warmup: seqlens is empty; give the lengths a model will call with")
     heads_kv = heads_q if heads_kv is None else heads_kv
+    _check_window(window, selection_heads, mask, heads_q, heads_kv)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
+    if window is not None:
+        lengths = list(window_lengths(lengths, window, is_causal))
+    if window is not None:  # the selection's mask, whatever ``scattered`` says
+        variants = (True,)
+    else:  # every pair visible and a scattered half
+        variants = (False, True) if mask != "none" else (False,)
 
     def make_calls():
         for seqlen in lengths:
-            for scattered in ((False, True) if mask != "none" else (False,)):
+            for scattered in variants:
                 q, k, v, attn_mask, attn_bias = form_inputs(
                     batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
-                    backward, scattered)
+                    backward, scattered, window=window, selection_heads=selection_heads,
+                    is_causal=is_causal)
                 out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
                                   is_causal=is_causal)
                 if backward:

@@ -426,6 +426,24 @@ def test_key_interval_masks_compile_whole(made_inside, device):
     assert_bitwise_equal(got, run(module, q, k, v, mask, grad_out))
 
 
+def test_given_ordered_intervals_are_reordered_inside_the_graph(device):
+    """Ordered KeyIntervals handed to a compiled function: the graph gathers start and end
+    itself (``key_order.reordered_intervals`` keeps nothing while tracing), so a run after a
+    write into them follows the new values, with eager's bits."""
+    q, k, v, _, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+    selection = torch.randn(1, DIMS.heads_q, 1, DIMS.seqlen_k,
+                            generator=torch.Generator().manual_seed(4)).to(device)
+    ordered = topk_intervals(selection, 5, seqlen_q=DIMS.seqlen_q, order_keys=True)
+    module = Attention(bias, is_causal=True, return_lse=True, deterministic=True)
+    compiled, counter = compile_counted(module)
+    first = run(compiled, q, k, v, ordered, grad_out)
+    ordered.end[..., : DIMS.seqlen_k // 2] = 0  # the first half of the keys hidden
+    second = run(compiled, q, k, v, ordered, grad_out)
+    assert counter.frame_count == 1 and not ordered._reordered
+    assert not torch.equal(first["out"], second["out"])
+    assert_bitwise_equal(second, run(module, q, k, v, ordered, grad_out))
+
+
 @pytest.mark.parametrize("mask_kind", ("none", "bool", "intervals", "top_window"))
 def test_reduce_overhead_replays_give_eager_bits(mask_kind, device):
     """``torch.compile(mode="reduce-overhead")``: Inductor records the step into CUDA graphs

@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import KeyIntervals, _launch, compiled_forms, dmattn_func, warmup
+from kernels import KeyIntervals, _launch, compiled_forms, dmattn_func, topk_intervals, warmup
+from kernels.topk_intervals import orders_keys
+from kernels.warmup import ordering_threshold, window_lengths
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
 
@@ -117,6 +119,66 @@ def test_warmup_counts_what_it_compiles(device):
     assert first.seqlens == (32, 40) and again.compiled == 0
 
 
+def _forms_of(monkeypatch, run) -> set:
+    """The forms ``run``'s launches record, into a set of their own (the interpreter records
+    every launch's form)."""
+    forms = set()
+    monkeypatch.setattr(_launch, "_compiled_forms", forms)
+    run()
+    return forms
+
+
+def test_warmup_with_a_window_compiles_the_ordered_form(device, monkeypatch):
+    """A top-window model with an order per query head (Hm = Hq > Hk) calls with K and V
+    widened to Hq heads and is_causal False: forms a plain interval warm-up does not run.
+    The windowed warm-up runs them, so a call at another length of the range compiles
+    nothing; the same intervals without their order need other forms."""
+    heads_q, heads_kv, window, seqlen = 2, 1, 64, 280  # ordered from 256 rows on
+    generator = torch.Generator().manual_seed(5)
+
+    def call(ordered: bool):
+        def tensor(*shape):
+            return torch.randn(*shape, generator=generator).to(device).requires_grad_()
+
+        q = tensor(1, seqlen, heads_q, HEAD_DIM)
+        k, v = tensor(1, seqlen, heads_kv, HEAD_DIM), tensor(1, seqlen, heads_kv, HEAD_DIM)
+        selection = torch.randn(1, heads_q, 1, seqlen, generator=generator).to(device)
+        mask = topk_intervals(selection, window, seqlen_q=seqlen, is_causal=True)
+        assert mask.key_order is not None
+        if not ordered:
+            mask = KeyIntervals(mask.start, mask.end)
+        out = dmattn_func(q, k, v, attn_mask=mask, attn_bias=tensor(1, heads_kv, 1, seqlen),
+                          is_causal=True)
+        out.backward(torch.ones_like(out))
+
+    warmed = _forms_of(monkeypatch, lambda: warmup(
+        seqlens=[260], heads_q=heads_q, heads_kv=heads_kv, head_dim=HEAD_DIM,
+        dtype=torch.float32, device=device, mask="intervals", bias="kv_row", is_causal=True,
+        window=window, selection_heads=heads_q))
+    ordered = _forms_of(monkeypatch, lambda: call(ordered=True))
+    assert ordered <= warmed, f"{len(ordered - warmed)} forms of the ordered call not warmed"
+    plain = _forms_of(monkeypatch, lambda: call(ordered=False))
+    assert ordered - plain, "the ordered call needs no form of its own"
+
+
+@pytest.mark.parametrize("window,causal", [(64, True), (1000, True), (2047, True), (3, False),
+                                           (2047, False)])
+def test_window_lengths_reach_both_ends_of_each_form(window, causal):
+    threshold = ordering_threshold(window, causal)
+    assert orders_keys(threshold, threshold, window, causal)
+    assert not orders_keys(threshold - 1, threshold - 1, window, causal)
+    assert window_lengths((100, 101), window, causal) == (100, 101)  # one side: as given
+    for given in ((threshold - 300, threshold + 5000), (threshold - 3, threshold + 3)):
+        lengths = window_lengths(given, window, causal)
+        assert set(given) <= set(lengths)
+        for ordered in (False, True):
+            side = [n for n in lengths if orders_keys(n, n, window, causal) == ordered]
+            nearest = max(side) if not ordered else min(side)
+            assert abs(nearest - threshold) < 17
+            near = [n for n in side if abs(n - threshold) < 17]
+            assert {n % 16 == 0 for n in near} == {True, False}, (ordered, lengths)
+
+
 def test_warmup_names_bad_arguments():
     with pytest.raises(ValueError, match="mask must be one of"):
         warmup(seqlens=[64], heads_q=2, head_dim=32, mask="dense")
@@ -128,3 +190,13 @@ def test_warmup_names_bad_arguments():
         warmup(seqlens=[0], heads_q=2, head_dim=32)
     with pytest.raises(ValueError, match="workers must be a positive int"):
         warmup(seqlens=[64], heads_q=2, head_dim=32, workers=0)
+    for window in (0, -3, 2.0, True, "64"):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            warmup(seqlens=[64], heads_q=2, head_dim=32, mask="intervals", window=window)
+    with pytest.raises(ValueError, match="window needs mask='intervals'"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, mask="bool", window=16)
+    with pytest.raises(ValueError, match="selection_heads needs a window"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, mask="intervals", selection_heads=2)
+    with pytest.raises(ValueError, match="selection_heads must be one of"):
+        warmup(seqlens=[64], heads_q=4, heads_kv=2, head_dim=32, mask="intervals", window=16,
+               selection_heads=3)

@@ -28,6 +28,20 @@ def test_rows_and_zero_compiles_after_warmup(tmp_path, device):
     assert all(float(row["first_ms"]) > 0 and float(row["second_ms"]) > 0 for row in rows[1:])
 
 
+def test_window_makes_the_interval_form_top_w(tmp_path, device):
+    """--window: the interval form's calls and warm-up use topk_intervals of a per-key bias
+    (below the ordering threshold here: plain top-W intervals), and its rows say so."""
+    out = tmp_path / "cost.csv"
+    result = runner.invoke(app, ["compile-cost", *TINY, "--device", device.type,
+                                 "--lengths", "24,40", "--window", "8", "--warmup",
+                                 "--require-zero", "--out", str(out)])
+    assert result.exit_code == ExitCode.OK, result.output
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["mask"], row["step"]) for row in rows] == [
+        ("topk8", "warmup"), ("topk8", "call"), ("topk8", "call")]
+    assert all(row["compiled"] == "0" for row in rows[1:])
+
+
 def test_require_zero_fails_when_a_new_length_compiles(tmp_path, device):
     # Without a warm-up, 40 follows 32: the bias's head stride (the length) is a multiple of
     # 16 at 32 and not at 40, so 40's first call compiles the unaligned variant.
@@ -42,7 +56,8 @@ def test_require_zero_fails_when_a_new_length_compiles(tmp_path, device):
 
 def test_bad_flags_exit_2(tmp_path):
     for flags, named in ((["--lengths", "12,x"], "--lengths"), (["--masks", "dense"], "--masks"),
-                         (["--heads", "3/2"], "--heads"), (["--bias", "none,kv_row"], "--bias"), (["--dtype", "fp8"], "--dtype")):
+                         (["--heads", "3/2"], "--heads"), (["--bias", "none,kv_row"], "--bias"), (["--dtype", "fp8"], "--dtype"),
+                         (["--window", "0"], "--window"), (["--masks", "bool", "--window", "8"], "--window")):
         result = runner.invoke(app, ["compile-cost", *flags,
                                      "--out", str(tmp_path / "cost.csv")])
         assert result.exit_code == ExitCode.USAGE, (flags, result.output)

@@ -9,8 +9,9 @@ import torch
 
 from attn_helpers import (Dims, assert_close_to_reference, assert_grads_close_to_reference,
                           grads_of, random_qkv)
-from kernels import KeyIntervals, attention_reference, dmattn_func, schedule_for, topk_intervals
-from kernels.key_order import end_buckets, grouping_order
+from kernels import (KeyIntervals, attention_reference, dmattn_func, key_order, prepared,
+                     schedule_for, topk_intervals)
+from kernels.key_order import end_buckets, grouping_order, reordered_intervals
 from kernels.topk_intervals import orders_keys
 
 # (dims, selection heads: "1", "Hk" or "Hq", bias shape as axis names)
@@ -195,3 +196,89 @@ def test_a_broadcast_bias_is_gathered_as_one_row():
     assert bias.shape == (2, 2, 1, 300)
     order = intervals.key_order[:, :, None, :]
     assert torch.equal(bias, per_key.gather(-1, order))
+
+
+# -- the reordered intervals an ordered object keeps (``key_order.reordered_intervals``)
+
+def test_reordered_intervals_are_kept_per_form_and_bounded(monkeypatch):
+    """One object per form (causality, the query length where causal, the versions of start,
+    end and the order), the oldest dropped past MAX_REORDERED; none kept while tracing."""
+    ordered = topk_intervals(torch.randn(2, 3, 1, 40), 5, seqlen_q=30, order_keys=True)
+
+    def fresh(seqlen_q, is_causal):
+        return key_order._reorder(ordered, seqlen_q, is_causal)
+
+    causal = reordered_intervals(ordered, 30, True)
+    assert reordered_intervals(ordered, 30, True) is causal
+    assert causal.key_order is None
+    full = reordered_intervals(ordered, 30, False)
+    assert full is not causal and reordered_intervals(ordered, 12, False) is full
+    longer = reordered_intervals(ordered, 45, True)  # key j first seen at row j + 5
+    assert longer is not causal and not torch.equal(longer.start, causal.start)
+    for got, want in ((causal, fresh(30, True)), (full, fresh(30, False)),
+                      (longer, fresh(45, True))):
+        assert torch.equal(got.start, want.start) and torch.equal(got.end, want.end)
+    assert len(ordered._reordered) == 3
+
+    ordered.end[0, 0, :20] = 0  # in place: a new form, read from the new values
+    written = reordered_intervals(ordered, 30, True)
+    assert written is not causal and torch.equal(written.end, fresh(30, True).end)
+    assert not torch.equal(written.end, causal.end)
+
+    monkeypatch.setattr(key_order, "MAX_REORDERED", 2)
+    assert reordered_intervals(ordered, 30, False) is not full  # a new form: the oldest go
+    assert list(ordered._reordered.values())[0] is written
+    assert len(ordered._reordered) == 2
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = reordered_intervals(ordered, 30, True)
+    assert traced is not written and torch.equal(traced.start, written.start)
+    assert reordered_intervals(ordered, 30, True) is not traced
+    assert len(ordered._reordered) == 2
+
+
+def test_a_reused_ordered_object_runs_on_its_kept_preparation(device, monkeypatch):
+    """A model's layers share one ordered mask: the second call with it gets the reordered
+    intervals of the first, and so prepares them (``prepared.prepared_intervals``); the third
+    reorders and prepares nothing. Every call gives the first one's bits."""
+    dims = Dims(1, 40, 48, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    bias = _bias(dims, ("1", "Hk", "1", "Lk"), torch.float32, device)
+    ordered = topk_intervals(_selection(dims, "Hq", device), 7, seqlen_q=dims.seqlen_q,
+                             order_keys=True)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(device)
+
+    def call():
+        return grads_of(dmattn_func, q, k, v, ordered, bias, True, None, grad_out,
+                        deterministic=True)
+
+    runs = [call(), call()]
+    (reordered,) = ordered._reordered.values()
+    (preparation,) = reordered._preparations.values()
+    assert preparation is not None
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the third call reordered or prepared the intervals again")
+
+    monkeypatch.setattr(key_order, "_reorder", refused)
+    monkeypatch.setattr(prepared, "_prepare", refused)
+    runs.append(call())
+    assert list(ordered._reordered.values()) == [reordered]
+    for named in zip(*(r.named() for r in runs)):
+        (name, first), *others = named
+        assert all(torch.equal(first, other) for _, other in others), name
+
+
+def test_an_ordered_object_written_in_place_is_reordered_again(device):
+    dims = Dims(1, 40, 48, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    ordered = topk_intervals(_selection(dims, "Hk", device), 7, seqlen_q=dims.seqlen_q,
+                             order_keys=True)
+    with torch.no_grad():
+        before = [dmattn_func(q, k, v, ordered, None, True) for _ in range(2)]
+        ordered.start[..., : dims.seqlen_k // 2] += 5  # later rows for the first half
+        after = dmattn_func(q, k, v, ordered, None, True)
+        plain = dmattn_func(q, k, v, KeyIntervals(ordered.start, ordered.end), None, True)
+    assert len(ordered._reordered) == 2
+    assert torch.equal(before[0], before[1]) and not torch.equal(after, before[0])
+    torch.testing.assert_close(after, plain, rtol=1e-5, atol=1e-5)

@@ -277,6 +277,8 @@ def test_doge_bias_and_top_window_reach_the_kernel_per_key(kernel_calls, device,
     assert len(kernel_calls) == TINY["num_hidden_layers"]
     for call in kernel_calls:
         assert tuple(call["attn_bias"].shape) == (2, heads_kv, 1, SEQLEN)
+        # Unit key stride: kernels.warmup's "kv_row" bias's compile form.
+        assert call["attn_bias"].stride(-1) == 1
         assert call["attn_bias"].requires_grad
         intervals = call["attn_mask"]
         assert isinstance(intervals, KeyIntervals)

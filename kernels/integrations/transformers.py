@@ -175,10 +175,14 @@ def doge_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
 
 
 def doge_key_bias(module: torch.nn.Module, value: torch.Tensor) -> torch.Tensor:
-    """Doge's per-key bias exp(A * softplus(dt_proj(values))), as (B, Hk, 1, Lk)."""
+    """Doge's per-key bias exp(A * softplus(dt_proj(values))), as (B, Hk, 1, Lk) with unit key
+    stride: the key stride is part of a kernel's compile form (a strided bias compiles kernels
+    that ``kernels.warmup``'s "kv_row" bias does not) and only unit-stride keys load as
+    vectors. The copy is B * Hk * Lk elements."""
     batch, _, seqlen_k, _ = value.shape
     dt = module.dt_proj(value.transpose(1, 2).reshape(batch, seqlen_k, -1))
-    return torch.exp(module.A * torch.nn.functional.softplus(dt)).transpose(1, 2)[:, :, None, :]
+    bias = torch.exp(module.A * torch.nn.functional.softplus(dt)).transpose(1, 2).contiguous()
+    return bias[:, :, None, :]
 
 
 def _route_doge_attention() -> None:
