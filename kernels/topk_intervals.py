@@ -36,8 +36,13 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from . import _wavelet
 from .intervals import KeyIntervals
 from .packed_seqlens import PackedKeys, check_cu_seqlens
+
+
+# False: every call takes the torch ops below, on every device (to compare the two paths).
+USE_KERNELS = True
 
 
 def _kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -78,7 +83,7 @@ def _kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
 
 def _rank_order(bias: torch.Tensor, group: torch.Tensor | None) -> torch.Tensor:
     """(R, n) positions sorted by (group, bias descending, position); NaN ranks as -inf."""
-    bias = torch.where(torch.isnan(bias), torch.full_like(bias, float("-inf")), bias)
+    bias = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     order = torch.sort(bias, dim=-1, descending=True, stable=True).indices
     if group is not None:
         by_group = torch.sort(group.gather(-1, order), dim=-1, stable=True).indices
@@ -92,12 +97,19 @@ def _check_window(window) -> int:
     return window
 
 
-def _intervals(bias: torch.Tensor, window: int, is_causal: bool, keys: PackedKeys,
-               packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """start and end, (R, n) int64 in each sequence's own row coordinates, for the bias
-    (R, n) of the keys ``keys`` describes (one sequence, or several packed when ``packed``)."""
+def _intervals(bias: torch.Tensor, window: int, is_causal: bool, seqlen_q: int | None,
+               keys: PackedKeys | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """start and end, (R, n) int64 or int32 in each sequence's own row coordinates, for the
+    bias (R, n) of the packed keys ``keys`` describes, or with ``keys`` None of one sequence of
+    n keys and ``seqlen_q`` queries. Causal selections on CUDA (and on the CPU under Triton's
+    interpreter) take the kernels of ``_wavelet``, which give int32 directly."""
     rows, n = bias.shape
+    packed = keys is not None
     order = _rank_order(bias, keys.seq.expand(rows, n) if packed else None)
+    if is_causal and USE_KERNELS and _wavelet.runs_kernels(bias.device, n):
+        return _wavelet.causal_intervals(order, window, seqlen_q, keys)
+    if keys is None:
+        keys = PackedKeys.single(seqlen_q, n, bias.device)
     rank = torch.empty_like(order).scatter_(
         -1, order, torch.arange(n, device=bias.device).expand(rows, n))
     # A sequence's ranks begin where its positions begin, so the keys that beat key p are
@@ -213,8 +225,7 @@ def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
 
 def _rows_direct(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 (start, end) of the (R, Lk) bias rows, one sequence each; capturable."""
-    keys = PackedKeys.single(seqlen_q, bias.shape[1], bias.device)
-    start, end = _intervals(bias, window, is_causal, keys, packed=False)
+    start, end = _intervals(bias, window, is_causal, seqlen_q, None)
     return start.to(torch.int32), end.to(torch.int32)
 
 
@@ -321,7 +332,7 @@ def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals
     if total_k == 0:
         raise ValueError("cu_seqlens_k: the packed keys must not all be empty (total_k = 0)")
     keys = PackedKeys.build(cu_seqlens_q, cu_seqlens_k, total_k)
-    start, end = _intervals(bias, window, is_causal, keys, packed=True)
+    start, end = _intervals(bias, window, is_causal, None, keys)
     return KeyIntervals(start[None].to(torch.int32), end[None].to(torch.int32))
 
 
