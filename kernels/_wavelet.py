@@ -47,9 +47,11 @@ QUERIES = 512  # queries per program of the query kernels (interpreter: INTERPRE
 INTERPRETED_QUERIES = 2048
 INTERPRETED_ROWS = 16  # most rows per program under the interpreter
 MAX_LENGTH = 2**31 - 2 * BLOCK  # longer rows take the torch version
+# The level, bit and window arguments are not specialized on the value 1 (Triton's default for
+# ints): each value would compile a kernel of its own, for no gain.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("shift",))
 def _first_level_kernel(values_ptr, current_ptr, records_ptr, rank_ptr, rows, n, nblocks, shift,
                         BLOCK: tl.constexpr, ROWS: tl.constexpr, WRITE_RANK: tl.constexpr):
     """Block ``program_id(0)`` of rows ``program_id(1)`` * ROWS + [0, ROWS): current =
@@ -72,7 +74,7 @@ def _first_level_kernel(values_ptr, current_ptr, records_ptr, rank_ptr, rows, n,
         tl.store(rank_ptr + row * n + v, i, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("level", "shift"))
 def _level_kernel(current_ptr, next_ptr, records_ptr, next_records_ptr, table_ptr, totals_ptr,
                   rows, n, nblocks, words, level, shift,
                   BLOCK: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
@@ -169,7 +171,7 @@ def _descend(table_ptr, totals_ptr, row, row_ok, rows, words, lo, hi, k, bits):
     return answer
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("bits",))
 def _answer_kernel(table_ptr, totals_ptr, lo_ptr, hi_ptr, k_ptr, answer_ptr, rows, m, words,
                    bits, QUERIES: tl.constexpr, ROWS: tl.constexpr):
     """answer[r, q] = k[r, q]-th smallest of values[r, lo[r, q]:hi[r, q]] for the queries
@@ -187,7 +189,7 @@ def _answer_kernel(table_ptr, totals_ptr, lo_ptr, hi_ptr, k_ptr, answer_ptr, row
     tl.store(answer_ptr + at, answer.to(tl.int64), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("bits", "window", "seqlen_q"))
 def _intervals_kernel(table_ptr, totals_ptr, rank_ptr, local_ptr, key_start_ptr, seqlen_k_ptr,
                       seqlen_q_ptr, start_ptr, end_ptr, rows, n, words, bits, window, seqlen_q,
                       QUERIES: tl.constexpr, ROWS: tl.constexpr, PACKED: tl.constexpr):

@@ -21,6 +21,13 @@ every query looks at how many 0-bit keys its range holds, steps into the half th
 answer and records the bit. Each level is used by every query before the next is built, so the
 memory is O(L) per row whatever the depth.
 
+On CUDA tensors, and on CPU tensors under Triton's interpreter (as every kernel of this package
+runs there), the causal selection takes Triton kernels instead (``_wavelet``): one launch per
+bit level, and one that walks every query down all levels and writes the intervals. They give
+the bits of the torch ops, and keep every level's rank table (L / 4 bytes a level per row).
+CPU tensors without the interpreter, and selections without causality (no wavelet matrix),
+take the torch ops. ``USE_KERNELS = False`` sends every call to the torch ops.
+
 Under ``torch.compile`` the selection runs as the custom ops ``dmattn::topk_intervals`` and
 ``dmattn::topk_intervals_packed``, opaque to the compiler: it has no gradient to trace, and
 Inductor in torch 2.11 failed to lower its slice writes (``NotImplementedError: SliceView``)
@@ -41,7 +48,8 @@ from .intervals import KeyIntervals
 from .packed_seqlens import PackedKeys, check_cu_seqlens
 
 
-# False: every call takes the torch ops below, on every device (to compare the two paths).
+# False: every call takes the torch ops, on every device (to compare the two paths). Read at
+# call time; a CUDA graph already captured keeps the path it captured.
 USE_KERNELS = True
 
 
@@ -167,8 +175,9 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
 
     Returns:
         int32 ``KeyIntervals`` of shape (B, H, Lk), or (1, H, total_k) for packed input in
-        each sequence's own row coordinates (row 0 is the sequence's first query). Built with
-        O(L log L) torch ops on the bias's device; nothing of size Lq * Lk is made.
+        each sequence's own row coordinates (row 0 is the sequence's first query). Built on
+        the bias's device in O(L log L) work, by Triton kernels on a GPU and by torch ops
+        on the CPU; nothing of size Lq * Lk is made.
     """
     window = _check_window(window)
     if not isinstance(bias, torch.Tensor):
@@ -230,15 +239,18 @@ def _rows_direct(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch
 
 
 # -- host time on a GPU: the selection as a CUDA graph
-# One selection is ~440 small torch ops at Lk = 8192 (~15 per bit of the position, plus the
-# sort): on a GPU each costs host time to launch, more than its device time at short lengths,
-# and a Doge model makes one per layer. The first call of a form (rows, length, dtype, device,
-# window, query length, causality) captures it as a CUDA graph, and every call replays it: a
-# copy in, the replay, a copy out of each output. A graph keeps its intermediates (a few tens
-# of 8-byte buffers of the bias's size), so only forms up to GRAPH_MAX_ELEMENTS bias elements
-# are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate, and at most
-# MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture fails runs
-# the ops directly from then on. A graph is made on a thread of its own (``_made_apart``).
+# With the torch ops one selection is ~440 small ops at Lk = 8192 (~15 per bit of the
+# position, plus the sort); with the kernels (``_wavelet``) a causal one is still the sort's
+# launches and bits + 3 more. On a GPU each costs host time to launch, more than its device
+# time at short lengths, and a Doge model makes one per layer. The first call of a form (rows,
+# length, dtype, device, window, query length, causality) captures it as a CUDA graph, and
+# every call replays it: a copy in, the replay, a copy out of each output. A graph keeps its
+# intermediates (with the torch ops a few tens of 8-byte buffers of the bias's size; with the
+# kernels the sort's and about six of 4 or 8 bytes), so only forms up to GRAPH_MAX_ELEMENTS
+# bias elements are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate,
+# and at most MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture
+# fails runs the ops directly from then on. A graph is made on a thread of its own
+# (``_made_apart``).
 GRAPH_MAX_ELEMENTS = 1 << 20
 MAX_GRAPHS = 4
 _graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None: not capturable
