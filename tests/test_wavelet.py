@@ -29,9 +29,23 @@ def _queries(rows: int, n: int, m: int, generator: torch.Generator):
     return torch.minimum(a, b), torch.maximum(a, b), k
 
 
+def _use_tiles(tiles: str, monkeypatch) -> None:
+    """The launches' tiles: the device's own ("own": under the interpreter, every row of a
+    block in one program), or a GPU's ("gpu": one row a program, 512 queries) wherever the
+    test runs, so that the CPU run checks the GPU's form of the kernels too."""
+    if tiles == "gpu":
+        monkeypatch.setattr(_wavelet, "_tiles", lambda rows: (1, _wavelet.QUERIES))
+
+
+@pytest.fixture(params=("own", "gpu"))
+def tiles(request, monkeypatch):
+    _use_tiles(request.param, monkeypatch)
+    return request.param
+
+
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("rows", (1, 3))
-def test_kth_smallest_gives_the_torch_bits(n, rows, device):
+def test_kth_smallest_gives_the_torch_bits(n, rows, device, tiles):
     generator = torch.Generator().manual_seed(n * 10 + rows)
     values = torch.stack([torch.randperm(n, generator=generator) for _ in range(rows)])
     lo, hi, k = _queries(rows, n, max(n, 5), generator)
@@ -47,12 +61,14 @@ def test_kth_smallest_gives_the_torch_bits(n, rows, device):
                 assert got[r, q] == part[k[r, q]]
 
 
-def test_kth_smallest_takes_queries_of_their_own_count(device):
-    """m queries per row, fewer or more than the n values, lo > 0 among them."""
+def test_kth_smallest_takes_queries_of_their_own_count(device, tiles):
+    """m queries per row, fewer or more than the n values, lo > 0 among them; more rows than
+    the interpreter puts in one program."""
     generator = torch.Generator().manual_seed(3)
-    values = torch.stack([torch.randperm(300, generator=generator) for _ in range(2)])
+    rows = _wavelet.INTERPRETED_ROWS + 3 if tiles == "own" else 2
+    values = torch.stack([torch.randperm(300, generator=generator) for _ in range(rows)])
     for m in (1, 40, 700):
-        lo, hi, k = _queries(2, 300, m, generator)
+        lo, hi, k = _queries(rows, 300, m, generator)
         lo = torch.minimum(lo + 5, hi)
         got = _wavelet.kth_smallest(values.to(device), lo.to(device), hi.to(device),
                                     k.to(device))
@@ -67,10 +83,16 @@ def _both_paths(monkeypatch, call):
     return expected, call()
 
 
-@pytest.mark.parametrize("lengths,window", [
-    ((1, 1), 1), ((5, 97), 3), ((97, 5), 2), ((300, 300), 16), ((40, 1025), 1000),
-    ((1025, 1025), 5000), ((3, 2049), 64)])
-def test_causal_intervals_give_the_torch_bits(lengths, window, device, monkeypatch):
+CAUSAL_CASES = (((1, 1), 1), ((5, 97), 3), ((97, 5), 2), ((300, 300), 16),
+                ((40, 1025), 1000), ((1025, 1025), 5000), ((3, 2049), 64))
+
+
+@pytest.mark.parametrize("lengths,window,tiles", [
+    pytest.param(lengths, window, tiles, id=f"q{lengths[0]}-k{lengths[1]}-w{window}-{tiles}")
+    for tiles, cases in (("own", CAUSAL_CASES), ("gpu", CAUSAL_CASES[:5]))
+    for lengths, window in cases])
+def test_causal_intervals_give_the_torch_bits(lengths, window, tiles, device, monkeypatch):
+    _use_tiles(tiles, monkeypatch)
     seqlen_q, seqlen_k = lengths
     bias = torch.randn(2, 3, 1, seqlen_k).to(device)
     bias[..., ::7] = 0.5  # ties
@@ -81,7 +103,7 @@ def test_causal_intervals_give_the_torch_bits(lengths, window, device, monkeypat
 
 
 @pytest.mark.parametrize("window", (1, 4, 100))
-def test_packed_causal_intervals_give_the_torch_bits(window, device, monkeypatch):
+def test_packed_causal_intervals_give_the_torch_bits(window, device, monkeypatch, tiles):
     """Packed rows: every query's range starts at its sequence's first rank (lo > 0)."""
     lengths = ((5, 5), (0, 3), (1, 1), (7, 2), (30, 90), (4, 0), (1, 6), (2000, 1100))
     cu_q = torch.tensor([0] + [q for q, _ in lengths]).cumsum(0).to(torch.int32).to(device)
