@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import ceil_div, is_interpreted, launch, next_power_of_2
+from ._launch import ceil_div, interpreter_problem, is_interpreted, launch, next_power_of_2
 
 BLOCK = 1024  # positions per program of the level passes; a multiple of 32
 RECORDS = 4  # (block, count) records per block and level
@@ -231,8 +231,13 @@ def _intervals_kernel(table_ptr, totals_ptr, rank_ptr, local_ptr, key_start_ptr,
 
 def runs_kernels(device: torch.device, n: int) -> bool:
     """Whether rows of ``n`` values on ``device`` take these kernels: on CUDA, and on the CPU
-    under Triton's interpreter (as every kernel of this package does)."""
-    return n <= MAX_LENGTH and (device.type == "cuda" or is_interpreted(_level_kernel))
+    under Triton's interpreter (as every kernel of this package does) where that interpreter
+    can run them (``_launch.interpreter_problem``)."""
+    if n > MAX_LENGTH:
+        return False
+    if device.type == "cuda":
+        return True
+    return is_interpreted(_level_kernel) and interpreter_problem() is None
 
 
 def _tiles(rows: int) -> tuple[int, int]:
