@@ -21,6 +21,13 @@ every query looks at how many 0-bit keys its range holds, steps into the half th
 answer and records the bit. Each level is used by every query before the next is built, so the
 memory is O(L) per row whatever the depth.
 
+On CUDA tensors, and on CPU tensors under Triton's interpreter (as every kernel of this package
+runs there), the causal selection takes Triton kernels instead (``_wavelet``): one launch per
+bit level, and one that walks every query down all levels and writes the intervals. They give
+the bits of the torch ops, and keep every level's rank table (L / 4 bytes a level per row).
+CPU tensors without the interpreter, and selections without causality (no wavelet matrix),
+take the torch ops. ``USE_KERNELS = False`` sends every call to the torch ops.
+
 Under ``torch.compile`` the selection runs as the custom ops ``dmattn::topk_intervals`` and
 ``dmattn::topk_intervals_packed``, opaque to the compiler: it has no gradient to trace, and
 Inductor in torch 2.11 failed to lower its slice writes (``NotImplementedError: SliceView``)
@@ -36,8 +43,14 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from . import _wavelet
 from .intervals import KeyIntervals
 from .packed_seqlens import PackedKeys, check_cu_seqlens
+
+
+# False: every call takes the torch ops, on every device (to compare the two paths). Read at
+# call time; a CUDA graph already captured keeps the path it captured.
+USE_KERNELS = True
 
 
 def _kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -78,7 +91,7 @@ def _kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
 
 def _rank_order(bias: torch.Tensor, group: torch.Tensor | None) -> torch.Tensor:
     """(R, n) positions sorted by (group, bias descending, position); NaN ranks as -inf."""
-    bias = torch.where(torch.isnan(bias), torch.full_like(bias, float("-inf")), bias)
+    bias = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     order = torch.sort(bias, dim=-1, descending=True, stable=True).indices
     if group is not None:
         by_group = torch.sort(group.gather(-1, order), dim=-1, stable=True).indices
@@ -92,12 +105,19 @@ def _check_window(window) -> int:
     return window
 
 
-def _intervals(bias: torch.Tensor, window: int, is_causal: bool, keys: PackedKeys,
-               packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """start and end, (R, n) int64 in each sequence's own row coordinates, for the bias
-    (R, n) of the keys ``keys`` describes (one sequence, or several packed when ``packed``)."""
+def _intervals(bias: torch.Tensor, window: int, is_causal: bool, seqlen_q: int | None,
+               keys: PackedKeys | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """start and end, (R, n) int64 or int32 in each sequence's own row coordinates, for the
+    bias (R, n) of the packed keys ``keys`` describes, or with ``keys`` None of one sequence of
+    n keys and ``seqlen_q`` queries. Causal selections on CUDA (and on the CPU under Triton's
+    interpreter) take the kernels of ``_wavelet``, which give int32 directly."""
     rows, n = bias.shape
+    packed = keys is not None
     order = _rank_order(bias, keys.seq.expand(rows, n) if packed else None)
+    if is_causal and USE_KERNELS and _wavelet.runs_kernels(bias.device, n):
+        return _wavelet.causal_intervals(order, window, seqlen_q, keys)
+    if keys is None:
+        keys = PackedKeys.single(seqlen_q, n, bias.device)
     rank = torch.empty_like(order).scatter_(
         -1, order, torch.arange(n, device=bias.device).expand(rows, n))
     # A sequence's ranks begin where its positions begin, so the keys that beat key p are
@@ -155,8 +175,9 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
 
     Returns:
         int32 ``KeyIntervals`` of shape (B, H, Lk), or (1, H, total_k) for packed input in
-        each sequence's own row coordinates (row 0 is the sequence's first query). Built with
-        O(L log L) torch ops on the bias's device; nothing of size Lq * Lk is made.
+        each sequence's own row coordinates (row 0 is the sequence's first query). Built on
+        the bias's device in O(L log L) work, by Triton kernels on a GPU and by torch ops
+        on the CPU; nothing of size Lq * Lk is made.
     """
     window = _check_window(window)
     if not isinstance(bias, torch.Tensor):
@@ -213,21 +234,23 @@ def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
 
 def _rows_direct(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 (start, end) of the (R, Lk) bias rows, one sequence each; capturable."""
-    keys = PackedKeys.single(seqlen_q, bias.shape[1], bias.device)
-    start, end = _intervals(bias, window, is_causal, keys, packed=False)
+    start, end = _intervals(bias, window, is_causal, seqlen_q, None)
     return start.to(torch.int32), end.to(torch.int32)
 
 
 # -- host time on a GPU: the selection as a CUDA graph
-# One selection is ~440 small torch ops at Lk = 8192 (~15 per bit of the position, plus the
-# sort): on a GPU each costs host time to launch, more than its device time at short lengths,
-# and a Doge model makes one per layer. The first call of a form (rows, length, dtype, device,
-# window, query length, causality) captures it as a CUDA graph, and every call replays it: a
-# copy in, the replay, a copy out of each output. A graph keeps its intermediates (a few tens
-# of 8-byte buffers of the bias's size), so only forms up to GRAPH_MAX_ELEMENTS bias elements
-# are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate, and at most
-# MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture fails runs
-# the ops directly from then on. A graph is made on a thread of its own (``_made_apart``).
+# With the torch ops one selection is ~440 small ops at Lk = 8192 (~15 per bit of the
+# position, plus the sort); with the kernels (``_wavelet``) a causal one is still the sort's
+# launches and bits + 3 more. On a GPU each costs host time to launch, more than its device
+# time at short lengths, and a Doge model makes one per layer. The first call of a form (rows,
+# length, dtype, device, window, query length, causality) captures it as a CUDA graph, and
+# every call replays it: a copy in, the replay, a copy out of each output. A graph keeps its
+# intermediates (with the torch ops a few tens of 8-byte buffers of the bias's size; with the
+# kernels the sort's and about six of 4 or 8 bytes), so only forms up to GRAPH_MAX_ELEMENTS
+# bias elements are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate,
+# and at most MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture
+# fails runs the ops directly from then on. A graph is made on a thread of its own
+# (``_made_apart``).
 GRAPH_MAX_ELEMENTS = 1 << 20
 MAX_GRAPHS = 4
 _graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None: not capturable
@@ -321,7 +344,7 @@ def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals
     if total_k == 0:
         raise ValueError("cu_seqlens_k: the packed keys must not all be empty (total_k = 0)")
     keys = PackedKeys.build(cu_seqlens_q, cu_seqlens_k, total_k)
-    start, end = _intervals(bias, window, is_causal, keys, packed=True)
+    start, end = _intervals(bias, window, is_causal, None, keys)
     return KeyIntervals(start[None].to(torch.int32), end[None].to(torch.int32))
 
 
