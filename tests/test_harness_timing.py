@@ -234,3 +234,23 @@ def test_a_capture_that_ends_cleanly_returns_its_graph(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "side")
     assert timing.capture(lambda: ran.append(1), torch.device("cuda", 0)) is graph
     assert ran == [1]
+
+
+def test_timed_build_is_the_median_of_warm_builds(monkeypatch):
+    """One warm-up build, then BUILD_REPEATS on the clock: the median, not the first; a build
+    slower than the budget is timed once."""
+    delays = iter([0.0, 0.030, 0.001, 0.002, 0.001, 0.002])
+    calls = []
+
+    def build():
+        calls.append(1)
+        time.sleep(next(delays))
+        return len(calls)
+
+    result, step = timing.timed_build(build, torch.device("cpu"), "steps")
+    assert len(calls) == 1 + timing.BUILD_REPEATS and result == len(calls)
+    assert step.name == "steps" and 1.0 < step.ms < 10.0  # the 30 ms outlier is not the median
+    monkeypatch.setattr(timing, "BUILD_BUDGET_S", 0.0)
+    calls.clear()
+    _, step = timing.timed_build(lambda: calls.append(1), torch.device("cpu"), "once")
+    assert len(calls) == 2 and step.ms >= 0.0
