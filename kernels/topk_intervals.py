@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import _wavelet
+from ._launch import is_interpreted
 from .intervals import KeyIntervals
 from .packed_seqlens import PackedKeys, check_cu_seqlens
 
@@ -145,12 +146,51 @@ ORDER_MIN_KEYS_PER_WINDOW = {True: 4, False: 2}
 # Query rows below which a call is decode-like: its K and V copies cost as much as the keys
 # the order lets it skip.
 ORDER_MIN_ROWS = 256
+# An ordered call costs ~0.17-0.30 ms of host time more than a plain one (the gathers of K, V
+# and the bias; H100 host, one process), so the order must save more GPU time than that. The
+# estimate (``saved_tiles``) in 128 x 64 tiles, summed over the selection's (batch, head)
+# rows, against H100 forwards (plain / ordered ms, D128 unless named):
+#   B1 H8/2 L2048 W256: 358 tiles, 0.072 / 0.205;  H2/1 L16384 D64 W32: 1960, 0.097 / 0.188;
+#   H16/4 L4096 W1024: 1950, 0.268 / 0.340 (D32 0.171 / 0.346);
+#   H2/1 L16384 D64 W4096: 7780, 0.388 / 0.212;  H2/1 L16384 D64 W256: 15800, 0.332 / 0.171;
+#   B2 H16/4 L8192 W1024: 23500, 1.98 / 0.71;  H16/4 L16384 W2048 (longctx): 4.03 / 1.94.
+ORDER_MIN_SAVED_TILES = 5000
+# Under Triton's interpreter (CPU tests) the shape rules above alone decide, so that small
+# test shapes take the ordered path as the GPU's long calls do.
+ORDER_MIN_SAVED_TILES_INTERPRETED = 0
 
 
-def orders_keys(seqlen_q: int, seqlen_k: int, window: int, is_causal: bool) -> bool:
-    """Whether ``topk_intervals`` gives its intervals a key order (``order_keys=None``)."""
-    return (seqlen_q >= ORDER_MIN_ROWS
-            and seqlen_k >= ORDER_MIN_KEYS_PER_WINDOW[bool(is_causal)] * window)
+def saved_tiles(seqlen_q: int, seqlen_k: int, window: int, is_causal: bool) -> float:
+    """128 x 64 tiles a key order saves one (batch, head) row of a top-``window`` selection,
+    estimated from the shape: in key order a row tile walks about min(visible keys / 64,
+    window / 2) key blocks (the kept keys of a random bias scatter one to a block until the
+    blocks run out; small windows keep fewer distinct keys, as the largest biases stay kept);
+    in the order, about 1.2 tiles for every tile's worth of kept pairs."""
+    offset = seqlen_k - seqlen_q
+    if is_causal:
+        rows = max(0, min(seqlen_q, seqlen_k - offset))  # rows that see a key
+        first = max(0, -offset)
+        visible_mean = max(0.0, offset + first + (rows + 1) / 2)
+        # rows whose visible keys number fewer than the window keep all of them
+        short = max(0, min(rows, window - offset - first - 1))
+        kept = short * (offset + first) + short * (short + 1) / 2 + (rows - short) * window
+    else:
+        visible_mean = seqlen_k
+        kept = seqlen_q * min(seqlen_k, window)
+    plain = -(-seqlen_q // 128) * min(visible_mean / 64, window / 2)
+    return plain - 1.2 * kept / (128 * 64)
+
+
+def orders_keys(seqlen_q: int, seqlen_k: int, window: int, is_causal: bool,
+                rows: int = 1) -> bool:
+    """Whether ``topk_intervals`` gives its intervals a key order (``order_keys=None``), for
+    ``rows`` (batch x head) rows of the selection."""
+    if (seqlen_q < ORDER_MIN_ROWS
+            or seqlen_k < ORDER_MIN_KEYS_PER_WINDOW[bool(is_causal)] * window):
+        return False
+    least = (ORDER_MIN_SAVED_TILES_INTERPRETED if is_interpreted(_wavelet._level_kernel)
+             else ORDER_MIN_SAVED_TILES)
+    return rows * saved_tiles(seqlen_q, seqlen_k, window, is_causal) >= least
 
 
 def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=None,
@@ -170,8 +210,9 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
         order_keys: give the intervals a key order (``KeyIntervals.with_key_order``), so
             that ``dmattn_func`` reads the keys grouped by the rows that keep them and its
             work follows the W * Lq kept pairs instead of Lq * Lk. None (the default) decides
-            by shape (``orders_keys``: at least 256 query rows and Lk at least 4 W causal,
-            2 W otherwise). Packed input never gets one.
+            by shape (``orders_keys``: at least 256 query rows, Lk at least 4 W causal,
+            2 W otherwise, and an estimated saving above the order's host cost,
+            ``saved_tiles``). Packed input never gets one.
 
     Returns:
         int32 ``KeyIntervals`` of shape (B, H, Lk), or (1, H, total_k) for packed input in
@@ -192,7 +233,8 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
             raise ValueError("cu_seqlens_q needs cu_seqlens_k (the packed keys' offsets)")
         seqlen_q = _check_dense(bias, seqlen_q)
         if order_keys is None:
-            order_keys = orders_keys(seqlen_q, bias.shape[-1], window, is_causal)
+            order_keys = orders_keys(seqlen_q, bias.shape[-1], window, is_causal,
+                                     rows=bias.shape[0] * bias.shape[1])
         elif not isinstance(order_keys, bool):  # torch 2.11's Dynamo misreads __class__ here
             raise TypeError(f"order_keys must be a bool or None, got "
                             f"{type(order_keys).__name__} {order_keys!r}")

@@ -36,7 +36,8 @@ import torch
 from ._launch import compile_only, compiled_forms
 from .interface import dmattn_func
 from .intervals import KeyIntervals
-from .topk_intervals import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, topk_intervals
+from .topk_intervals import (ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, orders_keys,
+                             topk_intervals)
 
 MASK_FORMS = ("none", "bool", "intervals")
 BIAS_FORMS = ("none", "kv_row", "full")
@@ -66,18 +67,29 @@ def warmup_lengths(seqlen: int) -> tuple[int, int]:
     return aligned, unaligned
 
 
-def ordering_threshold(window: int, is_causal: bool) -> int:
+def ordering_threshold(window: int, is_causal: bool, rows: int = 1) -> int:
     """The shortest length L at which ``topk_intervals`` gives the intervals of a call with
-    L query rows and L keys a key order (``orders_keys``); every longer length gets one too."""
-    return max(ORDER_MIN_ROWS, ORDER_MIN_KEYS_PER_WINDOW[bool(is_causal)] * window)
+    L query rows, L keys and ``rows`` (batch x head) selection rows a key order
+    (``orders_keys``); every longer length gets one too (its saving grows with L)."""
+    low = max(ORDER_MIN_ROWS, ORDER_MIN_KEYS_PER_WINDOW[bool(is_causal)] * window)
+    high = low
+    while not orders_keys(high, high, window, is_causal, rows):
+        high *= 2
+    while low < high:  # the first ordered length in [low, high]
+        middle = (low + high) // 2
+        if orders_keys(middle, middle, window, is_causal, rows):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
-def window_lengths(lengths, window: int, is_causal: bool) -> tuple[int, ...]:
+def window_lengths(lengths, window: int, is_causal: bool, rows: int = 1) -> tuple[int, ...]:
     """``lengths`` (warm-up lengths), and where some of them fall below the ordering threshold
     and some at or above it, an aligned and an unaligned length on each side next to it: the
     ends of the plain form's range and the ordered form's."""
     lengths = set(lengths)
-    threshold = ordering_threshold(window, is_causal)
+    threshold = ordering_threshold(window, is_causal, rows)
     if min(lengths) < threshold <= max(lengths):
         below = threshold - 1
         lengths |= {below - below % 16, below if below % 16 else below - 1}
@@ -161,8 +173,9 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     ``window``: with mask "intervals", the calls' masks are ``topk_intervals`` of a random
     per-key bias with this window and ``is_causal``, as a model that keeps each row's
     ``window`` keys of largest bias (Doge) makes them: plain intervals below the ordering
-    threshold (``ordering_threshold``: the larger of 256 and 4 windows causal, 2 windows not)
-    and intervals with a key order from it on, whose calls run with the keys gathered and
+    threshold (``ordering_threshold``: at least 256 and 4 windows causal, 2 windows not, and
+    long enough for the order to save more than its host cost; it falls as the batch and the
+    selection's heads grow) and intervals with a key order from it on, whose calls run with the keys gathered and
     ``is_causal`` False. Each length compiles the form of its side; where the warm-up lengths
     lie on both sides, the lengths next to the threshold on each side run too
     (``window_lengths``), so give the shortest and longest length as without a window.
@@ -189,7 +202,8 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
         device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
     if window is not None:
-        lengths = list(window_lengths(lengths, window, is_causal))
+        rows = batch * (heads_kv if selection_heads is None else selection_heads)
+        lengths = list(window_lengths(lengths, window, is_causal, rows))
     if window is not None:  # the selection's mask, whatever ``scattered`` says
         variants = (True,)
     else:  # every pair visible and a scattered half

@@ -5,6 +5,7 @@ compiled for, the count ``dmbench compile-cost`` reports on a GPU as well."""
 
 from __future__ import annotations
 
+import importlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -200,3 +201,13 @@ def test_warmup_names_bad_arguments():
     with pytest.raises(ValueError, match="selection_heads must be one of"):
         warmup(seqlens=[64], heads_q=4, heads_kv=2, head_dim=32, mask="intervals", window=16,
                selection_heads=3)
+
+
+@pytest.mark.parametrize("window,rows", [(2048, 4), (32, 1), (1024, 64)])
+def test_ordering_threshold_follows_the_gpus_rule(monkeypatch, window, rows):
+    """With the GPU's saving rule the threshold is the first ordered length for the rows."""
+    selection = importlib.import_module("kernels.topk_intervals")
+    monkeypatch.setattr(selection, "is_interpreted", lambda kernel: False)
+    threshold = ordering_threshold(window, True, rows)
+    assert orders_keys(threshold, threshold, window, True, rows)
+    assert not orders_keys(threshold - 1, threshold - 1, window, True, rows)

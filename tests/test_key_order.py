@@ -4,6 +4,7 @@ keys seen by similar rows, and it cuts the active tiles of a top-W mask."""
 
 from __future__ import annotations
 
+import importlib
 import pytest
 import torch
 
@@ -135,6 +136,21 @@ def test_topk_intervals_orders_keys_by_shape():
     assert topk_intervals(bias, 512, order_keys=True).key_order is not None
     assert topk_intervals(bias, 32, order_keys=False).key_order is None
     assert orders_keys(256, 8192, 2048, True) and not orders_keys(255, 8192, 2048, True)
+
+
+def test_the_gpu_orders_only_where_the_saving_beats_the_host_cost(monkeypatch):
+    """The GPU's rule (``saved_tiles`` against ORDER_MIN_SAVED_TILES) on the H100 shapes it was
+    set from: ordered where the order measured faster, plain where it measured slower."""
+    selection = importlib.import_module("kernels.topk_intervals")
+    monkeypatch.setattr(selection, "is_interpreted", lambda kernel: False)
+    faster = [(16384, 4096, 1), (16384, 256, 1), (8192, 1024, 8), (16384, 2048, 4)]
+    slower = [(2048, 256, 2), (16384, 32, 1), (4096, 1024, 4), (32768, 32, 1)]
+    for length, window, rows in faster:
+        assert orders_keys(length, length, window, True, rows), (length, window, rows)
+    for length, window, rows in slower:
+        assert not orders_keys(length, length, window, True, rows), (length, window, rows)
+    assert selection.saved_tiles(8192, 8192, 1024, True) < selection.saved_tiles(
+        16384, 16384, 1024, True)  # the saving grows with the length
 
 
 def test_order_keys_is_checked():
