@@ -46,6 +46,7 @@ from torch import Tensor
 from . import _wavelet
 from ._launch import is_interpreted
 from .intervals import KeyIntervals
+from .key_order import grouping_order
 from .packed_seqlens import PackedKeys, check_cu_seqlens
 
 
@@ -241,9 +242,8 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
         if torch.compiler.is_compiling():
             intervals = KeyIntervals(*torch.ops.dmattn.topk_intervals(bias, window, seqlen_q,
                                                                       bool(is_causal)))
-        else:
-            intervals = _dense(bias, window, seqlen_q, bool(is_causal))
-        return intervals.with_key_order() if order_keys else intervals
+            return intervals.with_key_order() if order_keys else intervals
+        return _dense(bias, window, seqlen_q, bool(is_causal), order_keys)
     if order_keys:
         raise ValueError("order_keys must be None or False with cu_seqlens: packed sequences "
                          "keep their keys in place")
@@ -268,16 +268,18 @@ def _check_dense(bias, seqlen_q) -> int:
     return seqlen_q
 
 
-def _dense(bias, window, seqlen_q, is_causal) -> KeyIntervals:
+def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
     b, h, _, lk = bias.shape
-    start, end = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal)
-    return KeyIntervals(start.reshape(b, h, lk), end.reshape(b, h, lk))
+    rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
+    return KeyIntervals(*(t.reshape(b, h, lk) for t in rows))
 
 
-def _rows_direct(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 (start, end) of the (R, Lk) bias rows, one sequence each; capturable."""
+def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
+    """int32 (start, end) of the (R, Lk) bias rows, one sequence each, and with ``ordered``
+    their key order (``key_order.grouping_order``); capturable."""
     start, end = _intervals(bias, window, is_causal, seqlen_q, None)
-    return start.to(torch.int32), end.to(torch.int32)
+    start, end = start.to(torch.int32), end.to(torch.int32)
+    return (start, end, grouping_order(start, end)) if ordered else (start, end)
 
 
 # -- host time on a GPU: the selection as a CUDA graph
@@ -285,7 +287,8 @@ def _rows_direct(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch
 # position, plus the sort); with the kernels (``_wavelet``) a causal one is still the sort's
 # launches and bits + 3 more. On a GPU each costs host time to launch, more than its device
 # time at short lengths, and a Doge model makes one per layer. The first call of a form (rows,
-# length, dtype, device, window, query length, causality) captures it as a CUDA graph, and
+# length, dtype, device, window, query length, causality, key order) captures it as a CUDA
+# graph (with the key order's sort: ~0.35 ms of host time at 16k outside it), and
 # every call replays it: a copy in, the replay, a copy out of each output. A graph keeps its
 # intermediates (with the torch ops a few tens of 8-byte buffers of the bias's size; with the
 # kernels the sort's and about six of 4 or 8 bytes), so only forms up to GRAPH_MAX_ELEMENTS
@@ -299,26 +302,27 @@ _graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None: not ca
 
 
 class _SelectionGraph:
-    def __init__(self, bias: torch.Tensor, window: int, seqlen_q: int, is_causal: bool):
+    def __init__(self, bias: torch.Tensor, window: int, seqlen_q: int, is_causal: bool,
+                 ordered: bool):
         self.bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
         self.bias.copy_(bias)
         side = torch.cuda.Stream(bias.device)  # warm-up off the capturing stream, as required
         side.wait_stream(torch.cuda.current_stream(bias.device))
         with torch.cuda.stream(side):
-            _rows_direct(self.bias, window, seqlen_q, is_causal)
+            _rows_direct(self.bias, window, seqlen_q, is_causal, ordered)
         torch.cuda.current_stream(bias.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: work other threads do meanwhile (autograd, data loading) is not ours
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.start, self.end = _rows_direct(self.bias, window, seqlen_q, is_causal)
+            self.outputs = _rows_direct(self.bias, window, seqlen_q, is_causal, ordered)
 
-    def __call__(self, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self.bias.copy_(bias)
         self.graph.replay()
-        return self.start.clone(), self.end.clone()
+        return tuple(t.clone() for t in self.outputs)
 
 
-def _made_apart(bias, window, seqlen_q, is_causal) -> _SelectionGraph:
+def _made_apart(bias, window, seqlen_q, is_causal, ordered) -> _SelectionGraph:
     """A ``_SelectionGraph`` made on a thread of its own, on the caller's stream.
 
     The graph's buffers outlive the call. Inductor's CUDA graph trees
@@ -331,7 +335,7 @@ def _made_apart(bias, window, seqlen_q, is_causal) -> _SelectionGraph:
     def make():
         try:
             with torch.cuda.device(bias.device), torch.cuda.stream(stream):
-                made["graph"] = _SelectionGraph(bias, window, seqlen_q, is_causal)
+                made["graph"] = _SelectionGraph(bias, window, seqlen_q, is_causal, ordered)
         except BaseException as error:  # raised again by the caller
             made["error"] = error
 
@@ -343,24 +347,24 @@ def _made_apart(bias, window, seqlen_q, is_causal) -> _SelectionGraph:
     return made["graph"]
 
 
-def _select_rows(bias, window, seqlen_q, is_causal) -> tuple[torch.Tensor, torch.Tensor]:
+def _select_rows(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
     if (bias.device.type != "cuda" or bias.numel() > GRAPH_MAX_ELEMENTS
             or torch.cuda.is_current_stream_capturing()):
-        return _rows_direct(bias, window, seqlen_q, is_causal)
-    form = (tuple(bias.shape), window, seqlen_q, is_causal, bias.dtype, bias.device)
+        return _rows_direct(bias, window, seqlen_q, is_causal, ordered)
+    form = (tuple(bias.shape), window, seqlen_q, is_causal, ordered, bias.dtype, bias.device)
     if form in _graphs:
         _graphs.move_to_end(form)
         graph = _graphs[form]
     else:
         try:
-            graph = _made_apart(bias, window, seqlen_q, is_causal)
+            graph = _made_apart(bias, window, seqlen_q, is_causal, ordered)
         except RuntimeError:  # not capturable here: the ops, directly, for this form
             graph = None
         _graphs[form] = graph
         while len(_graphs) > MAX_GRAPHS:
             _graphs.popitem(last=False)
     if graph is None:
-        return _rows_direct(bias, window, seqlen_q, is_causal)
+        return _rows_direct(bias, window, seqlen_q, is_causal, ordered)
     return graph(bias)
 
 

@@ -298,3 +298,15 @@ def test_an_ordered_object_written_in_place_is_reordered_again(device):
     assert len(ordered._reordered) == 2
     assert torch.equal(before[0], before[1]) and not torch.equal(after, before[0])
     torch.testing.assert_close(after, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_topk_intervals_order_is_the_grouping_order_of_its_intervals(device):
+    """The order made beside the selection (per (batch x head) row, inside its CUDA graph on
+    a GPU) is the grouping order of the intervals it returns."""
+    bias = torch.randn(2, 3, 1, 640, generator=torch.Generator().manual_seed(11)).to(device)
+    ordered = topk_intervals(bias, 64, order_keys=True)
+    plain = topk_intervals(bias, 64, order_keys=False)
+    assert torch.equal(ordered.start, plain.start) and torch.equal(ordered.end, plain.end)
+    assert torch.equal(ordered.key_order, grouping_order(plain.start, plain.end))
+    again = topk_intervals(bias, 64, order_keys=True)  # a replay on a GPU
+    assert torch.equal(again.key_order, ordered.key_order)
