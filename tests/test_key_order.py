@@ -127,7 +127,16 @@ def test_the_order_cuts_a_top_w_masks_active_tiles():
     assert counts[1] * 128 * 64 < 2 * kept, (counts, kept)
 
 
-def test_topk_intervals_orders_keys_by_shape():
+def shape_rules_alone(monkeypatch):
+    """``orders_keys`` with its shape rules only (its tile threshold at 0, as under the
+    interpreter), on any device."""
+    topk_module = importlib.import_module("kernels.topk_intervals")
+    monkeypatch.setattr(topk_module, "ORDER_MIN_SAVED_TILES", 0)
+    monkeypatch.setattr(topk_module, "ORDER_MIN_SAVED_TILES_INTERPRETED", 0)
+
+
+def test_topk_intervals_orders_keys_by_shape(monkeypatch):
+    shape_rules_alone(monkeypatch)
     bias = torch.randn(1, 2, 1, 1024)
     assert topk_intervals(bias, 256).key_order is not None  # 4 W visible, causal
     assert topk_intervals(bias, 512).key_order is None
@@ -136,6 +145,20 @@ def test_topk_intervals_orders_keys_by_shape():
     assert topk_intervals(bias, 512, order_keys=True).key_order is not None
     assert topk_intervals(bias, 32, order_keys=False).key_order is None
     assert orders_keys(256, 8192, 2048, True) and not orders_keys(255, 8192, 2048, True)
+
+
+def test_orders_keys_needs_enough_saved_tiles(monkeypatch):
+    """Past the shape rules, the order is given where the selection's rows together save at
+    least ORDER_MIN_SAVED_TILES tiles (the GPU's rule; the interpreter's threshold is 0)."""
+    topk_module = importlib.import_module("kernels.topk_intervals")
+    monkeypatch.setattr(topk_module, "ORDER_MIN_SAVED_TILES_INTERPRETED",
+                        topk_module.ORDER_MIN_SAVED_TILES)
+    per_row = topk_module.saved_tiles(4096, 4096, 1024, True)
+    assert 0 < per_row < topk_module.ORDER_MIN_SAVED_TILES
+    enough = -(-topk_module.ORDER_MIN_SAVED_TILES // per_row)  # rows that save enough together
+    assert orders_keys(4096, 4096, 1024, True, rows=int(enough))
+    assert not orders_keys(4096, 4096, 1024, True, rows=int(enough) - 1)
+    assert orders_keys(16384, 16384, 2048, True, rows=1)  # longctx: one row saves enough
 
 
 def test_the_gpu_orders_only_where_the_saving_beats_the_host_cost(monkeypatch):
@@ -183,10 +206,11 @@ def test_schedule_for_shows_the_ordered_call(device):
     assert schedule.problem.shape.heads_kv == dims.heads_q
 
 
-def test_doge_padding_keeps_the_key_order(device):
+def test_doge_padding_keeps_the_key_order(device, monkeypatch):
     """Doge's masking intersects the top-W intervals with the padding: the result keeps their
     key order (padding only empties or shortens runs) and gives the unordered call's output."""
     from kernels.integrations.masking import doge_masking
+    shape_rules_alone(monkeypatch)  # 256 keys: too few saved tiles for the GPU's rule
     dims = Dims(2, 256, 256, heads_q=2, heads_kv=1, head_dim=16)
     q, k, v = random_qkv(dims, torch.float32, device)
     bias = torch.randn(2, 1, 1, 256, generator=torch.Generator().manual_seed(5)).to(device)
