@@ -58,8 +58,16 @@ def end_buckets(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """Each key's end bucket, int64 of start's shape: -floor(sqrt(Lk * W / end) / 8), with W
     the kept pairs of its (batch, head) over its latest end. Negated, so that the buckets sort
     in the order of their ends."""
-    start = start.long().clamp(0, INT32_MAX)
-    end = end.long().clamp(0, INT32_MAX)
+    return _end_buckets(*_rows_clamped(start, end))
+
+
+def _rows_clamped(start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 (start, end) clamped to the rows a call can have, [0, INT32_MAX]."""
+    return start.long().clamp(0, INT32_MAX), end.long().clamp(0, INT32_MAX)
+
+
+def _end_buckets(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """``end_buckets`` of intervals already clamped by ``_rows_clamped``."""
     lengths = (end - start).clamp(min=0).double()
     rows = end.amax(-1, keepdim=True).clamp(min=1).double()
     window = lengths.sum(-1, keepdim=True) / rows
@@ -75,9 +83,9 @@ MAX_REORDERED = 4
 def grouping_order(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """A permutation of the keys per (batch, head), int64 of start's shape (Bm, Hm, Lk):
     keys sorted by (``end_buckets``, start), keys with an empty interval last."""
-    bucket = end_buckets(start, end)
-    start = start.long().clamp(0, INT32_MAX)
-    empty = start >= end.long().clamp(0, INT32_MAX)
+    start, end = _rows_clamped(start, end)
+    bucket = _end_buckets(start, end)
+    empty = start >= end
     sort_key = torch.where(empty, torch.full_like(start, 1 << 62), bucket * (1 << 32) + start)
     return torch.argsort(sort_key, dim=-1, stable=True)
 
