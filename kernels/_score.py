@@ -62,7 +62,12 @@ def mask_keeps(mask_ptrs, m_idx, load_ok, key_ok, PREDICATED: tl.constexpr = Tru
         else:
             start = tl.load(mask_ptrs)
             end = tl.load(mask_ptrs + 1)
-        keep = (m_idx >= start) & (m_idx < end)
+        # start <= i < end as one unsigned compare (start and end are clamped to
+        # [0, 2**31 - 1]): i - start wraps above any span when negative, and an empty interval
+        # (end <= start) has span 0. Fewer live values than two compares: H100, L4096 H16/4
+        # top-1024, intervals at D80/D96 fwd 0.935x and fwd+bwd 0.968x the time, others 1.00x.
+        span = tl.maximum(end - start, 0)
+        keep = (m_idx - start).to(tl.uint32, bitcast=True) < span.to(tl.uint32, bitcast=True)
     elif PREDICATED:
         keep = tl.load(mask_ptrs, mask=load_ok, other=0) != 0
     else:
