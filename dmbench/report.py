@@ -90,18 +90,25 @@ def is_interpreter_row(row: Row) -> bool:
     return row.gpu.lower().startswith("cpu")
 
 
+# Columns that only one other command's CSV has: a file is that command's when its header holds
+# them, so files written before or after a column was added (compile-cost's warmup_workers)
+# are still recognized and left alone.
+OTHER_COMMAND_COLUMNS = {"compile-cost": {"step", "first_ms", "compiled"},
+                         "train": {"implementation", "tokens_per_s"}}
+
+
 def other_command(path: Path) -> str | None:
     """The command that wrote ``path`` when it is not a sweep's (``compile-cost``, ``train``):
     a glob such as ``results/<gpu>/*.csv`` takes those files too, and the report leaves them."""
-    from .compile_cost import COLUMNS as COST_COLUMNS
-    from .train_results import TRAIN_COLUMNS
-
     try:
         with open(path, newline="") as handle:
-            header = tuple(next(csv.reader(handle), ()))
+            header = set(next(csv.reader(handle), ()))
     except OSError:
         return None  # read_rows names the problem
-    return {COST_COLUMNS: "compile-cost", TRAIN_COLUMNS: "train"}.get(header)
+    if "case_id" in header:
+        return None  # a sweep's
+    return next((command for command, columns in OTHER_COMMAND_COLUMNS.items()
+                 if columns <= header), None)
 
 
 def sweep_csvs(csv_paths: list[Path]) -> list[Path]:

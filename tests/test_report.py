@@ -318,3 +318,20 @@ def test_report_leaves_compile_cost_and_train_files_alone(tmp_path):
     assert f"left {cost} alone: a compile-cost file" in result.output
     assert f"left {train} alone: a train file" in result.output
     assert "| s | 1 | 1 of 1 (2.00× – 2.00×) | – | – | – |" in readme.read_text()
+
+
+def test_report_knows_other_commands_files_by_their_columns(tmp_path):
+    """A compile-cost or train file from before (or after) a column was added is still that
+    command's file, not a sweep CSV with a bad header."""
+    from dmbench.compile_cost import COLUMNS as COST_COLUMNS
+    from dmbench.report import other_command
+    from dmbench.train_results import TRAIN_COLUMNS
+
+    older_cost = tmp_path / "compile-cost-old.csv"
+    older_cost.write_text(",".join(c for c in COST_COLUMNS if c != "warmup_workers") + "\n")
+    newer_train = tmp_path / "train-new.csv"
+    newer_train.write_text(",".join((*TRAIN_COLUMNS, "a_later_column")) + "\n")
+    sweep = _csv(tmp_path / "s-fwd.csv", _rows(_masked(0), "s", "fwd", {"triton": 1.0}))
+    assert other_command(older_cost) == "compile-cost"
+    assert other_command(newer_train) == "train"
+    assert other_command(sweep) is None
