@@ -57,6 +57,35 @@ def test_the_same_kernels_as_a_baseline_give_the_same_outputs(tmp_path, monkeypa
             assert getattr(ours, name) == getattr(base, name), name
 
 
+def test_ordered_intervals_reach_the_baseline_ordered(tmp_path, monkeypatch):
+    """Intervals that carry a key order (``topk_intervals`` at long lengths) are given to the
+    baseline with its own key order, so an A/B compares the ordered calls of both versions."""
+    import torch
+    from kernels import topk_intervals
+    from dmbench.problem import Problem
+
+    package = tmp_path / "same_kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from kernels import KeyIntervals, dmattn_func, dmattn_varlen_func, prepare_mask\n")
+    monkeypatch.setenv(BASELINE_ENV, str(package))
+    monkeypatch.setattr("dmbench.backends.dmattn.BASELINE_MODULE", "dmbench_ordered_test")
+    bias = torch.randn(1, 1, 1, 64, generator=torch.Generator().manual_seed(0))
+    qkv = torch.zeros(1, 64, 1, 16)
+    backend = make_backends()["triton-base"]
+    for intervals in (topk_intervals(bias, 8, order_keys=True),
+                      topk_intervals(bias, 8, order_keys=False)):
+        case = Case(1, 1, 1, 64, 64, 16, 8, True, "fp32", "topk", mask_format="intervals")
+        problem = Problem(case=case, q=qkv, k=qkv, v=qkv, mask=intervals, bias=None,
+                          kept_pairs=0)
+        given = backend.adapt(problem)["mask"]
+        assert torch.equal(given.start, intervals.start) and torch.equal(given.end, intervals.end)
+        if intervals.key_order is None:
+            assert given.key_order is None
+        else:
+            assert torch.equal(given.key_order, intervals.key_order)
+
+
 def test_without_the_variable_the_baseline_is_skipped_with_the_reason(tmp_path, monkeypatch):
     monkeypatch.delenv(BASELINE_ENV, raising=False)
     rows = _run(tmp_path)

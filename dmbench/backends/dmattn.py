@@ -142,7 +142,12 @@ class BaselineBackend(TritonBackend):
         adapted = super().adapt(problem)
         mask = adapted.get("mask")
         if is_intervals(mask):  # the same intervals as the baseline package's own class
-            adapted["mask"] = self.kernels().KeyIntervals(mask.start, mask.end)
+            intervals = self.kernels().KeyIntervals(mask.start, mask.end)
+            # A key order is not copied across packages: the baseline orders the keys its own
+            # way, as its topk_intervals would (an older one without orders reads them plain).
+            if mask.key_order is not None and hasattr(intervals, "with_key_order"):
+                intervals = intervals.with_key_order()
+            adapted["mask"] = intervals
         return adapted
 
     def skip_reason(self, case: Case) -> str | None:
