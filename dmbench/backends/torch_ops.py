@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
@@ -138,7 +139,7 @@ class FlexBackend(Backend):
         if device.type != "cuda":
             return "flex needs a CUDA device (its compiled kernels are GPU kernels)"
         try:
-            from torch.nn.attention import flex_attention  # noqa: F401
+            importlib.import_module("torch.nn.attention.flex_attention")
         except ImportError as exc:
             return f"torch {torch.__version__} has no flex_attention ({exc})"
         return None
@@ -196,11 +197,7 @@ class FlexBackend(Backend):
 
         score_mod = None
         if bias is not None:
-            bias_view = bias.expand(b, bias.shape[1], lq, lk)
-            bias_div = hq // bias.shape[1]
-
-            def score_mod(score, bi, h, qi, ki):
-                return score + bias_view[bi, h // bias_div, qi, ki]
+            score_mod = _bias_score_mod(bias.expand(b, bias.shape[1], lq, lk), hq // bias.shape[1])
 
         lse_kwargs = {}
         if want_lse:
@@ -221,6 +218,15 @@ class FlexBackend(Backend):
             return out.transpose(1, 2), lse
 
         return Bound(call, build)
+
+
+def _bias_score_mod(bias_view: torch.Tensor, heads_per_bias_head: int):
+    """flex's score_mod adding a (B, Hb, Lq, Lk) bias view; query head h reads bias head
+    h // heads_per_bias_head."""
+    def score_mod(score, bi, h, qi, ki):
+        return score + bias_view[bi, h // heads_per_bias_head, qi, ki]
+
+    return score_mod
 
 
 def _mask_mod(case: Case, mask, documents, device):
