@@ -38,15 +38,20 @@ def _run(tmp_path: Path, mode: str = "fwd") -> list:
     return read_rows(out)
 
 
-def test_the_same_kernels_as_a_baseline_give_the_same_outputs(tmp_path, monkeypatch):
-    # A package by path that re-exports these kernels: importing the kernels themselves a
-    # second time would register their torch ops (kernels.ops) again in this process.
+def _these_kernels_as_baseline(tmp_path, monkeypatch, module_name: str) -> None:
+    """``triton-base`` set to a package by path that re-exports these kernels: importing the
+    kernels themselves a second time would register their torch ops (kernels.ops) again in
+    this process."""
     package = tmp_path / "same_kernels"
     package.mkdir()
     (package / "__init__.py").write_text(
         "from kernels import KeyIntervals, dmattn_func, dmattn_varlen_func, prepare_mask\n")
     monkeypatch.setenv(BASELINE_ENV, str(package))
-    monkeypatch.setattr("dmbench.backends.dmattn.BASELINE_MODULE", "dmbench_same_kernels_test")
+    monkeypatch.setattr("dmbench.backends.dmattn.BASELINE_MODULE", module_name)
+
+
+def test_the_same_kernels_as_a_baseline_give_the_same_outputs(tmp_path, monkeypatch):
+    _these_kernels_as_baseline(tmp_path, monkeypatch, "dmbench_same_kernels_test")
     rows = _run(tmp_path, "bwd")
     by_backend = {(r.backend, r.mask_format): r for r in rows}
     assert {r.status for r in rows} == {"ok"}, [(r.backend, r.detail) for r in rows]
@@ -64,12 +69,7 @@ def test_ordered_intervals_reach_the_baseline_ordered(tmp_path, monkeypatch):
     from kernels import topk_intervals
     from dmbench.problem import Problem
 
-    package = tmp_path / "same_kernels"
-    package.mkdir()
-    (package / "__init__.py").write_text(
-        "from kernels import KeyIntervals, dmattn_func, dmattn_varlen_func, prepare_mask\n")
-    monkeypatch.setenv(BASELINE_ENV, str(package))
-    monkeypatch.setattr("dmbench.backends.dmattn.BASELINE_MODULE", "dmbench_ordered_test")
+    _these_kernels_as_baseline(tmp_path, monkeypatch, "dmbench_ordered_test")
     bias = torch.randn(1, 1, 1, 64, generator=torch.Generator().manual_seed(0))
     qkv = torch.zeros(1, 64, 1, 16)
     backend = make_backends()["triton-base"]

@@ -151,8 +151,7 @@ def test_orders_keys_needs_enough_saved_tiles(monkeypatch):
     """Past the shape rules, the order is given where the selection's rows together save at
     least ORDER_MIN_SAVED_TILES tiles (the GPU's rule; the interpreter's threshold is 0)."""
     topk_module = importlib.import_module("kernels.topk_intervals")
-    monkeypatch.setattr(topk_module, "ORDER_MIN_SAVED_TILES_INTERPRETED",
-                        topk_module.ORDER_MIN_SAVED_TILES)
+    monkeypatch.setattr(topk_module, "is_interpreted", lambda kernel: False)
     per_row = topk_module.saved_tiles(4096, 4096, 1024, True)
     assert 0 < per_row < topk_module.ORDER_MIN_SAVED_TILES
     enough = -(-topk_module.ORDER_MIN_SAVED_TILES // per_row)  # rows that save enough together
