@@ -49,7 +49,8 @@ class BroadcastOperand:
     head_div: int
     original_shape: tuple[int, ...]
     # A mask given as ``KeyIntervals``: their int32 (start, end) pairs interleaved per key,
-    # (Bm', Hm', Lk, 2), which ``view`` addresses with query stride 0 (``_check_intervals``).
+    # (Bm', Hm', Lk, 2); ``view`` addresses them as one int64 word per key with query stride 0
+    # (``_check_intervals``).
     interval_pairs: torch.Tensor | None = None
 
 
@@ -115,19 +116,26 @@ def _check_broadcast(name: str, t: torch.Tensor, shape: AttnShape, device) -> Br
     return BroadcastOperand(view, shape.heads_q // heads, tuple(t.shape))
 
 
+def interval_words(pairs: torch.Tensor) -> torch.Tensor:
+    """The int64 (Bm', Hm', Lk) view of contiguous int32 (start, end) pairs (Bm', Hm', Lk, 2):
+    one word per key, its start in the low half and its end in the high half (little-endian,
+    as every CUDA device and CPU torch runs on). No copy."""
+    return pairs.view(torch.int64).squeeze(-1)
+
+
 def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
     """A ``KeyIntervals`` mask as the kernels read it: (start, end) int32 pairs interleaved per
     key (``KeyIntervals.kernel_operand``), (Bm', Hm', Lk, 2) with broadcast batch or head axes
-    cut to one (O(Bm' Hm' Lk) bytes, never O(Lq Lk)), viewed as a (B, Hm', Lq, Lk) operand
-    whose query stride is 0 and key stride 2: a mask tile's pointer at key n addresses n's
-    start, and the next element its end."""
+    cut to one (O(Bm' Hm' Lk) bytes, never O(Lq Lk)), read as one int64 word per key
+    (``interval_words``) and viewed as a (B, Hm', Lq, Lk) operand whose query stride is 0."""
     intervals.check_against(shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q,
                             shape.seqlen_k, device=device)
     pairs = intervals.kernel_operand()  # (Bm', Hm', Lk, 2)
-    batch, heads = pairs.shape[0], pairs.shape[1]
-    view = pairs.as_strided(
+    words = interval_words(pairs)
+    batch, heads = words.shape[0], words.shape[1]
+    view = words.as_strided(
         (shape.batch, heads, shape.seqlen_q, shape.seqlen_k),
-        (0 if batch == 1 else pairs.stride(0), pairs.stride(1), 0, 2))
+        (0 if batch == 1 else words.stride(0), words.stride(1), 0, 1))
     return BroadcastOperand(view, shape.heads_q // heads,
                             (batch, heads, shape.seqlen_q, shape.seqlen_k), pairs)
 

@@ -205,7 +205,7 @@ def attn_bwd_dkdv_program(
             + tile_offsets(offs_m0[:, None], offs_d[None, :], strides.do.stride_l, 1)
         o_ptrs = seq_base(ptrs.out, strides.out, b, h) \
             + tile_offsets(offs_m0[:, None], offs_d[None, :], strides.out.stride_l, 1)
-        if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int32):  # KeyIntervals: one key vector
+        if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int64):  # KeyIntervals: one key vector
             mask_cols = interval_rows()
         else:
             mask_cols = offs_m0[None, :]

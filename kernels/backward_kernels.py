@@ -152,7 +152,7 @@ def _attn_bwd_dq_program(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], strides.v.stride_l, 1)
     # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
     safe_m = clamp_index(offs_m, seqlen_q)
-    if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int32):  # KeyIntervals: one key vector
+    if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int64):  # KeyIntervals: one key vector
         mask_rows = interval_rows()
     else:
         mask_rows = safe_m[:, None]

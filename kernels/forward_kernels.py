@@ -109,7 +109,7 @@ def _attn_fwd_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], v_strides.stride_l, 1)
     # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
     safe_m = clamp_index(offs_m, seqlen_q)
-    if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int32):  # KeyIntervals: one key vector
+    if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int64):  # KeyIntervals: one key vector
         mask_rows = head_base(ptrs.mask, mask_layout, b, first_head) + interval_rows()
     else:
         mask_rows = ptrs.mask + b.to(tl.int64) * mask_layout.stride_b \

@@ -8,7 +8,7 @@ import torch
 
 from . import ops
 from ._blocks import ActivityMap, IntervalActivityPass, TileActivityPass
-from ._checks import BroadcastOperand, check_flags, check_inputs
+from ._checks import BroadcastOperand, check_flags, check_inputs, interval_words
 from ._launch import ensure_runnable
 from .backward import attention_backward
 from .forward import ForwardPlan, plan_schedule
@@ -88,8 +88,9 @@ def _remember(plans: dict, signature: tuple, plan, limit: int = MAX_PLANS) -> No
 class _IntervalReader:
     """What a call with unprepared ``KeyIntervals`` of a kept form does with them, planned by
     the form's first call (which checked them): interleave the pairs (``kernel_operand``, two
-    or three torch ops), view them as the kernels' mask operand, and run the planned activity
-    pass into a new map. Everything after that (the lists, the launches) is the plan's."""
+    or three torch ops), view them as the kernels' mask operand (one int64 word per key), and
+    run the planned activity pass into a new map. Everything after that (the lists, the
+    launches) is the plan's."""
 
     def __init__(self, mask: BroadcastOperand, activity: ActivityMap, shape, is_causal: bool):
         self.view_size, self.view_stride = tuple(mask.view.shape), mask.view.stride()
@@ -101,7 +102,8 @@ class _IntervalReader:
     def __call__(self, intervals: KeyIntervals) -> tuple[torch.Tensor, ActivityMap]:
         """(the kernels' mask operand, the activity map) of ``intervals``."""
         pairs = intervals.kernel_operand()
-        return pairs.as_strided(self.view_size, self.view_stride), self.activity_pass(pairs)
+        view = interval_words(pairs).as_strided(self.view_size, self.view_stride)
+        return view, self.activity_pass(pairs)
 
 
 class _MaskReader:
