@@ -125,14 +125,9 @@ def forward_tile(problem: Problem) -> tuning.Tile:
         return tuning.FORWARD_FP32 if block_d <= 128 else tuning.FORWARD_FP32_WIDE
     if block_d <= 64:
         return tuning.FORWARD_D64
-    # KeyIntervals with a head dim below its padded size: tuning.FORWARD_D128_INTERVALS_PADDED.
-    padded_intervals = (problem.mask is not None and problem.mask.intervals
-                        and problem.shape.head_dim != block_d)
     if block_d <= 128:
-        if padded_intervals:
-            return tuning.FORWARD_D128_INTERVALS_PADDED
         return tuning.FORWARD_D128_MASKED if problem.mask is not None else tuning.FORWARD_D128
-    return tuning.FORWARD_D256_INTERVALS_PADDED if padded_intervals else tuning.FORWARD_D256
+    return tuning.FORWARD_D256
 
 
 def group_pack(problem: Problem, block_m: int) -> int:

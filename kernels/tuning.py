@@ -38,18 +38,15 @@ FORWARD_D64 = Tile(64, 64, 4, 3)
 FORWARD_D128_MASKED = Tile(128, 64, 8, 3)
 FORWARD_D128 = Tile(64, 64, 4, 3)
 FORWARD_D256 = Tile(64, 32, 4, 2)
-# FORWARD_D128/D256_INTERVALS_PADDED: KeyIntervals masks where the head dim is below its padded size
-# (80, 96 -> 128; 192 -> 256). The per-key (start, end) registers and the head-dim predicates
-# together exceed the register file: the D80 forward compiled at 255 registers with spills
-# (H100 SASS: 39 LDL / 23 STL; ncu: 136M instructions against 105M at D128 and 100M for the
-# bool mask at D80). B1 H16/4 L4096 topk W1024 kv_row causal, H100, kernel ms (bool mask
-# 0.257 at D80/D96, 0.503 at D192):
-#   D80: 128x64 w8 s3 0.367, s2 0.313, 128x32 s3 0.316, 64x64 w4 s3 0.554, s4 0.362
-#   D96: 0.365, 0.316, 0.314, 0.556, 0.363 (same order)
-#   D192: 64x32 w4 s2 0.709, s1 0.761, 32x32 1.059, 64x16 w4 s2 0.645, 64x32 w8 1.065
-# At D128 and D256 (no padding) the default tiles stay best (D128: s3 0.270, s2 0.284).
-FORWARD_D128_INTERVALS_PADDED = Tile(128, 64, 8, 2)
-FORWARD_D256_INTERVALS_PADDED = Tile(64, 16, 4, 2)
+# KeyIntervals masks take the same tiles as bool masks. Read as one int64 word per key
+# (``_score.mask_keeps``), the D80 forward compiles without spills at 128x64 w8 s3. B1 H16/4
+# L4096 topk W1024 kv_row causal, H100, ms per call (30 calls per sample, median of 5):
+#   D80:  128x64 w8 s3 0.233, s2 0.253, 128x32 w8 s3 0.276; bool mask 0.254
+#   D96:  128x64 w8 s3 0.234, s2 0.258; bool 0.257
+#   D192: 64x32 w4 s2 0.533, 64x16 w4 s2 0.649; bool 0.505
+#   D256: 64x32 w4 s2 0.480, 64x16 w4 s2 0.663; bool 0.451
+# (Read as two int32 loads at key stride 2 they had needed 128x64 s2 at D80/D96 and 64x16 at
+# D192, and stayed 1.2-1.3x the bool mask's time.)
 
 # -- backward tiles: dkdv keeps a key block resident and walks query blocks (block_m query rows
 # per step, block_n keys per program); dq the reverse.

@@ -233,9 +233,9 @@ def test_prepare_mask_in_a_graph_capture_leaves_the_share_uncounted(device, monk
     assert prepared.activity.partial_share(cfg_kv.block_n, cfg_kv.block_m, True) is None
 
 
-def test_intervals_with_a_padded_head_dim_take_their_own_forward_tile():
-    """KeyIntervals at head dims below their padded size (80, 96, 192) take the forward tiles
-    measured for them; at 64, 128 and 256, and for bool masks, the usual ones."""
+def test_intervals_take_the_bool_masks_forward_tiles():
+    """KeyIntervals take a bool mask's forward tiles at every head dim, padded (80, 96, 192)
+    or not; without a mask, D80/D96 take the unmasked tile."""
     from kernels import tuning
     from kernels.schedule import forward_tile
 
@@ -247,11 +247,11 @@ def test_intervals_with_a_padded_head_dim_take_their_own_forward_tile():
                                     softmax_scale=0.1, mask=mask))
 
     for head_dim in (80, 96):
-        assert tile(head_dim, True) == tuning.FORWARD_D128_INTERVALS_PADDED
+        assert tile(head_dim, True) == tuning.FORWARD_D128_MASKED
         assert tile(head_dim, False) == tuning.FORWARD_D128_MASKED
         assert tile(head_dim, False, masked=False) == tuning.FORWARD_D128
     assert tile(128, True) == tuning.FORWARD_D128_MASKED
-    assert tile(192, True) == tuning.FORWARD_D256_INTERVALS_PADDED
+    assert tile(192, True) == tuning.FORWARD_D256
     assert tile(192, False) == tuning.FORWARD_D256
     assert tile(256, True) == tuning.FORWARD_D256
     assert tile(64, True) == tuning.FORWARD_D64
