@@ -32,7 +32,6 @@ class OperandLayout:
 
     shape: tuple[int, int, int, int]
     head_div: int
-    intervals: bool = False  # a KeyIntervals mask: (start, end) per key, not a bool tile
 
     @property
     def one_row(self) -> bool:
@@ -73,8 +72,7 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                activity=None) -> Problem:
     """The Problem of checked inputs."""
     def layout(op):
-        return None if op is None else OperandLayout(tuple(op.original_shape), op.head_div,
-                                                     op.interval_pairs is not None)
+        return None if op is None else OperandLayout(tuple(op.original_shape), op.head_div)
 
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),

@@ -233,25 +233,24 @@ def test_prepare_mask_in_a_graph_capture_leaves_the_share_uncounted(device, monk
     assert prepared.activity.partial_share(cfg_kv.block_n, cfg_kv.block_m, True) is None
 
 
-def test_intervals_take_the_bool_masks_forward_tiles():
-    """KeyIntervals take a bool mask's forward tiles at every head dim, padded (80, 96, 192)
-    or not; without a mask, D80/D96 take the unmasked tile."""
+def test_masked_forward_tiles_at_padded_head_dims():
+    """A mask (bool or KeyIntervals: the schedule does not tell them apart) takes the masked
+    forward tile of its padded head dim, padded (80, 96, 192) or not; without a mask, D80/D96
+    take the unmasked tile."""
     from kernels import tuning
     from kernels.schedule import forward_tile
 
-    def tile(head_dim, intervals, masked=True):
+    def tile(head_dim, masked=True):
         shape = Dims(1, 4096, 4096, heads_q=16, heads_kv=4, head_dim=head_dim)
-        mask = OperandLayout((1, 4, 4096, 4096), 4, intervals) if masked else None
+        mask = OperandLayout((1, 4, 4096, 4096), 4) if masked else None
         return forward_tile(Problem(shape, torch.bfloat16, torch.device("cuda"),
                                     interpreted=False, multiprocessors=132, is_causal=True,
                                     softmax_scale=0.1, mask=mask))
 
     for head_dim in (80, 96):
-        assert tile(head_dim, True) == tuning.FORWARD_D128_MASKED
-        assert tile(head_dim, False) == tuning.FORWARD_D128_MASKED
-        assert tile(head_dim, False, masked=False) == tuning.FORWARD_D128
-    assert tile(128, True) == tuning.FORWARD_D128_MASKED
-    assert tile(192, True) == tuning.FORWARD_D256
-    assert tile(192, False) == tuning.FORWARD_D256
-    assert tile(256, True) == tuning.FORWARD_D256
-    assert tile(64, True) == tuning.FORWARD_D64
+        assert tile(head_dim) == tuning.FORWARD_D128_MASKED
+        assert tile(head_dim, masked=False) == tuning.FORWARD_D128
+    assert tile(128) == tuning.FORWARD_D128_MASKED
+    assert tile(192) == tuning.FORWARD_D256
+    assert tile(256) == tuning.FORWARD_D256
+    assert tile(64) == tuning.FORWARD_D64
