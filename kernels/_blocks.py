@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import AttnShape, BroadcastOperand
+from ._checks import AttnShape, BroadcastOperand, interval_words
 from ._launch import PlannedLaunch, ceil_div, operand_args
 from ._operands import NO_LISTS, ListStrides, sizes_of
 from ._score import tile_offsets, visible_keys
@@ -284,23 +284,38 @@ def tile_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, sub_c
 
 @triton.jit
 def _interval_activity_kernel(
-    pairs_ptr, active_ptr, seqlen_q, seqlen_k, map_rows, map_cols,
+    start_ptr, end_ptr, words_ptr, active_ptr,
+    stride_start_b, stride_start_h, stride_start_k, stride_end_b, stride_end_h, stride_end_k,
+    heads, seqlen_q, seqlen_k, map_rows, map_cols,
     SUB_ROWS: tl.constexpr, SUB_COLS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
 ):
-    """One program per (ROWS x COLS) map tiles of one mask batch and head: the bounds of its
-    COLS key blocks (SUB_COLS keys each) from the int32 (start, end) pairs, then every tile's
-    activity from the bounds, as ``intervals.IntervalBlockBounds`` defines them: a tile of rows
-    [m0, m1) is active where min_start < m1 and max_end > m0 over the block's non-empty
-    intervals, and full (2) where max_start <= m0 and min_end >= m1 over all of them and the
-    tile lies inside both lengths. Causality narrows key j's start to j - (Lk - Lq) first."""
+    """One program per (ROWS x COLS) map tiles of one mask batch and head (``heads`` of them per
+    batch). It reads its COLS key blocks (SUB_COLS keys each) of ``start`` and ``end`` as the
+    caller gave them (int32 or int64, any strides; a broadcast axis has stride 0), clamps them
+    into [0, 2**31 - 1] and, in the programs of the first row chunk, writes each key's int64
+    word (start in the low half, end in the high half: ``_checks.interval_words``), which the
+    attention kernels read. Then the bounds of each key block and every tile's activity, as
+    ``intervals.IntervalBlockBounds`` defines them: a tile of rows [m0, m1) is active where
+    min_start < m1 and max_end > m0 over the block's non-empty intervals, and full (2) where
+    max_start <= m0 and min_end >= m1 over all of them and the tile lies inside both lengths.
+    Causality narrows key j's start to j - (Lk - Lq) first (in the bounds, not the words)."""
     bh = tl.program_id(2)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     keys = cols[:, None] * SUB_COLS + tl.arange(0, SUB_COLS)[None, :]
     key_ok = keys < seqlen_k
-    pairs = pairs_ptr + bh.to(tl.int64) * seqlen_k * 2 + keys.to(tl.int64) * 2
-    start = tl.load(pairs, mask=key_ok, other=0)
-    end = tl.load(pairs + 1, mask=key_ok, other=0)
+    key_offsets = keys.to(tl.int64)
+    start = tl.load(start_ptr + b * stride_start_b + h * stride_start_h
+                    + key_offsets * stride_start_k, mask=key_ok, other=0)
+    end = tl.load(end_ptr + b * stride_end_b + h * stride_end_h + key_offsets * stride_end_k,
+                  mask=key_ok, other=0)
+    start = tl.minimum(tl.maximum(start, 0), 2147483647).to(tl.int32)
+    end = tl.minimum(tl.maximum(end, 0), 2147483647).to(tl.int32)
+    if tl.program_id(0) == 0:
+        words = (end.to(tl.int64) << 32) | start.to(tl.int64)
+        tl.store(words_ptr + bh.to(tl.int64) * seqlen_k + key_offsets, words, mask=key_ok)
     if IS_CAUSAL:
         start = tl.maximum(start, keys - (seqlen_k - seqlen_q))
     live = key_ok & (start < end)
@@ -320,32 +335,42 @@ def _interval_activity_kernel(
 
 
 class IntervalActivityPass:
-    """The activity pass of a ``KeyIntervals`` mask (``_interval_activity_kernel``) planned for
-    one form: the pairs' (Bm', Hm'), the lengths, the map's tile and causality. A call
-    allocates the map and launches; a kept plan of intervals used once keeps one
+    """The read of a ``KeyIntervals`` mask (``_interval_activity_kernel``) planned for one
+    form: the strides of its start and end tensors (their dtypes and device are the form's
+    too), the kernels' (Bm', Hm') after broadcast axes collapse, the lengths, the map's tile
+    and causality. A call allocates the map and launches once: the kernels' int64 words and
+    the activity map from the tensors as given. A kept plan of intervals used once keeps one
     (``interface``), so that a call spends no host time on the launch's grid or form."""
 
-    def __init__(self, mask_batch: int, mask_heads: int, shape: AttnShape, sub_rows: int,
-                 sub_cols: int, is_causal: bool):
+    def __init__(self, source: tuple[torch.Tensor, torch.Tensor], mask_batch: int,
+                 mask_heads: int, shape: AttnShape, sub_rows: int, sub_cols: int,
+                 is_causal: bool):
         map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
         self.map_shape = (mask_batch, mask_heads, map_rows, map_cols)
         self.sub_rows, self.sub_cols = sub_rows, sub_cols
+        start, end = source
+        # A size-1 axis is only ever read at index 0: its stride is passed as 0, so that it
+        # never decides the compiled form.
+        strides = tuple(0 if size == 1 else stride
+                        for t in (start, end) for size, stride in zip(t.shape, t.stride()))
         # 1024 keys and 1024 rows per program: the bounds of a key block are recomputed once
-        # per ROWS row blocks, so the pairs are read map_rows / ROWS times in all. Fixed sizes,
-        # not sizes that follow the lengths, so that a new length compiles nothing.
+        # per ROWS row blocks, so the intervals are read map_rows / ROWS times in all. Fixed
+        # sizes, not sizes that follow the lengths, so that a new length compiles nothing.
         cols = max(1, 1024 // sub_cols)
         rows = max(1, 1024 // sub_rows)
         grid = (ceil_div(map_rows, rows), ceil_div(map_cols, cols), mask_batch * mask_heads)
         self.launch = PlannedLaunch(
             _interval_activity_kernel, grid, None,
-            (shape.seqlen_q, shape.seqlen_k, map_rows, map_cols),
+            (*strides, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols),
             SUB_ROWS=sub_rows, SUB_COLS=sub_cols, ROWS=rows, COLS=cols,
             IS_CAUSAL=bool(is_causal), num_warps=4)
 
-    def __call__(self, pairs: torch.Tensor) -> ActivityMap:
-        """The map of ``pairs``, (Bm', Hm', Lk, 2) int32 contiguous (``kernel_operand``)."""
-        active = torch.empty(self.map_shape, dtype=torch.int8, device=pairs.device)
-        self.launch(pairs, active)
+    def __call__(self, start: torch.Tensor, end: torch.Tensor,
+                 words: torch.Tensor) -> ActivityMap:
+        """The map of intervals ``start`` and ``end`` (of the planned form); their words are
+        written into ``words``, a contiguous int64 (Bm', Hm', Lk) tensor."""
+        active = torch.empty(self.map_shape, dtype=torch.int8, device=words.device)
+        self.launch(start, end, words, active)
         return ActivityMap(active, self.sub_rows, self.sub_cols)
 
 
@@ -358,10 +383,10 @@ def interval_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, s
     rows (harmless: its pairs are tested); it is full (2) only where every pair is visible and
     the tile lies inside both lengths, exactly as ``_tile_activity_kernel`` counts it. One
     launch in place of ~45 torch ops, which cost ~1.1 ms of host time per call at L1024 on the
-    H100 host."""
-    pairs = mask.interval_pairs  # (Bm', Hm', Lk, 2) int32, contiguous
-    return IntervalActivityPass(pairs.shape[0], pairs.shape[1], shape, sub_rows, sub_cols,
-                                is_causal)(pairs)
+    H100 host. The launch also rewrites the operand's words, with the values they hold."""
+    words = interval_words(mask.interval_pairs)  # (Bm', Hm', Lk) int64, contiguous
+    return IntervalActivityPass(mask.interval_source, words.shape[0], words.shape[1], shape,
+                                sub_rows, sub_cols, is_causal)(*mask.interval_source, words)
 
 
 class ListCompaction:

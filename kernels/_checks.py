@@ -50,8 +50,9 @@ class BroadcastOperand:
     original_shape: tuple[int, ...]
     # A mask given as ``KeyIntervals``: their int32 (start, end) pairs interleaved per key,
     # (Bm', Hm', Lk, 2); ``view`` addresses them as one int64 word per key with query stride 0
-    # (``_check_intervals``).
+    # (``_check_intervals``); ``interval_source`` is the (start, end) tensors they came from.
     interval_pairs: torch.Tensor | None = None
+    interval_source: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _check_qkv(query, key, value) -> AttnShape:
@@ -137,7 +138,8 @@ def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
         (shape.batch, heads, shape.seqlen_q, shape.seqlen_k),
         (0 if batch == 1 else words.stride(0), words.stride(1), 0, 1))
     return BroadcastOperand(view, shape.heads_q // heads,
-                            (batch, heads, shape.seqlen_q, shape.seqlen_k), pairs)
+                            (batch, heads, shape.seqlen_q, shape.seqlen_k), pairs,
+                            (intervals.start, intervals.end))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 
 from . import ops
 from ._blocks import ActivityMap, IntervalActivityPass, TileActivityPass
-from ._checks import BroadcastOperand, check_flags, check_inputs, interval_words
+from ._checks import BroadcastOperand, check_flags, check_inputs
 from ._launch import ensure_runnable
 from .backward import attention_backward
 from .forward import ForwardPlan, plan_schedule
@@ -87,23 +87,24 @@ def _remember(plans: dict, signature: tuple, plan, limit: int = MAX_PLANS) -> No
 
 class _IntervalReader:
     """What a call with unprepared ``KeyIntervals`` of a kept form does with them, planned by
-    the form's first call (which checked them): interleave the pairs (``kernel_operand``, two
-    or three torch ops), view them as the kernels' mask operand (one int64 word per key), and
-    run the planned activity pass into a new map. Everything after that (the lists, the
-    launches) is the plan's."""
+    the form's first call (which checked them): one launch (``IntervalActivityPass``) that
+    reads start and end as given and writes both the kernels' mask operand (one int64 word
+    per key, viewed with query stride 0) and a new activity map. Everything after that (the
+    lists, the launches) is the plan's."""
 
     def __init__(self, mask: BroadcastOperand, activity: ActivityMap, shape, is_causal: bool):
         self.view_size, self.view_stride = tuple(mask.view.shape), mask.view.stride()
         pairs = mask.interval_pairs
-        self.activity_pass = IntervalActivityPass(pairs.shape[0], pairs.shape[1], shape,
-                                                  activity.sub_rows, activity.sub_cols,
-                                                  is_causal)
+        self.words_shape, self.device = tuple(pairs.shape[:-1]), pairs.device
+        self.activity_pass = IntervalActivityPass(mask.interval_source, pairs.shape[0],
+                                                  pairs.shape[1], shape, activity.sub_rows,
+                                                  activity.sub_cols, is_causal)
 
     def __call__(self, intervals: KeyIntervals) -> tuple[torch.Tensor, ActivityMap]:
         """(the kernels' mask operand, the activity map) of ``intervals``."""
-        pairs = intervals.kernel_operand()
-        view = interval_words(pairs).as_strided(self.view_size, self.view_stride)
-        return view, self.activity_pass(pairs)
+        words = torch.empty(self.words_shape, dtype=torch.int64, device=self.device)
+        view = words.as_strided(self.view_size, self.view_stride)
+        return view, self.activity_pass(intervals.start, intervals.end, words)
 
 
 class _MaskReader:

@@ -24,7 +24,7 @@ What an op cannot carry, and what that costs:
 * A forward plan is a Python object, so the backward op plans again from its inputs. Without a
   mask that is a lookup of the plan the forward kept for its signature. With a mask the
   backward reads the mask once more to find its active tiles (one pass over a bool mask, as an
-  eager forward makes per call; a KeyIntervals mask's pairs and activity pass, with the plan
+  eager forward makes per call; a KeyIntervals mask's one read launch, with the plan
   kept for its form).
 * A ``PreparedMask`` travels as its mask tensor: a compiled call reads the mask per call, in
   the forward and again in the backward, as an unprepared mask is read. Its prepared lists go

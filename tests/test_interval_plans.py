@@ -167,6 +167,28 @@ def test_each_form_of_intervals_gets_its_own_plan(device, monkeypatch):
     assert len(interface._interval_plans) == len(cases)
 
 
+def test_values_beyond_int32_keep_their_meaning(device):
+    """int64 intervals with values past int32 (a start far before row 0, an end far past the
+    last row) mean what their values clamped to the rows mean, in the call that plans their
+    form and in the calls that take the kept plan (which read start and end in one launch).
+    Cut to their low 32 bits instead, these values would hide rows: -2**32 + 5 reads as 5."""
+    dims = Dims(1, 21, 37, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    drawn = random_intervals(dims, "1", "1", device, seed=6)
+    start, end, lq = drawn.start.long(), drawn.end.long(), dims.seqlen_q
+    far = KeyIntervals(torch.where(start <= 0, start - 2**32 + 5, start),
+                       torch.where(end >= lq, end - lq + 2**32 + 3, end))
+    assert (far.start < -2**31).any() and (far.end > 2**31).any()
+
+    def call(intervals):
+        with torch.no_grad():
+            return dmattn_func(q, k, v, used_once(intervals), None, True, return_lse=True)
+
+    want = call(KeyIntervals(start.clamp(0, lq).int(), end.clamp(0, lq).int()))
+    for _ in range(2):  # planned afresh, then from the kept plan
+        assert_equal_bits(call(far), want)
+
+
 def test_kept_interval_plans_are_bounded_least_recently_used_first(device, monkeypatch):
     monkeypatch.setattr(interface, "MAX_INTERVAL_PLANS", 2)
     dims = Dims(1, 8, 16, heads_q=2, heads_kv=1, head_dim=16)
