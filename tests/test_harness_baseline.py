@@ -86,6 +86,43 @@ def test_ordered_intervals_reach_the_baseline_ordered(tmp_path, monkeypatch):
             assert torch.equal(given.key_order, intervals.key_order)
 
 
+def test_the_baseline_reads_its_intervals_per_call_as_ours_does(tmp_path, monkeypatch):
+    """The baseline's intervals (its own class, not ours) reach its dmattn_func as they are,
+    never through prepare_mask: a prepared mask would time a call without the read of the
+    intervals that ours makes, and a captured graph without any mask work at all."""
+    import torch
+    from kernels import KeyIntervals
+    from dmbench.problem import Problem
+
+    package = tmp_path / "own_class_kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from dataclasses import dataclass\n"
+        "@dataclass\n"
+        "class KeyIntervals:\n"
+        "    start: object\n"
+        "    end: object\n"
+        "    key_order = None\n"
+        "masks = []\n"
+        "def dmattn_func(q, k, v, attn_mask=None, **kwargs):\n"
+        "    masks.append(attn_mask)\n"
+        "    return q\n"
+        "def prepare_mask(*args, **kwargs):\n"
+        "    raise AssertionError('prepare_mask called for intervals')\n")
+    monkeypatch.setenv(BASELINE_ENV, str(package))
+    monkeypatch.setattr("dmbench.backends.dmattn.BASELINE_MODULE", "dmbench_own_class_test")
+    backend = make_backends()["triton-base"]
+    start = torch.zeros(1, 1, 16, dtype=torch.int32)
+    case = Case(1, 1, 1, 16, 16, 16, 8, True, "fp32", "topk", mask_format="intervals")
+    qkv = torch.zeros(1, 16, 1, 16)
+    problem = Problem(case=case, q=qkv, k=qkv, v=qkv, mask=KeyIntervals(start, start + 16),
+                      bias=None, kept_pairs=0)
+    bound = backend.bind(backend.adapt(problem), case, want_lse=False)
+    bound.call()
+    (given,) = backend.kernels().masks
+    assert bound.build is None and type(given) is backend.kernels().KeyIntervals
+
+
 def test_without_the_variable_the_baseline_is_skipped_with_the_reason(tmp_path, monkeypatch):
     monkeypatch.delenv(BASELINE_ENV, raising=False)
     rows = _run(tmp_path)
