@@ -22,7 +22,7 @@ DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md")),
 REPO_FILE_NAMES = {path.name for path in ROOT.rglob("*") if ".git" not in path.parts}
 SETUP_COMMANDS = (
     'pip install torch==2.13.0 && pip install -e ".[test,hf]" && dmbench fwd sweeps/smoke.yaml',
-    "TRITON_INTERPRET=1 python -m pytest -q",
+    "TRITON_INTERPRET=1 python -m pytest -q -n 2",
 )
 
 
