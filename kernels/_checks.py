@@ -53,6 +53,10 @@ class BroadcastOperand:
     # (``_check_intervals``); ``interval_source`` is the (start, end) tensors they came from.
     interval_pairs: torch.Tensor | None = None
     interval_source: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The same intervals' start and end as given, each viewed as a (B, Hm', Lq, Lk) operand
+    # with query stride 0, where both have one dtype and layout (None otherwise): a forward
+    # that reads them itself (``schedule.ForwardSchedule.scan_keys``) reads these.
+    interval_pair: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _check_qkv(query, key, value) -> AttnShape:
@@ -134,12 +138,27 @@ def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
     pairs = intervals.kernel_operand()  # (Bm', Hm', Lk, 2)
     words = interval_words(pairs)
     batch, heads = words.shape[0], words.shape[1]
-    view = words.as_strided(
-        (shape.batch, heads, shape.seqlen_q, shape.seqlen_k),
-        (0 if batch == 1 else words.stride(0), words.stride(1), 0, 1))
-    return BroadcastOperand(view, shape.heads_q // heads,
-                            (batch, heads, shape.seqlen_q, shape.seqlen_k), pairs,
-                            (intervals.start, intervals.end))
+    size = (shape.batch, heads, shape.seqlen_q, shape.seqlen_k)
+    view = words.as_strided(size, (0 if batch == 1 else words.stride(0), words.stride(1), 0, 1))
+    return BroadcastOperand(view, shape.heads_q // heads, size, pairs,
+                            (intervals.start, intervals.end), _pair_views(intervals, size))
+
+
+def _pair_views(intervals, size: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``BroadcastOperand.interval_pair`` of intervals whose broadcast axes collapse to
+    ``size``'s (B, Hm', Lq, Lk): None unless start and end share a dtype and their strides."""
+    start, end = intervals.start, intervals.end
+    if start.dtype != end.dtype:
+        return None
+    strides = []
+    for axis, kept in ((0, size[0] > 1 and start.shape[0] > 1), (1, size[1] > 1)):
+        if kept and start.stride(axis) != end.stride(axis):
+            return None
+        strides.append(start.stride(axis) if kept else 0)
+    if size[3] > 1 and start.stride(2) != end.stride(2):
+        return None
+    strides = (*strides, 0, start.stride(2) if size[3] > 1 else 1)
+    return start.as_strided(size, strides), end.as_strided(size, strides)
 
 
 @dataclass(frozen=True)

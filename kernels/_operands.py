@@ -106,6 +106,7 @@ class ForwardPointers(NamedTuple):
     out_part: torch.Tensor  # split-K partials and their tiles' arrival counters
     lse_part: torch.Tensor
     counts: torch.Tensor
+    mask_end: torch.Tensor  # KeyIntervals read as given (scan_keys): their end; mask: start
 
 
 class BackwardStrides(NamedTuple):

@@ -79,6 +79,57 @@ def mask_keeps(mask_ptrs, m_idx, load_ok, key_ok, PREDICATED: tl.constexpr = Tru
 
 
 @triton.jit
+def clamped_bounds(start, end):
+    """Interval bounds as given (int32 or int64) clamped into [0, 2**31 - 1], as int32: the
+    meaning for every row 0 <= i < 2**31 - 1 stays (``intervals.KeyIntervals.kernel_operand``)."""
+    start = tl.minimum(tl.maximum(start, 0), 2147483647).to(tl.int32)
+    end = tl.minimum(tl.maximum(end, 0), 2147483647).to(tl.int32)
+    return start, end
+
+
+@triton.jit
+def pair_keeps(start_ptrs, end_ptrs, m_idx, key_ok, PREDICATED: tl.constexpr):
+    """``mask_keeps`` of intervals read as the caller gave them: start and end from their own
+    tensors (int32 or int64), each a key vector like ``interval_rows``'. Row i is kept iff
+    start <= i < end, tested as one unsigned compare as there."""
+    if PREDICATED:
+        start, end = clamped_bounds(tl.load(start_ptrs, mask=key_ok, other=0),
+                                    tl.load(end_ptrs, mask=key_ok, other=0))
+    else:
+        start, end = clamped_bounds(tl.load(start_ptrs), tl.load(end_ptrs))
+    span = tl.maximum(end - start, 0)
+    return (m_idx - start).to(tl.uint32, bitcast=True) < span.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_k, num_keys,
+                         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """[lo, hi) of the key blocks (BLOCK_N keys each) from the first to the last key of
+    [0, num_keys) that some row of [m0, m1) sees (causal: bottom-right), reading each key's
+    interval from ``start_row`` and ``end_row`` (key 0's, ``stride_n`` apart) CHUNK keys a
+    step. Empty (lo == hi) where no row sees a key. Blocks between may hold no visible pair;
+    the caller tests every pair."""
+    offs = tl.arange(0, CHUNK)
+    first = tl.full((), 0, tl.int32) + num_keys
+    last = tl.full((), -1, tl.int32)
+    for chunk in range(0, num_keys, CHUNK):
+        keys = chunk + offs
+        ok = keys < num_keys
+        offsets = keys.to(tl.int64) * stride_n
+        start, end = clamped_bounds(tl.load(start_row + offsets, mask=ok, other=0),
+                                    tl.load(end_row + offsets, mask=ok, other=0))
+        if IS_CAUSAL:
+            start = tl.maximum(start, keys - (seqlen_k - seqlen_q))
+        seen = ok & (tl.maximum(start, m0) < tl.minimum(end, m1))
+        first = tl.minimum(first, tl.min(tl.where(seen, keys, num_keys), 0))
+        last = tl.maximum(last, tl.max(tl.where(seen, keys, -1), 0))
+    any_seen = last >= 0
+    lo = tl.where(any_seen, first // BLOCK_N, 0)
+    hi = tl.where(any_seen, last // BLOCK_N + 1, 0)
+    return lo, hi
+
+
+@triton.jit
 def interval_rows():
     """The row offsets of a ``KeyIntervals`` mask's tile pointers: one row, since every query
     row of a tile reads the same (start, end) per key (query stride 0, one mask head per tile).

@@ -7,12 +7,13 @@ from dataclasses import replace
 
 import torch
 
+from . import tuning
 from ._blocks import (ActivityMap, ListCompaction, block_list_strides, call_activity,
                       shared_granularity, tile_activity)
 from ._checks import CheckedInputs
 from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
                       is_interpreted, multiprocessors, operand_args, operand_pointer)
-from ._operands import ABSENT, ForwardPointers, SeqStrides, seq_strides, sizes_of
+from ._operands import ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides, sizes_of
 from ._scratch import Scratch
 from .forward_kernels import _attn_fwd_kernel
 from .schedule import Problem, Schedule, activity_tiles, problem_of, schedule
@@ -25,12 +26,13 @@ def interpreted() -> bool:
 
 def call_problem(checked: CheckedInputs, query: torch.Tensor, is_causal: bool,
                  deterministic: bool = False, bias_grad: bool = False,
-                 activity: ActivityMap | None = None) -> Problem:
+                 activity: ActivityMap | None = None, intervals_per_call: bool = False,
+                 forward_only: bool = False) -> Problem:
     """The Problem of a call with these checked inputs."""
     on_interpreter = interpreted()
     return problem_of(checked, query.dtype, query.device, on_interpreter,
                       multiprocessors(query.device, on_interpreter), is_causal, deterministic,
-                      bias_grad, activity)
+                      bias_grad, activity, intervals_per_call, forward_only)
 
 
 def mask_activity(checked: CheckedInputs, sched: Schedule,
@@ -46,12 +48,16 @@ def mask_activity(checked: CheckedInputs, sched: Schedule,
 
 def plan_schedule(checked: CheckedInputs, query: torch.Tensor, is_causal: bool,
                   deterministic: bool, bias_grad: bool, options: dict,
-                  activity: ActivityMap | None = None, with_backward: bool = False) -> Schedule:
+                  activity: ActivityMap | None = None, with_backward: bool = False,
+                  intervals_per_call: bool = False) -> Schedule:
     """The call's Schedule. A mask without a prepared ``activity`` map is read here (the
-    schedule's tiles do not depend on the map; its stages and skips read the map's counts)."""
-    problem = call_problem(checked, query, is_causal, deterministic, bias_grad, activity)
+    schedule's tiles do not depend on the map; its stages and skips read the map's counts),
+    unless the forward reads it itself (``scan_keys``). ``intervals_per_call``: the mask is
+    ``KeyIntervals`` that the call reads (not prepared)."""
+    problem = call_problem(checked, query, is_causal, deterministic, bias_grad, activity,
+                           intervals_per_call, forward_only=not with_backward)
     sched = schedule(problem, options)
-    if checked.mask is not None and activity is None:
+    if checked.mask is not None and activity is None and not sched.forward.scan_keys:
         activity = mask_activity(checked, sched, with_backward)
         sched = schedule(replace(problem, activity=activity), options)
     return sched
@@ -67,7 +73,8 @@ class ForwardPlan:
     ``lists_per_call``: every call brings its own activity map (``run``'s ``activity``; an
     unprepared ``KeyIntervals`` mask, read per call), and the plan keeps no map, list or other
     tensor of the call that made it. Otherwise the lists come from the schedule's map (a
-    prepared mask's) and are kept here."""
+    prepared mask's) and are kept here. With the schedule's ``scan_keys`` there is neither:
+    every call brings its intervals' (start, end) tensors as ``run``'s ``mask``."""
 
     def __init__(self, checked: CheckedInputs, query, key, value, sched: Schedule,
                  options: dict, lists_per_call: bool = False):
@@ -77,15 +84,18 @@ class ForwardPlan:
         self.shape, self.dtype, self.device = shape, query.dtype, query.device
         self.is_causal, self.softmax_scale = problem.is_causal, problem.softmax_scale
         self.mask = operand_args(checked.mask) if checked.mask is not None else None
+        self.scan_keys = fwd.scan_keys
+        if self.scan_keys:  # the layout of the intervals' start and end as given
+            self.mask = Layout(*checked.mask.interval_pair[0].stride(), checked.mask.head_div)
         self.bias = operand_args(checked.bias) if checked.bias is not None else None
         self.bias_shape = problem.bias.shape if problem.bias is not None else None
         self.lists_per_call = lists_per_call
         activity = problem.activity
         lists = None
-        if checked.mask is not None:
+        if checked.mask is not None and not self.scan_keys:
             lists = activity.lists(*fwd.list_tile, transposed=False)
         self.compaction = None
-        if lists_per_call:
+        if lists_per_call and not self.scan_keys:
             # Kept: the compaction of a call's map (of this map's shape and tile) into the
             # forward's list, and the table's strides; not the map or the table.
             self.compaction = ListCompaction(activity.active.shape, activity.sub_rows,
@@ -115,7 +125,8 @@ class ForwardPlan:
             HAS_MASK=problem.mask is not None, HAS_BIAS=problem.bias is not None,
             BIAS_ROW=fwd.bias_row, IS_CAUSAL=problem.is_causal,
             **dot_options(query.dtype, problem.interpreted), SPLIT_KEYS=self.splits > 1,
-            EDGE_SLOTS=fwd.edge_slots,
+            EDGE_SLOTS=fwd.edge_slots, SCAN_KEYS=self.scan_keys,
+            SCAN_CHUNK=tuning.FORWARD_SCAN_CHUNK,
             num_warps=fwd.tile.num_warps, num_stages=fwd.tile.num_stages,
         )
         # Split-K partials and their tiles' arrival counters, and an LSE for calls that
@@ -140,9 +151,13 @@ class ForwardPlan:
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, or None without ``keep_lse``) for
         tensors of this plan's signature; ``mask`` is the bool mask (or its uint8 view) and
         ``bias`` the bias, either may be None; ``activity``: the call's own activity map, for a
-        plan with ``lists_per_call``."""
+        plan with ``lists_per_call``. With ``scan_keys``, ``mask`` is the intervals' (start,
+        end) as given, of the plan's layout."""
         table = self.list_table
-        if self.lists_per_call:  # compacted from the call's map on first use
+        mask_end = None
+        if self.scan_keys:
+            mask, mask_end = mask
+        elif self.lists_per_call:  # compacted from the call's map on first use
             table = call_activity(activity).compacted(self.compaction).table
         # ``new_empty`` takes dtype and device from ``query`` (the plan's own): 2.9 us of host
         # per call against 3.9 for ``torch.empty`` with both named, on the H100 host.
@@ -156,5 +171,5 @@ class ForwardPlan:
         self.main(query, key, value, out, lse, operand_pointer(mask, out),
                   operand_pointer(bias, out),
                   lse if table is None else table, out_part, lse_part,
-                  counts)
+                  counts, operand_pointer(mask_end, out))
         return out, (lse if keep_lse else None)

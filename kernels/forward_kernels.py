@@ -12,8 +12,9 @@ import triton.language as tl
 
 from ._partials import last_share_arrived, split_rows, store_partial
 from ._score import (FULL, INNER, LEAD, LN2, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
-                     dense_spans, grid_position, head_base, interval_rows, mma, operand_base,
-                     query_tile_scores, row_offsets, span, tile_offsets)
+                     dense_spans, grid_position, head_base, interval_block_range, interval_rows,
+                     mma, operand_base, pair_keeps, query_tile_scores, row_offsets, span,
+                     split_share, tile_offsets)
 
 
 @triton.jit
@@ -23,11 +24,14 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    PAIR_MASK: tl.constexpr = False,
 ):
     """Fold ``num_blocks`` key blocks into the online softmax state.
 
-    ``tiles`` are the (K, V, mask, bias) tile pointers at key block 0 and ``steps`` their
-    strides along keys. Blocks are ``first_block + i``, or with USE_LIST the i-th entry of the
+    ``tiles`` are the (K, V, mask, bias, interval end) tile pointers at key block 0 and
+    ``steps`` the first four's strides along keys (the interval end's is the mask's). With
+    PAIR_MASK the mask is intervals read as given (``_score.pair_keeps``): start at the mask
+    pointers, end at the interval end pointers. Blocks are ``first_block + i``, or with USE_LIST the i-th entry of the
     active-tile list, so a sparse mask walks only its active tiles, branch-free. The next
     block's index is read one iteration ahead so that tile addresses never wait on it. (Also
     carrying the next mask tile across iterations was measured 1.7x slower at L=16384, D=64:
@@ -35,7 +39,7 @@ def _attn_fwd_inner(
     INTERIOR blocks lie inside both lengths and below the causal diagonal: no range or causal
     test per pair, only the mask (if any), read through row-clamped pointers.
     """
-    k_ptrs, v_ptrs, mask_ptrs, bias_ptrs = tiles
+    k_ptrs, v_ptrs, mask_ptrs, bias_ptrs, end_ptrs = tiles
     stride_k_n, stride_v_n, stride_mask_n, stride_bias_n = steps
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
     for i in range(num_blocks):
@@ -44,9 +48,16 @@ def _attn_fwd_inner(
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
         s, k, kv_in_range = query_tile_scores(
             q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n, mask_ptrs, stride_mask_n,
-            bias_ptrs, stride_bias_n, seqlen_q, seqlen_k, qk_scale, HAS_MASK=HAS_MASK,
-            HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW, CAUSAL_TILES=CAUSAL_TILES, INTERIOR=INTERIOR,
-            DOT_PRECISION=DOT_PRECISION, WIDEN_DOTS=WIDEN_DOTS)
+            bias_ptrs, stride_bias_n, seqlen_q, seqlen_k, qk_scale,
+            HAS_MASK=HAS_MASK and not PAIR_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
+            CAUSAL_TILES=CAUSAL_TILES, INTERIOR=INTERIOR, DOT_PRECISION=DOT_PRECISION,
+            WIDEN_DOTS=WIDEN_DOTS)
+        if PAIR_MASK:
+            pair_offset = start_n.to(tl.int64) * stride_mask_n
+            keep = pair_keeps(mask_ptrs + pair_offset, end_ptrs + pair_offset,
+                              offs_m[:, None], (offs_n < seqlen_k)[None, :],
+                              PREDICATED=not INTERIOR)
+            s = tl.where(keep, s, float("-inf"))
         # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -68,8 +79,14 @@ def _attn_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr, EDGE_SLOTS: tl.constexpr,
+    SCAN_KEYS: tl.constexpr = False, SCAN_CHUNK: tl.constexpr = 1024,
 ):
     """One tile of query rows per program; ``ptrs`` is a ``_operands.ForwardPointers``.
+
+    SCAN_KEYS: the mask is KeyIntervals read as the caller gave them (start at ``ptrs.mask``,
+    end at ``ptrs.mask_end``, one layout): the program finds the key blocks from its first to
+    its last visible key itself (``_score.interval_block_range``, SCAN_CHUNK keys a step) and
+    tests every pair of them; no activity map, no list.
 
     A tile has BLOCK_M rows. With GROUP_PACK = G > 1 (GQA), row r is query position
     start_m + r // G of query head hx * G + r % G: the G heads sharing a KV head share one
@@ -109,13 +126,20 @@ def _attn_fwd_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], v_strides.stride_l, 1)
     # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
     safe_m = clamp_index(offs_m, seqlen_q)
-    if tl.constexpr(ptrs.mask.dtype.element_ty == tl.int64):  # KeyIntervals: one key vector
+    end_rows = ptrs.mask_end
+    start_base = head_base(ptrs.mask, mask_layout, b, first_head)
+    end_base = head_base(ptrs.mask_end, mask_layout, b, first_head)
+    if SCAN_KEYS:  # KeyIntervals as given: start and end, one key vector each
+        mask_rows = start_base + interval_rows()
+        end_rows = end_base + interval_rows()
+    elif tl.constexpr(ptrs.mask.dtype.element_ty == tl.int64):  # KeyIntervals: one key vector
         mask_rows = head_base(ptrs.mask, mask_layout, b, first_head) + interval_rows()
     else:
         mask_rows = ptrs.mask + b.to(tl.int64) * mask_layout.stride_b \
             + row_offsets(safe_m, heads, mask_layout.head_div, mask_layout.stride_m,
                           mask_layout.stride_h)[:, None]
     mask_ptrs = mask_rows + offs_n0.to(tl.int64)[None, :] * mask_layout.stride_n
+    end_ptrs = end_rows + offs_n0.to(tl.int64)[None, :] * mask_layout.stride_n
     if BIAS_ROW:  # one query row shared by the tile's heads: address it once (see load_bias)
         bias_rows = head_base(ptrs.bias, bias_layout, b, first_head) \
             + tl.zeros([1, 1], dtype=tl.int64)
@@ -131,23 +155,40 @@ def _attn_fwd_kernel(
     # When packed, the host guarantees that the tile's heads share one mask head.
     dense = dense_spans(start_m, seqlen_q, seqlen_k, LOOP_ROWS=QUERY_ROWS, STEP_ROWS=BLOCK_N,
                         IS_CAUSAL=IS_CAUSAL, TRANSPOSED=False)
-    span_list, spans = block_spans(
-        dense, ptrs.lists, list_strides, mask_layout.head_div, b, first_head, m_block, split,
-        num_splits, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
-    tiles = (k_ptrs, v_ptrs, mask_ptrs, bias_ptrs)
+    LISTED: tl.constexpr = HAS_MASK and not SCAN_KEYS
+    if SCAN_KEYS:
+        # The interior and tail of the dense spans, cut to the blocks this program's rows see
+        # (split-K: this share of them); no full span.
+        inner_hi, tail_hi = dense[2], dense[3]
+        lo, hi = interval_block_range(
+            start_base, end_base, mask_layout.stride_n, start_m,
+            tl.minimum(start_m + QUERY_ROWS, seqlen_q), seqlen_q, seqlen_k,
+            tl.minimum(tail_hi * BLOCK_N, seqlen_k), BLOCK_N=BLOCK_N, CHUNK=SCAN_CHUNK,
+            IS_CAUSAL=IS_CAUSAL)
+        share_lo, share_hi = split_share(hi - lo, split, num_splits)
+        share_lo += lo
+        share_hi += lo
+        mid = tl.minimum(tl.maximum(inner_hi, share_lo), share_hi)
+        span_list = ptrs.lists
+        spans = ((share_lo, share_lo), (share_lo, share_lo), (share_lo, mid), (mid, share_hi))
+    else:
+        span_list, spans = block_spans(
+            dense, ptrs.lists, list_strides, mask_layout.head_div, b, first_head, m_block,
+            split, num_splits, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
+    tiles = (k_ptrs, v_ptrs, mask_ptrs, bias_ptrs, end_ptrs)
     steps = (k_strides.stride_l, v_strides.stride_l, mask_layout.stride_n, bias_layout.stride_n)
     # Full tiles (every pair visible: no mask read, no per-pair test), interior key blocks,
     # then the causal diagonal and a partial last key block. The lead span is empty here.
     for kind in tl.static_range(SPAN_KINDS):
-        if (HAS_MASK or kind != FULL) and kind != LEAD:
-            blocks, first, count = span(span_list, spans[kind], HAS_MASK)
+        if (LISTED or kind != FULL) and kind != LEAD:
+            blocks, first, count = span(span_list, spans[kind], LISTED)
             acc, m_i, l_i = _attn_fwd_inner(
                 acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
                 seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N,
                 HAS_MASK=HAS_MASK and kind != FULL, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
-                CAUSAL_TILES=IS_CAUSAL and kind == TAIL, USE_LIST=HAS_MASK,
+                CAUSAL_TILES=IS_CAUSAL and kind == TAIL, USE_LIST=LISTED,
                 INTERIOR=kind == FULL or kind == INNER, DOT_PRECISION=DOT_PRECISION,
-                WIDEN_DOTS=WIDEN_DOTS)
+                WIDEN_DOTS=WIDEN_DOTS, PAIR_MASK=SCAN_KEYS)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0

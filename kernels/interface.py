@@ -107,6 +107,12 @@ class _IntervalReader:
         return view, self.activity_pass(intervals.start, intervals.end, words)
 
 
+def _pair_read(intervals: KeyIntervals) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
+    """What a call whose forward reads unprepared intervals itself (``scan_keys``) hands the
+    plan: their start and end as given (the plan holds their layout), and no activity map."""
+    return (intervals.start, intervals.end), None
+
+
 class _MaskReader:
     """What a call with an unprepared bool mask of a kept form does with it: the planned
     activity pass into a new map (the plan's lists are compacted from it per call)."""
@@ -176,13 +182,16 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
     if prepared is not None:
         activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
     sched = plan_schedule(checked, query, is_causal, deterministic, bias_grad, options,
-                          activity, with_backward=for_backward)
+                          activity, with_backward=for_backward,
+                          intervals_per_call=intervals is not None)
     if per_call is not None:  # the map this call read, handed to the call, not to the plan
         activity = sched.problem.activity
     plan = ForwardPlan(checked, query, key, value, sched, options,
                        lists_per_call=per_call is not None)
     if signature is not None and not copied:
-        if intervals is not None:
+        if plan.scan_keys:
+            _remember(plans, signature, (plan, _pair_read), MAX_INTERVAL_PLANS)
+        elif intervals is not None:
             kept = (plan, _IntervalReader(checked.mask, activity, checked.shape, is_causal))
             _remember(plans, signature, kept, MAX_INTERVAL_PLANS)
         elif per_call is not None:
@@ -190,7 +199,10 @@ def _plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
             _remember(plans, signature, kept, MAX_MASK_PLANS)
         else:
             _remember(plans, signature, plan)
-    # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs.
+    # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs (with
+    # ``scan_keys``, its start and end as given).
+    if plan.scan_keys:
+        return (plan, query, key, value, *_pair_read(attn_mask))
     if checked.mask is not None and checked.mask.interval_pairs is not None:
         attn_mask = checked.mask.view
     return plan, query, key, value, attn_mask, (activity if per_call is not None else None)

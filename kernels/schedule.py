@@ -60,6 +60,11 @@ class Problem:
     deterministic: bool = False
     bias_grad: bool = False
     activity: object = field(default=None, compare=False, repr=False)
+    # The mask is ``KeyIntervals`` that this call reads itself (not prepared), whose start and
+    # end share one dtype and layout, so that the forward can read them as given.
+    interval_pair: bool = False
+    # No backward follows this call's forward (no gradient is wanted).
+    forward_only: bool = False
 
     @property
     def block_d(self) -> int:
@@ -69,14 +74,18 @@ class Problem:
 def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                interpreted: bool, multiprocessors: int, is_causal: bool,
                deterministic: bool = False, bias_grad: bool = False,
-               activity=None) -> Problem:
-    """The Problem of checked inputs."""
+               activity=None, intervals_per_call: bool = False,
+               forward_only: bool = False) -> Problem:
+    """The Problem of checked inputs. ``intervals_per_call``: the mask is ``KeyIntervals`` that
+    the call reads itself (not prepared); ``forward_only``: no backward follows."""
     def layout(op):
         return None if op is None else OperandLayout(tuple(op.original_shape), op.head_div)
 
+    pair = (intervals_per_call and checked.mask is not None
+            and checked.mask.interval_pair is not None)
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),
-                   bool(deterministic), bool(bias_grad), activity)
+                   bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only))
 
 
 class BackwardRoute(str, Enum):
@@ -104,6 +113,9 @@ class ForwardSchedule:
     chunk_rows: int
     edge_slots: int
     bias_row: bool
+    # The program reads the caller's interval tensors and finds its own range of key blocks
+    # (``_score.interval_block_range``): no activity map and no list, each pair tested.
+    scan_keys: bool = False
 
     @property
     def query_rows(self) -> int:
@@ -185,6 +197,27 @@ def edge_slots(loop_rows: int, step_rows: int) -> int:
     return next_power_of_2(ceil_div(loop_rows, step_rows) + 2)
 
 
+def scan_keys(problem: Problem, options: dict) -> bool:
+    """Whether the forward finds its key blocks by reading the intervals itself (see
+    ``ForwardSchedule.scan_keys``) rather than walking a list compacted from an activity map.
+
+    It can where the call reads unprepared intervals whose start and end share a layout and no
+    backward follows (the backward walks lists of the map, so the map is made anyway). It
+    pays for short key lengths: the read and the compaction are two launches per call (a
+    CUDA-graph replay included), while each program's scan reads every reachable key's
+    interval (8 bytes per key for int32) and walks the blocks between its first and last
+    visible key, gaps included. ``tuning.FORWARD_SCAN_MAX_KEYS`` is where the lists win."""
+    possible = (problem.mask is not None and problem.interval_pair and problem.forward_only)
+    forced = options.get("forward_key_scan")
+    if forced is None:
+        return possible and problem.shape.seqlen_k <= tuning.FORWARD_SCAN_MAX_KEYS
+    if forced and not possible:
+        raise ValueError("kernel_options['forward_key_scan']: True needs KeyIntervals read by "
+                         "the call (not prepared), start and end of one dtype and strides, "
+                         "and no gradient wanted")
+    return forced
+
+
 def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
     shape, sms = problem.shape, problem.multiprocessors
     tile = forward_tile(problem)
@@ -205,7 +238,8 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
         chunk_rows=grid_chunk_rows(rows, row_blocks, 1 if pack > 1 else shape.group_size,
                                    problem.is_causal, sms),
         edge_slots=edge_slots(query_rows, tile.block_n),
-        bias_row=bias is not None and bias.one_row and bias.shared_by(pack))
+        bias_row=bias is not None and bias.one_row and bias.shared_by(pack),
+        scan_keys=scan_keys(problem, options))
 
 
 # -- backward
@@ -454,6 +488,7 @@ OPTION_NAMES = {
     "forward_key_splits": "the forward's key splits (split-K), an int >= 1",
     "dq_key_splits": "dq's key splits, an int >= 1",
     "dkdv_head_shares": "dkdv's shares of a GQA group's heads, an int dividing the group",
+    "forward_key_scan": "whether the forward reads unprepared intervals itself, True or False",
 }
 
 
@@ -475,6 +510,10 @@ def normalize_options(options) -> dict:
             except ValueError:
                 raise ValueError(f"kernel_options['backward']: expected one of 'fused', "
                                  f"'dq+dkdv', 'packed', got {value!r}") from None
+        elif name == "forward_key_scan":
+            if type(value) is not bool:
+                raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "
+                                 f"got {value!r}")
         elif type(value) is not int or value < 1:
             raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "
                              f"got {value!r}")

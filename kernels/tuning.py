@@ -98,6 +98,14 @@ PACKED_D128 = Tile(0, 64, 8, 3)
 # with 1/16 of the blocks live took 157 and 233.
 PACKED_LIVE_SHARE_FOR_BRANCH = 0.5
 
+# Unprepared KeyIntervals in a forward-only call, up to this many keys: each program reads
+# the intervals of its reachable keys and walks the key blocks between its first and last
+# visible key (``schedule.scan_keys``), in place of the read and list-compaction launches.
+# A first estimate, to be set by measurement.
+FORWARD_SCAN_MAX_KEYS = 4096
+# Keys per step of that read (int32 start and end: 8 KB a step from L2).
+FORWARD_SCAN_CHUNK = 1024
+
 # -- grids
 # Split-K (forward, dq, packed) only where the grid fills less than half the multiprocessors,
 # aiming at this many programs per multiprocessor, at most MAX_KEY_SPLITS shares. From half a
