@@ -159,7 +159,8 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
            selection_heads: int | None = None) -> WarmupReport:
     """Compile the kernels that calls of this form at lengths near ``seqlens`` will use.
 
-    Runs one call (and its backward, with ``backward``) at an aligned and an unaligned length
+    Runs one call (and its backward, with ``backward``; with interval masks then also a call
+    without a gradient, as evaluation makes) at an aligned and an unaligned length
     next to each length in ``seqlens`` (``warmup_lengths``), with a mask twice: every pair
     visible and a scattered half (once with a ``window``: the selection's). ``mask`` is
     "none", "bool" or "intervals", ``bias`` "none", "kv_row" (B, Hk, 1, L) or "full" (B, Hk,
@@ -220,6 +221,14 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
                                   is_causal=is_causal)
                 if backward:
                     out.backward(torch.ones_like(out))
+                if backward and mask == "intervals":
+                    # Evaluation: without a gradient the forward may read new intervals
+                    # itself (``schedule.scan_keys``), a form of its own. New intervals with
+                    # the same tensors: a second call with one object would prepare it.
+                    fresh = KeyIntervals(attn_mask.start, attn_mask.end, attn_mask.key_order)
+                    with torch.no_grad():
+                        dmattn_func(q, k, v, attn_mask=fresh, attn_bias=attn_bias,
+                                    is_causal=is_causal)
 
     before, started = compiled_forms(), time.perf_counter()
     on_gpu = torch.device(device).type == "cuda"
