@@ -104,29 +104,51 @@ def pair_keeps(start_ptrs, end_ptrs, m_idx, key_ok, PREDICATED: tl.constexpr):
 @triton.jit
 def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_k, num_keys,
                          BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """[lo, hi) of the key blocks (BLOCK_N keys each) from the first to the last key of
-    [0, num_keys) that some row of [m0, m1) sees (causal: bottom-right), reading each key's
-    interval from ``start_row`` and ``end_row`` (key 0's, ``stride_n`` apart) CHUNK keys a
-    step. Empty (lo == hi) where no row sees a key. Blocks between may hold no visible pair;
-    the caller tests every pair."""
+    """``(lo, hi, full_lo, full_hi)`` for a program of rows [m0, m1), reading each key's
+    interval from ``start_row`` and ``end_row`` (key 0's, ``stride_n`` apart), CHUNK keys a
+    step over keys [0, num_keys), in blocks of BLOCK_N keys:
+
+    * [lo, hi): the blocks from the one of the first key some row sees (causal: bottom-right)
+      to the one of the last; empty where no row sees a key. Blocks between may hold no
+      visible pair: the caller tests every pair of them.
+    * [full_lo, full_hi): the first run of blocks inside [0, num_keys) whose every key every
+      row sees (start <= m0 and end >= m1), before causality: the caller cuts it to the blocks
+      wholly below the causal diagonal. Where there is none, full_lo == full_hi == lo.
+    """
+    tl.static_assert(CHUNK % BLOCK_N == 0)
+    BLOCKS: tl.constexpr = CHUNK // BLOCK_N
     offs = tl.arange(0, CHUNK)
+    none = 2147483647
     first = tl.full((), 0, tl.int32) + num_keys
     last = tl.full((), -1, tl.int32)
+    first_full = tl.full((), none, tl.int32)
+    run_end = tl.full((), none, tl.int32)
     for chunk in range(0, num_keys, CHUNK):
         keys = chunk + offs
         ok = keys < num_keys
         offsets = keys.to(tl.int64) * stride_n
         start, end = clamped_bounds(tl.load(start_row + offsets, mask=ok, other=0),
                                     tl.load(end_row + offsets, mask=ok, other=0))
+        every_row = ok & (start <= m0) & (end >= m1)
         if IS_CAUSAL:
             start = tl.maximum(start, keys - (seqlen_k - seqlen_q))
         seen = ok & (tl.maximum(start, m0) < tl.minimum(end, m1))
         first = tl.minimum(first, tl.min(tl.where(seen, keys, num_keys), 0))
         last = tl.maximum(last, tl.max(tl.where(seen, keys, -1), 0))
+        # Blocks of this chunk whose every key every row sees; chunks run in key order, so
+        # the first such block is found first and the run ends at the next block that is not.
+        block_full = tl.sum(tl.reshape(every_row.to(tl.int32), [BLOCKS, BLOCK_N]), 1) == BLOCK_N
+        blocks = chunk // BLOCK_N + tl.arange(0, BLOCKS)
+        first_full = tl.minimum(first_full, tl.min(tl.where(block_full, blocks, none), 0))
+        run_end = tl.minimum(run_end, tl.min(
+            tl.where(~block_full & (blocks > first_full), blocks, none), 0))
     any_seen = last >= 0
     lo = tl.where(any_seen, first // BLOCK_N, 0)
     hi = tl.where(any_seen, last // BLOCK_N + 1, 0)
-    return lo, hi
+    has_run = first_full < none  # its blocks are seen, so it lies inside [lo, hi)
+    full_lo = tl.where(has_run, first_full, lo)
+    full_hi = tl.where(has_run, tl.minimum(run_end, hi), lo)
+    return lo, hi, full_lo, full_hi
 
 
 @triton.jit

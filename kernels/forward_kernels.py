@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ._partials import last_share_arrived, split_rows, store_partial
-from ._score import (FULL, INNER, LEAD, LN2, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
+from ._score import (FULL, LEAD, LN2, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
                      dense_spans, grid_position, head_base, interval_block_range, interval_rows,
                      mma, operand_base, pair_keeps, query_tile_scores, row_offsets, span,
                      split_share, tile_offsets)
@@ -52,7 +52,7 @@ def _attn_fwd_inner(
             HAS_MASK=HAS_MASK and not PAIR_MASK, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
             CAUSAL_TILES=CAUSAL_TILES, INTERIOR=INTERIOR, DOT_PRECISION=DOT_PRECISION,
             WIDEN_DOTS=WIDEN_DOTS)
-        if PAIR_MASK:
+        if PAIR_MASK and HAS_MASK:
             pair_offset = start_n.to(tl.int64) * stride_mask_n
             keep = pair_keeps(mask_ptrs + pair_offset, end_ptrs + pair_offset,
                               offs_m[:, None], (offs_n < seqlen_k)[None, :],
@@ -157,20 +157,28 @@ def _attn_fwd_kernel(
                         IS_CAUSAL=IS_CAUSAL, TRANSPOSED=False)
     LISTED: tl.constexpr = HAS_MASK and not SCAN_KEYS
     if SCAN_KEYS:
-        # The interior and tail of the dense spans, cut to the blocks this program's rows see
-        # (split-K: this share of them); no full span.
+        # The blocks this program's rows see (split-K: this share of them), as: a run of full
+        # blocks below the diagonal (no mask read, no per-pair test), the blocks before it
+        # (the lead span, interior), then those after it, interior and tail.
         inner_hi, tail_hi = dense[2], dense[3]
-        lo, hi = interval_block_range(
+        lo, hi, full_lo, full_hi = interval_block_range(
             start_base, end_base, mask_layout.stride_n, start_m,
             tl.minimum(start_m + QUERY_ROWS, seqlen_q), seqlen_q, seqlen_k,
             tl.minimum(tail_hi * BLOCK_N, seqlen_k), BLOCK_N=BLOCK_N, CHUNK=SCAN_CHUNK,
             IS_CAUSAL=IS_CAUSAL)
+        # The run cut to the interior; an empty one sits at lo, so that the lead span is empty.
+        full_hi = tl.minimum(full_hi, inner_hi)
+        no_run = full_hi <= full_lo
+        full_lo = tl.where(no_run, lo, full_lo)
+        full_hi = tl.where(no_run, lo, full_hi)
         share_lo, share_hi = split_share(hi - lo, split, num_splits)
         share_lo += lo
         share_hi += lo
-        mid = tl.minimum(tl.maximum(inner_hi, share_lo), share_hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, share_lo), share_hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), share_hi)
+        mid = tl.minimum(tl.maximum(inner_hi, full_hi), share_hi)
         span_list = ptrs.lists
-        spans = ((share_lo, share_lo), (share_lo, share_lo), (share_lo, mid), (mid, share_hi))
+        spans = ((full_lo, full_hi), (share_lo, full_lo), (full_hi, mid), (mid, share_hi))
     else:
         span_list, spans = block_spans(
             dense, ptrs.lists, list_strides, mask_layout.head_div, b, first_head, m_block,
@@ -179,15 +187,16 @@ def _attn_fwd_kernel(
     steps = (k_strides.stride_l, v_strides.stride_l, mask_layout.stride_n, bias_layout.stride_n)
     # Full tiles (every pair visible: no mask read, no per-pair test), interior key blocks,
     # then the causal diagonal and a partial last key block. The lead span is empty here.
+    # With SCAN_KEYS the lead span holds the blocks before the full run, interior ones.
     for kind in tl.static_range(SPAN_KINDS):
-        if (LISTED or kind != FULL) and kind != LEAD:
+        if (HAS_MASK or kind != FULL) and (SCAN_KEYS or kind != LEAD):
             blocks, first, count = span(span_list, spans[kind], LISTED)
             acc, m_i, l_i = _attn_fwd_inner(
                 acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
                 seqlen_q, seqlen_k, qk_scale, BLOCK_N=BLOCK_N,
                 HAS_MASK=HAS_MASK and kind != FULL, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
                 CAUSAL_TILES=IS_CAUSAL and kind == TAIL, USE_LIST=LISTED,
-                INTERIOR=kind == FULL or kind == INNER, DOT_PRECISION=DOT_PRECISION,
+                INTERIOR=kind != TAIL, DOT_PRECISION=DOT_PRECISION,
                 WIDEN_DOTS=WIDEN_DOTS, PAIR_MASK=SCAN_KEYS)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.

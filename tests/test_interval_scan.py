@@ -104,6 +104,39 @@ def test_scan_finds_lone_keys_and_skips_nothing_between(causal, device):
     assert_close_to_reference("lse", lse, ref_lse, low_lse, torch.float32)
 
 
+def full_run_intervals(pattern: str, dims: Dims, device) -> KeyIntervals:
+    """Intervals whose tiles hold runs of blocks every row sees, which the scan walks with no
+    mask read: a sliding window (runs inside the band), every key to every row (with causal:
+    runs up to the diagonal, the last block partial), and two runs split by unseen keys."""
+    lq, lk = dims.seqlen_q, dims.seqlen_k
+    keys = torch.arange(lk, dtype=torch.int32)
+    if pattern == "sliding":
+        start, end = keys - 24, keys + 20
+    elif pattern == "every":
+        start, end = torch.zeros_like(keys), torch.full_like(keys, lq)
+    else:  # two runs: keys 16-47 and 64-95 seen by every row, a gap of 16 unseen keys
+        seen = ((keys >= 16) & (keys < 48)) | ((keys >= 64) & (keys < 96))
+        start, end = torch.zeros_like(keys), torch.where(seen, lq, 0).int()
+    return KeyIntervals(start.view(1, 1, lk).to(device), end.view(1, 1, lk).to(device))
+
+
+@pytest.mark.parametrize("pattern", ("sliding", "every", "two-runs"))
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_scan_walks_runs_of_full_blocks(pattern, causal, device):
+    dims = Dims(1, 70, 101, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    bias = random_bias(dims.operand_shape("1", "Hk", "1", "Lk"), torch.float32, device)
+    intervals = full_run_intervals(pattern, dims, device)
+    out, lse, plan = forward(q, k, v, intervals, bias, causal)
+    assert plan.scan_keys
+    ref_out, ref_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True)
+    low_out, low_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True,
+                                           upcast=False)
+    assert_empty_rows_and_finite(out, lse, ref_lse)
+    assert_close_to_reference("out", out, ref_out, low_out, torch.float32)
+    assert_close_to_reference("lse", lse, ref_lse, low_lse, torch.float32)
+
+
 def test_kept_scan_plans_follow_each_calls_values_bit_for_bit(device, monkeypatch):
     """New intervals of one form take the kept plan, which reads only their values: the bits of
     planning each call afresh, with values that move the seen keys from call to call."""
