@@ -57,10 +57,9 @@ def test_scan_matches_the_reference_and_the_list_path(dims, heads, batch, causal
     q, k, v = random_qkv(dims, dtype, device)
     bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), dtype, device)
     intervals = same_dtype(random_intervals(dims, heads, batch, device), index_dtype)
-    out, lse, plan = forward(q, k, v, intervals, bias, causal)
-    assert plan.scan_keys
-    if dims.seqlen_q == 1:
-        assert plan.splits > 1, "the decode shape must take split-K to cover it"
+    splits = {"forward_key_splits": 3} if dims.seqlen_q == 1 else {}  # decode: split-K too
+    out, lse, plan = forward(q, k, v, intervals, bias, causal, **splits)
+    assert plan.scan_keys and plan.splits == splits.get("forward_key_splits", 1)
     ref_out, ref_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True)
     low_out, low_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True,
                                            upcast=False)
