@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ._partials import last_share_arrived, split_rows, store_partial
-from ._score import (FULL, LEAD, LN2, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
+from ._score import (FULL, INNER, LEAD, LN2, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
                      dense_spans, grid_position, head_base, interval_block_range, interval_rows,
                      mma, operand_base, pair_keeps, query_tile_scores, row_offsets, span,
                      split_share, tile_offsets)
@@ -24,28 +24,34 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_ROW: tl.constexpr, CAUSAL_TILES: tl.constexpr, USE_LIST: tl.constexpr,
     INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    PAIR_MASK: tl.constexpr = False,
+    PAIR_MASK: tl.constexpr = False, skip_at=0, skip_len=0, SKIP: tl.constexpr = False,
 ):
     """Fold ``num_blocks`` key blocks into the online softmax state.
 
     ``tiles`` are the (K, V, mask, bias, interval end) tile pointers at key block 0 and
-    ``steps`` the first four's strides along keys (the interval end's is the mask's). With
-    PAIR_MASK the mask is intervals read as given (``_score.pair_keeps``): start at the mask
-    pointers, end at the interval end pointers. Blocks are ``first_block + i``, or with USE_LIST the i-th entry of the
-    active-tile list, so a sparse mask walks only its active tiles, branch-free. The next
-    block's index is read one iteration ahead so that tile addresses never wait on it. (Also
-    carrying the next mask tile across iterations was measured 1.7x slower at L=16384, D=64:
-    the int1 tile costs registers.)
+    ``steps`` the first four's strides along keys (the interval end's is the mask's). Blocks
+    are ``first_block + i``, or with USE_LIST the i-th entry of the active-tile list, so a
+    sparse mask walks only its active tiles, branch-free. The next block's index is read one
+    iteration ahead so that tile addresses never wait on it. (Also carrying the next mask tile
+    across iterations was measured 1.7x slower at L=16384, D=64: the int1 tile costs
+    registers.) SKIP (without a list): from i = ``skip_at`` on, the blocks lie ``skip_len``
+    further, so that one loop walks the blocks on both sides of a run another loop walks.
     INTERIOR blocks lie inside both lengths and below the causal diagonal: no range or causal
     test per pair, only the mask (if any), read through row-clamped pointers.
+    PAIR_MASK: the mask is intervals read as given (``_score.pair_keeps``), start at the mask
+    pointers and end at the interval end pointers.
     """
     k_ptrs, v_ptrs, mask_ptrs, bias_ptrs, end_ptrs = tiles
     stride_k_n, stride_v_n, stride_mask_n, stride_bias_n = steps
     block = block_at(block_list_ptr, first_block, 0, num_blocks, USE_LIST)
+    if SKIP:
+        block += tl.where(skip_at <= 0, skip_len, 0)
     for i in range(num_blocks):
         start_n = block * BLOCK_N
         offs_n = start_n + offs_n0
         block = block_at(block_list_ptr, first_block, i + 1, num_blocks, USE_LIST)
+        if SKIP:
+            block += tl.where(i + 1 >= skip_at, skip_len, 0)
         s, k, kv_in_range = query_tile_scores(
             q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n, mask_ptrs, stride_mask_n,
             bias_ptrs, stride_bias_n, seqlen_q, seqlen_k, qk_scale,
@@ -158,15 +164,15 @@ def _attn_fwd_kernel(
     LISTED: tl.constexpr = HAS_MASK and not SCAN_KEYS
     if SCAN_KEYS:
         # The blocks this program's rows see (split-K: this share of them), as: a run of full
-        # blocks below the diagonal (no mask read, no per-pair test), the blocks before it
-        # (the lead span, interior), then those after it, interior and tail.
+        # blocks below the diagonal (no mask read, no per-pair test), the interior blocks
+        # on either side of it, then the tail.
         inner_hi, tail_hi = dense[2], dense[3]
         lo, hi, full_lo, full_hi = interval_block_range(
             start_base, end_base, mask_layout.stride_n, start_m,
             tl.minimum(start_m + QUERY_ROWS, seqlen_q), seqlen_q, seqlen_k,
             tl.minimum(tail_hi * BLOCK_N, seqlen_k), BLOCK_N=BLOCK_N, CHUNK=SCAN_CHUNK,
             IS_CAUSAL=IS_CAUSAL)
-        # The run cut to the interior; an empty one sits at lo, so that the lead span is empty.
+        # The run cut to the interior; an empty one sits at lo.
         full_hi = tl.minimum(full_hi, inner_hi)
         no_run = full_hi <= full_lo
         full_lo = tl.where(no_run, lo, full_lo)
@@ -178,8 +184,16 @@ def _attn_fwd_kernel(
         full_hi = tl.minimum(tl.maximum(full_hi, full_lo), share_hi)
         mid = tl.minimum(tl.maximum(inner_hi, full_hi), share_hi)
         span_list = ptrs.lists
-        spans = ((full_lo, full_hi), (share_lo, full_lo), (full_hi, mid), (mid, share_hi))
+        # One interior walk: [share_lo, full_lo), then past the run, [full_hi, mid). (A loop
+        # of its own for the blocks before the run, four loops in all, took 1.03-1.09x the
+        # time at L1024-8192: H100, topk and sliding windows, CUDA graphs.)
+        skip_at = full_lo - share_lo
+        skip_len = full_hi - full_lo
+        spans = ((full_lo, full_hi), (share_lo, share_lo),
+                 (share_lo, share_lo + skip_at + mid - full_hi), (mid, share_hi))
     else:
+        skip_at = 0
+        skip_len = 0
         span_list, spans = block_spans(
             dense, ptrs.lists, list_strides, mask_layout.head_div, b, first_head, m_block,
             split, num_splits, HAS_MASK=HAS_MASK, EDGE_SLOTS=EDGE_SLOTS, TRANSPOSED=False)
@@ -187,9 +201,8 @@ def _attn_fwd_kernel(
     steps = (k_strides.stride_l, v_strides.stride_l, mask_layout.stride_n, bias_layout.stride_n)
     # Full tiles (every pair visible: no mask read, no per-pair test), interior key blocks,
     # then the causal diagonal and a partial last key block. The lead span is empty here.
-    # With SCAN_KEYS the lead span holds the blocks before the full run, interior ones.
     for kind in tl.static_range(SPAN_KINDS):
-        if (HAS_MASK or kind != FULL) and (SCAN_KEYS or kind != LEAD):
+        if (HAS_MASK or kind != FULL) and kind != LEAD:
             blocks, first, count = span(span_list, spans[kind], LISTED)
             acc, m_i, l_i = _attn_fwd_inner(
                 acc, m_i, l_i, q, offs_m, offs_n0, d_ok, tiles, steps, blocks, first, count,
@@ -197,7 +210,8 @@ def _attn_fwd_kernel(
                 HAS_MASK=HAS_MASK and kind != FULL, HAS_BIAS=HAS_BIAS, BIAS_ROW=BIAS_ROW,
                 CAUSAL_TILES=IS_CAUSAL and kind == TAIL, USE_LIST=LISTED,
                 INTERIOR=kind != TAIL, DOT_PRECISION=DOT_PRECISION,
-                WIDEN_DOTS=WIDEN_DOTS, PAIR_MASK=SCAN_KEYS)
+                WIDEN_DOTS=WIDEN_DOTS, PAIR_MASK=SCAN_KEYS, skip_at=skip_at,
+                skip_len=skip_len, SKIP=SCAN_KEYS and kind == INNER)
 
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0

@@ -206,11 +206,15 @@ def scan_keys(problem: Problem, options: dict) -> bool:
     pays for short key lengths: the read and the compaction are two launches per call (a
     CUDA-graph replay included), while each program's scan reads every reachable key's
     interval (8 bytes per key for int32) and walks the blocks between its first and last
-    visible key, gaps included. ``tuning.FORWARD_SCAN_MAX_KEYS`` is where the lists win."""
+    visible key, gaps included. ``tuning.FORWARD_SCAN_MAX_KEYS`` is where the lists win, and
+    ``tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS`` the head dims where they win too."""
     possible = (problem.mask is not None and problem.interval_pair and problem.forward_only)
     forced = options.get("forward_key_scan")
     if forced is None:
-        return possible and problem.shape.seqlen_k <= tuning.FORWARD_SCAN_MAX_KEYS
+        head_dim = problem.shape.head_dim
+        return (possible and problem.shape.seqlen_k <= tuning.FORWARD_SCAN_MAX_KEYS
+                and not tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS[0] < head_dim
+                < tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS[1])
     if forced and not possible:
         raise ValueError("kernel_options['forward_key_scan']: True needs KeyIntervals read by "
                          "the call (not prepared), start and end of one dtype and strides, "

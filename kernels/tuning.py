@@ -101,8 +101,16 @@ PACKED_LIVE_SHARE_FOR_BRANCH = 0.5
 # Unprepared KeyIntervals in a forward-only call, up to this many keys: each program reads
 # the intervals of its reachable keys and walks the key blocks between its first and last
 # visible key (``schedule.scan_keys``), in place of the read and list-compaction launches.
-# A first estimate, to be set by measurement.
+# H100, CUDA-graph replays, bf16 D128 causal kv_row bias, scan / list time:
+#   B1 H16/4 top-1024:   L256 0.71, L1024 0.81, L2048 0.88, L4096 0.90, L8192 0.90
+#   B1 H8/2 sliding 256: L1024 0.86, L2048 0.77, L4096 0.89, L8192 1.02, L16384 1.30
+# (each program reads every reachable key's interval: O(Lk) per program, which a sliding
+# window's few blocks per program do not repay at long Lk).
 FORWARD_SCAN_MAX_KEYS = 4096
+# ... except for head dims strictly between these (D80, D96 padded to 128): B1 H16/4 L4096
+# top-1024, scan / list D80 1.04, D64 0.87, D256 0.95 (an earlier loop layout of the scan:
+# D96 1.07, D192 0.81).
+FORWARD_SCAN_SKIPS_HEAD_DIMS = (64, 128)
 # Keys per step of that read (int32 start and end: 8 KB a step from L2).
 FORWARD_SCAN_CHUNK = 1024
 

@@ -182,7 +182,7 @@ def plan_of(q, k, v, intervals, **options):
 def test_which_calls_scan(device, monkeypatch):
     """Scan: new intervals, start and end of one dtype and layout, no gradient, at most
     ``FORWARD_SCAN_MAX_KEYS`` keys. Not: a gradient wanted, mixed dtypes or strides, longer
-    keys, prepared intervals."""
+    keys, the head dims ``FORWARD_SCAN_SKIPS_HEAD_DIMS`` names, prepared intervals."""
     dims = Dims(1, 20, 48, heads_q=2, heads_kv=1, head_dim=16)
     q, k, v = random_qkv(dims, torch.float16, device)
     drawn = random_intervals(dims, "1", "1", device)
@@ -210,6 +210,10 @@ def test_which_calls_scan(device, monkeypatch):
     interface._interval_plans.clear()  # plans are kept by form, made under the old limit
     assert not plan_of(q, k, v, KeyIntervals(start, end)).scan_keys
     assert plan_of(q, k, v, KeyIntervals(start, end), forward_key_scan=True).scan_keys
+    monkeypatch.undo()
+    monkeypatch.setattr(tuning, "FORWARD_SCAN_SKIPS_HEAD_DIMS", (dims.head_dim - 1, 128))
+    interface._interval_plans.clear()
+    assert not plan_of(q, k, v, KeyIntervals(start, end)).scan_keys
 
 
 def test_forcing_a_scan_where_none_can_run_names_the_option(device):
