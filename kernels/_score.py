@@ -102,11 +102,13 @@ def pair_keeps(start_ptrs, end_ptrs, m_idx, key_ok, PREDICATED: tl.constexpr):
 
 
 @triton.jit
-def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_k, num_keys,
-                         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, IS_CAUSAL: tl.constexpr):
+def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_k, first_key,
+                         num_keys, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                         IS_CAUSAL: tl.constexpr):
     """``(lo, hi, full_lo, full_hi)`` for a program of rows [m0, m1), reading each key's
     interval from ``start_row`` and ``end_row`` (key 0's, ``stride_n`` apart), CHUNK keys a
-    step over keys [0, num_keys), in blocks of BLOCK_N keys:
+    step over keys [first_key, num_keys) (``first_key`` a multiple of BLOCK_N), in blocks of
+    BLOCK_N keys:
 
     * [lo, hi): the blocks from the one of the first key some row sees (causal: bottom-right)
       to the one of the last; empty where no row sees a key. Blocks between may hold no
@@ -114,6 +116,8 @@ def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_
     * [full_lo, full_hi): the blocks wholly inside the first run of keys that every row sees
       (start <= m0 and end >= m1), before causality: the caller cuts it to the blocks wholly
       below the causal diagonal. Where there is none, full_lo == full_hi == lo.
+
+    Keys before ``first_key`` count as unseen.
 
     Four reductions over each step's keys; the two that find the run cost nothing measurable
     (H100, L1024-8192: the same times with them left out), and walking the run with no mask
@@ -125,7 +129,7 @@ def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_
     last = tl.full((), -1, tl.int32)
     run_lo = tl.full((), none, tl.int32)
     run_hi = tl.full((), none, tl.int32)
-    for chunk in range(0, num_keys, CHUNK):
+    for chunk in range(first_key, num_keys, CHUNK):
         keys = chunk + offs
         ok = keys < num_keys
         offsets = keys.to(tl.int64) * stride_n

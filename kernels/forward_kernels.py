@@ -163,34 +163,31 @@ def _attn_fwd_kernel(
                         IS_CAUSAL=IS_CAUSAL, TRANSPOSED=False)
     LISTED: tl.constexpr = HAS_MASK and not SCAN_KEYS
     if SCAN_KEYS:
-        # The blocks this program's rows see (split-K: this share of them), as: a run of full
+        # The blocks this program's rows see (split-K: in this share), as: a run of full
         # blocks below the diagonal (no mask read, no per-pair test), the interior blocks
         # on either side of it, then the tail.
         inner_hi, tail_hi = dense[2], dense[3]
+        # Split-K shares the reachable blocks before the read, so that each share reads only
+        # its own keys' intervals (decode: Lk / splits each, not Lk).
+        share_lo, share_hi = split_share(tail_hi, split, num_splits)
         lo, hi, full_lo, full_hi = interval_block_range(
             start_base, end_base, mask_layout.stride_n, start_m,
-            tl.minimum(start_m + QUERY_ROWS, seqlen_q), seqlen_q, seqlen_k,
-            tl.minimum(tail_hi * BLOCK_N, seqlen_k), BLOCK_N=BLOCK_N, CHUNK=SCAN_CHUNK,
+            tl.minimum(start_m + QUERY_ROWS, seqlen_q), seqlen_q, seqlen_k, share_lo * BLOCK_N,
+            tl.minimum(share_hi * BLOCK_N, seqlen_k), BLOCK_N=BLOCK_N, CHUNK=SCAN_CHUNK,
             IS_CAUSAL=IS_CAUSAL)
         # The run cut to the interior; an empty one sits at lo.
         full_hi = tl.minimum(full_hi, inner_hi)
         no_run = full_hi <= full_lo
         full_lo = tl.where(no_run, lo, full_lo)
         full_hi = tl.where(no_run, lo, full_hi)
-        share_lo, share_hi = split_share(hi - lo, split, num_splits)
-        share_lo += lo
-        share_hi += lo
-        full_lo = tl.minimum(tl.maximum(full_lo, share_lo), share_hi)
-        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), share_hi)
-        mid = tl.minimum(tl.maximum(inner_hi, full_hi), share_hi)
+        mid = tl.minimum(tl.maximum(inner_hi, full_hi), hi)
         span_list = ptrs.lists
-        # One interior walk: [share_lo, full_lo), then past the run, [full_hi, mid). (A loop
-        # of its own for the blocks before the run, four loops in all, took 1.03-1.09x the
-        # time at L1024-8192: H100, topk and sliding windows, CUDA graphs.)
-        skip_at = full_lo - share_lo
+        # One interior walk: [lo, full_lo), then past the run, [full_hi, mid). (A loop of its
+        # own for the blocks before the run, four loops in all, took 1.03-1.09x the time at
+        # L1024-8192: H100, topk and sliding windows, CUDA graphs.)
+        skip_at = full_lo - lo
         skip_len = full_hi - full_lo
-        spans = ((full_lo, full_hi), (share_lo, share_lo),
-                 (share_lo, share_lo + skip_at + mid - full_hi), (mid, share_hi))
+        spans = ((full_lo, full_hi), (lo, lo), (lo, lo + skip_at + mid - full_hi), (mid, hi))
     else:
         skip_at = 0
         skip_len = 0

@@ -197,7 +197,7 @@ def edge_slots(loop_rows: int, step_rows: int) -> int:
     return next_power_of_2(ceil_div(loop_rows, step_rows) + 2)
 
 
-def scan_keys(problem: Problem, options: dict) -> bool:
+def scan_keys(problem: Problem, options: dict, splits: int = 1) -> bool:
     """Whether the forward finds its key blocks by reading the intervals itself (see
     ``ForwardSchedule.scan_keys``) rather than walking a list compacted from an activity map.
 
@@ -206,13 +206,15 @@ def scan_keys(problem: Problem, options: dict) -> bool:
     pays for short key lengths: the read and the compaction are two launches per call (a
     CUDA-graph replay included), while each program's scan reads every reachable key's
     interval (8 bytes per key for int32) and walks the blocks between its first and last
-    visible key, gaps included. ``tuning.FORWARD_SCAN_MAX_KEYS`` is where the lists win, and
+    visible key, gaps included. ``tuning.FORWARD_SCAN_MAX_KEYS`` is where the lists win (keys
+    read per program: with ``splits`` key splits, each share reads its own), and
     ``tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS`` the head dims where they win too."""
     possible = (problem.mask is not None and problem.interval_pair and problem.forward_only)
     forced = options.get("forward_key_scan")
     if forced is None:
         head_dim = problem.shape.head_dim
-        return (possible and problem.shape.seqlen_k <= tuning.FORWARD_SCAN_MAX_KEYS
+        return (possible and ceil_div(problem.shape.seqlen_k, splits)
+                <= tuning.FORWARD_SCAN_MAX_KEYS
                 and not tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS[0] < head_dim
                 < tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS[1])
     if forced and not possible:
@@ -243,7 +245,7 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
                                    problem.is_causal, sms),
         edge_slots=edge_slots(query_rows, tile.block_n),
         bias_row=bias is not None and bias.one_row and bias.shared_by(pack),
-        scan_keys=scan_keys(problem, options))
+        scan_keys=scan_keys(problem, options, splits))
 
 
 # -- backward

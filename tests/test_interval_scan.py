@@ -210,6 +210,8 @@ def test_which_calls_scan(device, monkeypatch):
     interface._interval_plans.clear()  # plans are kept by form, made under the old limit
     assert not plan_of(q, k, v, KeyIntervals(start, end)).scan_keys
     assert plan_of(q, k, v, KeyIntervals(start, end), forward_key_scan=True).scan_keys
+    # Key splits each read their own share of the keys: two shares of 24 keys are in reach.
+    assert plan_of(q, k, v, KeyIntervals(start, end), forward_key_splits=2).scan_keys
     monkeypatch.undo()
     monkeypatch.setattr(tuning, "FORWARD_SCAN_SKIPS_HEAD_DIMS", (dims.head_dim - 1, 128))
     interface._interval_plans.clear()
