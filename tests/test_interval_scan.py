@@ -48,6 +48,18 @@ def forward(q, k, v, intervals, bias, causal, **options):
     return out, lse, (kept[-1][0] if kept else None)
 
 
+def assert_matches_the_reference(q, k, v, intervals, bias, causal, out, lse):
+    """out and lse close to the float64 reference given the same intervals; rows that see no
+    key give 0 and -inf."""
+    ref_out, ref_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True)
+    low_out, low_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True,
+                                           upcast=False)
+    assert_empty_rows_and_finite(out, lse, ref_lse)
+    assert_close_to_reference("out", out, ref_out, low_out, q.dtype)
+    assert_close_to_reference("lse", lse, ref_lse, low_lse, q.dtype)
+    return low_out, low_lse
+
+
 @pytest.mark.parametrize("dims,heads,batch", SHAPES)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
@@ -60,12 +72,7 @@ def test_scan_matches_the_reference_and_the_list_path(dims, heads, batch, causal
     splits = {"forward_key_splits": 3} if dims.seqlen_q == 1 else {}  # decode: split-K too
     out, lse, plan = forward(q, k, v, intervals, bias, causal, **splits)
     assert plan.scan_keys and plan.splits == splits.get("forward_key_splits", 1)
-    ref_out, ref_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True)
-    low_out, low_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True,
-                                           upcast=False)
-    assert_empty_rows_and_finite(out, lse, ref_lse)
-    assert_close_to_reference("out", out, ref_out, low_out, dtype)
-    assert_close_to_reference("lse", lse, ref_lse, low_lse, dtype)
+    low_out, low_lse = assert_matches_the_reference(q, k, v, intervals, bias, causal, out, lse)
 
     listed_out, listed_lse, listed = forward(q, k, v, KeyIntervals(intervals.start,
                                                                    intervals.end),
@@ -95,12 +102,7 @@ def test_scan_finds_lone_keys_and_skips_nothing_between(causal, device):
                                       (0, 40, 42)])
     out, lse, plan = forward(q, k, v, intervals, None, causal)
     assert plan.scan_keys
-    ref_out, ref_lse = attention_reference(q, k, v, intervals, None, causal, return_lse=True)
-    low_out, low_lse = attention_reference(q, k, v, intervals, None, causal, return_lse=True,
-                                           upcast=False)
-    assert_empty_rows_and_finite(out, lse, ref_lse)
-    assert_close_to_reference("out", out, ref_out, low_out, torch.float32)
-    assert_close_to_reference("lse", lse, ref_lse, low_lse, torch.float32)
+    assert_matches_the_reference(q, k, v, intervals, None, causal, out, lse)
 
 
 def full_run_intervals(pattern: str, dims: Dims, device) -> KeyIntervals:
@@ -128,12 +130,7 @@ def test_scan_walks_runs_of_full_blocks(pattern, causal, device):
     intervals = full_run_intervals(pattern, dims, device)
     out, lse, plan = forward(q, k, v, intervals, bias, causal)
     assert plan.scan_keys
-    ref_out, ref_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True)
-    low_out, low_lse = attention_reference(q, k, v, intervals, bias, causal, return_lse=True,
-                                           upcast=False)
-    assert_empty_rows_and_finite(out, lse, ref_lse)
-    assert_close_to_reference("out", out, ref_out, low_out, torch.float32)
-    assert_close_to_reference("lse", lse, ref_lse, low_lse, torch.float32)
+    assert_matches_the_reference(q, k, v, intervals, bias, causal, out, lse)
 
 
 def test_kept_scan_plans_follow_each_calls_values_bit_for_bit(device, monkeypatch):
