@@ -132,14 +132,15 @@ def _attn_fwd_kernel(
         + tile_offsets(offs_n0[:, None], offs_d[None, :], v_strides.stride_l, 1)
     # Mask and bias rows past seqlen_q read the last row: interior tiles load unpredicated.
     safe_m = clamp_index(offs_m, seqlen_q)
-    end_rows = ptrs.mask_end
+    # A KeyIntervals mask's bases (its words, or with SCAN_KEYS its start and end as given).
     start_base = head_base(ptrs.mask, mask_layout, b, first_head)
     end_base = head_base(ptrs.mask_end, mask_layout, b, first_head)
+    end_rows = ptrs.mask_end  # read only with SCAN_KEYS
     if SCAN_KEYS:  # KeyIntervals as given: start and end, one key vector each
         mask_rows = start_base + interval_rows()
         end_rows = end_base + interval_rows()
     elif tl.constexpr(ptrs.mask.dtype.element_ty == tl.int64):  # KeyIntervals: one key vector
-        mask_rows = head_base(ptrs.mask, mask_layout, b, first_head) + interval_rows()
+        mask_rows = start_base + interval_rows()
     else:
         mask_rows = ptrs.mask + b.to(tl.int64) * mask_layout.stride_b \
             + row_offsets(safe_m, heads, mask_layout.head_div, mask_layout.stride_m,
