@@ -30,7 +30,7 @@ import triton.language as tl
 from ._checks import AttnShape, BroadcastOperand, interval_words
 from ._launch import PlannedLaunch, ceil_div, operand_args
 from ._operands import NO_LISTS, ListStrides, sizes_of
-from ._score import tile_offsets, visible_keys
+from ._score import clamped_bounds, tile_offsets, visible_keys
 
 
 @triton.jit
@@ -311,8 +311,7 @@ def _interval_activity_kernel(
                     + key_offsets * stride_start_k, mask=key_ok, other=0)
     end = tl.load(end_ptr + b * stride_end_b + h * stride_end_h + key_offsets * stride_end_k,
                   mask=key_ok, other=0)
-    start = tl.minimum(tl.maximum(start, 0), 2147483647).to(tl.int32)
-    end = tl.minimum(tl.maximum(end, 0), 2147483647).to(tl.int32)
+    start, end = clamped_bounds(start, end)
     if tl.program_id(0) == 0:
         words = (end.to(tl.int64) << 32) | start.to(tl.int64)
         tl.store(words_ptr + bh.to(tl.int64) * seqlen_k + key_offsets, words, mask=key_ok)
