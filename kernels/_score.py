@@ -106,7 +106,7 @@ def pair_keeps(start_ptrs, end_ptrs, m_idx, key_ok, PREDICATED: tl.constexpr):
 
 @triton.jit
 def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_k, first_key,
-                         num_keys, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                         num_keys, interior_hi, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                          IS_CAUSAL: tl.constexpr):
     """``(lo, hi, full_lo, full_hi)`` for a program of rows [m0, m1), reading each key's
     interval from ``start_row`` and ``end_row`` (key 0's, ``stride_n`` apart), CHUNK keys a
@@ -117,8 +117,9 @@ def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_
       to the one of the last; empty where no row sees a key. Blocks between may hold no
       visible pair: the caller tests every pair of them.
     * [full_lo, full_hi): the blocks wholly inside the first run of keys that every row sees
-      (start <= m0 and end >= m1), before causality: the caller cuts it to the blocks wholly
-      below the causal diagonal. Where there is none, full_lo == full_hi == lo.
+      (start <= m0 and end >= m1), cut to the interior blocks [0, interior_hi) (inside both
+      lengths and wholly below the causal diagonal). Where there is none,
+      full_lo == full_hi == lo.
 
     Keys before ``first_key`` count as unseen.
 
@@ -153,7 +154,7 @@ def interval_block_range(start_row, end_row, stride_n, m0, m1, seqlen_q, seqlen_
     lo = tl.where(any_seen, first // BLOCK_N, 0)
     hi = tl.where(any_seen, last // BLOCK_N + 1, 0)
     full_lo = (run_lo + BLOCK_N - 1) // BLOCK_N
-    full_hi = tl.minimum(run_hi, num_keys) // BLOCK_N
+    full_hi = tl.minimum(tl.minimum(run_hi, num_keys) // BLOCK_N, interior_hi)
     has_run = (run_lo < none) & (full_lo < full_hi)  # its keys are seen: inside [lo, hi)
     return lo, hi, tl.where(has_run, full_lo, lo), tl.where(has_run, full_hi, lo)
 

@@ -174,13 +174,8 @@ def _attn_fwd_kernel(
         lo, hi, full_lo, full_hi = interval_block_range(
             start_base, end_base, mask_layout.stride_n, start_m,
             tl.minimum(start_m + QUERY_ROWS, seqlen_q), seqlen_q, seqlen_k, share_lo * BLOCK_N,
-            tl.minimum(share_hi * BLOCK_N, seqlen_k), BLOCK_N=BLOCK_N, CHUNK=SCAN_CHUNK,
-            IS_CAUSAL=IS_CAUSAL)
-        # The run cut to the interior; an empty one sits at lo.
-        full_hi = tl.minimum(full_hi, inner_hi)
-        no_run = full_hi <= full_lo
-        full_lo = tl.where(no_run, lo, full_lo)
-        full_hi = tl.where(no_run, lo, full_hi)
+            tl.minimum(share_hi * BLOCK_N, seqlen_k), inner_hi, BLOCK_N=BLOCK_N,
+            CHUNK=SCAN_CHUNK, IS_CAUSAL=IS_CAUSAL)
         mid = tl.minimum(tl.maximum(inner_hi, full_hi), hi)
         span_list = ptrs.lists
         # One interior walk: [lo, full_lo), then past the run, [full_hi, mid). (A loop of its
