@@ -277,16 +277,45 @@ class BackwardSchedule:
         return self.dbias.mode if self.dbias is not None else DbiasMode.NONE
 
 
-def backward_tiles(problem: Problem) -> tuple[tuning.Tile, tuning.Tile]:
-    """(dkdv, dq) tiles of the general backward."""
+def dkdv_takes_wide_tile(problem: Problem, options: dict | None = None) -> bool:
+    """Whether dkdv takes ``tuning.DKDV_D128_WIDE`` (64 query rows x 128 keys, 8 warps): 16-bit,
+    64 < padded head dim <= 128, more than decode rows, and by default a grid of at least
+    ``DKDV_WIDE_MIN_PROGRAMS_PER_SM`` 128-key programs per multiprocessor over at least
+    ``DKDV_WIDE_MIN_ROWS`` query rows. Where the grid is smaller, 64-key programs (twice as
+    many) finish sooner. ``kernel_options['dkdv_wide_tile']`` forces the choice."""
+    shape = problem.shape
+    possible = (problem.dtype != torch.float32 and 64 < problem.block_d <= 128
+                and shape.seqlen_q > tuning.DKDV_DECODE_ROWS)
+    forced = (options or {}).get("dkdv_wide_tile")
+    if forced is None:
+        if problem.interpreted or not possible:
+            return False
+        programs = shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k,
+                                                           tuning.DKDV_D128_WIDE.block_n)
+        return (shape.seqlen_q >= tuning.DKDV_WIDE_MIN_ROWS
+                and programs >= tuning.DKDV_WIDE_MIN_PROGRAMS_PER_SM * problem.multiprocessors)
+    if forced and not possible:
+        raise ValueError("kernel_options['dkdv_wide_tile']: True needs a 16-bit dtype, a head "
+                         "dim above 64 and at most 128, and more than "
+                         f"{tuning.DKDV_DECODE_ROWS} query rows")
+    return forced
+
+
+def backward_tiles(problem: Problem, options: dict | None = None) -> tuple[tuning.Tile,
+                                                                           tuning.Tile]:
+    """(dkdv, dq) tiles of the general backward; ``options`` may force dkdv's wide tile."""
     shape, block_d = problem.shape, problem.block_d
+    wide = dkdv_takes_wide_tile(problem, options)
     if problem.interpreted:
-        return tuning.DKDV_INTERPRETED, tuning.DQ_INTERPRETED
+        return (tuning.DKDV_INTERPRETED_WIDE if wide else tuning.DKDV_INTERPRETED,
+                tuning.DQ_INTERPRETED)
     if problem.dtype == torch.float32:
         return tuning.BACKWARD_FP32, tuning.BACKWARD_FP32
     if block_d <= 64:
         return tuning.DKDV_D64, tuning.DQ_D64
     if block_d <= 128:
+        if wide:
+            return tuning.DKDV_D128_WIDE, tuning.DQ_D128
         if shape.seqlen_q <= tuning.DKDV_DECODE_ROWS:
             return tuning.DKDV_D128_DECODE, tuning.DQ_D128
         key_programs = shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k,
@@ -402,7 +431,7 @@ def schedule_packed(problem: Problem, dbias: DbiasPlan | None) -> BackwardSchedu
 
 def schedule_general(problem: Problem, options: dict) -> BackwardSchedule:
     shape, sms = problem.shape, problem.multiprocessors
-    dkdv, dq = backward_tiles(problem)
+    dkdv, dq = backward_tiles(problem, options)
     dbias = None
     if problem.bias_grad:
         dbias = plan_dbias(problem.bias.shape, problem.bias.head_div, shape, problem.dtype,
@@ -495,6 +524,8 @@ OPTION_NAMES = {
     "dq_key_splits": "dq's key splits, an int >= 1",
     "dkdv_head_shares": "dkdv's shares of a GQA group's heads, an int dividing the group",
     "forward_key_scan": "whether the forward reads unprepared intervals itself, True or False",
+    "dkdv_wide_tile": "whether dkdv takes its 64 x 128 tile (16-bit, 64 < head dim <= 128), "
+                      "True or False",
 }
 
 
@@ -516,7 +547,7 @@ def normalize_options(options) -> dict:
             except ValueError:
                 raise ValueError(f"kernel_options['backward']: expected one of 'fused', "
                                  f"'dq+dkdv', 'packed', got {value!r}") from None
-        elif name == "forward_key_scan":
+        elif name in ("forward_key_scan", "dkdv_wide_tile"):
             if type(value) is not bool:
                 raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "
                                  f"got {value!r}")

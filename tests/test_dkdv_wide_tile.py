@@ -1,0 +1,118 @@
+"""dkdv's wide tile: 64 query rows x 128 keys with 8 warps on the GPU (16 x 64 under the
+interpreter), taken by grids of enough key programs at 64 < head dim <= 128 in 16-bit.
+
+Test shapes are too small to take it by the shape rule, so each gradient case forces it with
+``kernel_options={"dkdv_wide_tile": True}`` and checks every gradient against float64 autograd
+of the reference: masks with partial and empty tiles, the causal edge, GQA with and without
+head shares, the fused launch, each way the bias gradient is made, and determinism. The rule
+itself is checked on Problems of an H100-sized GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, forcing,
+                          random_problem, run_backward)
+from kernels import dmattn_func, prepare_mask, tuning
+from kernels._checks import AttnShape
+from kernels.schedule import Problem, backward_tiles
+
+WIDE = {"dkdv_wide_tile": True}
+
+# (dims, mask axes or None, bias axes or None, causal, more options)
+CASES = [
+    # Lengths that leave a partial key block and a partial query step, the causal edge, a
+    # per-(batch, kv head) mask with empty tiles and a one-row bias (dkdv sums its rows).
+    pytest.param(Dims(1, 37, 150, heads_q=4, heads_kv=2, head_dim=80), "BxHkxLqxLk",
+                 "1xHkx1xLk", True, {}, id="D80-kv_row-causal"),
+    # Lq above Lk (bottom-right causal puts the first rows before every key), MQA, no bias.
+    pytest.param(Dims(2, 90, 70, heads_q=3, heads_kv=1, head_dim=128), "1x1xLqxLk", None, True,
+                 {}, id="D128-mqa-causal"),
+    # A full bias per query head: its gradient is written by dq; no mask, not causal.
+    pytest.param(Dims(1, 40, 130, heads_q=2, heads_kv=2, head_dim=96), None, "BxHqxLqxLk",
+                 False, {}, id="D96-q_full"),
+    # The group's heads in two shares, each writing partials the last one sums.
+    pytest.param(Dims(1, 33, 140, heads_q=4, heads_kv=2, head_dim=80), "BxHkxLqxLk",
+                 "1xHkx1xLk", True, {"dkdv_head_shares": 2}, id="D80-head-shares"),
+    # One launch for dq and dkdv programs.
+    pytest.param(Dims(1, 25, 100, heads_q=4, heads_kv=2, head_dim=128), "BxHkxLqxLk",
+                 "1xHkxLqxLk", True, {"backward": "fused"}, id="D128-fused-kv_full"),
+]
+
+
+@pytest.mark.parametrize("dims,mask_axes,bias_axes,causal,more", CASES)
+def test_wide_tile_gives_the_reference_gradients(dims, mask_axes, bias_axes, causal, more,
+                                                 device):
+    options = {**WIDE, **more}
+    q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device,
+                                         mask=mask_axes or "1x1x1x1",
+                                         bias=bias_axes or "1x1x1x1", keep=0.6)
+    mask = mask if mask_axes else None
+    bias = bias if bias_axes else None
+    run_backward(q, k, v, mask, bias, causal, func=forcing(**options))
+    bwd = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options)
+    wide = tuning.DKDV_INTERPRETED_WIDE if device.type == "cpu" else tuning.DKDV_D128_WIDE
+    assert (bwd.dkdv.block_m, bwd.dkdv.block_n) == (wide.block_m, wide.block_n)
+
+
+def test_wide_tile_with_a_prepared_mask_is_deterministic(device):
+    """A prepared mask's lists were built for its default tiles; the forced wide tile takes
+    its own from the same map, and two deterministic runs give identical bits."""
+    dims = Dims(1, 41, 133, heads_q=4, heads_kv=2, head_dim=80)
+    q, k, v, mask, bias = random_problem(dims, torch.float16, device, mask="BxHkxLqxLk",
+                                         bias="1xHkx1xLk", keep=0.5)
+    prepared = prepare_mask(mask, q, k, True)
+
+    def with_prepared(q, k, v, mask, bias, causal, scale=None, **kwargs):
+        assert mask is prepared.mask
+        return dmattn_func(q, k, v, prepared, bias, causal, scale, kernel_options=WIDE,
+                           **kwargs)
+
+    run_backward(q, k, v, mask, bias, True, func=with_prepared)
+    assert_deterministic_grads(q, k, v, mask, bias, True, func=with_prepared)
+
+
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q", [
+    pytest.param(torch.float32, 128, 64, id="fp32"),
+    pytest.param(torch.bfloat16, 64, 64, id="D64"),
+    pytest.param(torch.bfloat16, 192, 64, id="D192"),
+    pytest.param(torch.bfloat16, 128, tuning.DKDV_DECODE_ROWS, id="decode-rows"),
+])
+def test_forcing_the_wide_tile_where_it_cannot_apply_names_the_option(dtype, head_dim,
+                                                                     seqlen_q):
+    problem = _problem(1, 4, 2, seqlen_q, 256, head_dim, dtype)
+    with pytest.raises(ValueError, match=r"kernel_options\['dkdv_wide_tile'\]: True needs"):
+        backward_tiles(problem, {"dkdv_wide_tile": True})
+
+
+def test_the_option_takes_a_bool(device):
+    dims = Dims(1, 20, 30, heads_q=2, heads_kv=2, head_dim=80)
+    q, k, v, _, _ = random_problem(dims, torch.bfloat16, device, mask="1x1x1x1",
+                                   bias="1x1x1x1")
+    with pytest.raises(ValueError, match=r"kernel_options\['dkdv_wide_tile'\]: expected"):
+        backward_schedule(q, k, v, kernel_options={"dkdv_wide_tile": 1})
+
+
+def _problem(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype=torch.bfloat16,
+             multiprocessors=132):
+    shape = AttnShape(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                      seqlen_k=seqlen_k, head_dim=head_dim)
+    return Problem(shape, dtype, torch.device("cuda"), interpreted=False,
+                   multiprocessors=multiprocessors, is_causal=True, softmax_scale=0.1)
+
+
+@pytest.mark.parametrize("sizes,wide", [
+    ((2, 16, 4, 8192, 8192, 128), True),    # 512 programs of 128 keys
+    ((1, 16, 4, 4096, 4096, 80), True),     # 128: padded head dims too
+    ((1, 16, 4, 2048, 2048, 128), False),   # 64 of 132 multiprocessors
+    ((1, 8, 2, 2048, 2048, 128), False),    # 32
+    ((1, 16, 4, 64, 8192, 128), False),     # fewer query rows than DKDV_WIDE_MIN_ROWS
+    ((2, 16, 4, 8192, 8192, 64), False),    # D64 has its own tiles
+    ((2, 16, 4, 8192, 8192, 256), False),
+])
+def test_the_shape_rule(sizes, wide):
+    problem = _problem(*sizes)
+    dkdv, _ = backward_tiles(problem)
+    assert (dkdv == tuning.DKDV_D128_WIDE) == wide
+    assert backward_tiles(problem, {"dkdv_wide_tile": False})[0] != tuning.DKDV_D128_WIDE
