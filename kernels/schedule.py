@@ -277,6 +277,13 @@ class BackwardSchedule:
         return self.dbias.mode if self.dbias is not None else DbiasMode.NONE
 
 
+def wide_tile_possible(problem: Problem) -> bool:
+    """Whether dkdv can take its wide tile: 16-bit, 64 < padded head dim <= 128, more than
+    decode rows."""
+    return (problem.dtype != torch.float32 and 64 < problem.block_d <= 128
+            and problem.shape.seqlen_q > tuning.DKDV_DECODE_ROWS)
+
+
 def dkdv_takes_wide_tile(problem: Problem, options: dict | None = None) -> bool:
     """Whether dkdv takes ``tuning.DKDV_D128_WIDE`` (64 query rows x 128 keys, 8 warps): 16-bit,
     64 < padded head dim <= 128, more than decode rows, and by default a grid of at least
@@ -284,8 +291,7 @@ def dkdv_takes_wide_tile(problem: Problem, options: dict | None = None) -> bool:
     ``DKDV_WIDE_MIN_ROWS`` query rows. Where the grid is smaller, 64-key programs (twice as
     many) finish sooner. ``kernel_options['dkdv_wide_tile']`` forces the choice."""
     shape = problem.shape
-    possible = (problem.dtype != torch.float32 and 64 < problem.block_d <= 128
-                and shape.seqlen_q > tuning.DKDV_DECODE_ROWS)
+    possible = wide_tile_possible(problem)
     forced = (options or {}).get("dkdv_wide_tile")
     if forced is None:
         if problem.interpreted or not possible:
@@ -327,9 +333,17 @@ def backward_tiles(problem: Problem, options: dict | None = None) -> tuple[tunin
 
 def activity_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:
     """Every (query rows, key cols) tile whose active-tile lists the forward and the general
-    backward walk: one activity map of the mask must serve them all."""
-    dkdv, dq = backward_tiles(problem)
-    return forward.list_tile, (dkdv.block_m, dkdv.block_n), (dq.block_m, dq.block_n)
+    backward walk: one activity map of the mask must serve them all, dkdv's tile either way
+    ``kernel_options['dkdv_wide_tile']`` may force it (a prepared mask's map is built before
+    any call's options are known)."""
+    choices = [{}]
+    if wide_tile_possible(problem):
+        choices += [{"dkdv_wide_tile": False}, {"dkdv_wide_tile": True}]
+    tiles = [forward.list_tile]
+    for options in choices:
+        dkdv, dq = backward_tiles(problem, options)
+        tiles += [(dkdv.block_m, dkdv.block_n), (dq.block_m, dq.block_n)]
+    return tuple(dict.fromkeys(tiles))
 
 
 def dkdv_stages(problem: Problem, dkdv: tuning.Tile) -> int:

@@ -16,7 +16,8 @@ from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, f
                           random_problem, run_backward)
 from kernels import dmattn_func, prepare_mask, tuning
 from kernels._checks import AttnShape
-from kernels.schedule import Problem, backward_tiles
+from kernels._blocks import shared_granularity
+from kernels.schedule import Problem, activity_tiles, backward_tiles, schedule
 
 WIDE = {"dkdv_wide_tile": True}
 
@@ -116,3 +117,16 @@ def test_the_shape_rule(sizes, wide):
     dkdv, _ = backward_tiles(problem)
     assert (dkdv == tuning.DKDV_D128_WIDE) == wide
     assert backward_tiles(problem, {"dkdv_wide_tile": False})[0] != tuning.DKDV_D128_WIDE
+
+
+@pytest.mark.parametrize("sizes", [(2, 16, 4, 8192, 8192, 128), (1, 8, 2, 2048, 2048, 96)],
+                         ids=("wide", "narrow"))
+def test_one_activity_map_serves_dkdv_either_way(sizes):
+    """A prepared mask's map is built before a call's options are known: its tiles must make
+    up dkdv's tile whether the call forces the wide tile or not."""
+    problem = _problem(*sizes)
+    rows, cols = shared_granularity(activity_tiles(problem, schedule(problem).forward))
+    for wide in (False, True):
+        dkdv, dq = backward_tiles(problem, {"dkdv_wide_tile": wide})
+        for tile_rows, tile_cols in ((dkdv.block_m, dkdv.block_n), (dq.block_m, dq.block_n)):
+            assert tile_rows % rows == 0 and tile_cols % cols == 0, (wide, rows, cols)
