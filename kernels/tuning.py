@@ -69,17 +69,21 @@ DKDV_D128_SMALL_GRID = Tile(32, 16, 4, 3)
 DKDV_SMALL_GRID_SHARE = 4
 DQ_D128 = Tile(64, 32, 4, 3)
 # ... but on a grid of enough 128-key programs, 64 query rows x 128 keys with 8 warps wins
-# (``schedule.dkdv_takes_wide_tile``): backward (dq + dkdv) time, wide / 32x64 w4, H100 bf16
-# D128 causal unless "full", median of 3 interleaved rounds:
-#   no mask: B2 H16/4 L8192 full 0.888, causal 0.932; L4096 0.937; B1 H32/8 L8192 0.925
-#   top-1024 kv_row bias: B1 H16/4 L4096 0.888, L8192 0.912; sliding 1024: B2 H16/4 L8192 0.947
-#   32 programs (B1 H8/2 L2048, B1 H16/4 L1024): 1.006-1.065, so small grids keep 32x64.
+# (``schedule.dkdv_takes_wide_tile``). Backward (dq + dkdv) time, wide / 32x64 w4, H100 bf16
+# D128 causal unless "full"; median of 3-4 interleaved rounds; p = B * Hk * ceil(Lk / 128):
+#   no mask: B2 H16/4 L8192 full 0.888, causal 0.932 (fp16 0.931); B1 H32/8 L8192 0.925
+#   no mask, p 64-128: B1 H16/4 L2048 0.914, B1 H8/2 L4096 0.870, L3072 0.713, L4096 0.856
+#   no mask, few query rows: B1 H16/4 Lk8192 Lq256 0.828, Lq128 0.926, Lq64 0.853
+#   top-1024 kv_row bias: B1 H16/4 L4096 0.888 (D80 0.966, D96 0.990), L8192 0.912;
+#     B1 H12/6 L2048 (p 96) 0.951, B1 H16/4 L2048 (p 64) 1.046
+#   sliding 1024 kv_row: B2 H16/4 L8192 0.947
+#   p 16-32 (B1 H8/2 L1024 and L2048, B1 H16/4 L1024): 1.006-1.335, so small grids keep 32x64.
 # Two stages instead of three: 1.052 on the full L8192 row (masks with mostly partial tiles get
 # two anyway, ``DKDV_PARTIAL_TILES_STAGES``).
 DKDV_D128_WIDE = Tile(64, 128, 8, 3)
 DKDV_INTERPRETED_WIDE = Tile(16, 64, 4, 1)  # what kernel_options['dkdv_wide_tile'] forces there
-DKDV_WIDE_MIN_PROGRAMS_PER_SM = 0.5
-DKDV_WIDE_MIN_ROWS = 128
+DKDV_WIDE_MIN_PROGRAMS_PER_SM = 0.45  # 60 programs on 132 multiprocessors
+DKDV_WIDE_MIN_ROWS = 64
 # 128 < D <= 256: 64x64 tiles with 8 warps against 32x32 with 4 (dkdv us, H100, bf16, causal,
 # kv_row bias; topk rows take topk_intervals masks): D256 B1 H16/4 L4096 topk W1024 120 vs 156,
 # L16384 1722 vs 2297; D256 B2 H16/4 L8192 no mask 776 vs 999; D160 B2 H8/2 L4096 topk 160 vs

@@ -106,9 +106,10 @@ def _problem(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype=torch
 @pytest.mark.parametrize("sizes,wide", [
     ((2, 16, 4, 8192, 8192, 128), True),    # 512 programs of 128 keys
     ((1, 16, 4, 4096, 4096, 80), True),     # 128: padded head dims too
-    ((1, 16, 4, 2048, 2048, 128), False),   # 64 of 132 multiprocessors
+    ((1, 16, 4, 2048, 2048, 128), True),    # 64, on 132 multiprocessors
     ((1, 8, 2, 2048, 2048, 128), False),    # 32
-    ((1, 16, 4, 64, 8192, 128), False),     # fewer query rows than DKDV_WIDE_MIN_ROWS
+    ((1, 16, 4, 64, 8192, 128), True),      # DKDV_WIDE_MIN_ROWS query rows
+    ((1, 16, 4, 32, 8192, 128), False),     # fewer
     ((2, 16, 4, 8192, 8192, 64), False),    # D64 has its own tiles
     ((2, 16, 4, 8192, 8192, 256), False),
 ])
