@@ -140,6 +140,7 @@ class ActivityMap:
     _lists: dict = field(default_factory=dict, compare=False, repr=False)
     _partial_shares: dict = field(default_factory=dict, compare=False, repr=False)
     _live_shares: dict = field(default_factory=dict, compare=False, repr=False)
+    _active_areas: dict = field(default_factory=dict, compare=False, repr=False)
 
     def lists(self, block_rows: int, block_cols: int, transposed: bool) -> BlockLists:
         """The lists for (block_rows x block_cols) tiles, built on first use and kept: a
@@ -171,6 +172,22 @@ class ActivityMap:
         """The share counted by ``count_partial_share``, or None where it was not counted
         (a mask read within the call, where a sync would stall the host)."""
         return self._partial_shares.get((block_rows, block_cols, bool(transposed)))
+
+    def count_active_area(self, block_rows: int, block_cols: int) -> int:
+        """Count, and keep, the (query, key) pairs inside the active (block_rows x block_cols)
+        tiles (queries on rows): the work of a kernel that walks those tiles. A device sync,
+        as ``count_partial_share``; the tile must be made of the map's tiles."""
+        fr, fc = block_rows // self.sub_rows, block_cols // self.sub_cols
+        batch, heads, rows, cols = self.active.shape
+        live = torch.nn.functional.pad(self.active > 0, (0, -cols % fc, 0, -rows % fr))
+        tiles = live.view(batch, heads, -(-rows // fr), fr, -(-cols // fc), fc).any(5).any(3)
+        area = int(tiles.sum()) * block_rows * block_cols
+        self._active_areas[(block_rows, block_cols)] = area
+        return area
+
+    def active_area(self, block_rows: int, block_cols: int) -> int | None:
+        """The area counted by ``count_active_area``, or None where it was not counted."""
+        return self._active_areas.get((block_rows, block_cols))
 
     def count_live_share(self, block_cols: int, heads_per_tile: int) -> float | None:
         """Count, and keep, which share of the (all query rows, ``block_cols`` keys) tiles of

@@ -27,7 +27,9 @@ from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
 from .backward_packed import PackedBackwardPlan
 from .schedule import (BackwardRoute, BackwardSchedule, Problem, backward_tiles, edge_slots,
-                       grid_chunk_rows, packed_tile, packed_tile_heads, schedule, takes_packed)
+                       grid_chunk_rows, packed_tile, packed_tile_heads, schedule, takes_packed,
+                       wide_tile_possible)
+from . import tuning
 from .tuning import Tile
 
 
@@ -44,11 +46,17 @@ def prepare_backward_lists(activity: ActivityMap, problem: Problem) -> None:
     """Build (and keep in ``activity``) both backward kernels' lists ahead of the call, count
     the share of partial tiles in dkdv's, which picks its pipeline depth, and for decode
     shapes the share of live key blocks, which picks how the packed launch skips."""
+    # Counting reads back to the host, which a CUDA graph capture forbids; left uncounted, the
+    # share counts as mostly partial (``schedule.dkdv_stages``) and the wide dkdv tile's work as
+    # no more than the narrow one's (``schedule.wide_tile_adds_work``).
+    counting = not graph_capturing(problem.device)
+    problem = replace(problem, activity=activity)
+    if counting and wide_tile_possible(problem) and not problem.interpreted:
+        for tile in (tuning.DKDV_D128_WIDE, tuning.DKDV_D128):
+            activity.count_active_area(tile.block_m, tile.block_n)
     dkdv, dq = backward_tiles(problem)
     backward_lists(activity, dkdv, dq)
-    # Counting reads back to the host, which a CUDA graph capture forbids; left uncounted, the
-    # share counts as mostly partial (``schedule.dkdv_stages``).
-    if not graph_capturing(problem.device):
+    if counting:
         activity.count_partial_share(dkdv.block_n, dkdv.block_m, transposed=True)
         if takes_packed(replace(problem, bias_grad=False)):
             activity.count_live_share(packed_tile(problem).block_n,

@@ -284,12 +284,29 @@ def wide_tile_possible(problem: Problem) -> bool:
             and problem.shape.seqlen_q > tuning.DKDV_DECODE_ROWS)
 
 
+def wide_tile_adds_work(problem: Problem) -> bool:
+    """Whether a prepared mask's counted active tiles (``ActivityMap.count_active_area``) put
+    more than ``tuning.DKDV_WIDE_MAX_EXTRA_WORK`` times the narrow tiles' pairs in the wide
+    ones: masks whose activity changes at a finer grain than 128 keys (whole 64-key blocks).
+    Uncounted (a mask read within the call, or none): False."""
+    activity = problem.activity
+    if activity is None:
+        return False
+    wide, narrow = tuning.DKDV_D128_WIDE, tuning.DKDV_D128
+    wide_area = activity.active_area(wide.block_m, wide.block_n)
+    narrow_area = activity.active_area(narrow.block_m, narrow.block_n)
+    if wide_area is None or narrow_area is None:
+        return False
+    return wide_area > tuning.DKDV_WIDE_MAX_EXTRA_WORK * narrow_area
+
+
 def dkdv_takes_wide_tile(problem: Problem, options: dict | None = None) -> bool:
     """Whether dkdv takes ``tuning.DKDV_D128_WIDE`` (64 query rows x 128 keys, 8 warps): 16-bit,
     64 < padded head dim <= 128, more than decode rows, and by default a grid of at least
     ``DKDV_WIDE_MIN_PROGRAMS_PER_SM`` 128-key programs per multiprocessor over at least
-    ``DKDV_WIDE_MIN_ROWS`` query rows. Where the grid is smaller, 64-key programs (twice as
-    many) finish sooner. ``kernel_options['dkdv_wide_tile']`` forces the choice."""
+    ``DKDV_WIDE_MIN_ROWS`` query rows, unless a prepared mask's active tiles hold much more work
+    in the wide tile (``wide_tile_adds_work``). Where the grid is smaller, 64-key programs (twice
+    as many) finish sooner. ``kernel_options['dkdv_wide_tile']`` forces the choice."""
     shape = problem.shape
     possible = wide_tile_possible(problem)
     forced = (options or {}).get("dkdv_wide_tile")
@@ -299,7 +316,8 @@ def dkdv_takes_wide_tile(problem: Problem, options: dict | None = None) -> bool:
         programs = shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k,
                                                            tuning.DKDV_D128_WIDE.block_n)
         return (shape.seqlen_q >= tuning.DKDV_WIDE_MIN_ROWS
-                and programs >= tuning.DKDV_WIDE_MIN_PROGRAMS_PER_SM * problem.multiprocessors)
+                and programs >= tuning.DKDV_WIDE_MIN_PROGRAMS_PER_SM * problem.multiprocessors
+                and not wide_tile_adds_work(problem))
     if forced and not possible:
         raise ValueError("kernel_options['dkdv_wide_tile']: True needs a 16-bit dtype, a head "
                          "dim above 64 and at most 128, and more than "

@@ -84,6 +84,10 @@ DKDV_D128_WIDE = Tile(64, 128, 8, 3)
 DKDV_INTERPRETED_WIDE = Tile(16, 64, 4, 1)  # what kernel_options['dkdv_wide_tile'] forces there
 DKDV_WIDE_MIN_PROGRAMS_PER_SM = 0.45  # 60 programs on 132 multiprocessors
 DKDV_WIDE_MIN_ROWS = 64
+# A prepared mask whose active wide tiles hold more pairs than this times its active narrow
+# tiles keeps the narrow tile: block_topk masks (whole 64-key blocks per row) took 1.07-1.20x
+# as long with the wide tile (B2 H16/4 and H32/8, L4096 and L8192, W1024 kv_row).
+DKDV_WIDE_MAX_EXTRA_WORK = 1.15
 # 128 < D <= 256: 64x64 tiles with 8 warps against 32x32 with 4 (dkdv us, H100, bf16, causal,
 # kv_row bias; topk rows take topk_intervals masks): D256 B1 H16/4 L4096 topk W1024 120 vs 156,
 # L16384 1722 vs 2297; D256 B2 H16/4 L8192 no mask 776 vs 999; D160 B2 H8/2 L4096 topk 160 vs

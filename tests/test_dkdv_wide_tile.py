@@ -9,6 +9,8 @@ itself is checked on Problems of an H100-sized GPU."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,8 +18,9 @@ from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, f
                           random_problem, run_backward)
 from kernels import dmattn_func, prepare_mask, tuning
 from kernels._checks import AttnShape
-from kernels._blocks import shared_granularity
-from kernels.schedule import Problem, activity_tiles, backward_tiles, schedule
+from kernels._blocks import ActivityMap, shared_granularity
+from kernels.schedule import (Problem, activity_tiles, backward_tiles, dkdv_takes_wide_tile,
+                              schedule)
 
 WIDE = {"dkdv_wide_tile": True}
 
@@ -131,3 +134,35 @@ def test_one_activity_map_serves_dkdv_either_way(sizes):
         dkdv, dq = backward_tiles(problem, {"dkdv_wide_tile": wide})
         for tile_rows, tile_cols in ((dkdv.block_m, dkdv.block_n), (dq.block_m, dq.block_n)):
             assert tile_rows % rows == 0 and tile_cols % cols == 0, (wide, rows, cols)
+
+
+def _map_of(live_blocks_per_row: torch.Tensor, sub: int = 32) -> ActivityMap:
+    """A (1, 1) activity map of (sub x sub) tiles, active (1) where ``live_blocks_per_row``
+    (map rows x map cols, bool) says so."""
+    return ActivityMap(live_blocks_per_row.to(torch.int8)[None, None], sub, sub)
+
+
+def test_active_area_counts_the_pairs_of_active_tiles():
+    live = torch.zeros(5, 9, dtype=torch.bool)  # 160 x 288 pairs in 32 x 32 tiles
+    live[0, 0] = live[4, 8] = live[2, 3] = True
+    activity = _map_of(live)
+    # 64 x 128 tiles: (0, 0), the partial corner (2, 2) and (1, 0) from map tile (2, 3).
+    assert activity.count_active_area(64, 128) == 3 * 64 * 128
+    assert activity.count_active_area(32, 64) == 3 * 32 * 64
+    assert activity.active_area(64, 128) == 3 * 64 * 128
+    assert activity.active_area(32, 32) is None
+
+
+@pytest.mark.parametrize("grain,wide", [(1, False), (4, True)], ids=("64-key", "128-key"))
+def test_masks_active_at_a_finer_grain_keep_the_narrow_tile(grain, wide):
+    """Every other 64-key block of every row live: the wide tile walks twice the pairs and
+    loses (block_topk masks, ``DKDV_WIDE_MAX_EXTRA_WORK``); live in runs of 128 keys and
+    more, it keeps the wide tile. Uncounted, the shape rule alone decides."""
+    problem = _problem(2, 16, 4, 8192, 8192, 128)
+    cols = torch.arange(8192 // 32)
+    live = ((cols // (2 * grain)) % 2 == 0).expand(8192 // 32, -1).contiguous()
+    activity = _map_of(live)
+    assert dkdv_takes_wide_tile(replace(problem, activity=activity))  # not counted yet
+    for tile in (tuning.DKDV_D128_WIDE, tuning.DKDV_D128):
+        activity.count_active_area(tile.block_m, tile.block_n)
+    assert dkdv_takes_wide_tile(replace(problem, activity=activity)) == wide
