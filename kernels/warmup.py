@@ -33,9 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ._launch import compile_only, compiled_forms
+from ._checks import AttnShape
+from ._launch import compile_only, compiled_forms, multiprocessors
+from .forward import interpreted
 from .interface import dmattn_func
 from .intervals import KeyIntervals
+from .schedule import Problem, dkdv_takes_wide_tile
 from .topk_intervals import (ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, orders_keys,
                              topk_intervals)
 
@@ -88,9 +91,37 @@ def window_lengths(lengths, window: int, is_causal: bool, rows: int = 1) -> tupl
     """``lengths`` (warm-up lengths), and where some of them fall below the ordering threshold
     and some at or above it, an aligned and an unaligned length on each side next to it: the
     ends of the plain form's range and the ordered form's."""
+    return threshold_lengths(lengths, ordering_threshold(window, is_causal, rows))
+
+
+def wide_tile_threshold(batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
+                        device, limit: int) -> int | None:
+    """The shortest length L <= ``limit`` at which a call with L query rows and L keys takes
+    dkdv's wide tile by the shape rule (``schedule.dkdv_takes_wide_tile``; every longer length
+    does too), or None."""
+    on_interpreter = interpreted()
+    sms = multiprocessors(torch.device(device), on_interpreter)
+
+    def wide(seqlen: int) -> bool:
+        shape = AttnShape(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen,
+                          seqlen_k=seqlen, head_dim=head_dim)
+        return dkdv_takes_wide_tile(Problem(shape, dtype, torch.device(device), on_interpreter,
+                                            sms, is_causal=False, softmax_scale=1.0))
+
+    if not wide(limit):
+        return None
+    low, high = 1, limit
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if wide(middle) else (middle + 1, high)
+    return low
+
+
+def threshold_lengths(lengths, threshold: int | None) -> tuple[int, ...]:
+    """``lengths``, and where some lie below ``threshold`` and some at or above it, an aligned
+    and an unaligned length on each side next to it: the ends of both forms' ranges."""
     lengths = set(lengths)
-    threshold = ordering_threshold(window, is_causal, rows)
-    if min(lengths) < threshold <= max(lengths):
+    if threshold is not None and min(lengths) < threshold <= max(lengths):
         below = threshold - 1
         lengths |= {below - below % 16, below if below % 16 else below - 1}
         lengths |= {threshold + (-threshold) % 16, threshold if threshold % 16 else threshold + 1}
@@ -167,7 +198,9 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     L, L); the call has the form a model's call of the same description has. Give the
     shortest and longest length a model uses: each schedule decision that follows the length
     (key splits where a short grid underfills the GPU, dkdv's stages) changes at one
-    threshold, so lengths between them take forms the two ends compile. On the H100, after a
+    threshold, so lengths between them take forms the two ends compile; where dkdv's tile
+    changes between them (``wide_tile_threshold``), the lengths next to that threshold on each
+    side run too. On the H100, after a
     warm-up at 1000 and 8000, calls at 20 lengths between compiled nothing (``dmbench
     compile-cost --warmup``).
 
@@ -205,6 +238,10 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     if window is not None:
         rows = batch * (heads_kv if selection_heads is None else selection_heads)
         lengths = list(window_lengths(lengths, window, is_causal, rows))
+    if backward:  # dkdv's tile changes at one length (K and V widened to heads_q by an order)
+        for kv_heads in {heads_kv, heads_q if selection_heads == heads_q else heads_kv}:
+            lengths = list(threshold_lengths(lengths, wide_tile_threshold(
+                batch, heads_q, kv_heads, head_dim, dtype, device, max(lengths))))
     if window is not None:  # the selection's mask, whatever ``scattered`` says
         variants = (True,)
     else:  # every pair visible and a scattered half

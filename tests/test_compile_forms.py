@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels import KeyIntervals, _launch, compiled_forms, dmattn_func, topk_intervals, warmup
+from kernels._checks import AttnShape
 from kernels.topk_intervals import orders_keys
 from kernels.warmup import ordering_threshold, window_lengths
 
@@ -215,3 +216,33 @@ def test_ordering_threshold_follows_the_gpus_rule(monkeypatch, window, rows):
     threshold = ordering_threshold(window, True, rows)
     assert orders_keys(threshold, threshold, window, True, rows)
     assert not orders_keys(threshold - 1, threshold - 1, window, True, rows)
+
+
+@pytest.mark.parametrize("batch,heads_kv", [(1, 4), (2, 8), (1, 1)])
+def test_wide_tile_threshold_is_where_dkdv_changes_tiles(monkeypatch, batch, heads_kv):
+    """On an H100-sized GPU (132 multiprocessors) the threshold is the first length whose
+    backward takes dkdv's wide tile; warm-up lengths on both sides of it gain its two ends, as
+    calls there compile forms of their own (the wide tile with head shares, at 2048 and 2049
+    on B1 H16/4 between warm-ups at 1000 and 8000, before those lengths were added)."""
+    warmup_module = importlib.import_module("kernels.warmup")
+    monkeypatch.setattr(warmup_module, "interpreted", lambda: False)
+    monkeypatch.setattr(warmup_module, "multiprocessors", lambda device, interpreted: 132)
+    schedule_module = importlib.import_module("kernels.schedule")
+
+    def wide(seqlen):
+        shape = AttnShape(batch=batch, heads_q=4 * heads_kv, heads_kv=heads_kv,
+                          seqlen_q=seqlen, seqlen_k=seqlen, head_dim=128)
+        return schedule_module.dkdv_takes_wide_tile(schedule_module.Problem(
+            shape, torch.bfloat16, torch.device("cuda"), False, 132, is_causal=False,
+            softmax_scale=1.0))
+
+    threshold = warmup_module.wide_tile_threshold(batch, 4 * heads_kv, heads_kv, 128,
+                                                  torch.bfloat16, "cuda", 1 << 20)
+    assert wide(threshold) and not wide(threshold - 1)
+    lengths = warmup_module.threshold_lengths((16, 1 << 20), threshold)
+    near = sorted(n for n in lengths if abs(n - threshold) < 17)
+    assert {wide(n) for n in near} == {True, False}
+    assert {n % 16 == 0 for n in near if wide(n)} == {True, False}
+    assert {n % 16 == 0 for n in near if not wide(n)} == {True, False}
+    assert warmup_module.wide_tile_threshold(batch, 4 * heads_kv, heads_kv, 128, torch.float32,
+                                             "cuda", 1 << 20) is None
