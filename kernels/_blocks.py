@@ -173,20 +173,27 @@ class ActivityMap:
         (a mask read within the call, where a sync would stall the host)."""
         return self._partial_shares.get((block_rows, block_cols, bool(transposed)))
 
-    def count_active_area(self, block_rows: int, block_cols: int) -> int:
-        """Count, and keep, the (query, key) pairs inside the active (block_rows x block_cols)
-        tiles (queries on rows): the work of a kernel that walks those tiles. A device sync,
-        as ``count_partial_share``; the tile must be made of the map's tiles."""
-        fr, fc = block_rows // self.sub_rows, block_cols // self.sub_cols
+    def count_active_areas(self, tiles) -> tuple[int, ...]:
+        """Count, and keep, for each (block_rows, block_cols) tile in ``tiles`` (queries on
+        rows) the (query, key) pairs inside its active tiles: the work of a kernel that walks
+        them. One device sync for all, as ``count_partial_share``; each tile must be made of
+        the map's tiles."""
         batch, heads, rows, cols = self.active.shape
-        live = torch.nn.functional.pad(self.active > 0, (0, -cols % fc, 0, -rows % fr))
-        tiles = live.view(batch, heads, -(-rows // fr), fr, -(-cols // fc), fc).any(5).any(3)
-        area = int(tiles.sum()) * block_rows * block_cols
-        self._active_areas[(block_rows, block_cols)] = area
-        return area
+        live = self.active > 0
+        sums = []
+        for block_rows, block_cols in tiles:
+            fr, fc = block_rows // self.sub_rows, block_cols // self.sub_cols
+            padded = torch.nn.functional.pad(live, (0, -cols % fc, 0, -rows % fr))
+            blocks = padded.view(batch, heads, -(-rows // fr), fr, -(-cols // fc), fc)
+            sums.append(blocks.any(5).any(3).sum())
+        counts = torch.stack(sums).tolist()
+        areas = tuple(count * tile_rows * tile_cols
+                      for count, (tile_rows, tile_cols) in zip(counts, tiles))
+        self._active_areas.update(zip(map(tuple, tiles), areas))
+        return areas
 
     def active_area(self, block_rows: int, block_cols: int) -> int | None:
-        """The area counted by ``count_active_area``, or None where it was not counted."""
+        """The area counted by ``count_active_areas``, or None where it was not counted."""
         return self._active_areas.get((block_rows, block_cols))
 
     def count_live_share(self, block_cols: int, heads_per_tile: int) -> float | None:

@@ -52,8 +52,8 @@ def prepare_backward_lists(activity: ActivityMap, problem: Problem) -> None:
     counting = not graph_capturing(problem.device)
     problem = replace(problem, activity=activity)
     if counting and wide_tile_possible(problem) and not problem.interpreted:
-        for tile in (tuning.DKDV_D128_WIDE, tuning.DKDV_D128):
-            activity.count_active_area(tile.block_m, tile.block_n)
+        activity.count_active_areas([(tile.block_m, tile.block_n)
+                                     for tile in (tuning.DKDV_D128_WIDE, tuning.DKDV_D128)])
     dkdv, dq = backward_tiles(problem)
     backward_lists(activity, dkdv, dq)
     if counting:

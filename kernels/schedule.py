@@ -285,7 +285,7 @@ def wide_tile_possible(problem: Problem) -> bool:
 
 
 def wide_tile_adds_work(problem: Problem) -> bool:
-    """Whether a prepared mask's counted active tiles (``ActivityMap.count_active_area``) put
+    """Whether a prepared mask's counted active tiles (``ActivityMap.count_active_areas``) put
     more than ``tuning.DKDV_WIDE_MAX_EXTRA_WORK`` times the narrow tiles' pairs in the wide
     ones: masks whose activity changes at a finer grain than 128 keys (whole 64-key blocks).
     Uncounted (a mask read within the call, or none): False."""

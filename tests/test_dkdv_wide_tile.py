@@ -147,8 +147,7 @@ def test_active_area_counts_the_pairs_of_active_tiles():
     live[0, 0] = live[4, 8] = live[2, 3] = True
     activity = _map_of(live)
     # 64 x 128 tiles: (0, 0), the partial corner (2, 2) and (1, 0) from map tile (2, 3).
-    assert activity.count_active_area(64, 128) == 3 * 64 * 128
-    assert activity.count_active_area(32, 64) == 3 * 32 * 64
+    assert activity.count_active_areas([(64, 128), (32, 64)]) == (3 * 64 * 128, 3 * 32 * 64)
     assert activity.active_area(64, 128) == 3 * 64 * 128
     assert activity.active_area(32, 32) is None
 
@@ -163,6 +162,6 @@ def test_masks_active_at_a_finer_grain_keep_the_narrow_tile(grain, wide):
     live = ((cols // (2 * grain)) % 2 == 0).expand(8192 // 32, -1).contiguous()
     activity = _map_of(live)
     assert dkdv_takes_wide_tile(replace(problem, activity=activity))  # not counted yet
-    for tile in (tuning.DKDV_D128_WIDE, tuning.DKDV_D128):
-        activity.count_active_area(tile.block_m, tile.block_n)
+    activity.count_active_areas([(tile.block_m, tile.block_n)
+                                 for tile in (tuning.DKDV_D128_WIDE, tuning.DKDV_D128)])
     assert dkdv_takes_wide_tile(replace(problem, activity=activity)) == wide
