@@ -26,10 +26,9 @@ from ._scratch import Scratch, graph_capturing
 from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
 from .backward_packed import PackedBackwardPlan
-from .schedule import (BackwardRoute, BackwardSchedule, Problem, backward_tiles, edge_slots,
-                       grid_chunk_rows, packed_tile, packed_tile_heads, schedule, takes_packed,
-                       wide_tile_possible)
-from . import tuning
+from .schedule import (BackwardRoute, BackwardSchedule, Problem, backward_tiles,
+                       compared_dkdv_tiles, edge_slots, grid_chunk_rows, packed_tile,
+                       packed_tile_heads, schedule, takes_packed, wide_tile_possible)
 from .tuning import Tile
 
 
@@ -52,8 +51,7 @@ def prepare_backward_lists(activity: ActivityMap, problem: Problem) -> None:
     counting = not graph_capturing(problem.device)
     problem = replace(problem, activity=activity)
     if counting and wide_tile_possible(problem) and not problem.interpreted:
-        activity.count_active_areas([(tile.block_m, tile.block_n)
-                                     for tile in (tuning.DKDV_D128_WIDE, tuning.DKDV_D128)])
+        activity.count_active_areas(compared_dkdv_tiles())
     dkdv, dq = backward_tiles(problem)
     backward_lists(activity, dkdv, dq)
     if counting:

@@ -284,6 +284,13 @@ def wide_tile_possible(problem: Problem) -> bool:
             and problem.shape.seqlen_q > tuning.DKDV_DECODE_ROWS)
 
 
+def compared_dkdv_tiles() -> tuple[tuple[int, int], tuple[int, int]]:
+    """(query rows, keys) of dkdv's wide and narrow tiles, whose active pairs a prepared mask
+    counts (``ActivityMap.count_active_areas``) for ``wide_tile_adds_work``."""
+    wide, narrow = tuning.DKDV_D128_WIDE, tuning.DKDV_D128
+    return (wide.block_m, wide.block_n), (narrow.block_m, narrow.block_n)
+
+
 def wide_tile_adds_work(problem: Problem) -> bool:
     """Whether a prepared mask's counted active tiles (``ActivityMap.count_active_areas``) put
     more than ``tuning.DKDV_WIDE_MAX_EXTRA_WORK`` times the narrow tiles' pairs in the wide
@@ -292,9 +299,8 @@ def wide_tile_adds_work(problem: Problem) -> bool:
     activity = problem.activity
     if activity is None:
         return False
-    wide, narrow = tuning.DKDV_D128_WIDE, tuning.DKDV_D128
-    wide_area = activity.active_area(wide.block_m, wide.block_n)
-    narrow_area = activity.active_area(narrow.block_m, narrow.block_n)
+    wide, narrow = compared_dkdv_tiles()
+    wide_area, narrow_area = activity.active_area(*wide), activity.active_area(*narrow)
     if wide_area is None or narrow_area is None:
         return False
     return wide_area > tuning.DKDV_WIDE_MAX_EXTRA_WORK * narrow_area

@@ -19,8 +19,8 @@ from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, f
 from kernels import dmattn_func, prepare_mask, tuning
 from kernels._checks import AttnShape
 from kernels._blocks import ActivityMap, shared_granularity
-from kernels.schedule import (Problem, activity_tiles, backward_tiles, dkdv_takes_wide_tile,
-                              schedule)
+from kernels.schedule import (Problem, activity_tiles, backward_tiles, compared_dkdv_tiles,
+                              dkdv_takes_wide_tile, schedule)
 
 WIDE = {"dkdv_wide_tile": True}
 
@@ -162,6 +162,5 @@ def test_masks_active_at_a_finer_grain_keep_the_narrow_tile(grain, wide):
     live = ((cols // (2 * grain)) % 2 == 0).expand(8192 // 32, -1).contiguous()
     activity = _map_of(live)
     assert dkdv_takes_wide_tile(replace(problem, activity=activity))  # not counted yet
-    activity.count_active_areas([(tile.block_m, tile.block_n)
-                                 for tile in (tuning.DKDV_D128_WIDE, tuning.DKDV_D128)])
+    activity.count_active_areas(compared_dkdv_tiles())
     assert dkdv_takes_wide_tile(replace(problem, activity=activity)) == wide
