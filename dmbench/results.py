@@ -118,6 +118,14 @@ def new_row(sweep: str, case: Case, backend: str, mode: str, status: str, env, d
                sweep_hash=sweep_hash, timing=timing, **case_values)
 
 
+def row_case(row: Row) -> Case:
+    """The case a row was measured on (the inverse of ``new_row``'s case columns)."""
+    values = {name: getattr(row, name) for name in CASE_COLUMNS}
+    values["documents"] = (tuple(int(n) for n in row.documents.split(","))
+                           if row.documents else None)
+    return Case(**values)
+
+
 def csv_cell(value) -> str:
     """A CSV cell: empty for None, floats to 6 significant digits."""
     if value is None:

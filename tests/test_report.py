@@ -335,3 +335,49 @@ def test_report_knows_other_commands_files_by_their_columns(tmp_path):
     assert other_command(older_cost) == "compile-cost"
     assert other_command(newer_train) == "train"
     assert other_command(sweep) is None
+
+
+def test_rows_behind_the_best_peer_carry_their_rates_and_bound(tmp_path):
+    h100 = "NVIDIA H100 80GB HBM3"
+    dense = Case(2, 16, 4, 4096, 4096, 128, None, True, "bf16", "none", bias="none")
+    short = Case(1, 8, 2, 256, 256, 128, None, True, "bf16", "none", bias="none")
+    rows = (_rows(dense, "d", "fwd", {"triton": 1.25, "sdpa": 1.0}, gpu=h100,
+                  tflops_active=400.0, active_fraction=0.5)
+            + _rows(short, "d", "fwd", {"triton": 0.1, "sdpa": 0.05, "flex": 0.2}, gpu=h100,
+                    tflops_active=10.0, active_fraction=0.5)
+            + _rows(short, "d", "fwd", {"triton": 0.02, "sdpa": 0.03}, gpu=h100,
+                    timing="cuda_graph", tflops_active=50.0, active_fraction=0.5)
+            + _rows(_masked(0), "d", "fwd", {"triton": 1.0, "sdpa": 2.0}, gpu=h100))
+    collected = collect([_csv(tmp_path / "d.csv", rows)])
+    headline = headline_markdown(collected)
+    assert ("- Behind the best peer: 2 (sweep, mode, case) rows, by what bounds them: "
+            "1 compute, 1 latency") in headline
+    tables = tables_markdown(collected)
+    assert "**Rows behind the best peer** (2)" in tables
+    # 400 of 989.4 TFLOP/s; q, k, v, out and lse of the dense case over 1.25 ms.
+    dense_bytes = 2 * (2 * 16 * 4096 * 128 * 2) + 2 * (2 * 4 * 4096 * 128 * 2) + 2 * 16 * 4096 * 4
+    assert (f"| d, fwd | B2 H16/4 L4096 D128 none none causal | 0.80× (sdpa) | 1.250 | – | 400 | "
+            f"40% | {dense_bytes / 1.25e-3 / 1e9:.0f} | ") in tables
+    assert "| compute |" in tables
+    # The short row: slowest first, with its CUDA graph time beside it; it is ahead as a graph.
+    assert "| d, fwd | B1 H8/2 L256 D128 none none causal | 0.50× (sdpa) | 0.100 | 0.020 | 10 | 1% |" in tables
+    assert tables.index("0.50× (sdpa)") < tables.index("0.80× (sdpa)")
+    assert "| latency |" in tables
+
+
+def test_rows_behind_a_peer_on_an_unknown_gpu_get_no_shares_or_bound(tmp_path):
+    rows = _rows(_masked(0), "d", "fwd", {"triton": 2.0, "flex": 1.0}, tflops_active=1.0)
+    tables = tables_markdown(collect([_csv(tmp_path / "d.csv", rows)]))
+    assert "not known for this GPU" in tables
+    # No share of a peak, and so no bound: the GB/s stays, the last four cells are dashes.
+    row = next(line for line in tables.splitlines() if line.startswith("| d, fwd |"))
+    assert row.startswith("| d, fwd | B1 H4/2 L64 D64 topk W32 kv_row causal | 0.50× (flex) | "
+                          "2.000 | – | 1 | – | ")
+    assert row.endswith(" | – | – |")
+
+
+def test_no_row_behind_a_peer_says_so(tmp_path):
+    rows = _rows(_masked(0), "d", "fwd", {"triton": 1.0, "sdpa": 2.0})
+    collected = collect([_csv(tmp_path / "d.csv", rows)])
+    assert "- No row is behind the best peer." in headline_markdown(collected)
+    assert "No row is behind the best peer." in tables_markdown(collected)
