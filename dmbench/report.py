@@ -374,7 +374,8 @@ def _share(value: float | None, peak: float | None) -> float | None:
 
 
 def short_rows(collected: Collected) -> list[ShortRow]:
-    """Every (sweep, mode, case) where a peer's median time is below ours, slowest first."""
+    """Every (sweep, mode, case) where a peer's median time is below ours; per sweep and mode,
+    the furthest behind first."""
     ours = {(sweep_label(r), r.mode, _case_label(r)): r for r in collected.rows
             if r.backend == "triton"}
     peaks = PEAK_RATES.get(collected.gpu)
