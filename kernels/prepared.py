@@ -25,7 +25,7 @@ from ._scratch import graph_capturing
 from .backward import prepare_backward_lists
 from .forward import call_problem, mask_activity
 from .forward_kernels import _attn_fwd_kernel
-from .schedule import schedule
+from .schedule import forward_list_tiles, schedule
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -125,11 +125,13 @@ def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMa
     # The key stands in for the value: same shape by contract, and only shapes are read.
     checked = check_inputs(query, key, key, attn_mask, None, None)
     ensure_runnable(_attn_fwd_kernel, query.device)
-    # Tiles do not depend on the bias or on the backward's options, so one map serves them.
+    # The map serves the tiles of any bias and backward options (``activity_tiles``); the
+    # forward's lists are built here for each tile a call's bias may pick.
     problem = call_problem(checked, query, is_causal)
     sched = schedule(problem)
     activity = mask_activity(checked, sched, with_backward=True)
-    activity.lists(*sched.forward.list_tile, transposed=False)
+    for list_tile in forward_list_tiles(problem, sched.forward):
+        activity.lists(*list_tile, transposed=False)
     if count_shares:  # otherwise the backward builds its lists from the map on first use
         prepare_backward_lists(activity, problem)
     kernel_mask = checked.mask.view if checked.mask.interval_pairs is not None else attn_mask

@@ -65,6 +65,8 @@ class Problem:
     interval_pair: bool = False
     # No backward follows this call's forward (no gradient is wanted).
     forward_only: bool = False
+    # The mask is ``KeyIntervals``: prepared, read by the call, or varlen's documents.
+    intervals: bool = False
 
     @property
     def block_d(self) -> int:
@@ -83,9 +85,11 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
 
     pair = (intervals_per_call and checked.mask is not None
             and checked.mask.interval_pair is not None)
+    intervals = checked.mask is not None and checked.mask.interval_pairs is not None
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),
-                   bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only))
+                   bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
+                   intervals)
 
 
 class BackwardRoute(str, Enum):
@@ -136,8 +140,22 @@ def forward_tile(problem: Problem) -> tuning.Tile:
     if block_d <= 64:
         return tuning.FORWARD_D64
     if block_d <= 128:
-        return tuning.FORWARD_D128_MASKED if problem.mask is not None else tuning.FORWARD_D128
+        if problem.mask is None:
+            return tuning.FORWARD_D128
+        if interval_tile_possible(problem) and problem.bias is None:
+            return tuning.FORWARD_D128_INTERVALS
+        return tuning.FORWARD_D128_MASKED
     return tuning.FORWARD_D256
+
+
+def interval_tile_possible(problem: Problem) -> bool:
+    """Whether the forward's tile follows the bias (``tuning.FORWARD_D128_INTERVALS`` without
+    one): KeyIntervals in 16-bit on the GPU at head dim 128, with at least that tile's rows of
+    queries. A prepared mask's map is made before a call's bias is known, so it serves both."""
+    return (problem.intervals and not problem.interpreted
+            and problem.dtype in (torch.float16, torch.bfloat16)
+            and problem.shape.head_dim == 128
+            and problem.shape.seqlen_q >= tuning.FORWARD_D128_INTERVALS.block_m)
 
 
 def group_pack(problem: Problem, block_m: int) -> int:
@@ -355,15 +373,25 @@ def backward_tiles(problem: Problem, options: dict | None = None) -> tuple[tunin
     return tuning.DKDV_D256, tuning.DQ_D256
 
 
+def forward_list_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:
+    """The forward's list tile, and where its tile follows the bias (``interval_tile_possible``)
+    the list tiles of both choices, first the one ``forward`` took."""
+    tiles = [forward.list_tile]
+    if interval_tile_possible(problem):
+        for tile in (tuning.FORWARD_D128_INTERVALS, tuning.FORWARD_D128_MASKED):
+            tiles.append((tile.block_m // group_pack(problem, tile.block_m), tile.block_n))
+    return tuple(dict.fromkeys(tiles))
+
+
 def activity_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:
     """Every (query rows, key cols) tile whose active-tile lists the forward and the general
     backward walk: one activity map of the mask must serve them all, dkdv's tile either way
-    ``kernel_options['dkdv_wide_tile']`` may force it (a prepared mask's map is built before
-    any call's options are known)."""
+    ``kernel_options['dkdv_wide_tile']`` may force it and the forward's either way a bias
+    picks it (a prepared mask's map is built before any call's options and bias are known)."""
     choices = [{}]
     if wide_tile_possible(problem):
         choices += [{"dkdv_wide_tile": False}, {"dkdv_wide_tile": True}]
-    tiles = [forward.list_tile]
+    tiles = list(forward_list_tiles(problem, forward))
     for options in choices:
         dkdv, dq = backward_tiles(problem, options)
         tiles += [(dkdv.block_m, dkdv.block_n), (dq.block_m, dq.block_n)]

@@ -37,6 +37,15 @@ FORWARD_D64 = Tile(64, 64, 4, 3)
 # B2 H16/4 L4096 causal); without one, 64-row tiles win (0.37 vs 0.44 ms).
 FORWARD_D128_MASKED = Tile(128, 64, 8, 3)
 FORWARD_D128 = Tile(64, 64, 4, 3)
+# KeyIntervals without a bias at D = 128 (at least 64 query rows): the no-mask tile wins there
+# too. H100, B1 H16/4 bf16 causal, ms per forward, 128x64 w8 s3 -> 64x64 w4 s3 (dmbench fwd,
+# median of 20, two rounds alike): documents as varlen 16k W2048 0.259 -> 0.230, 16k W8192
+# 0.946 -> 0.880, 64k W2048 1.005 -> 0.931, 64k W8192 2.294 -> 2.119; documents as intervals
+# 16k W8192 0.88 -> 0.83; sliding W4096 16k 1.082 -> 1.015, W256 (B2 L4096) 0.111 -> 0.103;
+# top-2048 intervals 8k 0.486 -> 0.447, 32k 1.920 -> 1.766. With a per-key bias it loses
+# (top-2048 8k 0.537 -> 0.617, documents 16k W8192 0.974 -> 1.336; with 2 stages 0.91-1.07),
+# and with a bool mask (sliding W1024 8k 0.214 -> 0.282, topk W2048 8k 0.93 -> 1.10).
+FORWARD_D128_INTERVALS = Tile(64, 64, 4, 3)
 FORWARD_D256 = Tile(64, 32, 4, 2)
 # KeyIntervals masks take the same tiles as bool masks. Read as one int64 word per key
 # (``_score.mask_keeps``), the D80 forward compiles without spills at 128x64 w8 s3. B1 H16/4
