@@ -55,7 +55,7 @@ class BroadcastOperand:
     interval_source: tuple[torch.Tensor, torch.Tensor] | None = None
     # The same intervals' start and end as given, each viewed as a (B, Hm', Lq, Lk) operand
     # with query stride 0, where both have one dtype and layout (None otherwise): a forward
-    # that reads them itself (``schedule.ForwardSchedule.scan_keys``) reads these.
+    # that reads them itself (``forward_schedule.ForwardSchedule.scan_keys``) reads these.
     interval_pair: tuple[torch.Tensor, torch.Tensor] | None = None
 
 

@@ -26,9 +26,12 @@ from ._scratch import Scratch, graph_capturing
 from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
 from .backward_packed import PackedBackwardPlan
-from .schedule import (BackwardRoute, BackwardSchedule, Problem, backward_tiles,
-                       compared_dkdv_tiles, edge_slots, grid_chunk_rows, packed_tile,
-                       packed_tile_heads, schedule, takes_packed, wide_tile_possible)
+from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles,
+                                compared_dkdv_tiles, packed_tile, packed_tile_heads, takes_packed,
+                                wide_tile_possible)
+from .forward_schedule import edge_slots, grid_chunk_rows
+from .problem import Problem
+from .schedule import schedule
 from .tuning import Tile
 
 
@@ -46,8 +49,8 @@ def prepare_backward_lists(activity: ActivityMap, problem: Problem) -> None:
     the share of partial tiles in dkdv's, which picks its pipeline depth, and for decode
     shapes the share of live key blocks, which picks how the packed launch skips."""
     # Counting reads back to the host, which a CUDA graph capture forbids; left uncounted, the
-    # share counts as mostly partial (``schedule.dkdv_stages``) and the wide dkdv tile's work as
-    # no more than the narrow one's (``schedule.wide_tile_adds_work``).
+    # share counts as mostly partial (``backward_schedule.dkdv_stages``) and the wide dkdv
+    # tile's work as no more than the narrow one's (``backward_schedule.wide_tile_adds_work``).
     counting = not graph_capturing(problem.device)
     problem = replace(problem, activity=activity)
     if counting and wide_tile_possible(problem) and not problem.interpreted:

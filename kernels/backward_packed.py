@@ -12,7 +12,7 @@ from ._operands import (ABSENT, NO_LISTS, BackwardLayouts, BackwardStrides, Pack
                         SeqStrides, seq_strides, sizes_of)
 from ._scratch import Scratch
 from .backward_packed_kernels import attn_bwd_packed_kernel
-from .schedule import BackwardSchedule
+from .backward_schedule import BackwardSchedule
 
 
 class PackedBackwardPlan:

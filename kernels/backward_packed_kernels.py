@@ -16,11 +16,11 @@ of a group to arrive sums them in share order, so results are bitwise reproducib
 A mask is read densely, a tile per key block, rather than through the active-tile lists: keys
 that no row keeps skip their K and V reads and store zero dk and dv. Where a prepared mask
 leaves at most half the key blocks live, the launch instead branches around whole dead blocks
-(SKIP_DEAD_BLOCKS, ``schedule.skips_dead_blocks``). A bias is added as in the forward, and
-its gradient (dS) is stored per key block by the one program that owns it (the PACKED_* modes
+(SKIP_DEAD_BLOCKS, ``backward_schedule.skips_dead_blocks``). A bias is added as in the forward,
+and its gradient (dS) is stored per key block by the one program that owns it (the PACKED_* modes
 of ``_dbias.DbiasMode``); a bias whose gradient would sum some but not all of a tile's rows
 (with G > 1 and Lq > 1: a (B, Hk, Lq, Lk) bias, or a (B, Hq, 1, Lk) one) keeps the general
-path (``schedule.takes_packed``).
+path (``backward_schedule.takes_packed``).
 """
 
 import triton

@@ -16,7 +16,8 @@ from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_op
 from ._operands import ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides, sizes_of
 from ._scratch import Scratch
 from .forward_kernels import _attn_fwd_kernel
-from .schedule import Problem, Schedule, activity_tiles, problem_of, schedule
+from .problem import Problem, problem_of
+from .schedule import Schedule, activity_tiles, schedule
 
 
 def interpreted() -> bool:

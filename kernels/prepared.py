@@ -25,7 +25,8 @@ from ._scratch import graph_capturing
 from .backward import prepare_backward_lists
 from .forward import call_problem, mask_activity
 from .forward_kernels import _attn_fwd_kernel
-from .schedule import forward_list_tiles, schedule
+from .forward_schedule import forward_list_tiles
+from .schedule import schedule
 
 
 def _version(t: torch.Tensor) -> int | None:

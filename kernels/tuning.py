@@ -78,8 +78,9 @@ DKDV_D128_SMALL_GRID = Tile(32, 16, 4, 3)
 DKDV_SMALL_GRID_SHARE = 4
 DQ_D128 = Tile(64, 32, 4, 3)
 # ... but on a grid of enough 128-key programs, 64 query rows x 128 keys with 8 warps wins
-# (``schedule.dkdv_takes_wide_tile``). Backward (dq + dkdv) time, wide / 32x64 w4, H100 bf16
-# D128 causal unless "full"; median of 3-4 interleaved rounds; p = B * Hk * ceil(Lk / 128):
+# (``backward_schedule.dkdv_takes_wide_tile``). Backward (dq + dkdv) time, wide / 32x64 w4,
+# H100 bf16 D128 causal unless "full"; median of 3-4 interleaved rounds;
+# p = B * Hk * ceil(Lk / 128):
 #   no mask: B2 H16/4 L8192 full 0.888, causal 0.932 (fp16 0.931); B1 H32/8 L8192 0.925
 #   no mask, p 64-128: B1 H16/4 L2048 0.914, B1 H8/2 L4096 0.870, L3072 0.713, L4096 0.856
 #   no mask, few query rows: B1 H16/4 Lk8192 Lq256 0.828, Lq128 0.926, Lq64 0.853
@@ -130,8 +131,8 @@ PACKED_LIVE_SHARE_FOR_BRANCH = 0.5
 # Unprepared KeyIntervals in a forward-only call, up to this many keys per program (Lk, or
 # Lk / key splits: each split reads its own share): each program reads the intervals of its
 # reachable keys and walks the key blocks between its first and last visible key
-# (``schedule.scan_keys``), in place of the read and list-compaction launches. Decode with
-# splits, B1 H32/8 Lk65536 top-4096: scan / list 0.93.
+# (``forward_schedule.scan_keys``), in place of the read and list-compaction launches. Decode
+# with splits, B1 H32/8 Lk65536 top-4096: scan / list 0.93.
 # H100, CUDA-graph replays, bf16 D128 causal kv_row bias, scan / list time:
 #   B1 H16/4 top-1024:   L256 0.71, L1024 0.81, L2048 0.88, L4096 0.90, L8192 0.90
 #   B1 H8/2 sliding 256: L1024 0.86, L2048 0.77, L4096 0.89, L8192 1.02, L16384 1.30

@@ -35,10 +35,11 @@ import torch
 
 from ._checks import AttnShape
 from ._launch import compile_only, compiled_forms, multiprocessors
+from .backward_schedule import dkdv_takes_wide_tile
 from .forward import interpreted
 from .interface import dmattn_func
 from .intervals import KeyIntervals
-from .schedule import Problem, dkdv_takes_wide_tile
+from .problem import Problem
 from .topk_intervals import (ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, orders_keys,
                              topk_intervals)
 
@@ -97,8 +98,8 @@ def window_lengths(lengths, window: int, is_causal: bool, rows: int = 1) -> tupl
 def wide_tile_threshold(batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
                         device, limit: int) -> int | None:
     """The shortest length L <= ``limit`` at which a call with L query rows and L keys takes
-    dkdv's wide tile by the shape rule (``schedule.dkdv_takes_wide_tile``; every longer length
-    does too), or None."""
+    dkdv's wide tile by the shape rule (``backward_schedule.dkdv_takes_wide_tile``; every longer
+    length does too), or None."""
     on_interpreter = interpreted()
     sms = multiprocessors(torch.device(device), on_interpreter)
 
@@ -261,8 +262,9 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
                     out.backward(torch.ones_like(out))
                 if backward and mask == "intervals":
                     # Evaluation: without a gradient the forward may read new intervals
-                    # itself (``schedule.scan_keys``), a form of its own. New intervals with
-                    # the same tensors: a second call with one object would prepare it.
+                    # itself (``forward_schedule.scan_keys``), a form of its own. New
+                    # intervals with the same tensors: a second call with one object would
+                    # prepare it.
                     fresh = KeyIntervals(attn_mask.start, attn_mask.end, attn_mask.key_order)
                     with torch.no_grad():
                         dmattn_func(q, k, v, attn_mask=fresh, attn_bias=attn_bias,

@@ -14,6 +14,8 @@ import torch
 
 from kernels import KeyIntervals, _launch, compiled_forms, dmattn_func, topk_intervals, warmup
 from kernels._checks import AttnShape
+from kernels.backward_schedule import dkdv_takes_wide_tile
+from kernels.problem import Problem
 from kernels.topk_intervals import orders_keys
 from kernels.warmup import ordering_threshold, window_lengths
 
@@ -227,12 +229,11 @@ def test_wide_tile_threshold_is_where_dkdv_changes_tiles(monkeypatch, batch, hea
     warmup_module = importlib.import_module("kernels.warmup")
     monkeypatch.setattr(warmup_module, "interpreted", lambda: False)
     monkeypatch.setattr(warmup_module, "multiprocessors", lambda device, interpreted: 132)
-    schedule_module = importlib.import_module("kernels.schedule")
 
     def wide(seqlen):
         shape = AttnShape(batch=batch, heads_q=4 * heads_kv, heads_kv=heads_kv,
                           seqlen_q=seqlen, seqlen_k=seqlen, head_dim=128)
-        return schedule_module.dkdv_takes_wide_tile(schedule_module.Problem(
+        return dkdv_takes_wide_tile(Problem(
             shape, torch.bfloat16, torch.device("cuda"), False, 132, is_causal=False,
             softmax_scale=1.0))
 

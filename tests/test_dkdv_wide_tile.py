@@ -19,8 +19,9 @@ from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, f
 from kernels import dmattn_func, prepare_mask, tuning
 from kernels._checks import AttnShape
 from kernels._blocks import ActivityMap, shared_granularity
-from kernels.schedule import (Problem, activity_tiles, backward_tiles, compared_dkdv_tiles,
-                              dkdv_takes_wide_tile, schedule)
+from kernels.backward_schedule import backward_tiles, compared_dkdv_tiles, dkdv_takes_wide_tile
+from kernels.problem import Problem
+from kernels.schedule import activity_tiles, schedule
 
 WIDE = {"dkdv_wide_tile": True}
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.schedule import grid_chunk_rows
+from kernels.forward_schedule import grid_chunk_rows
 from kernels._score import grid_position
 
 

@@ -13,7 +13,8 @@ from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, f
                           random_problem, run_backward)
 from kernels import prepare_mask
 from kernels._checks import AttnShape
-from kernels.schedule import Problem, dkdv_head_shares
+from kernels.backward_schedule import dkdv_head_shares
+from kernels.problem import Problem
 
 # (dims, mask axes or None, bias axes or None, causal)
 CASES = [

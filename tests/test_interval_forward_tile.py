@@ -18,8 +18,9 @@ from kernels import (KeyIntervals, attention_reference, attention_varlen_referen
 from kernels._blocks import shared_granularity
 from kernels._checks import AttnShape, check_inputs
 from kernels.forward import call_problem
-from kernels.schedule import (OperandLayout, Problem, activity_tiles, forward_list_tiles,
-                              schedule)
+from kernels.forward_schedule import forward_list_tiles
+from kernels.problem import OperandLayout, Problem
+from kernels.schedule import activity_tiles, schedule
 from kernels.tolerance import check_tensor
 
 INTERVALS, BIAS, BOOL = "intervals", "kv_row bias", "bool mask"

@@ -16,7 +16,8 @@ from attn_helpers import (CAUSAL, DTYPES, MASKED_BAND, Dims, assert_deterministi
                           random_qkv, run_backward)
 from kernels import dmattn_func, prepare_mask
 from kernels._checks import AttnShape
-from kernels.schedule import BackwardRoute, OperandLayout, Problem, takes_packed
+from kernels.backward_schedule import BackwardRoute, takes_packed
+from kernels.problem import OperandLayout, Problem
 
 # (dims, whether the keys split into shares: on the GPU and under the interpreter alike, which
 # differ in key block and multiprocessor count)

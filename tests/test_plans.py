@@ -14,7 +14,8 @@ import torch
 from attn_helpers import (Dims, random_bias, random_mask, random_qkv, run_backward,
                           run_forward)
 from kernels import dmattn_func, interface, prepare_mask, schedule_for
-from kernels.schedule import OperandLayout, Problem, dkdv_stages
+from kernels.backward_schedule import dkdv_stages
+from kernels.problem import OperandLayout, Problem
 from kernels.tuning import Tile
 
 DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
@@ -238,7 +239,7 @@ def test_masked_forward_tiles_at_padded_head_dims():
     forward tile of its padded head dim, padded (80, 96, 192) or not; without a mask, D80/D96
     take the unmasked tile."""
     from kernels import tuning
-    from kernels.schedule import forward_tile
+    from kernels.forward_schedule import forward_tile
 
     def tile(head_dim, masked=True):
         shape = Dims(1, 4096, 4096, heads_q=16, heads_kv=4, head_dim=head_dim)

@@ -1,0 +1,184 @@
+"""The forward launch of a ``Problem``: its tile, GQA packing, key splits, grid order, and
+whether it reads unprepared intervals itself. ``kernels.schedule`` combines it with the
+backward's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import tuning
+from ._launch import ceil_div, next_power_of_2
+from .problem import Problem
+
+
+@dataclass(frozen=True)
+class ForwardSchedule:
+    """The forward launch. A tile has ``block_m`` rows: ``group_pack`` query heads of a GQA
+    group times ``query_rows`` query positions (``group_pack`` 1: one head's rows)."""
+
+    tile: tuning.Tile
+    block_m: int
+    group_pack: int
+    key_splits: int
+    chunk_rows: int
+    edge_slots: int
+    bias_row: bool
+    # The program reads the caller's interval tensors and finds its own range of key blocks
+    # (``_score.interval_block_range``): no activity map and no list, each pair tested.
+    scan_keys: bool = False
+
+    @property
+    def query_rows(self) -> int:
+        return self.block_m // self.group_pack
+
+    @property
+    def list_tile(self) -> tuple[int, int]:
+        """(query rows, key cols) of the tiles whose active-tile lists the forward walks."""
+        return self.query_rows, self.tile.block_n
+
+
+def forward_tile(problem: Problem) -> tuning.Tile:
+    block_d = problem.block_d
+    if problem.interpreted:
+        return tuning.FORWARD_INTERPRETED
+    if problem.dtype == torch.float32:
+        return tuning.FORWARD_FP32 if block_d <= 128 else tuning.FORWARD_FP32_WIDE
+    if block_d <= 64:
+        return tuning.FORWARD_D64
+    if block_d <= 128:
+        if problem.mask is None:
+            return tuning.FORWARD_D128
+        if interval_tile_possible(problem) and problem.bias is None:
+            return tuning.FORWARD_D128_INTERVALS
+        return tuning.FORWARD_D128_MASKED
+    return tuning.FORWARD_D256
+
+
+def interval_tile_possible(problem: Problem) -> bool:
+    """Whether the forward's tile follows the bias (``tuning.FORWARD_D128_INTERVALS`` without
+    one): KeyIntervals in 16-bit on the GPU at head dim 128, with at least that tile's rows of
+    queries. A prepared mask's map is made before a call's bias is known, so it serves both."""
+    return (problem.intervals and not problem.interpreted
+            and problem.dtype in (torch.float16, torch.bfloat16)
+            and problem.shape.head_dim == 128
+            and problem.shape.seqlen_q >= tuning.FORWARD_D128_INTERVALS.block_m)
+
+
+def group_pack(problem: Problem, block_m: int) -> int:
+    """How many query heads of a GQA group share one forward tile (1 = no packing).
+
+    Packing reads K, V and a group-shared mask once per group instead of once per head. It is
+    used where that traffic dominates: with a mask (a (B, Hk, Lq, Lk) topk mask is read Hq/Hk
+    times otherwise) and for decode-sized Lq, where one head's rows fill a tile poorly. The
+    group must be a power of two that fits a tile, and the mask must be shared by it.
+    """
+    group = problem.shape.group_size
+    if group == 1 or group & (group - 1) or group > block_m:
+        return 1
+    if problem.mask is not None and not problem.mask.shared_by(group):
+        return 1
+    if problem.mask is None and problem.shape.seqlen_q >= block_m:
+        return 1
+    return group
+
+
+def key_splits(programs: int, key_blocks: int, multiprocessors: int, min_blocks: int) -> int:
+    """Key shares for a grid of ``programs`` (1: none): only where it fills less than half the
+    GPU, about ``SPLIT_PROGRAMS_PER_SM`` programs per multiprocessor, at least ``min_blocks``
+    key blocks a share."""
+    if 2 * programs > multiprocessors:
+        return 1
+    return max(1, min(ceil_div(tuning.SPLIT_PROGRAMS_PER_SM * multiprocessors, programs),
+                      key_blocks // min_blocks, tuning.MAX_KEY_SPLITS))
+
+
+def grid_chunk_rows(rows: int, blocks: int, group: int, uneven: bool,
+                    multiprocessors: int) -> int:
+    """Rows per chunk of a ``_score.grid_position`` grid: ``rows`` rows of ``blocks`` programs
+    each, consecutive runs of ``group`` rows sharing K and V (a GQA group).
+
+    With even work per program, one row per chunk: the programs running together then belong
+    to one or two heads and share their K and V in L2. With uneven work (causal), a chunk
+    starts its longest programs first and ends on its shortest, which keeps the grid's last
+    wave short, but only if the chunk holds enough programs to fill the GPU several times
+    over; more rows than that only spread the programs running together over more heads.
+    """
+    if not uneven:
+        return 1
+    # The fewest whole groups that divide the rows into equal chunks and fill the GPU: a
+    # narrower last chunk would end the grid on its own longest programs.
+    for size in range(group, rows, group):
+        if rows % size == 0 and size * blocks >= tuning.CHUNK_PROGRAMS_PER_SM * multiprocessors:
+            return size
+    return rows
+
+
+def edge_slots(loop_rows: int, step_rows: int) -> int:
+    """List entries read from each end by ``_score.interior_span``: a loop over
+    ``step_rows``-sized blocks crosses the causal diagonal of a ``loop_rows``-sized block in at
+    most ceil(loop_rows / step_rows) + 1 blocks; a partial last block is one of those or one
+    more."""
+    return next_power_of_2(ceil_div(loop_rows, step_rows) + 2)
+
+
+def scan_keys(problem: Problem, options: dict, splits: int = 1) -> bool:
+    """Whether the forward finds its key blocks by reading the intervals itself (see
+    ``ForwardSchedule.scan_keys``) rather than walking a list compacted from an activity map.
+
+    It can where the call reads unprepared intervals whose start and end share a layout and no
+    backward follows (the backward walks lists of the map, so the map is made anyway). It
+    pays for short key lengths: the read and the compaction are two launches per call (a
+    CUDA-graph replay included), while each program's scan reads every reachable key's
+    interval (8 bytes per key for int32) and walks the blocks between its first and last
+    visible key, gaps included. ``tuning.FORWARD_SCAN_MAX_KEYS`` is where the lists win (keys
+    read per program: with ``splits`` key splits, each share reads its own), and
+    ``tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS`` the head dims where they win too."""
+    possible = (problem.mask is not None and problem.interval_pair and problem.forward_only)
+    forced = options.get("forward_key_scan")
+    if forced is None:
+        head_dim = problem.shape.head_dim
+        return (possible and ceil_div(problem.shape.seqlen_k, splits)
+                <= tuning.FORWARD_SCAN_MAX_KEYS
+                and not tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS[0] < head_dim
+                < tuning.FORWARD_SCAN_SKIPS_HEAD_DIMS[1])
+    if forced and not possible:
+        raise ValueError("kernel_options['forward_key_scan']: True needs KeyIntervals read by "
+                         "the call (not prepared), start and end of one dtype and strides, "
+                         "and no gradient wanted")
+    return forced
+
+
+def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
+    shape, sms = problem.shape, problem.multiprocessors
+    tile = forward_tile(problem)
+    pack = group_pack(problem, tile.block_m)
+    block_m = tile.block_m
+    if pack > 1:
+        # Decode-sized Lq: just enough rows for the group's heads (tl.dot needs 16).
+        block_m = max(16, min(block_m, pack * next_power_of_2(shape.seqlen_q)))
+    query_rows = block_m // pack
+    row_blocks = ceil_div(shape.seqlen_q, query_rows)
+    rows = shape.batch * shape.heads_q // pack
+    splits = options.get("forward_key_splits") or key_splits(
+        row_blocks * rows, ceil_div(shape.seqlen_k, tile.block_n), sms,
+        tuning.MIN_BLOCKS_PER_SPLIT)
+    bias = problem.bias
+    return ForwardSchedule(
+        tile=tile, block_m=block_m, group_pack=pack, key_splits=splits,
+        chunk_rows=grid_chunk_rows(rows, row_blocks, 1 if pack > 1 else shape.group_size,
+                                   problem.is_causal, sms),
+        edge_slots=edge_slots(query_rows, tile.block_n),
+        bias_row=bias is not None and bias.one_row and bias.shared_by(pack),
+        scan_keys=scan_keys(problem, options, splits))
+
+
+def forward_list_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:
+    """The forward's list tile, and where its tile follows the bias (``interval_tile_possible``)
+    the list tiles of both choices, first the one ``forward`` took."""
+    tiles = [forward.list_tile]
+    if interval_tile_possible(problem):
+        for tile in (tuning.FORWARD_D128_INTERVALS, tuning.FORWARD_D128_MASKED):
+            tiles.append((tile.block_m // group_pack(problem, tile.block_m), tile.block_n))
+    return tuple(dict.fromkeys(tiles))

@@ -1,0 +1,83 @@
+"""One attention call as far as its schedule depends on it.
+
+``Problem`` holds the sizes, dtype, device, the mask's and bias's broadcast layouts
+(``OperandLayout``), causality, scale, what the backward must produce and the mask's counted
+activity. ``problem_of`` makes it from checked inputs. ``kernels.schedule`` decides what runs for
+a Problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._checks import AttnShape, CheckedInputs
+from ._launch import padded_head_dim
+
+
+@dataclass(frozen=True)
+class OperandLayout:
+    """A mask's or bias's broadcast layout: its own 4-D shape, and the divisor that maps a query
+    head to its head (query head h reads head h // head_div)."""
+
+    shape: tuple[int, int, int, int]
+    head_div: int
+
+    @property
+    def one_row(self) -> bool:
+        """Broadcast over queries (flash-dmattn's (B, Hk, 1, Lk) bias)."""
+        return self.shape[2] == 1
+
+    def shared_by(self, heads: int) -> bool:
+        """Every one of ``heads`` consecutive query heads (a GQA group or part) reads one head."""
+        return self.head_div % heads == 0
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One call, as far as the schedule depends on it. ``activity`` is the mask's activity map
+    (``_blocks.ActivityMap``); only the shares it has counted are read."""
+
+    shape: AttnShape
+    dtype: torch.dtype
+    device: torch.device
+    interpreted: bool
+    multiprocessors: int
+    is_causal: bool
+    softmax_scale: float
+    mask: OperandLayout | None = None
+    bias: OperandLayout | None = None
+    deterministic: bool = False
+    bias_grad: bool = False
+    activity: object = field(default=None, compare=False, repr=False)
+    # The mask is ``KeyIntervals`` that this call reads itself (not prepared), whose start and
+    # end share one dtype and layout, so that the forward can read them as given.
+    interval_pair: bool = False
+    # No backward follows this call's forward (no gradient is wanted).
+    forward_only: bool = False
+    # The mask is ``KeyIntervals``: prepared, read by the call, or varlen's documents.
+    intervals: bool = False
+
+    @property
+    def block_d(self) -> int:
+        return padded_head_dim(self.shape.head_dim)
+
+
+def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
+               interpreted: bool, multiprocessors: int, is_causal: bool,
+               deterministic: bool = False, bias_grad: bool = False,
+               activity=None, intervals_per_call: bool = False,
+               forward_only: bool = False) -> Problem:
+    """The Problem of checked inputs. ``intervals_per_call``: the mask is ``KeyIntervals`` that
+    the call reads itself (not prepared); ``forward_only``: no backward follows."""
+    def layout(op):
+        return None if op is None else OperandLayout(tuple(op.original_shape), op.head_div)
+
+    pair = (intervals_per_call and checked.mask is not None
+            and checked.mask.interval_pair is not None)
+    intervals = checked.mask is not None and checked.mask.interval_pairs is not None
+    return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
+                   checked.softmax_scale, layout(checked.mask), layout(checked.bias),
+                   bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
+                   intervals)
