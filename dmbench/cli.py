@@ -297,7 +297,8 @@ def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs of one d
            tables: Annotated[Optional[Path], typer.Option("--tables", help="Markdown file for the full tables (default: README.md in the CSVs' folder, created if absent).")] = None,
            print_only: Annotated[bool, typer.Option("--print", help="Print the headline and the tables; write nothing.")] = False):
     """Generate the README headline and the full per-case tables from result CSVs."""
-    from .report import collect, headline_markdown, tables_markdown, write_reports
+    from .collected import collect
+    from .report import headline_markdown, tables_markdown, write_reports
 
     def work():
         for csv in csvs:

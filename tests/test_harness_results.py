@@ -336,7 +336,7 @@ def test_files_without_the_timing_column_read_as_eager(tmp_path):
 
 
 def test_committed_results_without_the_timing_column_read_as_eager():
-    from dmbench.report import sweep_csvs
+    from dmbench.collected import sweep_csvs
 
     def header(path):
         with open(path, newline="") as f:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dmbench.report import HEADLINE, TABLES, collect, headline_markdown, tables_markdown
+from dmbench.collected import collect
+from dmbench.report import HEADLINE, TABLES, headline_markdown, tables_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

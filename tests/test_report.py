@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from dmbench.cli import app
 from dmbench.errors import ExitCode
-from dmbench.report import (HEADLINE, TABLES, collect, headline_markdown, measured_on,
-                            tables_markdown)
+from dmbench.collected import collect
+from dmbench.report import HEADLINE, TABLES, headline_markdown, measured_on, tables_markdown
 from dmbench.results import Row, rewrite
 from dmbench.sweep import Case
 
@@ -324,7 +324,7 @@ def test_report_knows_other_commands_files_by_their_columns(tmp_path):
     """A compile-cost or train file from before (or after) a column was added is still that
     command's file, not a sweep CSV with a bad header."""
     from dmbench.compile_cost import COLUMNS as COST_COLUMNS
-    from dmbench.report import other_command
+    from dmbench.collected import other_command
     from dmbench.train_results import TRAIN_COLUMNS
 
     older_cost = tmp_path / "compile-cost-old.csv"

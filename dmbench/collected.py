@@ -1,0 +1,127 @@
+"""Result rows gathered from sweep CSVs, grouped per (sweep, mode) and case, and the labels
+the reports give them: the sweep (marked for rows timed as CUDA graph replays), the shape, the
+case, and our ratio to the best peer.
+
+Files that another command wrote (``compile-cost``, ``train``) are known by their columns and
+left out.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+from .results import Row, read_rows
+
+# The backends we are compared against; sdpa-dense computes a different (dense) function and
+# triton-base runs our own kernels, so neither is a peer.
+PEERS = ("sdpa", "flex", "fdma")
+TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class Collected:
+    """The timed rows of a set of CSVs, grouped for the tables."""
+
+    rows: list[Row]
+    # (sweep, mode) -> case label -> backend -> median ms, cases in file order
+    tables: dict[tuple[str, str], dict[str, dict[str, float]]]
+    interpreted: bool  # CPU rows (Triton's interpreter): no targets
+
+    @property
+    def gpu(self) -> str:
+        return self.rows[0].gpu
+
+
+TIMING_SUFFIX = {"eager": "", "cuda_graph": " (CUDA graphs)"}
+
+
+def timing_suffix(timing: str) -> str:
+    """What follows a sweep's name or a target's line for rows of this ``timing``."""
+    return TIMING_SUFFIX.get(timing, f" ({timing})")
+
+
+def sweep_label(row: Row) -> str:
+    """The sweep as the report names it: its name, marked when its rows were timed as CUDA
+    graph replays, so that they are grouped apart from the same sweep's eager rows."""
+    return row.sweep + timing_suffix(row.timing)
+
+
+def is_interpreter_row(row: Row) -> bool:
+    """Rows timed on the CPU: their gpu column says so (``cpu (triton interpreter)``)."""
+    return row.gpu.lower().startswith("cpu")
+
+
+# Columns that only one other command's CSV has: a file is that command's when its header holds
+# them, so files written before or after a column was added (compile-cost's warmup_workers)
+# are still recognized and left alone.
+OTHER_COMMAND_COLUMNS = {"compile-cost": {"step", "first_ms", "compiled"},
+                         "train": {"implementation", "tokens_per_s"}}
+
+
+def other_command(path: Path) -> str | None:
+    """The command that wrote ``path`` when it is not a sweep's (``compile-cost``, ``train``):
+    a glob such as ``results/<gpu>/*.csv`` takes those files too, and the report leaves them."""
+    try:
+        with open(path, newline="") as handle:
+            header = set(next(csv.reader(handle), ()))
+    except OSError:
+        return None  # read_rows names the problem
+    if "case_id" in header:
+        return None  # a sweep's
+    return next((command for command, columns in OTHER_COMMAND_COLUMNS.items()
+                 if columns <= header), None)
+
+
+def sweep_csvs(csv_paths: list[Path]) -> list[Path]:
+    return [path for path in csv_paths if other_command(path) is None]
+
+
+def collect(csv_paths: list[Path]) -> Collected:
+    """The ok timed rows of the sweep CSVs among ``csv_paths``; they must come from one
+    device."""
+    rows: list[Row] = []
+    for path in sweep_csvs(csv_paths):
+        rows += [r for r in read_rows(path)
+                 if r.status == "ok" and r.ms_p50 is not None and r.mode != "equiv"]
+    if not rows:
+        raise ConfigError("no timed rows with status ok in " + ", ".join(map(str, csv_paths)))
+    devices = sorted({r.gpu for r in rows})
+    if len(devices) > 1:
+        raise ConfigError(f"the CSVs come from {len(devices)} devices ({'; '.join(devices)}); "
+                          "ratios are only comparable within one: report one device at a time")
+    tables: dict[tuple[str, str], dict[str, dict[str, float]]] = defaultdict(dict)
+    for row in rows:
+        cases = tables[(sweep_label(row), row.mode)]
+        cases.setdefault(case_label(row), {})[row.backend] = row.ms_p50
+    return Collected(rows, dict(tables), is_interpreter_row(rows[0]))
+
+
+def shape_label(row) -> str:
+    """Batch, heads (query/key-value), lengths and head dim, e.g. ``B2 H16/4 L4096 D128``."""
+    lengths = (f"L{row.seqlen_q}" if row.seqlen_q == row.seqlen_k
+               else f"Lq{row.seqlen_q} Lk{row.seqlen_k}")
+    return f"B{row.batch} H{row.heads_q}/{row.heads_kv} {lengths} D{row.head_dim}"
+
+
+def case_label(row) -> str:
+    """The shape, then the mask (with its window, documents and format where set), the bias and
+    whether it is causal."""
+    window = f" W{row.window}" if row.window and row.mask != "none" else ""
+    documents = f" [{row.documents}]" if row.documents else ""
+    mask_format = f" as {row.mask_format}" if row.mask_format != "bool" else ""
+    causal = " causal" if row.causal else ""
+    return f"{shape_label(row)} {row.mask}{window}{documents}{mask_format} {row.bias}{causal}"
+
+
+def ratio_to_best_peer(times: dict[str, float]) -> tuple[float, str] | None:
+    """The fastest peer's median time over ours, with that peer; None without our time or any
+    peer's."""
+    peers = {p: times[p] for p in PEERS if p in times}
+    if not peers or "triton" not in times:
+        return None
+    best = min(peers, key=peers.get)
+    return peers[best] / times["triton"], best
