@@ -36,6 +36,12 @@ _plans: dict = {}
 # model calls with one or two forms per layer shape (with and without gradients).
 MAX_INTERVAL_PLANS = 8
 _interval_plans: OrderedDict = OrderedDict()
+# Call forms of ordered KeyIntervals (``kernels.key_order``) whose inputs passed the checks, by
+# call signature and the layouts of the intervals and their order, least recently used first.
+# The checks read only layouts, so a repeat form skips them, and with them the intervals'
+# kernel operand, which the checks build (two or three torch ops on the device).
+MAX_ORDERED_FORMS = 8
+_ordered_forms: OrderedDict = OrderedDict()
 # The same for bool masks that are not prepared (a model's padding or causal mask, new each
 # step), each with its ``_MaskReader``, by call signature and the mask's layout
 # (``_mask_form``): the mask's values are read per call (one activity pass), never kept.
@@ -269,12 +275,31 @@ def _compact_bias(attn_bias):
     return attn_bias
 
 
+def _ordered_form(query, key, value, intervals, attn_bias, is_causal, softmax_scale):
+    """What the checks of an ordered call read: the call's signature (``is_causal`` with its
+    type, which ``check_flags`` reads), the intervals' layout and the order's. None where the
+    call has no signature (it is checked every time)."""
+    signature = _signature(query, key, value, attn_bias, is_causal, softmax_scale)
+    if signature is None:
+        return None
+    order = intervals.key_order
+    return (signature, type(is_causal), _interval_form(intervals, False),
+            (order.shape, order.stride(), order.dtype, order.device))
+
+
 def _in_key_order(query, key, value, intervals, attn_bias, is_causal, softmax_scale):
     """The call's arguments with its keys read in ``intervals.key_order``
-    (``kernels.key_order``): the same attention, with causality folded into the intervals."""
+    (``kernels.key_order``): the same attention, with causality folded into the intervals.
+    The inputs are checked first, once per form (``_ordered_forms``)."""
     if not _is_compiling():  # traced calls are checked by the custom ops
-        check_flags(is_causal=is_causal)
-        check_inputs(query, key, value, intervals, attn_bias, softmax_scale)
+        form = _ordered_form(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
+        if form is not None and form in _ordered_forms:
+            _ordered_forms.move_to_end(form)
+        else:
+            check_flags(is_causal=is_causal)
+            check_inputs(query, key, value, intervals, attn_bias, softmax_scale)
+            if form is not None:
+                _remember(_ordered_forms, form, True, MAX_ORDERED_FORMS)
     key, value, intervals, attn_bias = reorder_keys(query, key, value, intervals,
                                                     _compact_bias(attn_bias), is_causal)
     return query, key, value, intervals, attn_bias, False

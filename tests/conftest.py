@@ -66,10 +66,12 @@ def _seeded():
 @pytest.fixture()
 def no_kept_plans():
     """Start with no kept forward plans (those of mask-free calls, of unprepared KeyIntervals
-    and of unprepared bool masks): another test in the session may have made a plan of the very signature a
-    test means to plan afresh (a kept plan also keeps its backward plans)."""
+    and of unprepared bool masks) and no checked forms of ordered intervals: another test in
+    the session may have made a plan of the very signature a test means to plan afresh (a kept
+    plan also keeps its backward plans)."""
     from kernels import interface  # after pytest_configure has set TRITON_INTERPRET
 
     interface._plans.clear()
     interface._interval_plans.clear()
     interface._mask_plans.clear()
+    interface._ordered_forms.clear()

@@ -10,8 +10,8 @@ import torch
 
 from attn_helpers import (Dims, assert_close_to_reference, assert_grads_close_to_reference,
                           grads_of, random_qkv)
-from kernels import (KeyIntervals, attention_reference, dmattn_func, key_order, prepared,
-                     schedule_for, topk_intervals)
+from kernels import (KeyIntervals, attention_reference, dmattn_func, interface, key_order,
+                     prepared, schedule_for, topk_intervals)
 from kernels.key_order import end_buckets, grouping_order, reordered_intervals
 from kernels.topk_intervals import orders_keys
 
@@ -193,6 +193,31 @@ def test_an_ordered_call_checks_its_inputs_first():
     with pytest.raises(TypeError, match="is_causal must be a bool"):
         dmattn_func(q, k, v, topk_intervals(torch.randn(1, 2, 1, 16), 4, order_keys=True),
                     is_causal="yes")
+
+
+def test_an_ordered_form_is_checked_once(monkeypatch, no_kept_plans):
+    """The checks of an ordered call read only layouts: a repeat form skips them (and the
+    kernel operand they build); a call of another form is checked, and a bad one refused."""
+    dims = Dims(1, 16, 16, heads_q=2, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, "cpu")
+    intervals = topk_intervals(torch.randn(1, 2, 1, 16), 4, order_keys=True)
+    checks = []
+    checked = interface.check_inputs
+    monkeypatch.setattr(interface, "check_inputs",
+                        lambda *args: checks.append(args[3]) or checked(*args))
+    first = dmattn_func(q, k, v, intervals, is_causal=True)
+    ordered_checks = sum(mask is intervals for mask in checks)
+    assert ordered_checks == 1
+    assert torch.equal(dmattn_func(q, k, v, intervals, is_causal=True), first)
+    assert sum(mask is intervals for mask in checks) == ordered_checks
+    dmattn_func(q, k, v, intervals, is_causal=False)  # another form: checked again
+    assert sum(mask is intervals for mask in checks) == ordered_checks + 1
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        dmattn_func(q, k, v, intervals, is_causal=1)
+    longer = random_qkv(Dims(1, 16, 17, heads_q=2, heads_kv=2, head_dim=16), torch.float32,
+                        "cpu")
+    with pytest.raises(ValueError, match="attn_mask.start dimension 2"):
+        dmattn_func(q, longer[1], longer[2], intervals, is_causal=True)
 
 
 def test_schedule_for_shows_the_ordered_call(device):
