@@ -1,6 +1,7 @@
 """The forward launch of a ``Problem``: its tile, GQA packing, key splits, grid order, and
 whether it reads unprepared intervals itself. ``kernels.schedule`` combines it with the
-backward's."""
+backward's. The grid rules the backward's launches follow too (``key_splits``,
+``grid_chunk_rows``, ``edge_slots``) are here, where the forward first uses them."""
 
 from __future__ import annotations
 
