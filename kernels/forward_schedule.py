@@ -57,14 +57,21 @@ def forward_tile(problem: Problem) -> tuning.Tile:
     return tuning.FORWARD_D256
 
 
+def interval_tile_rows(dtype: torch.dtype, head_dim: int, interpreted: bool) -> int | None:
+    """The fewest query rows at which a call with KeyIntervals of this dtype and head dim may
+    take ``tuning.FORWARD_D128_INTERVALS`` (``interval_tile_possible``), or None where it never
+    does: 16-bit on the GPU at head dim 128."""
+    if interpreted or dtype not in (torch.float16, torch.bfloat16) or head_dim != 128:
+        return None
+    return tuning.FORWARD_D128_INTERVALS.block_m
+
+
 def interval_tile_possible(problem: Problem) -> bool:
     """Whether the forward's tile follows the bias (``tuning.FORWARD_D128_INTERVALS`` without
     one): KeyIntervals in 16-bit on the GPU at head dim 128, with at least that tile's rows of
     queries. A prepared mask's map is made before a call's bias is known, so it serves both."""
-    return (problem.intervals and not problem.interpreted
-            and problem.dtype in (torch.float16, torch.bfloat16)
-            and problem.shape.head_dim == 128
-            and problem.shape.seqlen_q >= tuning.FORWARD_D128_INTERVALS.block_m)
+    rows = interval_tile_rows(problem.dtype, problem.shape.head_dim, problem.interpreted)
+    return problem.intervals and rows is not None and problem.shape.seqlen_q >= rows
 
 
 def group_pack(problem: Problem, block_m: int) -> int:

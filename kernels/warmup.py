@@ -37,6 +37,7 @@ from ._checks import AttnShape
 from ._launch import compile_only, compiled_forms, multiprocessors
 from .backward_schedule import dkdv_takes_wide_tile
 from .forward import interpreted
+from .forward_schedule import interval_tile_rows
 from .interface import dmattn_func
 from .intervals import KeyIntervals
 from .problem import Problem
@@ -129,6 +130,28 @@ def threshold_lengths(lengths, threshold: int | None) -> tuple[int, ...]:
     return tuple(sorted(lengths))
 
 
+def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
+                 device, mask: str, backward: bool, window: int | None,
+                 selection_heads: int | None, is_causal: bool) -> tuple[int, ...]:
+    """The lengths ``warmup`` calls at: an aligned and an unaligned length next to each of
+    ``seqlens`` (``warmup_lengths``), and where those lie on both sides of a length at which
+    the schedule changes, the two ends of each side (``threshold_lengths``): the ordering
+    threshold with a ``window``, the forward's interval tile with interval masks
+    (``forward_schedule.interval_tile_rows``) and dkdv's wide tile with ``backward``."""
+    lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
+    if window is not None:
+        rows = batch * (heads_kv if selection_heads is None else selection_heads)
+        lengths = list(window_lengths(lengths, window, is_causal, rows))
+    if mask == "intervals":  # the forward's tile changes at one query length
+        lengths = list(threshold_lengths(lengths, interval_tile_rows(
+            dtype, head_dim, interpreted())))
+    if backward:  # dkdv's tile changes at one length (K and V widened to heads_q by an order)
+        for kv_heads in {heads_kv, heads_q if selection_heads == heads_q else heads_kv}:
+            lengths = list(threshold_lengths(lengths, wide_tile_threshold(
+                batch, heads_q, kv_heads, head_dim, dtype, device, max(lengths))))
+    return tuple(lengths)
+
+
 def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
                 backward, scattered, *, window=None, selection_heads=None, is_causal=False):
     """(q, k, v, attn_mask, attn_bias) of one call of the form on random data: ``mask`` and
@@ -200,8 +223,9 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     shortest and longest length a model uses: each schedule decision that follows the length
     (key splits where a short grid underfills the GPU, dkdv's stages) changes at one
     threshold, so lengths between them take forms the two ends compile; where dkdv's tile
-    changes between them (``wide_tile_threshold``), the lengths next to that threshold on each
-    side run too. On the H100, after a warm-up at 1000 and 8000, calls at 20 lengths between
+    (``wide_tile_threshold``) or, with interval masks, the forward's tile
+    (``forward_schedule.interval_tile_rows``) changes between them, the lengths next to that
+    threshold on each side run too (``call_lengths``). On the H100, after a warm-up at 1000 and 8000, calls at 20 lengths between
     compiled nothing (``dmbench compile-cost --warmup``) before dkdv had a wide tile; with it,
     calls at 2048 and 2049 compiled one kernel each (the wide tile with head shares), which
     the lengths at that threshold now compile (not yet measured again on the GPU).
@@ -236,14 +260,10 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     _check_window(window, selection_heads, mask, heads_q, heads_kv)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
-    if window is not None:
-        rows = batch * (heads_kv if selection_heads is None else selection_heads)
-        lengths = list(window_lengths(lengths, window, is_causal, rows))
-    if backward:  # dkdv's tile changes at one length (K and V widened to heads_q by an order)
-        for kv_heads in {heads_kv, heads_q if selection_heads == heads_q else heads_kv}:
-            lengths = list(threshold_lengths(lengths, wide_tile_threshold(
-                batch, heads_q, kv_heads, head_dim, dtype, device, max(lengths))))
+    lengths = call_lengths(seqlens, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+                           head_dim=head_dim, dtype=dtype, device=device, mask=mask,
+                           backward=backward, window=window, selection_heads=selection_heads,
+                           is_causal=is_causal)
     if window is not None:  # the selection's mask, whatever ``scattered`` says
         variants = (True,)
     else:  # every pair visible and a scattered half

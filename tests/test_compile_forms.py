@@ -14,8 +14,10 @@ import torch
 
 from kernels import KeyIntervals, _launch, compiled_forms, dmattn_func, topk_intervals, warmup
 from kernels._checks import AttnShape
+from kernels import tuning
 from kernels.backward_schedule import dkdv_takes_wide_tile
-from kernels.problem import Problem
+from kernels.forward_schedule import forward_tile, interval_tile_rows
+from kernels.problem import OperandLayout, Problem
 from kernels.topk_intervals import orders_keys
 from kernels.warmup import ordering_threshold, window_lengths
 
@@ -247,3 +249,39 @@ def test_wide_tile_threshold_is_where_dkdv_changes_tiles(monkeypatch, batch, hea
     assert {n % 16 == 0 for n in near if not wide(n)} == {True, False}
     assert warmup_module.wide_tile_threshold(batch, 4 * heads_kv, heads_kv, 128, torch.float32,
                                              "cuda", 1 << 20) is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_warmup_lengths_straddle_the_interval_tile(monkeypatch, bias):
+    """On the GPU the forward of KeyIntervals at head dim 128 changes tiles at
+    ``interval_tile_rows`` query rows (without a bias); a warm-up from below it to above it
+    calls at an aligned and an unaligned length on each side, so that calls between compile
+    nothing new."""
+    warmup_module = importlib.import_module("kernels.warmup")
+    monkeypatch.setattr(warmup_module, "interpreted", lambda: False)
+    monkeypatch.setattr(warmup_module, "multiprocessors", lambda device, interpreted: 132)
+    rows = interval_tile_rows(torch.bfloat16, 128, interpreted=False)
+
+    def interval_tile(seqlen):
+        shape = AttnShape(batch=1, heads_q=4, heads_kv=4, seqlen_q=seqlen, seqlen_k=seqlen,
+                          head_dim=128)
+        layout = OperandLayout((1, 4, seqlen, seqlen), 1)
+        problem = Problem(shape, torch.bfloat16, torch.device("cuda"), False, 132,
+                          is_causal=True, softmax_scale=1.0, mask=layout,
+                          bias=layout if bias else None, intervals=True)
+        return forward_tile(problem) == tuning.FORWARD_D128_INTERVALS
+
+    assert interval_tile(rows) != bias and not interval_tile(rows - 1)
+    lengths = warmup_module.call_lengths(
+        (20, 1000), batch=1, heads_q=4, heads_kv=4, head_dim=128, dtype=torch.bfloat16,
+        device="cuda", mask="intervals", backward=False, window=None, selection_heads=None,
+        is_causal=True)
+    for side in (lambda n: n < rows, lambda n: n >= rows):
+        near = [n for n in lengths if side(n) and abs(n - rows) < 17]
+        assert {n % 16 == 0 for n in near} == {True, False}, lengths
+    for mask, dtype, head_dim in (("bool", torch.bfloat16, 128), ("intervals", torch.float32, 128),
+                                  ("intervals", torch.bfloat16, 64)):
+        assert warmup_module.call_lengths(
+            (20, 1000), batch=1, heads_q=4, heads_kv=4, head_dim=head_dim, dtype=dtype,
+            device="cuda", mask=mask, backward=False, window=None, selection_heads=None,
+            is_causal=True) == (16, 20, 992, 1000)
