@@ -86,6 +86,24 @@ def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, m
                          f"{tuple(cu_seqlens_k.shape)}")
 
 
+def causal_within(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int,
+                  total_k: int) -> bool:
+    """Whether every sequence's bottom-right causality implies the packed problem's own (row i
+    sees key j only if j <= i + total_k - total_q), so that the packed call may pass
+    ``is_causal=True`` and change nothing it computes. Row ``cu_q[s] + i`` of sequence s sees
+    its key ``cu_k[s] + j`` only if j <= i + Lk_s - Lq_s, that is if the packed key lies at most
+    ``cu_k[s + 1] - cu_q[s + 1]`` past the packed row; so it holds where that is at most
+    total_k - total_q for every s. True without a read for one offsets tensor given as both
+    (self-attention over packed documents); otherwise one read-back, or False while
+    torch.compile traces or a CUDA graph captures. The offsets must already be checked."""
+    if cu_seqlens_q is cu_seqlens_k:
+        return True
+    if torch.compiler.is_compiling() or graph_capturing(cu_seqlens_q.device):
+        return False
+    lead = cu_seqlens_k[1:].to(torch.int64) - cu_seqlens_q[1:].to(torch.int64)
+    return bool((lead <= total_k - total_q).all())
+
+
 # The packed masks of recent offsets, so that the layers of a model (one call each, with the
 # same cu_seqlens) check the offsets and build the mask once: each later call skips that
 # read-back and ~25 torch ops (H100, 16k packed tokens: 0.85 ms a call before, against
@@ -97,10 +115,11 @@ _packed_masks: OrderedDict = OrderedDict()
 
 
 def _cached_packed_intervals(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
-                             max_seqlen_k, is_causal, device) -> KeyIntervals:
-    """``packed_intervals`` of offsets checked here, from ``_packed_masks`` when these offsets
-    tensors, unchanged, were seen with the same sizes. Not kept while torch.compile traces or a
-    CUDA graph captures (nothing is read back then, and tensor identity means nothing)."""
+                             max_seqlen_k, is_causal, device) -> tuple[KeyIntervals, bool]:
+    """``packed_intervals`` of offsets checked here, and with ``is_causal`` whether the packed
+    call may be causal (``causal_within``), from ``_packed_masks`` when these offsets tensors,
+    unchanged, were seen with the same sizes. Not kept while torch.compile traces or a CUDA
+    graph captures (nothing is read back then, and tensor identity means nothing)."""
     keep = isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor) \
         and not torch.compiler.is_compiling() and not graph_capturing(device)
     signature = None
@@ -111,16 +130,17 @@ def _cached_packed_intervals(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_s
         kept = _packed_masks.get(signature)
         if kept is not None and kept[0]() is cu_seqlens_q and kept[1]() is cu_seqlens_k:
             _packed_masks.move_to_end(signature)
-            return kept[2]
+            return kept[2], kept[3]
     _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
                    device)
     intervals = packed_intervals(cu_seqlens_q, cu_seqlens_k, total_k, is_causal)
+    causal = is_causal and causal_within(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     if signature is not None:
         _packed_masks[signature] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k),
-                                    intervals)
+                                    intervals, causal)
         while len(_packed_masks) > MAX_PACKED_MASKS:
             del _packed_masks[next(iter(_packed_masks))]
-    return intervals
+    return intervals, causal
 
 
 def varlen_call(attention, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -150,19 +170,22 @@ def varlen_call(attention, query, key, value, cu_seqlens_q, cu_seqlens_k, max_se
         attn_mask.check_against(batch=1, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=total_q,
                                 seqlen_k=total_k, device=query.device)
     _check_bias(attn_bias, heads_q, heads_kv, total_k)
+    # The intervals hold each sequence's causality; the packed call is causal too where that
+    # implies it (``causal_within``), which lets the kernels skip and order tiles by it.
     if attn_mask is None:
-        intervals = _cached_packed_intervals(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
-                                             max_seqlen_q, max_seqlen_k, bool(is_causal),
-                                             query.device)
+        intervals, causal = _cached_packed_intervals(
+            cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
+            bool(is_causal), query.device)
     else:
         _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
                        max_seqlen_k, query.device)
         intervals = packed_intervals(cu_seqlens_q, cu_seqlens_k, total_k, bool(is_causal),
                                      attn_mask)
+        causal = bool(is_causal) and causal_within(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     result = attention(
         query[None], key[None], value[None], attn_mask=intervals,
         attn_bias=None if attn_bias is None else attn_bias[None, :, None, :],
-        is_causal=False, softmax_scale=softmax_scale, return_lse=return_lse, **options,
+        is_causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, **options,
     )
     if not return_lse:
         return result[0]

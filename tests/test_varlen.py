@@ -233,6 +233,38 @@ def test_packed_mask_is_built_once_per_offsets(monkeypatch):
         run(cu_q, cu_k, True)
 
 
+@pytest.mark.parametrize("lengths,within", [
+    (((2, 5), (3, 0)), False),  # sequence 0's row 0 sees packed key 3, past the packed lead 0
+    (((5, 5), (0, 3), (2, 2)), True),  # every sequence's keys lead by at most the total, 3
+    (((5, 5), (3, 3), (2, 2)), True),  # equal offsets: each causal is the packed causal
+    (((17, 33),), True),  # one sequence: its causality is the packed problem's
+    (((1, 4), (3, 2)), False),  # sequence 0's row 0 sees packed key 3, past the packed lead 2
+    (((3, 2), (1, 4)), True),
+])
+def test_packed_call_is_causal_where_each_sequences_causality_implies_it(lengths, within):
+    """The packed call passes ``is_causal=True`` to the kernels only where that removes no
+    pair a sequence's own causality keeps; either way it equals the reference run sequence by
+    sequence (``test_packed_reference_equals_each_sequence``)."""
+    problem, _, _ = packed_problem(lengths, torch.float32, "cpu")
+    q, k, v, cu_q, cu_k, max_q, max_k = problem
+    flags = []
+
+    def spy(*args, is_causal, **options):
+        flags.append(is_causal)
+        return attention_reference(*args, is_causal=is_causal, **options)
+
+    out = varlen_call(spy, q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+    varlen_call(spy, q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False)
+    assert flags == [within, False]
+    # Within the packed causality every kept pair stays: the causal call equals the other.
+    want = attention_varlen_reference(q, k, v, cu_q, cu_k, is_causal=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    if cu_q.tolist() == cu_k.tolist():
+        flags.clear()
+        varlen_call(spy, q, k, v, cu_q, cu_q, max_q, max_q, is_causal=True)
+        assert flags == [True]
+
+
 # -- dmattn_varlen_func through the Triton kernels
 def kernel_problem(dtype, device):
     lengths = PACKED[0].values[0]
