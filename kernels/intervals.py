@@ -111,6 +111,9 @@ class KeyIntervals:
     # (``key_order.reordered_intervals``), so later calls get the same object and its
     # preparations.
     _reordered: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    # Intervals with an order: the gather indices of K, V and the bias their calls read the
+    # keys with, per call form (``key_order.reorder_keys``).
+    _gather_indices: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         _check_index_tensor("KeyIntervals start", self.start)

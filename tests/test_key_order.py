@@ -301,6 +301,47 @@ def test_reordered_intervals_are_kept_per_form_and_bounded(monkeypatch):
     assert len(ordered._reordered) == 2
 
 
+@pytest.mark.parametrize("selection_heads", ["Hk", "Hq"])
+def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
+    """An ordered object's calls read K, V and the bias through indices made once per form (the
+    order's heads, the batch, the operand's heads and last size, the order's version): a repeat
+    call gathers the same keys without making them again; a write into the order makes new
+    ones; none are kept while tracing. The gathers equal indexing each head by its order."""
+    from kernels.key_order import reorder_keys
+    dims = Dims(2, 30, 40, heads_q=4, heads_kv=2, head_dim=8)
+    q, k, v = random_qkv(dims, torch.float32, "cpu")
+    bias = torch.randn(2, 2, 30, 40)
+    ordered = topk_intervals(_selection(dims, selection_heads, "cpu"), 5, seqlen_q=30,
+                             order_keys=True)
+    made = []
+    real = key_order._kv_index
+    monkeypatch.setattr(key_order, "_kv_index", lambda *a: made.append(1) or real(*a))
+
+    first = reorder_keys(q, k, v, ordered, bias, True)
+    again = reorder_keys(q, k, v, ordered, bias, True)
+    assert len(made) == 1 and len(ordered._gather_indices) == 2  # K and V's, the bias's
+    order = ordered.key_order
+    heads = order.shape[1]
+    for got, source in ((first[0], k), (first[1], v)):
+        widened = source.repeat_interleave(heads // dims.heads_kv, dim=2)
+        want = torch.stack([widened[b, order[b, h], h] for b in range(2) for h in range(heads)])
+        assert torch.equal(got, want.view(2, heads, 40, 8).transpose(1, 2))
+    widened = bias.repeat_interleave(heads // 2, dim=1)
+    want = torch.stack([widened[b, h][:, order[b, h]] for b in range(2) for h in range(heads)])
+    assert torch.equal(first[3], want.view(2, heads, 30, 40))
+    for a, b in zip(first, again):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+
+    ordered.key_order.copy_(ordered.key_order.flip(-1))  # in place: a new form
+    written = reorder_keys(q, k, v, ordered, bias, True)
+    assert len(made) == 2 and torch.equal(written[0][:, 0], first[0][:, -1])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kept = dict(ordered._gather_indices)
+    reorder_keys(q, k, v, ordered, bias, True)
+    assert len(made) == 3 and ordered._gather_indices == kept
+
+
 def test_a_reused_ordered_object_runs_on_its_kept_preparation(device, monkeypatch):
     """A model's layers share one ordered mask: the second call with it gets the reordered
     intervals of the first, and so prepares them (``prepared.prepared_intervals``); the third
