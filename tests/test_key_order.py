@@ -195,12 +195,12 @@ def test_an_ordered_call_checks_its_inputs_first():
                     is_causal="yes")
 
 
-def test_an_ordered_form_is_checked_once(monkeypatch, no_kept_plans):
+def test_an_ordered_form_is_checked_once(monkeypatch, no_kept_plans, device):
     """The checks of an ordered call read only layouts: a repeat form skips them (and the
     kernel operand they build); a call of another form is checked, and a bad one refused."""
     dims = Dims(1, 16, 16, heads_q=2, heads_kv=2, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float32, "cpu")
-    intervals = topk_intervals(torch.randn(1, 2, 1, 16), 4, order_keys=True)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    intervals = topk_intervals(torch.randn(1, 2, 1, 16, device=device), 4, order_keys=True)
     checks = []
     checked = interface.check_inputs
     monkeypatch.setattr(interface, "check_inputs",
@@ -215,7 +215,7 @@ def test_an_ordered_form_is_checked_once(monkeypatch, no_kept_plans):
     with pytest.raises(TypeError, match="is_causal must be a bool"):
         dmattn_func(q, k, v, intervals, is_causal=1)
     longer = random_qkv(Dims(1, 16, 17, heads_q=2, heads_kv=2, head_dim=16), torch.float32,
-                        "cpu")
+                        device)
     with pytest.raises(ValueError, match="attn_mask.start dimension 2"):
         dmattn_func(q, longer[1], longer[2], intervals, is_causal=True)
 
