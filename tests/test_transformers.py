@@ -145,12 +145,22 @@ def test_qwen2_right_padded_matches_eager(device):
 
 
 def test_llama_packed_sequences_match_eager(device):
-    # Position ids that restart mark packed documents: transformers' 4-D mask path.
+    # Position ids that restart mark packed documents: key intervals per document here,
+    # transformers' 4-D packed mask in eager.
     _assert_matches_eager(transformers.LlamaConfig(**TINY), device, padded=False,
-                          pass_mask=False, position_ids=_packed_positions(device))
+                          pass_mask=False, position_ids=_packed_positions(device),
+                          use_cache=False)
+
+
+def test_mistral_packed_sequences_under_a_sliding_window_match_eager(device):
+    config = transformers.MistralConfig(**TINY, sliding_window=SLIDING_WINDOW)
+    _assert_matches_eager(config, device, padded=False, pass_mask=False,
+                          position_ids=_packed_positions(device), use_cache=False)
 
 
 def _packed_positions(device):
+    """Position ids that restart at 6: two packed documents per row. transformers reads them
+    as documents only without a cache (pass ``use_cache=False``)."""
     return torch.cat([torch.arange(6), torch.arange(SEQLEN - 6)])[None].expand(2, -1).to(device)
 
 
@@ -209,7 +219,7 @@ def test_doge_packed_sequences_match_eager(doge_biases, device):
     # transformers' 4-D mask: the top-W choice is made as a bool mask.
     config = transformers.DogeConfig(**TINY, keep_window_size=4)
     _assert_matches_eager(config, device, padded=False, pass_mask=False,
-                          position_ids=_packed_positions(device))
+                          position_ids=_packed_positions(device), use_cache=False)
 
 
 def test_doge_ties_rank_the_smaller_key_first():
@@ -260,6 +270,32 @@ def test_llama_padding_reaches_the_kernel_as_key_intervals(kernel_calls, device)
         assert torch.equal(intervals.end[:, 0], keep * SEQLEN)
 
 
+def test_llama_packed_documents_reach_the_kernel_as_key_intervals(kernel_calls, device):
+    """Position ids that restart at 6 (``_packed_positions``): each key is seen by its own
+    document's rows, [0, 6) or [6, SEQLEN), with causality from the flag."""
+    ids, _ = _batch(padded=False, device=device)
+    with torch.no_grad():
+        _dmattn_model(transformers.LlamaConfig(**TINY), device)(
+            input_ids=ids, position_ids=_packed_positions(device), use_cache=False)
+    start = torch.tensor([0] * 6 + [6] * (SEQLEN - 6), dtype=torch.int32, device=device)
+    end = torch.tensor([6] * 6 + [SEQLEN] * (SEQLEN - 6), dtype=torch.int32, device=device)
+    assert len(kernel_calls) == TINY["num_hidden_layers"]
+    for call in kernel_calls:
+        assert call["is_causal"] is True
+        intervals = call["attn_mask"]
+        assert isinstance(intervals, KeyIntervals) and intervals.shape == (2, 1, SEQLEN)
+        assert torch.equal(intervals.start[:, 0], start.expand(2, -1))
+        assert torch.equal(intervals.end[:, 0], end.expand(2, -1))
+
+
+def test_document_intervals_follow_the_runs():
+    documents = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0], [0, 1, 2, 3, 4, 5]])
+    intervals = masking.document_intervals(documents)
+    assert intervals.shape == (3, 1, 6) and intervals.start.dtype == torch.int32
+    dense = intervals.to_dense(6)[:, 0]  # (B, rows, keys)
+    assert torch.equal(dense, documents[:, :, None] == documents[:, None, :])
+
+
 def test_llama_without_padding_passes_no_mask(kernel_calls, device):
     ids, keep = _batch(padded=False, device=device)
     with torch.no_grad():
@@ -292,23 +328,28 @@ def _score_shaped(watch: AllocationWatch, seqlen: int) -> list[str]:
     return [f"{op} {shape}" for op, shape, _ in watch.fresh if shape.count(seqlen) >= 2]
 
 
-@pytest.mark.parametrize("family", ["llama", "doge"])
+@pytest.mark.parametrize("family", ["llama", "doge", "llama-packed"])
 def test_padded_batch_never_allocates_a_query_by_key_tensor(device, family):
-    """Forward and backward of a padded batch make no tensor with two sequence-length axes
-    (an (L, L) mask, score or bias). The same watch catches eager attention's."""
+    """Forward and backward of a padded batch, or of packed documents (position ids that
+    restart, no attention mask), make no tensor with two sequence-length axes (an (L, L)
+    mask, score or bias). The same watch catches eager attention's."""
     seqlen, keep_window = 37, 8  # 37: no other size of the model; the top-W hides keys
-    config = (transformers.LlamaConfig(**TINY) if family == "llama" else
-              transformers.DogeConfig(**TINY, keep_window_size=keep_window))
+    config = (transformers.DogeConfig(**TINY, keep_window_size=keep_window)
+              if family == "doge" else transformers.LlamaConfig(**TINY))
     ids = torch.randint(0, VOCAB, (2, seqlen), device=device)
     keep = torch.ones(2, seqlen, dtype=torch.long, device=device)
     keep[1, seqlen - PADDED:] = 0
     keep[0, HIDDEN] = 0
+    inputs = {"attention_mask": keep}
+    if family == "llama-packed":
+        positions = torch.cat([torch.arange(20), torch.arange(seqlen - 20)])
+        inputs = {"position_ids": positions[None].expand(2, -1).to(device), "use_cache": False}
     found = {}
     for implementation in ("dmattn", "eager"):
         model = transformers.AutoModelForCausalLM.from_config(
             copy.deepcopy(config), attn_implementation=implementation).to(device)
         with AllocationWatch() as watch:
-            model(input_ids=ids, attention_mask=keep).logits.sum().backward()
+            model(input_ids=ids, **inputs).logits.sum().backward()
         found[implementation] = _score_shaped(watch, seqlen)
     assert found["eager"], "the watch saw none of eager attention's (L, L) tensors"
     assert not found["dmattn"], found["dmattn"]

@@ -1,10 +1,11 @@
 """What a transformers attention layer hands ``dmattn_func`` besides query, key and value.
 
 A layer gets either None or a 2-D (B, Lk) key padding mask (``transformers.dmattn_mask`` makes
-those for the plain causal and sliding-window patterns), or transformers' complete 4-D mask for
-every other pattern. Padding and sliding windows become ``KeyIntervals`` of shape (B or 1, 1,
-Lk), with causality left to the kernel's flag: O(Lk) memory, never an (Lq, Lk) tensor. A 4-D
-mask is taken as the whole truth (a float one as keep mask plus bias).
+those for the plain causal and sliding-window patterns), packed documents as ``KeyIntervals``
+(``document_intervals``), or transformers' complete 4-D mask for every other pattern. Padding
+and sliding windows become ``KeyIntervals`` of shape (B or 1, 1, Lk), with causality left to
+the kernel's flag: O(Lk) memory, never an (Lq, Lk) tensor. A 4-D mask is taken as the whole
+truth (a float one as keep mask plus bias).
 
 Doge keeps each row's ``keep_window`` visible keys of largest per-key bias. Over a causal,
 optionally padded, row set that is ``kernels.topk_intervals`` of the bias with padded keys
@@ -49,11 +50,31 @@ def causal_family_masking(attention_mask, seqlen_q: int, seqlen_k: int, is_causa
     with the minimum value or -inf where masked, whose other entries become the bias, in
     ``dtype``).
     """
+    if isinstance(attention_mask, KeyIntervals):  # packed documents (``document_intervals``)
+        window = padding_intervals(None, seqlen_q, seqlen_k, sliding_window, device)
+        return Masking(_intersect(attention_mask, window), None, is_causal)
     if attention_mask is not None and attention_mask.dim() == 4:
         return _complete_masking(attention_mask, seqlen_k, dtype)
     padding = None if attention_mask is None else key_padding(attention_mask, seqlen_k)
     return Masking(padding_intervals(padding, seqlen_q, seqlen_k, sliding_window, device), None,
                    is_causal)
+
+
+def document_intervals(documents: torch.Tensor) -> KeyIntervals:
+    """Packed documents as ``KeyIntervals`` (B, 1, L): ``documents`` (B, L) gives each
+    position's document, in runs (transformers' packed-sequence indices, a cumulative count of
+    restarts), and key j of the run [s, e) is seen by rows [s, e); causality is the flag's.
+    O(B L) torch ops, no read-back."""
+    seqlen = documents.shape[-1]
+    positions = torch.arange(seqlen, device=documents.device).expand_as(documents)
+    new = torch.ones_like(documents, dtype=torch.bool)
+    new[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    last = torch.ones_like(new)
+    last[:, :-1] = new[:, 1:]
+    start = torch.where(new, positions, 0).cummax(-1).values
+    end = torch.where(last, positions + 1, seqlen).flip(-1).cummin(-1).values.flip(-1)
+    return KeyIntervals(start[:, None].to(torch.int32).contiguous(),
+                        end[:, None].to(torch.int32).contiguous())
 
 
 def key_padding(attention_mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
@@ -109,7 +130,8 @@ def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: b
     biases the smaller key index first. The bias goes to the kernel as it is, (B, Hk, 1, Lk).
     """
     seqlen_k = bias.shape[-1]
-    if (attention_mask is not None and attention_mask.dim() == 4
+    documents = isinstance(attention_mask, KeyIntervals)
+    if (attention_mask is not None and not documents and attention_mask.dim() == 4
             and attention_mask.is_floating_point()):
         attention_mask = attention_mask[..., :seqlen_k] == 0
     visible = causal_family_masking(attention_mask, seqlen_q, seqlen_k, is_causal,
@@ -117,7 +139,10 @@ def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: b
     windowed = sliding_window is not None and seqlen_k > sliding_window
     if seqlen_k <= keep_window or (windowed and is_causal and sliding_window <= keep_window):
         return visible._replace(attn_bias=bias)  # no row sees more than keep_window keys
-    if windowed or isinstance(visible.attn_mask, torch.Tensor):
+    # Packed documents: each row ranks its own document's keys, which one top-W over the row
+    # does not express (a per-document selection would need the documents' offsets on the
+    # host); the choice is the bool mask, as for transformers' 4-D packed mask.
+    if windowed or documents or isinstance(visible.attn_mask, torch.Tensor):
         return Masking(_bool_top_window(visible, bias, seqlen_q, keep_window), bias, False)
     ranking = bias
     if attention_mask is not None:  # padded keys rank below every real one

@@ -10,10 +10,12 @@
 2. A mask builder in ``AttentionMaskInterface``, so that the model's ``create_causal_mask`` /
    ``create_sliding_window_causal_mask`` never builds an (Lq, Lk) mask for the plain causal or
    sliding-window pattern. For those it returns None (no padding) or the 2-D (B, Lk) bool key
-   padding mask, which reaches the kernel as key intervals (``masking``). Any other pattern
-   (packed sequences, overlays such as bidirectional image tokens, chunked attention, static
-   caches whose offsets are tensors) gets transformers' own 4-D bool mask, which the attention
-   function takes as the whole truth.
+   padding mask, which reaches the kernel as key intervals (``masking``). Packed sequences
+   (position ids that restart, no attention mask: transformers' packed-sequence mask over
+   either pattern) get their documents as ``KeyIntervals`` (B, 1, L), O(L). Any other pattern
+   (overlays such as bidirectional image tokens, chunked attention, static caches whose
+   offsets are tensors) gets transformers' own 4-D bool mask, which the attention function
+   takes as the whole truth.
 3. A forward for Doge's attention module, used when the model's attention implementation is
    ``"dmattn"``. Doge turns a per-key bias computed from the values (``dt_proj``, ``A``) into a
    (B, H, Lq, Lk) float mask and keeps each row's ``keep_window_size`` largest entries. Its
@@ -40,7 +42,7 @@ from transformers import masking_utils as mu
 from transformers.utils.import_utils import is_tracing
 
 from ..interface import dmattn_func
-from .masking import Masking, causal_family_masking, doge_masking
+from .masking import Masking, causal_family_masking, document_intervals, doge_masking
 
 IMPLEMENTATION = "dmattn"
 _doge_rotary = None  # transformers' Doge rotary embedding, bound by register()
@@ -70,6 +72,10 @@ def dmattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     """
     aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
                and q_offset + q_length == kv_offset + kv_length)
+    documents = _packed_documents(mask_function)
+    if (documents is not None and not use_vmap and aligned and attention_mask is None
+            and q_offset == kv_offset == 0 and documents.shape[-1] == kv_length):
+        return document_intervals(documents)
     if allow_is_causal_skip and not use_vmap and aligned and _is_plain_causal(mask_function):
         if attention_mask is None:
             return None
@@ -98,6 +104,23 @@ def _is_plain_causal(mask_function) -> bool:
     return (causal is mu.causal_mask_function and callable(overlay)
             and getattr(overlay, "__qualname__", "") == overlay_name
             and getattr(mask_function, "__qualname__", "") == mu.and_masks().__qualname__)
+
+
+def _packed_documents(mask_function) -> torch.Tensor | None:
+    """The (B, L) document indices of transformers' packed-sequence mask (position ids that
+    restart, no attention mask): an ``and_masks`` of a plain causal or sliding-window causal
+    function (``_is_plain_causal``) and ``packed_sequence_mask_function``'s; else None."""
+    if getattr(mask_function, "__qualname__", "") != mu.and_masks().__qualname__:
+        return None
+    parts = _closure_values(mask_function)
+    if len(parts) != 1 or not isinstance(parts[0], tuple) or len(parts[0]) != 2:
+        return None
+    pattern, packed = parts[0]
+    packed_name = mu.packed_sequence_mask_function(None).__qualname__
+    if not _is_plain_causal(pattern) or getattr(packed, "__qualname__", "") != packed_name:
+        return None
+    (documents,) = _closure_values(packed)
+    return documents if isinstance(documents, torch.Tensor) and documents.dim() == 2 else None
 
 
 def _closure_values(fn) -> list:
