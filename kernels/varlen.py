@@ -187,10 +187,12 @@ def varlen_call(attention, query, key, value, cu_seqlens_q, cu_seqlens_k, max_se
         attn_bias=None if attn_bias is None else attn_bias[None, :, None, :],
         is_causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, **options,
     )
+    # squeeze, not [0]: the gradient of a select is a zero-filled copy of the whole packed
+    # tensor, that of a squeeze a view.
     if not return_lse:
-        return result[0]
+        return result.squeeze(0)
     out, lse = result
-    return out[0], lse[0]
+    return out.squeeze(0), lse.squeeze(0)
 
 
 def dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
