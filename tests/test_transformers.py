@@ -216,7 +216,8 @@ def test_doge_sliding_window_matches_eager(doge_biases, device):
 
 
 def test_doge_packed_sequences_match_eager(doge_biases, device):
-    # transformers' 4-D mask: the top-W choice is made as a bool mask.
+    # Each row keeps the top-W of its own document's keys: topk_intervals of the documents
+    # as packed sequences here, transformers' 4-D packed mask in eager.
     config = transformers.DogeConfig(**TINY, keep_window_size=4)
     _assert_matches_eager(config, device, padded=False, pass_mask=False,
                           position_ids=_packed_positions(device), use_cache=False)
@@ -288,6 +289,45 @@ def test_llama_packed_documents_reach_the_kernel_as_key_intervals(kernel_calls, 
         assert torch.equal(intervals.end[:, 0], end.expand(2, -1))
 
 
+def test_doge_packed_documents_reach_the_kernel_as_key_intervals(kernel_calls, device):
+    config = transformers.DogeConfig(**TINY, keep_window_size=4)
+    ids, _ = _batch(padded=False, device=device)
+    with torch.no_grad():
+        _dmattn_model(config, device)(input_ids=ids, position_ids=_packed_positions(device),
+                                      use_cache=False)
+    assert len(kernel_calls) == TINY["num_hidden_layers"]
+    for call in kernel_calls:
+        intervals = call["attn_mask"]
+        assert call["is_causal"] is True and tuple(call["attn_bias"].shape)[-2:] == (1, SEQLEN)
+        assert isinstance(intervals, KeyIntervals)
+        assert intervals.shape == (2, TINY["num_key_value_heads"], SEQLEN)
+        causal = torch.ones(SEQLEN, SEQLEN, dtype=torch.bool, device=device).tril()
+        kept = intervals.to_dense(SEQLEN) & causal
+        assert int(kept.sum(-1).max()) == 4  # a row keeps at most the window
+        assert not kept[..., 6:, :6].any()  # the second document's rows never see the first
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_doge_document_top_window_is_the_bool_choice(seed):
+    """Over random documents (lengths 1 and up, B = 2) and biases with ties, each row keeps
+    the same keys as the bool top-W over its document's visible keys."""
+    generator = torch.Generator().manual_seed(seed)
+    seqlen = 40
+    restarts = torch.rand(2, seqlen, generator=generator) < 0.2
+    restarts[:, 0] = True
+    documents = restarts.long().cumsum(-1)
+    intervals = masking.document_intervals(documents)
+    bias = torch.randint(0, 5, (2, 3, 1, seqlen), generator=generator).float()
+    for is_causal in (True, False):
+        chosen = masking.document_top_window(intervals, bias, 3, is_causal)
+        want = masking._bool_top_window(masking.Masking(intervals, None, is_causal), bias,
+                                        seqlen, 3)
+        dense = chosen.to_dense(seqlen)
+        if is_causal:
+            dense &= torch.ones(seqlen, seqlen).tril().bool()
+        assert torch.equal(dense, want)
+
+
 def test_document_intervals_follow_the_runs():
     documents = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0], [0, 1, 2, 3, 4, 5]])
     intervals = masking.document_intervals(documents)
@@ -328,20 +368,20 @@ def _score_shaped(watch: AllocationWatch, seqlen: int) -> list[str]:
     return [f"{op} {shape}" for op, shape, _ in watch.fresh if shape.count(seqlen) >= 2]
 
 
-@pytest.mark.parametrize("family", ["llama", "doge", "llama-packed"])
+@pytest.mark.parametrize("family", ["llama", "doge", "llama-packed", "doge-packed"])
 def test_padded_batch_never_allocates_a_query_by_key_tensor(device, family):
     """Forward and backward of a padded batch, or of packed documents (position ids that
     restart, no attention mask), make no tensor with two sequence-length axes (an (L, L)
     mask, score or bias). The same watch catches eager attention's."""
     seqlen, keep_window = 37, 8  # 37: no other size of the model; the top-W hides keys
     config = (transformers.DogeConfig(**TINY, keep_window_size=keep_window)
-              if family == "doge" else transformers.LlamaConfig(**TINY))
+              if family.startswith("doge") else transformers.LlamaConfig(**TINY))
     ids = torch.randint(0, VOCAB, (2, seqlen), device=device)
     keep = torch.ones(2, seqlen, dtype=torch.long, device=device)
     keep[1, seqlen - PADDED:] = 0
     keep[0, HIDDEN] = 0
     inputs = {"attention_mask": keep}
-    if family == "llama-packed":
+    if family.endswith("packed"):
         positions = torch.cat([torch.arange(20), torch.arange(seqlen - 20)])
         inputs = {"position_ids": positions[None].expand(2, -1).to(device), "use_cache": False}
     found = {}

@@ -9,11 +9,12 @@ truth (a float one as keep mask plus bias).
 
 Doge keeps each row's ``keep_window`` visible keys of largest per-key bias. Over a causal,
 optionally padded, row set that is ``kernels.topk_intervals`` of the bias with padded keys
-ranked last, intersected with the padding intervals. Where the visible set is not causal plus
-padding (a 4-D mask, or a sliding window narrower than Lk and wider than the keep window) the
-kept keys of a key need not form one run of rows, and the choice is a bool (B, Hk, Lq, Lk)
-mask built ``ROWS_PER_TOPK_STEP`` rows at a time. Every path ranks equal biases by key index,
-smaller first.
+ranked last, intersected with the padding intervals; over packed documents it is
+``topk_intervals`` of the documents as packed sequences (``document_top_window``). Where the
+visible set is neither (a 4-D mask, or a sliding window narrower than Lk and wider than the
+keep window) the kept keys of a key need not form one run of rows, and the choice is a bool
+(B, Hk, Lq, Lk) mask built ``ROWS_PER_TOPK_STEP`` rows at a time. Every path ranks equal
+biases by key index, smaller first.
 """
 
 from __future__ import annotations
@@ -139,10 +140,10 @@ def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: b
     windowed = sliding_window is not None and seqlen_k > sliding_window
     if seqlen_k <= keep_window or (windowed and is_causal and sliding_window <= keep_window):
         return visible._replace(attn_bias=bias)  # no row sees more than keep_window keys
-    # Packed documents: each row ranks its own document's keys, which one top-W over the row
-    # does not express (a per-document selection would need the documents' offsets on the
-    # host); the choice is the bool mask, as for transformers' 4-D packed mask.
-    if windowed or documents or isinstance(visible.attn_mask, torch.Tensor):
+    if documents and not windowed:  # each row ranks its own document's keys
+        return Masking(document_top_window(visible.attn_mask, bias, keep_window, is_causal),
+                       bias, is_causal)
+    if windowed or isinstance(visible.attn_mask, torch.Tensor):
         return Masking(_bool_top_window(visible, bias, seqlen_q, keep_window), bias, False)
     ranking = bias
     if attention_mask is not None:  # padded keys rank below every real one
@@ -150,6 +151,33 @@ def doge_masking(attention_mask, bias: torch.Tensor, seqlen_q: int, is_causal: b
         ranking = bias.detach().masked_fill(padded, float("-inf"))
     chosen = topk_intervals(ranking, keep_window, seqlen_q=seqlen_q, is_causal=is_causal)
     return Masking(_intersect(chosen, visible.attn_mask), bias, is_causal)
+
+
+def document_top_window(documents: KeyIntervals, bias: torch.Tensor, keep_window: int,
+                        is_causal: bool) -> KeyIntervals:
+    """Per row, the ``keep_window`` keys of largest ``bias`` (B, Hk, 1, L) among its own
+    document's visible ones, for packed documents (``document_intervals``, (B, 1, L)): as
+    (B, Hk, L) intervals in row coordinates.
+
+    The batch's documents go end to end to ``topk_intervals`` as packed sequences, one per
+    document. Their offsets come from a sort of the documents' first positions, padded with
+    empty sequences to B * L of them, so that no count is read back to size them (the
+    offsets' value check still reads back, outside torch.compile). The chosen rows, in each
+    document's own coordinates, are shifted by its first position in the row."""
+    batch, heads, _, seqlen = bias.shape
+    total = batch * seqlen
+    flat = torch.arange(total, device=bias.device)
+    row_start = flat.view(batch, seqlen) - torch.arange(seqlen, device=bias.device)
+    first = (documents.start[:, 0].long() + row_start).flatten() == flat
+    offsets = torch.where(first, flat, total).sort().values
+    cu_seqlens = torch.cat([offsets, offsets.new_full((1,), total)]).to(torch.int32)
+    packed = bias[:, :, 0, :].transpose(0, 1).reshape(heads, total)
+    chosen = topk_intervals(packed, keep_window, is_causal=is_causal, cu_seqlens_k=cu_seqlens)
+
+    def rows(bound: torch.Tensor) -> torch.Tensor:
+        return (bound.view(heads, batch, seqlen).transpose(0, 1) + documents.start).contiguous()
+
+    return KeyIntervals(rows(chosen.start), rows(chosen.end))
 
 
 def _intersect(a: KeyIntervals, b: KeyIntervals | None) -> KeyIntervals:
