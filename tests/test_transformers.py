@@ -516,3 +516,23 @@ def test_doge_compiles_whole(device, keep_window):
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "doge"])
+def test_packed_documents_compile_whole(device, family):
+    """Packed documents (position ids that restart, no cache) capture as one graph too: the
+    documents' intervals and, for Doge, the top-W of each document, matching the eager run."""
+    config = (transformers.DogeConfig(**TINY, keep_window_size=4) if family == "doge"
+              else transformers.LlamaConfig(**TINY))
+    model = _dmattn_model(config, device)
+    _randomize_doge_decay(model)
+    ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids.to(device), position_ids=_packed_positions(device),
+                  use_cache=False)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        got = compiled(**inputs).logits
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, model(**inputs).logits, rtol=0, atol=0)
