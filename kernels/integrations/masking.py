@@ -175,7 +175,7 @@ def document_top_window(documents: KeyIntervals, bias: torch.Tensor, keep_window
     chosen = topk_intervals(packed, keep_window, is_causal=is_causal, cu_seqlens_k=cu_seqlens)
 
     def rows(bound: torch.Tensor) -> torch.Tensor:
-        return (bound.view(heads, batch, seqlen).transpose(0, 1) + documents.start).contiguous()
+        return (bound.reshape(heads, batch, seqlen).transpose(0, 1) + documents.start).contiguous()
 
     return KeyIntervals(rows(chosen.start), rows(chosen.end))
 
