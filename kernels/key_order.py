@@ -162,14 +162,20 @@ def _gather_index(intervals: KeyIntervals, kind: str, order_heads: int, batch: i
             return _kv_index(widened, batch, own, last)
         return _bias_index(widened, batch, own, last)
 
+    form = (kind, _version(order), order_heads, batch, own, last)
+    return _kept_per_form(intervals, intervals._gather_indices, form, MAX_GATHER_INDICES, make)
+
+
+def _kept_per_form(intervals: KeyIntervals, kept: dict, form, bound: int, make):
+    """``make()``, kept in ``kept`` (a store on ``intervals``) under ``form``, at most
+    ``bound`` forms, the oldest dropped first; made afresh, and not kept, while
+    ``torch.compile`` traces or a CUDA graph captures."""
     if torch.compiler.is_compiling() or graph_capturing(intervals.device):
         return make()
-    form = (kind, _version(order), order_heads, batch, own, last)
-    kept = intervals._gather_indices
     found = kept.get(form)
     if found is None:
         found = kept[form] = make()
-        while len(kept) > MAX_GATHER_INDICES:
+        while len(kept) > bound:
             kept.pop(next(iter(kept)), None)  # the oldest
     return found
 
@@ -195,18 +201,11 @@ def reordered_intervals(intervals: KeyIntervals, seqlen_q: int,
     ``MAX_REORDERED`` forms, the oldest dropped first. Made afresh, and not kept, while
     ``torch.compile`` traces (the trace must hold the gathers, not a constant) and during a
     CUDA graph capture (the graph must gather what start and end hold at each replay)."""
-    if torch.compiler.is_compiling() or graph_capturing(intervals.device):
-        return _reorder(intervals, seqlen_q, is_causal)
     is_causal = bool(is_causal)
     form = (is_causal, seqlen_q if is_causal else None, _version(intervals.start),
             _version(intervals.end), _version(intervals.key_order))
-    kept = intervals._reordered
-    found = kept.get(form)
-    if found is None:
-        found = kept[form] = _reorder(intervals, seqlen_q, is_causal)
-        while len(kept) > MAX_REORDERED:
-            kept.pop(next(iter(kept)), None)  # the oldest
-    return found
+    return _kept_per_form(intervals, intervals._reordered, form, MAX_REORDERED,
+                          lambda: _reorder(intervals, seqlen_q, is_causal))
 
 
 def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -214,17 +213,16 @@ def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """(key, value, intervals, attn_bias) of ``intervals.key_order`` for one call, whose
     attention equals the call's with ``is_causal`` False (causality is folded into the
     intervals). The returned intervals carry no order (``reordered_intervals``)."""
-    batch, heads_kv, head_dim = key.shape[0], key.shape[2], key.shape[3]
+    batch, heads_kv = key.shape[0], key.shape[2]
     bm, hm, _ = intervals.shape
     reordered = reordered_intervals(intervals, query.shape[1], is_causal)
-    if key.shape == value.shape:  # K and V read by one index
-        kv_index = _gather_index(intervals, "kv", max(heads_kv, hm), batch, heads_kv, head_dim)
-        key, value = _gather_kv(key, kv_index), _gather_kv(value, kv_index)
+    kv_heads = max(heads_kv, hm)
+    index = _gather_index(intervals, "kv", kv_heads, batch, heads_kv, key.shape[3])
+    if value.shape[3] != key.shape[3]:  # else V is read by K's index
+        value_index = _gather_index(intervals, "kv", kv_heads, batch, heads_kv, value.shape[3])
     else:
-        key = _gather_kv(key, _gather_index(intervals, "kv", max(heads_kv, hm), batch,
-                                            heads_kv, head_dim))
-        value = _gather_kv(value, _gather_index(intervals, "kv", max(heads_kv, hm), batch,
-                                                heads_kv, value.shape[3]))
+        value_index = index
+    key, value = _gather_kv(key, index), _gather_kv(value, value_index)
     if attn_bias is not None and attn_bias.shape[-1] != 1:
         for axis in (0, 1, 2):  # a broadcast (stride-0) axis stays one slice, not a copy
             if attn_bias.shape[axis] > 1 and attn_bias.stride(axis) == 0:
