@@ -96,31 +96,38 @@ def _is_plain_causal(mask_function) -> bool:
     itself reaches the attention function as its ``sliding_window`` argument."""
     if mask_function is None or mask_function is mu.causal_mask_function:
         return True
-    parts = _closure_values(mask_function)
-    if len(parts) != 1 or not isinstance(parts[0], tuple) or len(parts[0]) != 2:
+    pair = _and_pair(mask_function)
+    if pair is None:
         return False
-    overlay, causal = parts[0]
+    overlay, causal = pair
     overlay_name = mu.sliding_window_overlay(1).__qualname__
     return (causal is mu.causal_mask_function and callable(overlay)
-            and getattr(overlay, "__qualname__", "") == overlay_name
-            and getattr(mask_function, "__qualname__", "") == mu.and_masks().__qualname__)
+            and getattr(overlay, "__qualname__", "") == overlay_name)
 
 
 def _packed_documents(mask_function) -> torch.Tensor | None:
     """The (B, L) document indices of transformers' packed-sequence mask (position ids that
     restart, no attention mask): an ``and_masks`` of a plain causal or sliding-window causal
     function (``_is_plain_causal``) and ``packed_sequence_mask_function``'s; else None."""
-    if getattr(mask_function, "__qualname__", "") != mu.and_masks().__qualname__:
+    pair = _and_pair(mask_function)
+    if pair is None:
         return None
-    parts = _closure_values(mask_function)
-    if len(parts) != 1 or not isinstance(parts[0], tuple) or len(parts[0]) != 2:
-        return None
-    pattern, packed = parts[0]
+    pattern, packed = pair
     packed_name = mu.packed_sequence_mask_function(None).__qualname__
     if not _is_plain_causal(pattern) or getattr(packed, "__qualname__", "") != packed_name:
         return None
     (documents,) = _closure_values(packed)
     return documents if isinstance(documents, torch.Tensor) and documents.dim() == 2 else None
+
+
+def _and_pair(mask_function) -> tuple | None:
+    """The two mask functions of transformers' ``and_masks`` of two, or None."""
+    if getattr(mask_function, "__qualname__", "") != mu.and_masks().__qualname__:
+        return None
+    parts = _closure_values(mask_function)
+    if len(parts) != 1 or not isinstance(parts[0], tuple) or len(parts[0]) != 2:
+        return None
+    return parts[0]
 
 
 def _closure_values(fn) -> list:
