@@ -225,10 +225,11 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     threshold, so lengths between them take forms the two ends compile; where dkdv's tile
     (``wide_tile_threshold``) or, with interval masks, the forward's tile
     (``forward_schedule.interval_tile_rows``) changes between them, the lengths next to that
-    threshold on each side run too (``call_lengths``). On the H100, after a warm-up at 1000 and 8000, calls at 20 lengths between
-    compiled nothing (``dmbench compile-cost --warmup``) before dkdv had a wide tile; with it,
-    calls at 2048 and 2049 compiled one kernel each (the wide tile with head shares), which
-    the lengths at that threshold now compile (not yet measured again on the GPU).
+    threshold on each side run too (``call_lengths``). On the H100, after a warm-up at 1000
+    and 8000, calls at 20 lengths between compiled nothing (``dmbench compile-cost --warmup``)
+    before dkdv had a wide tile; with it, calls at 2048 and 2049 compiled one kernel each (the
+    wide tile with head shares), which the lengths at that threshold now compile (not yet
+    measured again on the GPU).
 
     ``window``: with mask "intervals", the calls' masks are ``topk_intervals`` of a random
     per-key bias with this window and ``is_causal``, as a model that keeps each row's
