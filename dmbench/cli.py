@@ -125,6 +125,8 @@ bwd = _timing_command(
 @app.command(epilog=EXIT_CODES_HELP)
 def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file (or use --irregular).")] = None,
           irregular: Annotated[bool, typer.Option("--irregular", help="Run the built-in suite of hard shapes.")] = False,
+          random_count: Annotated[Optional[int], typer.Option("--random", help="Run N random cases drawn from every axis (a fuzz; sized for the device).")] = None,
+          seed: Annotated[int, typer.Option("--seed", help="Seed of the --random draw: the same N and seed give the same cases.")] = 0,
           out: OutOpt = None, backends: BackendsOpt = None, resume: ResumeOpt = False,
           force: ForceOpt = False, device: DeviceOpt = "auto", shard: ShardOpt = None,
           distributed: DistOpt = False, progress: ProgressOpt = True, allow_slow: SlowOpt = False,
@@ -134,23 +136,30 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
     A tensor passes when its max abs error is at most 2x that of an eager run in the input dtype
     (both against fp64), plus a small floor per dtype (the rule in kernels.tolerance).
 
-    Backends: the sweep's list, or only `triton` for --irregular; --backends overrides both.
+    Backends: the sweep's list, or only `triton` for --irregular and --random; --backends
+    overrides them.
     Exits 3 if any checked tensor is over its allowed error or a backend errors.
     """
     from .backends import BACKEND_NAMES
     from .execute import RunOptions, execute, with_backends
     from .irregular import irregular_sweep
+    from .random_suite import random_sweep
     from .sweep import load_sweep
 
     def work():
-        if (sweep is None) == (not irregular):
-            raise ConfigError("equiv: give a SWEEP file or --irregular (exactly one)")
+        if (sweep is not None) + irregular + (random_count is not None) != 1:
+            raise ConfigError("equiv: give a SWEEP file, --irregular or --random N (exactly one)")
+        if random_count is not None and random_count < 1:
+            raise ConfigError(f"--random must be at least 1 (cases to draw), got {random_count}")
+        if seed < 0:
+            raise ConfigError(f"--seed must be a non-negative integer, got {seed}")
         _check_run_paths(sweep, out)
-        if irregular:
+        if irregular or random_count is not None:
             import torch
 
             large = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-            suite = irregular_sweep(large, ("triton",))
+            suite = (irregular_sweep(large, ("triton",)) if irregular
+                     else random_sweep(random_count, seed, large, ("triton",)))
         else:
             suite = load_sweep(sweep, BACKEND_NAMES)
         suite = with_backends(suite, _backend_names(backends))
