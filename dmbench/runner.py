@@ -88,9 +88,21 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
+@dataclass(frozen=True)
+class CallSetup:
+    """What a timed call is made of, for its row: the mask's build steps (the case's and the
+    backend's own, ``backends.base``) and the kernel the backend reports running ("" if none)."""
+    steps: list[BuildStep]
+    kernel: str = ""
+
+    def detail(self) -> tuple[float | None, str]:
+        """(build_ms, the row's detail): the build steps, then the kernel."""
+        build_ms, built = build_total(self.steps)
+        return build_ms, "; ".join(part for part in (built, self.kernel) if part)
+
+
 def _timed_call(backend: Backend, problem: Problem, mode: str):
-    """(zero-arg function to time, the mask's build steps). Everything else happens here,
-    untimed. The steps are the case's mask build and the backend's own (``backends.base``)."""
+    """(zero-arg function to time, its ``CallSetup``). Everything else happens here, untimed."""
     grad = mode != "fwd"
     with torch.no_grad():
         adapted = backend.adapt(problem)
@@ -100,15 +112,16 @@ def _timed_call(backend: Backend, problem: Problem, mode: str):
             adapted[name] = adapted[name].detach().requires_grad_(grad)
             leaves.append(adapted[name])
     bound = backend.bind(adapted, problem.case, want_lse=False)
-    steps = [s for s in (problem.mask_build if backend.takes_mask else None,
-                         adapted.get("build"), bound.build) if s is not None]
+    setup = CallSetup([s for s in (problem.mask_build if backend.takes_mask else None,
+                                   adapted.get("build"), bound.build) if s is not None],
+                      bound.kernel)
     if mode == "fwd":
-        return bound.call, steps
+        return bound.call, setup
     out = bound.call()[0]
     dout = torch.randn_like(out)
     if mode == "bwd":
-        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), steps
-    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), steps
+        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), setup
+    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), setup
 
 
 def _apply_check(row: Row, result: CheckResult, mode: str) -> None:
@@ -190,7 +203,7 @@ class SweepRunner:
         timing = self.sweep.timing
         per_round = timing.per_round()
         rounds: dict[Unit, list[Measurement]] = {}
-        builds: dict[Unit, list[BuildStep]] = {}
+        builds: dict[Unit, CallSetup] = {}
         reported: set[Unit] = set()
         for index in range(timing.rounds):
             last = index == timing.rounds - 1
@@ -249,11 +262,11 @@ class SweepRunner:
         return row
 
     def _measure(self, unit: Unit, problem: Problem,
-                 timing: Timing) -> tuple[list[BuildStep], Measurement] | Row:
-        """(the mask's build steps, one round's measurement), or the failed point's row."""
+                 timing: Timing) -> tuple[CallSetup, Measurement] | Row:
+        """(the call's setup, one round's measurement), or the failed point's row."""
         try:
             with point_stream(self.device, timing):
-                fn, steps = _timed_call(self.backends[unit.backend], problem, unit.mode)
+                fn, setup = _timed_call(self.backends[unit.backend], problem, unit.mode)
                 measured = measure(fn, timing, self.device)
                 del fn
         except Exception as exc:
@@ -266,15 +279,15 @@ class SweepRunner:
             # pass, ran out of memory in a later round; a large cached block split to serve
             # other points' buffers is the likely cause (not isolated).
             torch.cuda.empty_cache()
-        return steps, measured
+        return setup, measured
 
     def _timed_row(self, unit: Unit, problem: Problem, truth, cache: dict,
-                   measured: Measurement, build: list[BuildStep]) -> Row:
+                   measured: Measurement, setup: CallSetup) -> Row:
         backend = self.backends[unit.backend]
         row = self._row(unit, "ok")
         row.ms_p20, row.ms_p50, row.ms_p80 = measured.p20, measured.p50, measured.p80
         row.repeats = len(measured.samples_ms)
-        row.build_ms, row.detail = build_total(build)
+        row.build_ms, row.detail = setup.detail()
         row.peak_mib = measured.peak_mib
         row.active_fraction = problem.active_fraction
         if backend.exact:

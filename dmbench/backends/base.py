@@ -3,8 +3,8 @@
 A backend turns a case's canonical inputs into a zero-argument call in two steps, so that all
 setup stays outside the timed region:
 
-1. ``adapt(problem)``: differentiable tensor plumbing (layout changes, GQA head repeats, building
-   a float mask). The keys ``q``, ``k``, ``v`` and ``bias`` of the returned dict are what the
+1. ``adapt(problem)``: differentiable tensor plumbing (layout changes, building a float mask;
+   K/V head repeats only for a peer whose API has no GQA, fdma). The keys ``q``, ``k``, ``v`` and ``bias`` of the returned dict are what the
    backward differentiates. Timing detaches them into fresh leaves; ``equiv`` keeps the graph so
    that gradients land back on the canonical tensors in their own shapes.
 2. ``bind(adapted, case, want_lse)``: builds the closure (and, for flex, the block mask; for
@@ -16,7 +16,8 @@ bool topk mask, ``kernels.topk_intervals``, a packed layout), for every backend 
 mask, plus what the backend makes of it, each step timed once after a warm-up run
 (``timing.BuildStep``): a float mask or a dense expansion of intervals in ``adapt`` (the
 ``"build"`` key of its dict), a prepared mask or a block mask in ``bind`` (``Bound.build``).
-An ok row's ``detail`` names the steps and their times.
+An ok row's ``detail`` names the steps and their times, then ``Bound.kernel`` where the backend
+sets it (sdpa: the kernel torch's dispatcher picked, e.g. ``sdpa kernel: cudnn``).
 
 Backends that take only dense masks (sdpa, fdma, reference) get intervals expanded
 (``mask_views.dense_mask``); ``dense_bytes`` is a lower bound on what their dense tensors need,
@@ -47,6 +48,7 @@ DIFF_KEYS = ("q", "k", "v", "bias")
 class Bound:
     call: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
     build: BuildStep | None = None
+    kernel: str = ""  # which kernel the call runs, where the backend chooses among several
 
 
 class Backend:

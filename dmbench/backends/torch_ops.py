@@ -34,8 +34,8 @@ def _causal_mask_arg(case: Case, device):
 
 class SdpaBackend(Backend):
     name = "sdpa"
-    description = ("F.scaled_dot_product_attention with a float mask built from mask (intervals "
-                   "expanded) and bias")
+    description = ("F.scaled_dot_product_attention(enable_gqa=...) with a float mask built from "
+                   "mask (intervals expanded) and bias; the kernel it ran is in each row's detail")
 
     def dense_bytes(self, case: Case, mode: str) -> int:
         if case.mask == "none" and case.bias == "none":
@@ -45,13 +45,10 @@ class SdpaBackend(Backend):
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         case = problem.case
-        group = case.heads_q // case.heads_kv
-        # A float mask rules out the flash kernel, and the memory-efficient kernel has no GQA,
-        # so KV heads are repeated here, outside the timed call.
-        k = _bhld(problem.k).repeat_interleave(group, dim=1) if group > 1 else _bhld(problem.k)
-        v = _bhld(problem.v).repeat_interleave(group, dim=1) if group > 1 else _bhld(problem.v)
-        adapted = {"q": _bhld(problem.q), "k": k, "v": v, "bias": None, "attn_mask": None,
-                   "is_causal": False}
+        # K and V keep their Hk heads: the call passes enable_gqa, as a user of torch >= 2.5
+        # would. The float mask has Hq heads (or 1), since SDPA broadcasts it to (B, Hq, Lq, Lk).
+        adapted = {"q": _bhld(problem.q), "k": _bhld(problem.k), "v": _bhld(problem.v),
+                   "bias": None, "attn_mask": None, "is_causal": False}
         if problem.mask is None and problem.bias is None:
             adapted["attn_mask"], adapted["is_causal"] = _causal_mask_arg(case, problem.q.device)
             return adapted
@@ -62,15 +59,42 @@ class SdpaBackend(Backend):
         return adapted
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
-        q, k, v = adapted["q"], adapted["k"], adapted["v"]
         mask = adapted["bias"] if adapted["bias"] is not None else adapted["attn_mask"]
-        is_causal = adapted["is_causal"]
+        return _sdpa_bound(adapted["q"], adapted["k"], adapted["v"], mask, adapted["is_causal"],
+                           gqa=case.heads_q != case.heads_kv)
 
-        def call():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-            return out.transpose(1, 2), None
 
-        return Bound(call)
+def _sdpa_bound(q, k, v, mask, is_causal: bool, gqa: bool) -> Bound:
+    """The SDPA call, and the kernel torch's dispatcher picks for these very tensors (their
+    requires_grad included, which rules kernels in or out), named in the row's detail."""
+
+    def call():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                             enable_gqa=gqa)
+        return out.transpose(1, 2), None
+
+    return Bound(call, kernel=f"sdpa kernel: {sdpa_kernel_name(q, k, v, mask, is_causal, gqa)}")
+
+
+# torch.nn.attention.SDPBackend's members as the row's detail names them.
+_SDPA_KERNELS = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash",
+                 "EFFICIENT_ATTENTION": "efficient", "MATH": "math"}
+
+
+def sdpa_kernel_name(q, k, v, mask, is_causal: bool, gqa: bool) -> str:
+    """The kernel F.scaled_dot_product_attention runs for these arguments: torch's own
+    dispatcher decision (``torch._fused_sdp_choice``, the function SDPA itself consults),
+    ``unknown`` where this torch lacks it."""
+    from torch.nn.attention import SDPBackend
+
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return "unknown"
+    try:
+        choice = SDPBackend(choose(q, k, v, mask, 0.0, is_causal, scale=None, enable_gqa=gqa))
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return f"unknown ({type(exc).__name__})"
+    return _SDPA_KERNELS.get(choice.name, choice.name.lower())
 
 
 def _float_mask(problem: Problem) -> torch.Tensor:
@@ -100,16 +124,8 @@ class SdpaDenseBackend(Backend):
                 "attn_mask": attn_mask, "is_causal": is_causal}
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
-        q, k, v = adapted["q"], adapted["k"], adapted["v"]
-        mask, is_causal = adapted["attn_mask"], adapted["is_causal"]
-        gqa = case.heads_q != case.heads_kv
-
-        def call():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                 enable_gqa=gqa)
-            return out.transpose(1, 2), None
-
-        return Bound(call)
+        return _sdpa_bound(adapted["q"], adapted["k"], adapted["v"], adapted["attn_mask"],
+                           adapted["is_causal"], gqa=case.heads_q != case.heads_kv)
 
 
 # Dynamo falls back to eager without an error once a function recompiles more often than its
