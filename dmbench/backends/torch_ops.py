@@ -14,6 +14,7 @@ from ..sweep import Case
 from ..mask_views import dense_mask, is_intervals
 from .base import (Backend, Bound, causal_keep, dtype_size, pairs_bytes, per_query_head,
                    timed_build)
+from .sdpa_form import SdpaForm, bind_sdpa, sdpa_call, sdpa_kernel_name
 
 
 def _bhld(t: torch.Tensor) -> torch.Tensor:
@@ -22,10 +23,12 @@ def _bhld(t: torch.Tensor) -> torch.Tensor:
 
 
 def _causal_mask_arg(case: Case, device):
-    """SDPA's own is_causal is top-left aligned, so unequal lengths need the lower-right bias."""
+    """(attn_mask, is_causal) for causality alone. SDPA's own is_causal is top-left aligned, so
+    unequal lengths need the lower-right bias; a single query row (decode) sees every key under
+    bottom-right causality, so it gets no mask at all, as a decoding user calls it."""
     from torch.nn.attention.bias import causal_lower_right
 
-    if not case.causal:
+    if not case.causal or case.seqlen_q == 1:
         return None, False
     if case.seqlen_q == case.seqlen_k:
         return None, True
@@ -34,8 +37,9 @@ def _causal_mask_arg(case: Case, device):
 
 class SdpaBackend(Backend):
     name = "sdpa"
-    description = ("F.scaled_dot_product_attention(enable_gqa=...) with a float mask built from "
-                   "mask (intervals expanded) and bias; the kernel it ran is in each row's detail")
+    description = ("F.scaled_dot_product_attention with a float mask built from mask (intervals "
+                   "expanded) and bias; GQA through enable_gqa or repeated K/V, whichever is faster "
+                   "(sdpa_form); the kernel it ran is in each row's detail")
 
     def dense_bytes(self, case: Case, mode: str) -> int:
         if case.mask == "none" and case.bias == "none":
@@ -45,8 +49,8 @@ class SdpaBackend(Backend):
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         case = problem.case
-        # K and V keep their Hk heads: the call passes enable_gqa, as a user of torch >= 2.5
-        # would. The float mask has Hq heads (or 1), since SDPA broadcasts it to (B, Hq, Lq, Lk).
+        # K and V keep their Hk heads here; bind picks enable_gqa or repeated K/V (sdpa_form).
+        # The float mask has Hq heads (or 1), since SDPA broadcasts it to (B, Hq, Lq, Lk).
         adapted = {"q": _bhld(problem.q), "k": _bhld(problem.k), "v": _bhld(problem.v),
                    "bias": None, "attn_mask": None, "is_causal": False}
         if problem.mask is None and problem.bias is None:
@@ -60,41 +64,8 @@ class SdpaBackend(Backend):
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         mask = adapted["bias"] if adapted["bias"] is not None else adapted["attn_mask"]
-        return _sdpa_bound(adapted["q"], adapted["k"], adapted["v"], mask, adapted["is_causal"],
-                           gqa=case.heads_q != case.heads_kv)
-
-
-def _sdpa_bound(q, k, v, mask, is_causal: bool, gqa: bool) -> Bound:
-    """The SDPA call, and the kernel torch's dispatcher picks for these very tensors (their
-    requires_grad included, which rules kernels in or out), named in the row's detail."""
-
-    def call():
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                             enable_gqa=gqa)
-        return out.transpose(1, 2), None
-
-    return Bound(call, kernel=f"sdpa kernel: {sdpa_kernel_name(q, k, v, mask, is_causal, gqa)}")
-
-
-# torch.nn.attention.SDPBackend's members as the row's detail names them.
-_SDPA_KERNELS = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash",
-                 "EFFICIENT_ATTENTION": "efficient", "MATH": "math"}
-
-
-def sdpa_kernel_name(q, k, v, mask, is_causal: bool, gqa: bool) -> str:
-    """The kernel F.scaled_dot_product_attention runs for these arguments: torch's own
-    dispatcher decision (``torch._fused_sdp_choice``, the function SDPA itself consults),
-    ``unknown`` where this torch lacks it."""
-    from torch.nn.attention import SDPBackend
-
-    choose = getattr(torch, "_fused_sdp_choice", None)
-    if choose is None:
-        return "unknown"
-    try:
-        choice = SDPBackend(choose(q, k, v, mask, 0.0, is_causal, scale=None, enable_gqa=gqa))
-    except (RuntimeError, TypeError, ValueError) as exc:
-        return f"unknown ({type(exc).__name__})"
-    return _SDPA_KERNELS.get(choice.name, choice.name.lower())
+        return bind_sdpa(adapted["q"], adapted["k"], adapted["v"], mask, adapted["is_causal"],
+                         group=case.heads_q // case.heads_kv)
 
 
 def _float_mask(problem: Problem) -> torch.Tensor:
@@ -124,8 +95,13 @@ class SdpaDenseBackend(Backend):
                 "attn_mask": attn_mask, "is_causal": is_causal}
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
-        return _sdpa_bound(adapted["q"], adapted["k"], adapted["v"], adapted["attn_mask"],
-                           adapted["is_causal"], gqa=case.heads_q != case.heads_kv)
+        attn_mask, is_causal = adapted["attn_mask"], adapted["is_causal"]
+        group = case.heads_q // case.heads_kv
+        return Bound(sdpa_call(adapted["q"], adapted["k"], adapted["v"], attn_mask, is_causal,
+                               SdpaForm(1), group),
+                     kernel="sdpa kernel: " + sdpa_kernel_name(adapted["q"], adapted["k"],
+                                                               adapted["v"], attn_mask, is_causal,
+                                                               gqa=group > 1))
 
 
 # Dynamo falls back to eager without an error once a function recompiles more often than its
