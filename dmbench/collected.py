@@ -4,6 +4,11 @@ case, and our ratio to the best peer.
 
 Files that another command wrote (``compile-cost``, ``train``) are known by their columns and
 left out.
+
+Each (sweep, case, backend, mode, timing) has one row in all the files together: a second one,
+in another file (two runs of a sweep) or in the same one, is refused naming both places, since
+a table shows one time per cell. The same case in two sweeps (``seqlen`` and ``headdim`` share
+one) and a sweep's eager and CUDA graph rows are different keys.
 """
 
 from __future__ import annotations
@@ -14,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
-from .results import Row, read_rows
+from .results import TIMED_MODES, Row, read_rows, row_line
 
 # The backends we are compared against; sdpa-dense computes a different (dense) function and
 # triton-base runs our own kernels, so neither is a peer.
 PEERS = ("sdpa", "flex", "fdma")
-TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 
 
 @dataclass(frozen=True)
@@ -80,13 +84,36 @@ def sweep_csvs(csv_paths: list[Path]) -> list[Path]:
     return [path for path in csv_paths if other_command(path) is None]
 
 
+def row_key(row: Row) -> tuple[str, str, str, str, str]:
+    """What a report shows one time for: (sweep, case, backend, mode, timing)."""
+    return (row.sweep, row.case_id, row.backend, row.mode, row.timing)
+
+
+def _refuse_duplicates(numbered: list[tuple[Path, int, Row]]) -> None:
+    """ConfigError at the first timed row whose ``row_key`` an earlier row has."""
+    first: dict[tuple, tuple[Path, int]] = {}
+    for path, line, row in numbered:
+        if row.mode not in TIMED_MODES:
+            continue
+        key = row_key(row)
+        if key in first:
+            seen_path, seen_line = first[key]
+            raise ConfigError(
+                f"{path}: line {line}: sweep {row.sweep} case {row.case_id} backend "
+                f"{row.backend} mode {row.mode} timing {row.timing} is also at {seen_path} line "
+                f"{seen_line}; expected one row per (sweep, case, backend, mode, timing): report "
+                "one run of each sweep")
+        first[key] = (path, line)
+
+
 def collect(csv_paths: list[Path]) -> Collected:
     """The ok timed rows of the sweep CSVs among ``csv_paths``; they must come from one
-    device."""
-    rows: list[Row] = []
-    for path in sweep_csvs(csv_paths):
-        rows += [r for r in read_rows(path)
-                 if r.status == "ok" and r.ms_p50 is not None and r.mode != "equiv"]
+    device and hold each (sweep, case, backend, mode, timing) once."""
+    numbered = [(path, row_line(i), row) for path in sweep_csvs(csv_paths)
+                for i, row in enumerate(read_rows(path))]
+    _refuse_duplicates(numbered)
+    rows = [r for _, _, r in numbered
+            if r.status == "ok" and r.ms_p50 is not None and r.mode != "equiv"]
     if not rows:
         raise ConfigError("no timed rows with status ok in " + ", ".join(map(str, csv_paths)))
     devices = sorted({r.gpu for r in rows})

@@ -19,14 +19,23 @@ new run lost rows would pass a run that crashed halfway.
 Exit codes, the first that applies: 3 accuracy, 1 regression, 4 incomplete, 0 pass.
 Timings from different GPUs are not comparable, nor eager times with CUDA graph replays (the
 ``timing`` column); either is a usage error (exit 2) naming both files.
+
+CPU rows (the ``gpu`` column ``cpu (triton interpreter)``: Triton's interpreter) carry timings
+that are not performance numbers. Two CPU files are compared for accuracy and completeness
+only: a pair of CPU rows that were both timed gets the verdict ``untimed`` instead of a ratio,
+one line says that the timings were not compared, and no timing ever makes the exit code 1 (a
+``broken`` row, timed in the baseline and an error or OOM now, still does: that is not a
+timing). A CPU file against a GPU file is refused (exit 2) like two different GPUs, naming the
+CPU file's first CPU row: interpreter timings never compare with a GPU's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .collected import is_interpreter_row
 from .errors import ConfigError, ExitCode
-from .results import Row, accuracy_failures
+from .results import Row, accuracy_failures, row_line
 
 TIMED = ("fwd", "bwd", "fwd+bwd")
 
@@ -34,7 +43,7 @@ TIMED = ("fwd", "bwd", "fwd+bwd")
 @dataclass(frozen=True)
 class Entry:
     key: tuple[str, str, str]
-    verdict: str  # slower, faster, same, broken, missing, new
+    verdict: str  # slower, faster, same, untimed (CPU), broken, missing, new
     ratio: float | None
     base_ms: float | None
     new_ms: float | None
@@ -116,14 +125,37 @@ def _accuracy_problems(new_rows: list[Row]) -> list[str]:
     return problems
 
 
+def _first_line(rows: list[Row], wanted) -> tuple[int, Row]:
+    """The line (``row_line``) and row of the first row for which ``wanted(row)`` holds."""
+    return next((row_line(i), row) for i, row in enumerate(rows) if wanted(row))
+
+
 def check_environments(base_rows: list[Row], new_rows: list[Row], base_label: str,
                        new_label: str) -> None:
-    """Different GPUs make every ratio meaningless; refuse rather than gate on noise."""
+    """Different GPUs make every ratio meaningless; refuse rather than gate on noise. A CPU
+    file against a GPU file is refused with its own reason, naming the first CPU row."""
     base_gpus = {r.gpu for r in base_rows}
     new_gpus = {r.gpu for r in new_rows}
-    if base_gpus and new_gpus and base_gpus != new_gpus:
-        raise ConfigError(f"{new_label}: measured on {', '.join(sorted(new_gpus))} but "
-                          f"{base_label} on {', '.join(sorted(base_gpus))}; compare runs from the same GPU model")
+    if not (base_gpus and new_gpus and base_gpus != new_gpus):
+        return
+    base_cpu = any(map(is_interpreter_row, base_rows))
+    new_cpu = any(map(is_interpreter_row, new_rows))
+    if base_cpu != new_cpu:
+        cpu_label, cpu_rows, gpu_label, gpu_devices = (
+            (base_label, base_rows, new_label, new_gpus) if base_cpu
+            else (new_label, new_rows, base_label, base_gpus))
+        line, row = _first_line(cpu_rows, is_interpreter_row)
+        raise ConfigError(
+            f"{cpu_label}: line {line}: measured on {row.gpu} but {gpu_label} on "
+            f"{', '.join(sorted(gpu_devices))}; interpreter timings are not performance numbers "
+            "and never compare with a GPU's: compare runs from one GPU model, or two CPU runs "
+            "(accuracy and completeness only)")
+    label, rows, other_label, other = (
+        (new_label, new_rows, base_label, base_gpus) if new_gpus - base_gpus
+        else (base_label, base_rows, new_label, new_gpus))
+    line, row = _first_line(rows, lambda r: r.gpu not in other)
+    raise ConfigError(f"{label}: line {line}: measured on {row.gpu} but {other_label} on "
+                      f"{', '.join(sorted(other))}; compare runs from the same GPU model")
 
 
 def _timings(rows: list[Row]) -> set[str]:
@@ -145,6 +177,13 @@ def _same_timing(base: Row, new: Row, base_label: str, new_label: str) -> None:
     if base.timing != new.timing:
         raise ConfigError(f"{new_label}: {' '.join(new.key)} timed {new.timing} but in "
                           f"{base_label} {base.timing}; compare rows of the same timing")
+
+
+def _same_device(base: Row, new: Row, base_label: str, new_label: str) -> None:
+    """A row pair of different devices (files that mix devices) is refused like whole files."""
+    if base.gpu != new.gpu:
+        raise ConfigError(f"{new_label}: {' '.join(new.key)} measured on {new.gpu} but in "
+                          f"{base_label} on {base.gpu}; compare rows from the same device")
 
 
 def coverage(base: dict, new: dict) -> Coverage:
@@ -171,8 +210,10 @@ def compare_rows(base_rows: list[Row], new_rows: list[Row], threshold: float,
             entries.append(Entry(key, "missing", None, brow.ms_p50, None))
             continue
         _same_timing(brow, nrow, base_label, new_label)
+        _same_device(brow, nrow, base_label, new_label)
         if _timed(brow) and _timed(nrow):
-            entries.append(_verdict(brow, nrow, threshold))
+            entries.append(Entry(key, "untimed", None, brow.ms_p50, nrow.ms_p50)
+                           if is_interpreter_row(brow) else _verdict(brow, nrow, threshold))
         elif _timed(brow) and nrow.status in ("error", "oom"):
             entries.append(Entry(key, "broken", None, brow.ms_p50, None))
     for key, nrow in new.items():
@@ -211,6 +252,10 @@ def format_report(report: Report, base_label: str = "baseline", new_label: str =
             lines.append(f"{e.verdict.upper():7s} {e.key[0]} {e.key[1]} {e.key[2]}:{base}{new}{ratio}")
     for problem in report.accuracy_failures:
         lines.append(f"ACCURACY {problem}")
+    if counts.get("untimed"):
+        lines.append(f"timings not compared: {counts['untimed']} row pair(s) ran on the CPU under "
+                     "Triton's interpreter, whose timings are not performance numbers; accuracy "
+                     "and completeness only")
     summary = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
     lines.append(f"compared: {summary or 'nothing in common'}; "
                  f"{len(report.accuracy_failures)} accuracy failure(s)")

@@ -18,9 +18,11 @@ class ExitCode(IntEnum):
 
 
 EXIT_CODES_HELP = (
-    "Exit codes: 0 pass; 1 performance regression (compare), or a call that compiled at a new "
-    "length (compile-cost --require-zero); 2 usage or config error "
-    "(bad flag, bad sweep file, unreadable CSV, a path missing or of the wrong kind, an existing "
+    "Exit codes: 0 pass; 1 performance regression (compare; never from CPU timings), or a "
+    "call that compiled at a new length (compile-cost --require-zero); 2 usage or config error "
+    "(bad flag, bad sweep file, unreadable CSV or a row of it with an unknown status or a bad "
+    "time, a (sweep, case, backend, mode, timing) twice in report's CSVs, CPU against GPU "
+    "timings in compare, a path missing or of the wrong kind, an existing "
     "--out without --resume or --force, a CPU run estimated over 5 minutes without --allow-slow, "
     "--cuda-graph off a CUDA device); 3 accuracy failure (a checked tensor over its "
     "allowed error, a backend error during equiv, or a device fault that stopped a run); "

@@ -9,6 +9,9 @@ Problems found, each reported on its own line:
   or commits. Timings from mixed environments do not belong in one table;
 - mismatched timing: timed rows taken as eager calls in one file and as CUDA graph replays in
   another (the ``timing`` column).
+
+A file that ``read_rows`` refuses (a bad header, status or time) stops the merge with its one-line
+error before anything is written.
 """
 
 from __future__ import annotations

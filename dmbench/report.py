@@ -20,6 +20,10 @@ Rows timed as CUDA graph replays (``timing`` ``cuda_graph``, ``dmbench fwd --cud
 never mix with eager rows: their sweep is shown as ``<sweep> (CUDA graphs)`` in every table,
 line and group, and the TFLOP/s floors are counted per timing.
 
+Each (sweep, case, backend, mode, timing) must have one row in all the CSVs together: two runs
+of a sweep given at once are refused (exit 2) naming both files and lines
+(``dmbench.collected``), before anything is written.
+
 ``sdpa-dense`` is shown as the no-mask ceiling but is not a peer: it computes a different
 (dense) function; nor is ``triton-base``. Rows timed on the CPU under Triton's interpreter get no targets: their
 timings are not performance numbers, and both sections say so.

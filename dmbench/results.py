@@ -2,14 +2,19 @@
 
 One ``Row`` per (case, backend, mode); its field order is the CSV column order. Rows are appended
 and flushed one at a time, so a killed run loses nothing it finished. Reading goes through
-``read_rows``, which checks the header, so ``compare``, ``plot`` and ``merge`` reject a file that
-is not a dmbench CSV with a one-line error. A file re-saved by pandas reads back too: integral
-floats (``32.0``) are read as ints, and a leading unnamed index column is dropped. A file written
-before a column in ``ADDED_COLUMNS`` existed reads with that column's default.
+``read_rows``, which checks the header and every row, so ``compare``, ``report``, ``plot`` and
+``merge`` reject a file that is not a dmbench CSV with a one-line error naming the file and the
+line. A file re-saved by pandas reads back too: integral floats (``32.0``) are read as ints, and a
+leading unnamed index column is dropped. A file written before a column in ``ADDED_COLUMNS``
+existed reads with that column's default.
 
 Statuses: ``ok``; ``accuracy`` (a checked tensor over its allowed error); ``error`` (the backend
 raised; ``detail`` says what); ``oom``; ``skipped`` (the backend cannot run this case or is not
-available here; ``detail`` says why).
+available here; ``detail`` says why). A row of another status is refused.
+
+Times (``ms_p20``, ``ms_p50``, ``ms_p80``) are milliseconds, finite and not negative wherever
+present; an ``ok`` row of a timed mode (fwd, bwd, fwd+bwd) has all three. ``equiv`` rows and rows
+that failed before they were timed have none.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from .sweep import Case
 
 STATUSES = ("ok", "accuracy", "error", "oom", "skipped")
 MODES = ("fwd", "bwd", "fwd+bwd", "equiv")
+TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
+TIME_COLUMNS = ("ms_p20", "ms_p50", "ms_p80")
 
 
 @dataclass
@@ -205,11 +212,37 @@ class RowWriter:
         self.close()
 
 
+def _check_row(row: Row, where: str) -> None:
+    """A documented status, and times that are times (see the module docstring)."""
+    if row.status not in STATUSES:
+        raise ConfigError(f"{where}: column status: expected one of {', '.join(STATUSES)}, "
+                          f"got {row.status!r}")
+    for name in TIME_COLUMNS:
+        value = getattr(row, name)
+        if value is None:
+            if row.status == "ok" and row.mode in TIMED_MODES:
+                raise ConfigError(f"{where}: column {name}: expected a time in ms (finite, >= 0) "
+                                  f"in an ok {row.mode} row, got an empty cell")
+        elif not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{where}: column {name}: expected a time in ms (finite, >= 0), "
+                              f"got {csv_cell(value)!r}")
+
+
+def row_line(index: int) -> int:
+    """The line of ``read_rows(path)[index]`` in its file, as read_rows' errors count lines:
+    CSV records, the header being line 1 (the file's own line unless a quoted cell spans
+    lines)."""
+    return index + 2
+
+
 def read_rows(path: str | Path, tolerate_partial_last_line: bool = False) -> list[Row]:
-    """All rows of a dmbench CSV. Raises ConfigError naming the file and the problem.
+    """All rows of a dmbench CSV, in file order (``row_line`` gives each one's line). Raises
+    ConfigError naming the file, the line and what was expected: a missing or foreign header,
+    a line of the wrong width, a value of the wrong type, an unknown status, a time that is
+    negative, NaN or infinite, or an ok timed row without its times.
 
     ``tolerate_partial_last_line`` is for resuming: a process killed mid-write can leave a
-    truncated last line, which is dropped rather than rejected.
+    truncated last line (fewer fields), which is dropped rather than rejected.
     """
     path = Path(path)
     if not path.is_file():
@@ -231,7 +264,9 @@ def read_rows(path: str | Path, tolerate_partial_last_line: bool = False) -> lis
                 break
             raise ConfigError(f"{path}: line {number}: expected {width} fields, got {len(values)}")
         where = f"{path}: line {number}"
-        rows.append(Row(**{c: _parse(c, v, where) for c, v in zip(columns, values[index:])}))
+        row = Row(**{c: _parse(c, v, where) for c, v in zip(columns, values[index:])})
+        _check_row(row, where)
+        rows.append(row)
     return rows
 
 

@@ -136,6 +136,84 @@ def test_files_mixing_timings_never_match_rows_of_different_timing(tmp_path):
                     mixed("eager", "cuda_graph")).exit_code == ExitCode.OK
 
 
+# -- CPU rows: timings under Triton's interpreter are not performance numbers
+
+CPU_ENV = Environment("cpu (triton interpreter)", "none", "2.13", "3.9", "abc123", False, "host")
+
+
+def _on(rows: list[Row], env: Environment) -> list[Row]:
+    for row in rows:
+        row.gpu, row.driver = env.gpu, env.driver
+    return rows
+
+
+def _not_compared_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("timings not compared")]
+
+
+def test_two_cpu_runs_gate_accuracy_and_completeness_never_timings(tmp_path):
+    base = _on(_rows(("fwd", "bwd")), CPU_ENV)
+    result = _compare(tmp_path, base, _on(_rows(("fwd", "bwd"), ms=316.0), CPU_ENV))
+    assert result.exit_code == ExitCode.OK, result.output
+    assert "SLOWER" not in result.output and "FASTER" not in result.output
+    assert _not_compared_lines(result.output) == [
+        f"timings not compared: {len(base)} row pair(s) ran on the CPU under Triton's "
+        "interpreter, whose timings are not performance numbers; accuracy and completeness only"]
+    assert f"compared: {len(base)} untimed; 0 accuracy failure(s)" in result.output
+
+
+def test_two_cpu_runs_still_fail_on_accuracy_missing_rows_and_broken_rows(tmp_path):
+    base = _on(_rows(("fwd",)), CPU_ENV)
+    slow_and_wrong = _on(_rows(("fwd",), ms=50.0), CPU_ENV)
+    slow_and_wrong[0].status, slow_and_wrong[0].detail = "accuracy", "out over allowed error"
+    assert _compare(tmp_path, base, slow_and_wrong).exit_code == ExitCode.ACCURACY
+    result = _compare(tmp_path, base, _on(_rows(("fwd",), ms=50.0), CPU_ENV)[:-1])
+    assert result.exit_code == ExitCode.INCOMPLETE, result.output
+    assert len(_not_compared_lines(result.output)) == 1
+    broken = _on(_rows(("fwd",), ms=50.0), CPU_ENV)
+    broken[0].status, broken[0].detail = "error", "RuntimeError: x"
+    broken[0].ms_p20 = broken[0].ms_p50 = broken[0].ms_p80 = None
+    result = _compare(tmp_path, base, broken)
+    assert result.exit_code == ExitCode.PERF_REGRESSION, result.output
+    assert "BROKEN" in result.output and "SLOWER" not in result.output
+
+
+@pytest.mark.parametrize("cpu_side", ["baseline", "new"])
+def test_cpu_against_gpu_is_refused_naming_the_cpu_file_and_line(tmp_path, cpu_side):
+    cpu, gpu = _on(_rows(("fwd",)), CPU_ENV), _rows(("fwd",))
+    base, new = (cpu, gpu) if cpu_side == "baseline" else (gpu, cpu)
+    result = _compare(tmp_path, base, new)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    cpu_file, gpu_file = ((tmp_path / "base.csv", tmp_path / "new.csv") if cpu_side == "baseline"
+                          else (tmp_path / "new.csv", tmp_path / "base.csv"))
+    assert line == (f"error: {cpu_file}: line 2: measured on cpu (triton interpreter) but "
+                    f"{gpu_file} on Test GPU; interpreter timings are not performance numbers "
+                    "and never compare with a GPU's: compare runs from one GPU model, or two CPU "
+                    "runs (accuracy and completeness only)")
+
+
+def test_two_gpu_models_are_refused_naming_a_line(tmp_path):
+    other = Environment("Other GPU", "1.0", "2.13", "3.9", "abc123", False, "host")
+    new = _rows(("fwd",))
+    _on(new[3:], other)
+    result = _compare(tmp_path, _rows(("fwd",)), new)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert (f"{tmp_path / 'new.csv'}: line 5: measured on Other GPU but {tmp_path / 'base.csv'} "
+            "on Test GPU; compare runs from the same GPU model") in result.output
+
+
+def test_files_mixing_devices_never_match_rows_of_different_devices(tmp_path):
+    """Both files hold CPU and GPU rows, but the same case on a different device."""
+    def mixed(first: Environment, second: Environment) -> list[Row]:
+        return _on(_rows(("fwd",), CASES[:2]), first) + _on(_rows(("fwd",), CASES[2:]), second)
+
+    result = _compare(tmp_path, mixed(ENV, CPU_ENV), mixed(CPU_ENV, ENV))
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert CASES[0].case_id in result.output and "same device" in result.output
+
+
 def test_exit_code_4_is_documented():
     result = runner.invoke(app, ["compare", "--help"])
     assert result.exit_code == 0

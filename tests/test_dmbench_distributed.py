@@ -60,8 +60,10 @@ def test_merge_reports_mismatched_environments(tmp_path):
     paths = []
     for i, (env, case) in enumerate(((env_a, _cases(1)[0]), (env_b, _cases(2)[1]))):
         path = tmp_path / f"p{i}.csv"
+        row = new_row("s", case, "triton", "fwd", "ok", env)
+        row.ms_p20 = row.ms_p50 = row.ms_p80 = 1.0
         with RowWriter(path, append=False) as writer:
-            writer.write(new_row("s", case, "triton", "fwd", "ok", env))
+            writer.write(row)
         paths.append(path)
     result = CliRunner().invoke(app, ["merge", *map(str, paths), "--out", str(tmp_path / "m.csv")])
     assert result.exit_code == ExitCode.USAGE

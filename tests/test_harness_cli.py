@@ -108,6 +108,22 @@ def test_resume_after_a_killed_write(smoke_csv, tmp_path):
     assert len(after) == len(before)
 
 
+def test_compare_of_two_cpu_runs_gates_no_timing(smoke_csv, tmp_path):
+    """Interpreter timings are not performance numbers: 158x slower is not a regression."""
+    from dmbench.results import rewrite
+
+    slower = read_rows(smoke_csv)
+    for row in slower:
+        if row.ms_p50 is not None:
+            row.ms_p20, row.ms_p50, row.ms_p80 = (158 * row.ms_p20, 158 * row.ms_p50,
+                                                  158 * row.ms_p80)
+    rewrite(tmp_path / "slower.csv", slower)
+    result = _invoke("compare", smoke_csv, tmp_path / "slower.csv")
+    assert result.exit_code == ExitCode.OK, result.output
+    assert "SLOWER" not in result.output
+    assert sum(line.startswith("timings not compared: ") for line in result.output.splitlines()) == 1
+
+
 def test_existing_output_needs_resume_or_force(smoke_csv):
     size = smoke_csv.stat().st_size
     result = _fwd(smoke_csv)
@@ -339,10 +355,12 @@ def test_every_mask_format_through_the_cli(tmp_path):
     assert triton["intervals"].detail.startswith("build: document intervals ")
     assert triton["varlen"].detail.startswith("build: cu_seqlens ")
     for row in ok:
-        steps = [float(part.rsplit(" ", 2)[1]) for part in row.detail[len("build: "):].split(" + ")]
+        build = row.detail.split("; ")[0]  # then the kernel, for sdpa
+        steps = [float(part.rsplit(" ", 2)[1]) for part in build[len("build: "):].split(" + ")]
         assert row.build_ms == pytest.approx(sum(steps), rel=1e-2, abs=1e-2)
     dense = [r for r in rows if r.backend == "sdpa-dense"]
-    assert all(r.build_ms is None and r.detail == "" for r in dense)
+    assert all(r.build_ms is None and r.detail.startswith("sdpa kernel: ") for r in dense)
+    assert all("; sdpa kernel: " in r.detail for r in ok if r.backend == "sdpa")
 
 
 FAULT_SWEEP = """

@@ -103,6 +103,7 @@ def test_a_file_of_cuda_graph_rows_is_not_resumed_by_an_eager_run(tmp_path):
     out = tmp_path / "s.csv"
     row = new_row("smoke", Case(1, 2, 1, 48, 48, 32), "triton", "fwd", "ok", ENV,
                   timing="cuda_graph")
+    row.ms_p20 = row.ms_p50 = row.ms_p80 = 1.0
     rewrite(out, [row])
     result = _invoke("fwd", SMOKE, "--device", "cpu", "--out", out, "--resume",
                      "--backends", "reference", "--no-plot", "--no-progress")
@@ -173,6 +174,7 @@ def test_merge_reports_parts_of_different_timings(tmp_path):
     paths = []
     for i, timing in enumerate(("eager", "cuda_graph")):
         row = new_row("smoke", case, ("triton", "sdpa")[i], "fwd", "ok", ENV, timing=timing)
+        row.ms_p20 = row.ms_p50 = row.ms_p80 = 1.0
         paths.append(tmp_path / f"part-{i}.csv")
         rewrite(paths[-1], [row])
     problems = merge_files(paths).problems

@@ -246,9 +246,9 @@ def test_build_steps_are_the_masks_and_the_backends(fmt, backend, steps):
 
     case = _case("topk", fmt, bias="kv_row", lq=8, lk=8, window=3)
     problem = make_problem(case, CPU, time_build=True)
-    _, built = _timed_call(make_backends()[backend], problem, "fwd")
-    assert [s.name for s in built] == steps
-    assert all(s.ms >= 0 for s in built)
+    _, setup = _timed_call(make_backends()[backend], problem, "fwd")
+    assert [s.name for s in setup.steps] == steps
+    assert all(s.ms >= 0 for s in setup.steps)
 
 
 def test_dense_backends_are_skipped_where_their_tensors_cannot_fit(monkeypatch):

@@ -381,3 +381,61 @@ def test_no_row_behind_a_peer_says_so(tmp_path):
     collected = collect([_csv(tmp_path / "d.csv", rows)])
     assert "- No row is behind the best peer." in headline_markdown(collected)
     assert "No row is behind the best peer." in tables_markdown(collected)
+
+
+# -- one row per (sweep, case, backend, mode, timing) across the files
+
+
+def test_two_files_with_one_key_are_refused_naming_both(tmp_path):
+    """Two runs of a sweep given together would leave the table to whichever file came last."""
+    readme = _readme(tmp_path / "README.md")
+    before = readme.read_text()
+    folder = tmp_path / "results" / "test-gpu"
+    first = _csv(folder / "s-fwd.csv", _rows(_masked(0), "s", "fwd", {"triton": 1.0, "flex": 2.0}))
+    second = _csv(folder / "s-fwd.2.csv",
+                  _rows(_masked(1), "s", "fwd", {"triton": 1.0})
+                  + _rows(_masked(0), "s", "fwd", {"flex": 3.0}))
+    result = runner.invoke(app, ["report", str(first), str(second), "--readme", str(readme)])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line == (f"error: {second}: line 3: sweep s case {_masked(0).case_id} backend flex "
+                    f"mode fwd timing eager is also at {first} line 3; expected one row per "
+                    "(sweep, case, backend, mode, timing): report one run of each sweep")
+    assert readme.read_text() == before
+    assert sorted(p.name for p in folder.iterdir()) == ["s-fwd.2.csv", "s-fwd.csv"]
+
+
+def test_a_key_twice_in_one_file_is_refused(tmp_path):
+    path = _csv(tmp_path / "s-fwd.csv", _rows(_masked(0), "s", "fwd", {"triton": 1.0}) * 2)
+    result = runner.invoke(app, ["report", str(path), "--print"])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert f"{path}: line 3: sweep s case" in result.output
+    assert f"is also at {path} line 2" in result.output
+
+
+def test_one_case_in_two_sweeps_and_in_both_timings_is_not_a_duplicate(tmp_path):
+    """The committed folder has such files: seqlen and headdim share a case, and a sweep's
+    eager and --cuda-graph files share every case."""
+    case = _masked(0)
+    paths = [_csv(tmp_path / "seqlen-fwd.csv", _rows(case, "seqlen", "fwd", {"triton": 1.0})),
+             _csv(tmp_path / "headdim-fwd.csv", _rows(case, "headdim", "fwd", {"triton": 2.0})),
+             _csv(tmp_path / "seqlen-fwd-cuda-graph.csv",
+                  _rows(case, "seqlen", "fwd", {"triton": 0.5}, timing="cuda_graph")),
+             _csv(tmp_path / "seqlen-bwd.csv", _rows(case, "seqlen", "bwd", {"triton": 3.0}))]
+    result = runner.invoke(app, ["report", *map(str, paths), "--print"])
+    assert result.exit_code == ExitCode.OK, result.output
+    tables = collect(paths).tables
+    assert {key: next(iter(cases.values()))["triton"] for key, cases in tables.items()} == {
+        ("seqlen", "fwd"): 1.0, ("headdim", "fwd"): 2.0, ("seqlen (CUDA graphs)", "fwd"): 0.5,
+        ("seqlen", "bwd"): 3.0}
+
+
+def test_every_committed_results_folder_still_reports():
+    """Each folder whose README has generated tables holds one run per sweep and timing."""
+    root = Path(__file__).resolve().parents[1] / "results"
+    folders = [readme.parent for readme in sorted(root.rglob("README.md"))
+               if TABLES[0] in readme.read_text()]
+    assert len(folders) >= 2
+    for folder in folders:
+        assert collect(sorted(folder.glob("*.csv"))).rows, folder
