@@ -9,11 +9,18 @@ equal. The other parameters that vary split the points into panels (up to ``MAX_
 figure) and, past that, into separate series whose legend names the values that differ. When no
 axis has two such points, the cases themselves are the x axis and nothing is joined.
 
+Axes (``draw``): an x axis of text values, or with a single value, is a row of categories, one
+tick per value labelled with it; numbers sit at their value, with a tick at each (up to
+``MAX_X_TICKS``). Speedup, memory and build are drawn on a log scale, TFLOP/s only in a panel
+whose values span more than ``WIDE_SPAN`` times (``uses_log_scale``); log axes are labelled
+with plain numbers, both ends of the data included (``log_ticks``).
+
 Each backend keeps one colour and marker in every chart (``backend_style``), whatever order the
 rows come in. Titles name the sweep (the CSV's ``sweep`` column, else the file name without its
-``-fwd``/``-bwd``/``-equiv`` suffix); files are named ``<sweep>-<mode>-<axis>-<metric>.png``.
-Rows timed as CUDA graph replays (``timing`` ``cuda_graph``) are charted apart from eager rows:
-their titles say "(CUDA graphs)" and their files are named ``<sweep>-cuda_graph-<mode>-...``.
+``-fwd``/``-bwd``/``-equiv`` suffix), the mode and the GPU. Files are named after the CSV's
+stem, so that two CSVs plotted into one folder never overwrite each other's charts
+(``chart_file_name``). Rows timed as CUDA graph replays (``timing`` ``cuda_graph``) are charted
+apart from eager rows: their titles say "(CUDA graphs)" and their file names ``cuda_graph``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,20 @@ TIMED = ("fwd", "bwd", "fwd+bwd")
 COMMAND_SUFFIXES = ("-fwd", "-bwd", "-equiv")
 BASELINE_FALLBACKS = ("fdma", "sdpa", "reference")
 MAX_PANELS = 12
+# Numeric x values up to this many get a tick each; past it matplotlib places the ticks.
+MAX_X_TICKS = 12
+
+# y scales (``draw``): LOG_IF_WIDE is log only in a panel whose largest value exceeds its
+# smallest by more than WIDE_SPAN times; LOG whenever all values are positive.
+LINEAR, LOG, LOG_IF_WIDE = "linear", "log", "log_if_wide"
+WIDE_SPAN = 10.0
+# Tick values within a decade for log axes, coarsest first; ``log_ticks`` takes the first that
+# puts MIN_LOG_TICKS ticks in the data range.
+LOG_TICK_STEPS = ((1,), (1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8))
+MIN_LOG_TICKS = 3
+# An end of a log axis's data range gets its own tick unless one lies within this fraction of
+# the range (in log space) from it.
+NEAR_END = 0.1
 
 # One colour and marker per backend, in every chart.
 BACKEND_STYLE = {
@@ -168,16 +189,135 @@ def sweep_title(rows: list[Row], stem: str) -> str:
     return base
 
 
-def _file_prefix(rows: list[Row], stem: str, timing: str = "eager") -> str:
-    """The sweep's name, ``-<timing>`` unless eager, and the run number of a numbered results
-    file (``smoke-fwd.2``)."""
-    number = re.search(r"\.\d+$", stem)
-    marked = "" if timing == "eager" else f"-{timing}"
-    return sweep_title(rows, stem) + marked + (number.group(0) if number else "")
+def chart_file_name(stem: str, timing: str, mode: str, axis: str, metric: str) -> str:
+    """``<stem>-<mode>[-<timing>]-<axis>-<metric>.png``, the timing only when not eager.
+
+    ``stem`` is the CSV's file name without ``.csv``, whole (``smoke-bwd.2``). Mode, timing,
+    axis and metric names hold no ``-`` and no timing is named like a mode, so the name read
+    from its end gives back the stem: CSVs with different stems never write the same file.
+    """
+    marked = [] if timing == "eager" else [timing]
+    return "-".join([stem, mode.replace("+", "_"), *marked, axis, metric]) + ".png"
 
 
-def draw(series: list[Series], axis: str, ylabel: str, log_y: bool, title: str):
-    """A matplotlib figure with one panel per distinct ``Series.panel``."""
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def plain_number(value: float, digits: int = 3) -> str:
+    """``value`` in positional notation with ``digits`` significant digits at most, trailing
+    zeros dropped: 0.8, 1, 2.47, 1500."""
+    if value == 0:
+        return "0"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def tick_labels(values: list[float], unit: str = "") -> list[str]:
+    """Plain-number labels for ``values``, each followed by ``unit``, with as many significant
+    digits as it takes (three at least) for distinct values to read differently."""
+    for digits in range(3, 16):
+        labels = [plain_number(v, digits) + unit for v in values]
+        if len(set(labels)) == len(set(values)):
+            return labels
+    return labels
+
+
+def _ticks_with_steps(lo: float, hi: float, steps: tuple[float, ...]) -> list[float]:
+    """The values ``step * 10**k`` within [lo, hi]."""
+    found = []
+    for exponent in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1):
+        for step in steps:
+            value = float(f"{step * 10.0 ** exponent:.12g}")
+            if lo * (1 - 1e-9) <= value <= hi * (1 + 1e-9):
+                found.append(value)
+    return found
+
+
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Labelled tick values for a log axis over the positive data range [lo, hi].
+
+    Round values from the coarsest of ``LOG_TICK_STEPS`` that places ``MIN_LOG_TICKS`` in the
+    range (the finest otherwise), plus ``lo`` and ``hi`` themselves where no tick lies within
+    ``NEAR_END`` of the range from them: both ends of the data always carry a label.
+    """
+    if hi <= lo:
+        return [lo]
+    for steps in LOG_TICK_STEPS:
+        ticks = _ticks_with_steps(lo, hi, steps)
+        if len(ticks) >= MIN_LOG_TICKS:
+            break
+    near = NEAR_END * math.log(hi / lo)
+    if not any(math.log(t / lo) <= near for t in ticks):
+        ticks.insert(0, lo)
+    if not any(math.log(hi / t) <= near for t in ticks):
+        ticks.append(hi)
+    return ticks
+
+
+def uses_log_scale(values: list[float], scale: str) -> bool:
+    """Whether a panel of ``values`` is drawn on a log y scale: never for LINEAR; for LOG when
+    every value is positive; for LOG_IF_WIDE when, besides, the largest value exceeds the
+    smallest by more than ``WIDE_SPAN`` times (TFLOP/s of backends or shapes that differ by an
+    order of magnitude or more)."""
+    if scale == LINEAR or not values or min(values) <= 0:
+        return False
+    return scale == LOG or max(values) / min(values) > WIDE_SPAN
+
+
+def _fixed_ticks(axis, values: list[float], unit: str = "") -> None:
+    """Ticks at ``values`` only, labelled as plain numbers; minor ticks unlabelled."""
+    import matplotlib.ticker as mticker
+
+    axis.set_ticks(values, labels=tick_labels(values, unit))
+    axis.set_minor_formatter(mticker.NullFormatter())
+
+
+def _draw_y_axis(ax, values: list[float], scale: str, unit: str) -> None:
+    """The y scale of one panel; a single value is its one tick, a log axis gets ``log_ticks``."""
+    log = uses_log_scale(values, scale)
+    if log:
+        ax.set_yscale("log")
+    if len(set(values)) == 1:
+        _fixed_ticks(ax.yaxis, [values[0]], unit)
+    elif log:
+        _fixed_ticks(ax.yaxis, log_ticks(min(values), max(values)), unit)
+
+
+def x_positions(xs: list) -> tuple[dict, bool]:
+    """Where each distinct x value (sorted) is drawn, and whether the axis is categorical:
+    text values, and a single value of any kind, are categories 0, 1, ...; numbers sit at their
+    value."""
+    categorical = len(xs) == 1 or not all(_is_number(x) for x in xs)
+    return {x: (i if categorical else x) for i, x in enumerate(xs)}, categorical
+
+
+def _draw_x_axis(ax, xs: list, categorical: bool) -> None:
+    """One labelled tick per category; numbers on a linear or (past a ratio of 8) base-2 log
+    scale, with a tick at each value when there are at most ``MAX_X_TICKS``."""
+    import matplotlib.ticker as mticker
+
+    if categorical:
+        if len(xs) == 1:
+            ax.set_xticks([0], [str(xs[0])])
+            ax.set_xlim(-1, 1)  # the one category in the middle, no range around it
+        else:
+            ax.set_xticks(range(len(xs)), [str(x) for x in xs], rotation=30, ha="right",
+                          fontsize=7)
+        return
+    if xs[0] > 0 and xs[-1] / xs[0] >= 8:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(mticker.FuncFormatter(lambda v, _: plain_number(v, 6)))
+    if len(xs) <= MAX_X_TICKS:
+        _fixed_ticks(ax.xaxis, xs)
+    ax.xaxis.set_minor_formatter(mticker.NullFormatter())
+
+
+def draw(series: list[Series], axis: str, ylabel: str, scale: str, title: str, unit: str = ""):
+    """A matplotlib figure with one panel per distinct ``Series.panel``; ``scale`` is LINEAR,
+    LOG or LOG_IF_WIDE (``uses_log_scale``), and ``unit`` follows each y tick label of a
+    log or single-valued axis ("×" for speedups)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
@@ -191,21 +331,15 @@ def draw(series: list[Series], axis: str, ylabel: str, log_y: bool, title: str):
     for ax, panel in zip(axes.flat, panels):
         members = sorted((s for s in series if s.panel == panel), key=lambda s: (s.backend, str(s.context)))
         xs_all = sorted({x for s in members for x, _ in s.points}, key=_sort_key)
-        numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs_all)
-        position = {x: (x if numeric else i) for i, x in enumerate(xs_all)}
+        position, categorical = x_positions(xs_all)
         for s in members:
             colour, marker = backend_style(s.backend)
             style = LINE_STYLES[contexts.index(s.context) % len(LINE_STYLES)]
             ax.plot([position[x] for x, _ in s.points], [y for _, y in s.points],
                     color=colour, marker=marker, linestyle=style if axis != "case" else "none",
                     label=s.label)
-        if numeric and len(xs_all) > 1 and xs_all[-1] / max(xs_all[0], 1e-9) >= 8:
-            ax.set_xscale("log", base=2)
-        if not numeric:
-            ax.set_xticks(range(len(xs_all)))
-            ax.set_xticklabels([str(x) for x in xs_all], rotation=30, ha="right", fontsize=7)
-        if log_y and all(y > 0 for s in members for _, y in s.points):
-            ax.set_yscale("log")
+        _draw_x_axis(ax, xs_all, categorical)
+        _draw_y_axis(ax, [y for s in members for _, y in s.points], scale, unit)
         name = ", ".join(f"{p}={v}" for p, v in panel) or "all"
         ax.set_title(textwrap.fill(name, 60), fontsize=7)
         ax.set_xlabel(axis)
@@ -240,37 +374,59 @@ def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None) -
     return written
 
 
+@dataclass(frozen=True)
+class Chart:
+    """One kind of chart of one mode: y ``values`` by ``id(row)``, and how they are drawn."""
+
+    metric: str  # the file name's last part
+    values: dict[int, float]
+    title: str
+    ylabel: str
+    scale: str
+    unit: str = ""
+
+
+def _gpu_name(rows: list[Row]) -> str:
+    return "+".join(sorted({r.gpu for r in rows})) or "unknown GPU"
+
+
+def mode_charts(mode_rows: list[Row], baseline: str | None, title: str,
+                with_build: bool) -> list[Chart]:
+    """The charts of one mode's rows; ``title`` names the sweep, the mode and the GPU."""
+    base_ms = {r.case_id: r.ms_p50 for r in mode_rows if r.backend == baseline}
+    speedup = {id(r): base_ms[r.case_id] / r.ms_p50 for r in mode_rows if r.case_id in base_ms}
+    rate = {id(r): r.tflops_dense for r in mode_rows if r.tflops_dense is not None}
+    memory = {id(r): r.peak_mib for r in mode_rows if r.peak_mib is not None}
+    build = ({id(r): r.build_ms for r in mode_rows if r.build_ms is not None}
+             if with_build else {})
+    return [Chart("speedup", speedup, f"{title}: speedup over {baseline} (p50)",
+                  f"speedup vs {baseline}", LOG, "×"),
+            Chart("tflops", rate, f"{title}: dense-equivalent TFLOP/s (p50)", "TFLOP/s",
+                  LOG_IF_WIDE),
+            Chart("memory", memory, f"{title}: peak memory of one call above its inputs", "MiB",
+                  LOG),
+            Chart("build", build, f"{title}: mask build (build_ms)", "ms", LOG)]
+
+
 def _plot_timed(timed: list[Row], out_dir: Path, stem: str, baseline: str | None,
                 timing: str) -> list[Path]:
     """The charts of rows of one timing."""
     baseline = choose_baseline(timed, baseline)
     axes = [a for a in AXES if has_line(timed, a)] or ["case"]
     sweep = sweep_title(timed, stem) + ("" if timing == "eager" else " (CUDA graphs)")
-    prefix, gpu = _file_prefix(timed, stem, timing), timed[0].gpu
+    gpu = _gpu_name(timed)
     written = []
     modes = [m for m in TIMED if any(r.mode == m for r in timed)]
     for mode in modes:
         mode_rows = [r for r in timed if r.mode == mode]
-        base_ms = {r.case_id: r.ms_p50 for r in mode_rows if r.backend == baseline}
-        speedup = {id(r): base_ms[r.case_id] / r.ms_p50 for r in mode_rows if r.case_id in base_ms}
-        rate = {id(r): r.tflops_dense for r in mode_rows if r.tflops_dense is not None}
-        memory = {id(r): r.peak_mib for r in mode_rows if r.peak_mib is not None}
-        build = ({id(r): r.build_ms for r in mode_rows if r.build_ms is not None}
-                 if mode == modes[0] else {})
-        title = f"{sweep} {mode} on {gpu}"
-        charts = ((speedup, "speedup", f"{title}: speedup over {baseline} (p50)",
-                   f"speedup vs {baseline}", True),
-                  (rate, "tflops", f"{title}: dense-equivalent TFLOP/s (p50)", "TFLOP/s", False),
-                  (memory, "memory", f"{title}: peak memory of one call above its inputs",
-                   "MiB", True),
-                  (build, "build", f"{sweep} on {gpu}: mask build (build_ms)", "ms", True))
+        charts = mode_charts(mode_rows, baseline, f"{sweep} {mode} on {gpu}", mode == modes[0])
         for axis in axes:
-            tag = f"{prefix}-{mode.replace('+', '_')}-{axis}"
-            for values, metric, chart_title, ylabel, log_y in charts:
-                series = group_series(mode_rows, axis, values)
+            for chart in charts:
+                series = group_series(mode_rows, axis, chart.values)
                 if not series:
                     continue
-                path = out_dir / f"{tag}-{metric}.png"
-                _save(draw(series, axis, ylabel, log_y, chart_title), path)
+                path = out_dir / chart_file_name(stem, timing, mode, axis, chart.metric)
+                _save(draw(series, axis, chart.ylabel, chart.scale, chart.title, chart.unit),
+                      path)
                 written.append(path)
     return written

@@ -152,6 +152,13 @@ def _context_label(context: int) -> str:
     return f"{context // 1024}k" if context >= 1024 and context % 1024 == 0 else str(context)
 
 
+def train_title(stem: str, first: TrainRow) -> str:
+    """A train chart's title: the run (the CSV's stem), what a step times (fwd+bwd and the
+    optimizer step), the model, batch, dtype and GPU."""
+    return (f"{stem}: {first.model} training steps (fwd+bwd+AdamW), batch {first.batch}, "
+            f"{first.dtype}, on {first.gpu}")
+
+
 def plot_train(csv_path: Path) -> list[Path]:
     """Tokens/s, speedup over eager attention and peak memory against context, one line per
     implementation and mode, as PNGs next to the CSV; drawn from the CSV alone."""
@@ -189,8 +196,7 @@ def plot_train(csv_path: Path) -> list[Path]:
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-        ax.set_title(f"{first.model} training steps, batch {first.batch}, {first.dtype}, "
-                     f"on {first.gpu}", fontsize=8)
+        ax.set_title(train_title(csv_path.stem, first), fontsize=8)
         fig.tight_layout()
         path = csv_path.parent / f"{csv_path.stem}-{tag}.png"
         fig.savefig(path, dpi=110)
