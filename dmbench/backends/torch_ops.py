@@ -116,6 +116,11 @@ _FAIL_FLAGS = ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
 
 
 class FlexBackend(Backend):
+    """flex_attention as its documentation recommends: compiled, ``enable_gqa`` for GQA, its own
+    BlockMask, default kernel options (its docs: "most users will not need to specify these
+    options as the default autotuning provides good performance"); ``USE_TMA`` and
+    ``BACKEND="FLASH"`` are experimental in torch 2.11 and not used."""
+
     name = "flex"
     description = ("torch.compile'd flex_attention; score_mod adds the bias, block_mask from a "
                    "mask_mod over the bool mask, the intervals' start/end or the documents' ids")
