@@ -57,7 +57,7 @@ def _backend_names(text: Optional[str]) -> Optional[tuple[str, ...]]:
 
 OutOpt = Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/<sweep>-<command>.csv).")]
 BackendsOpt = Annotated[Optional[str], typer.Option("--backends", help="Comma-separated backends, overriding the sweep's list.")]
-ResumeOpt = Annotated[bool, typer.Option("--resume", help="Keep rows already in the CSV and run only the missing ones.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Keep rows already in the CSV (they must come from the same sweep or setup, command and environment) and run only the missing ones; not with --force.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing CSV.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cuda or cpu (cpu runs Triton under its interpreter).")]
 ShardOpt = Annotated[Optional[str], typer.Option("--shard", help="Run share I of N (0-based, e.g. 0/4), balanced by estimated cost; join with `dmbench merge`.")]
@@ -78,6 +78,12 @@ def _point_timeout(seconds: float) -> float | None:
     return seconds or None
 
 
+def _resume_or_force(resume: bool, force: bool) -> None:
+    if resume and force:
+        raise ConfigError("--resume and --force: choose one (--resume keeps the CSV's rows and "
+                          "runs the rest, --force starts it over)")
+
+
 def _check_run_paths(sweep: Optional[Path], out: Optional[Path]) -> None:
     if sweep is not None:
         paths.input_file(sweep, "SWEEP", SWEEP_FILE)
@@ -92,6 +98,7 @@ def _timed_command(command: str, sweep_path: Path, out, backends, resume, force,
     from .sweep import load_sweep
 
     def work():
+        _resume_or_force(resume, force)
         _check_run_paths(sweep_path, out)
         sweep = with_backends(load_sweep(sweep_path, BACKEND_NAMES), _backend_names(backends))
         sweep = with_cuda_graph(sweep, cuda_graph)
@@ -147,6 +154,7 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
     from .sweep import load_sweep
 
     def work():
+        _resume_or_force(resume, force)
         if (sweep is not None) + irregular + (random_count is not None) != 1:
             raise ConfigError("equiv: give a SWEEP file, --irregular or --random N (exactly one)")
         if random_count is not None and random_count < 1:
@@ -349,6 +357,7 @@ def train_command(
                         parse_list, run_train)
 
     def work():
+        _resume_or_force(resume, force)
         names = tuple(IMPLEMENTATIONS)
         opts = TrainOptions(
             contexts=default_contexts(tiny) if contexts is None else parse_contexts(contexts),

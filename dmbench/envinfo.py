@@ -54,9 +54,13 @@ def _triton_version() -> str:
         return "absent"
 
 
+# What ``git_dirty`` looks at: the tree without ``results/``, whose tracked CSVs and plots a run
+# may rewrite (so a run that resumes its own file after a fault sees the same commit state).
+CODE_PATHSPEC = ("--", ".", ":(exclude)results")
+
+
 def _commit() -> tuple[str, bool]:
-    """(short sha, dirty). Only tracked changes count as dirty: results written under the tree
-    are untracked files.
+    """(short sha, dirty). Only tracked changes outside ``results/`` count as dirty.
 
     A copy of the tree shipped to a GPU host may have no ``.git``, or a stale one from an older
     commit; ``DMBENCH_GIT_SHA`` names the commit it was made from and takes precedence. The copy
@@ -66,9 +70,9 @@ def _commit() -> tuple[str, bool]:
     named = os.environ.get("DMBENCH_GIT_SHA", "").strip()
     if named:
         known = _git("cat-file", "-e", f"{named}^{{commit}}") is not None
-        return named[:12], bool(known and _git("diff", "--name-only", named, "--"))
+        return named[:12], bool(known and _git("diff", "--name-only", named, *CODE_PATHSPEC))
     sha = _git("rev-parse", "--short=12", "HEAD") or "unknown"
-    return sha, bool(_git("status", "--porcelain", "--untracked-files=no"))
+    return sha, bool(_git("status", "--porcelain", "--untracked-files=no", *CODE_PATHSPEC))
 
 
 def collect(device: torch.device) -> Environment:

@@ -23,11 +23,13 @@ EXIT_CODES_HELP = (
     "(bad flag, bad sweep file, unreadable CSV or a row of it with an unknown status or a bad "
     "time, a (sweep, case, backend, mode, timing) twice in report's CSVs, CPU against GPU "
     "timings in compare, a path missing or of the wrong kind, an existing "
-    "--out without --resume or --force, a CPU run estimated over 5 minutes without --allow-slow, "
+    "--out without --resume or --force, --resume with --force or of another run's file, a "
+    "CPU run estimated over 5 minutes without --allow-slow, "
     "--cuda-graph off a CUDA device); 3 accuracy failure (a checked tensor over its "
     "allowed error, a backend error during equiv, or a device fault that stopped a run); "
     "4 incomplete comparison (compare: baseline rows missing from the new CSV, or no rows in "
-    "common; --allow-missing accepts it). When several apply, compare exits 3, then 1, then 4."
+    "common; --allow-missing accepts it); 130 interrupted (Ctrl-C; a sweep prints the command "
+    "that finishes it). When several apply, compare exits 3, then 1, then 4."
 )
 
 

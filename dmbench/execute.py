@@ -5,7 +5,9 @@ The CPU guard: on the CPU every Triton kernel runs under the interpreter, thousa
 slower than on a GPU. Before running, the cost model (``dmbench.cost``) estimates the points to
 run; above ``cost.CPU_LIMIT_S`` the run is refused (exit 2) unless ``allow_slow`` is set.
 CUDA-graph timing (``--cuda-graph``, ``timing.cuda_graph``) is refused off a CUDA device, and a
-file is never resumed by a run that times the other way.
+file is never resumed by a run that times the other way, nor by one of another sweep, command,
+environment or commit (``outfile.check_resumable``). Ctrl-C prints how many points the CSV holds
+and the command that finishes it (``interrupted_line``), then exits 130 through the CLI.
 
 The CLI parses flags and calls :func:`execute`; the measuring itself is in :mod:`dmbench.runner`.
 """
@@ -84,6 +86,14 @@ def graph_guard(sweep: Sweep, device, command: str) -> None:
                           f"this run is on {device.type}")
 
 
+def check_resumed(rows: list[Row], sweep: Sweep, provenance: outfile.Provenance, path: Path,
+                  name: str) -> None:
+    """``--resume`` continues ``path`` only with rows of this run's timing, then of its sweep,
+    command, environment and commit (``outfile.check_resumable``)."""
+    check_resumed_timing(rows, sweep, path)
+    outfile.check_resumable(rows, provenance, path, name)
+
+
 def check_resumed_timing(rows: list[Row], sweep: Sweep, path: Path) -> None:
     """Rows timed one way are never continued by a run timed the other way."""
     kinds = sorted({r.timing for r in rows if r.mode in TIMED_MODES} - {sweep.timing.kind})
@@ -91,6 +101,17 @@ def check_resumed_timing(rows: list[Row], sweep: Sweep, path: Path) -> None:
         raise ConfigError(f"{path}: its rows were timed {', '.join(kinds)}, this run times "
                           f"{sweep.timing.kind} (--cuda-graph or timing.cuda_graph); resume it "
                           "with the same timing, or write another --out")
+
+
+def interrupted_line(done: int, total: int, path: Path, info) -> str:
+    """What a Ctrl-C during a sweep says: the points in ``path`` and how to finish them."""
+    from .restart import resume_command
+
+    if info is not None:
+        return (f"interrupted (rank {info.rank}/{info.world_size}): {done} of {total} points "
+                f"written to {path}; run the same torchrun command with --resume to finish")
+    return (f"interrupted: {done} of {total} points written to {path}; finish with: "
+            f"{resume_command(path)}")
 
 
 def _in_plan_order(rows: list[Row], plan: list[Unit]) -> list[Row]:
@@ -142,6 +163,7 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
     env = collect(device)
     digest = sweep_digest(sweep)
     modes = MODES[opts.command]
+    provenance = outfile.Provenance.of(sweep.name, digest, opts.command, modes, env)
     all_cases = sweep.cases + tuple(s.case for s in sweep.skipped)
     cases = all_cases
     if share:
@@ -154,7 +176,7 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
         out = default_out(sweep, opts.command, env.gpu, None if info else share)
         paths.output_file(out, "default output")
         target = (outfile.explicit(dist.part_path(out, info.rank), opts.resume, opts.force) if info
-                  else outfile.default(out, opts.resume, opts.force, outfile.Provenance.of(digest, env)))
+                  else outfile.default(out, opts.resume, opts.force, provenance))
         out = out if info else target.path
     if info and is_main and out.exists() and not (opts.resume or opts.force):
         raise ConfigError(f"{out}: results file exists; pass --resume to finish it or --force to start over")
@@ -162,8 +184,9 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
     previous = _previous_rows(target)
     final_previous = (read_rows(out, tolerate_partial_last_line=True)
                       if info and is_main and opts.resume and out.exists() else [])
-    check_resumed_timing(previous, sweep, write_path)
-    check_resumed_timing(final_previous, sweep, out)
+    name = "--out" if opts.out is not None else ""
+    check_resumed(previous, sweep, provenance, write_path, name)
+    check_resumed(final_previous, sweep, provenance, out, name)
     done = {r.key for r in previous + final_previous}
 
     backends = make_backends()
@@ -194,26 +217,32 @@ def execute(sweep: Sweep, opts: RunOptions, echo: Callable[[str], None]) -> Exit
     written: list[Row] = []
     label = sweep.name if info is None else f"{sweep.name} rank {info.rank}"
     show = opts.progress and is_main
-    with RowWriter(write_path, append=bool(previous)) as writer, \
-            make_progress(total_s, len(todo), label, show) as bar:
-        def report(row: Row, unit: Unit) -> None:
-            writer.write(row)
-            written.append(row)
-            bar.advance(estimates[unit.key], _row_message(row),
-                        important=row.status not in ("ok", "skipped"))
+    try:
+        with RowWriter(write_path, append=bool(previous)) as writer, \
+                make_progress(total_s, len(todo), label, show) as bar:
+            def report(row: Row, unit: Unit) -> None:
+                writer.write(row)
+                written.append(row)
+                bar.advance(estimates[unit.key], _row_message(row),
+                            important=row.status not in ("ok", "skipped"))
 
-        def on_hang(point: str, seconds: float) -> None:
-            from .restart import restart_after_hang
+            def on_hang(point: str, seconds: float) -> None:
+                from .restart import restart_after_hang
 
-            restart_after_hang(point, seconds, write_path,
-                               lambda message: print(message, file=sys.stderr))
+                restart_after_hang(point, seconds, write_path,
+                                   lambda message: print(message, file=sys.stderr))
 
-        try:
-            SweepRunner(sweep, backends, device, env, check, report, digest,
-                        point_timeout_s=opts.point_timeout_s, on_hang=on_hang).run(todo)
-        except DeviceFault as fault:
-            fault.out = write_path  # the restart resumes this file, numbered or not
-            raise
+            try:
+                SweepRunner(sweep, backends, device, env, check, report, digest,
+                            point_timeout_s=opts.point_timeout_s, on_hang=on_hang).run(todo)
+            except DeviceFault as fault:
+                fault.out = write_path  # the restart resumes this file, numbered or not
+                raise
+    except KeyboardInterrupt:
+        already = len(units) - len(todo)
+        print(interrupted_line(already + len(written), len(units), write_path, info),
+              file=sys.stderr, flush=True)
+        raise  # the CLI exits 130
     rows = previous + written
     if info:
         gathered = dist.gather_to_rank0([r.__dict__ for r in rows], info)

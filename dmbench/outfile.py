@@ -8,6 +8,9 @@
   file then has nothing left to run. Otherwise the run goes to the next numbered file beside it
   (``<sweep>-<command>.2.csv``, ``.3``, ...), resuming the first numbered file that matches.
   ``--resume`` and ``--force`` act on the default file itself, as on an explicit one.
+- ``--resume`` continues a file, explicit or default, only when its rows pass the same test:
+  the same sweep content, command (its modes), environment and commit; otherwise the run stops
+  with exit 2 naming what differs (``check_resumable``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ class Target:
 class Provenance:
     """What must match for rows to be continued in the same file."""
 
+    sweep: str  # the sweep's name
     sweep_hash: str
+    command: str
+    modes: tuple[str, ...]  # the modes of the rows ``command`` writes
     gpu: str
     torch: str
     triton: str
@@ -38,13 +44,18 @@ class Provenance:
     git_dirty: bool
 
     @classmethod
-    def of(cls, sweep_hash: str, env) -> "Provenance":
-        return cls(sweep_hash, env.gpu, env.torch, env.triton, env.git_sha, env.git_dirty)
+    def of(cls, sweep: str, sweep_hash: str, command: str, modes: tuple[str, ...],
+           env) -> "Provenance":
+        return cls(sweep, sweep_hash, command, modes, env.gpu, env.torch, env.triton,
+                   env.git_sha, env.git_dirty)
 
     def mismatch(self, rows: list[Row]) -> str | None:
-        """Why ``rows`` did not come from this run's sweep, environment and commit, or None."""
+        """Why ``rows`` did not come from this run's sweep, command, environment and commit, or
+        None."""
         for row in rows:
-            for name in ("sweep_hash", "gpu", "torch", "triton", "git_sha", "git_dirty"):
+            if row.mode not in self.modes:
+                return f"{row.mode} rows, this run dmbench {self.command}"
+            for name in ("sweep", "sweep_hash", "gpu", "torch", "triton", "git_sha", "git_dirty"):
                 theirs, ours = getattr(row, name), getattr(self, name)
                 if theirs != ours:
                     label = "sweep content" if name == "sweep_hash" else name
@@ -62,6 +73,19 @@ def explicit(path: Path, resume: bool, force: bool) -> Target:
         raise ConfigError(f"--out {path}: results file exists; pass --resume to finish it or "
                           "--force to start over")
     return Target(path, resume and path.exists())
+
+
+def check_resumable(rows: list[Row], provenance: Provenance, path: Path, name: str) -> None:
+    """``--resume`` keeps the rows of ``path`` only when they come from this run's sweep,
+    command, environment and commit: the test a default file passes to be resumed. ``name``
+    is the flag that named the file (empty for the default file)."""
+    reason = provenance.mismatch(rows)
+    if reason is None:
+        return
+    where = f"{name} {path}" if name else str(path)
+    raise ConfigError(f"{where}: --resume: it holds another run's rows ({reason}); resume it "
+                      "with the same sweep, command and environment, or start over with --force "
+                      "or another --out")
 
 
 def _rows_or_reason(path: Path) -> tuple[list[Row] | None, str | None]:

@@ -12,6 +12,7 @@ so the restarts end; ``MAX_RESTARTS`` is a guard against a device that faults on
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,12 @@ def resume_argv(argv: list[str], out: Path | None = None) -> list[str]:
     if out is not None and not any(a == "--out" or a.startswith("--out=") for a in args):
         args = [*args, "--out", str(out)]
     return args if "--resume" in args else [*args, "--resume"]
+
+
+def resume_command(out: Path) -> str:
+    """The shell command that finishes this process's run in ``out``: its own command line with
+    ``--resume`` (see ``resume_argv``)."""
+    return shlex.join(["dmbench", *resume_argv(sys.argv[1:], out)])
 
 
 def _restart(event: str, why_fresh: str, out: Path | None,

@@ -25,7 +25,8 @@ only; the bias per key or none). Any other combination is a ``ConfigError`` nami
 Shapes of masks and biases are written as four axis tokens joined by ``x``: batch ``1``/``B``,
 heads ``1``/``Hk``/``Hq``, query ``1``/``Lq``, key ``1``/``Lk``; for example ``1xHqxLqx1``.
 
-Every problem is reported as a ``ConfigError`` with one line naming the file and the key.
+Every problem is reported as a ``ConfigError`` with one line naming the file and the key; a key
+given twice in one mapping, at any depth, is one too (``UniqueKeyLoader``), with its line.
 """
 
 from __future__ import annotations
@@ -449,6 +450,38 @@ def sweep_digest(sweep: Sweep) -> str:
     return hashlib.sha256(content.encode()).hexdigest()[:12]
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping, at any depth (PyYAML
+    keeps the last one silently). Merge keys (``<<``) still override as YAML defines."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            _refuse_duplicate_keys(self, node)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _refuse_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> None:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            earlier = first_line.get(key)
+        except TypeError:  # an unhashable key: construct_mapping reports it
+            continue
+        if earlier is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {earlier})",
+                key_node.start_mark)
+        first_line[key] = key_node.start_mark.line + 1
+
+
+def load_yaml(text: str) -> Any:
+    """Parse a YAML document a user wrote; a duplicate key is a ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def load_sweep(path: str | Path, known_backends: tuple[str, ...]) -> Sweep:
     """Read and validate a sweep file. Raises ConfigError with a one-line message."""
     from .paths import input_file
@@ -456,7 +489,7 @@ def load_sweep(path: str | Path, known_backends: tuple[str, ...]) -> Sweep:
     path = Path(path)
     input_file(path, "", "a sweep YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""

@@ -292,7 +292,8 @@ def test_named_commit_overrides_a_stale_git(monkeypatch):
     if head:  # in a checkout: the named commit is compared with the tree like HEAD would be
         monkeypatch.setenv("DMBENCH_GIT_SHA", head)
         env = envinfo.collect(torch.device("cpu"))
-        tracked_changes = bool(envinfo._git("status", "--porcelain", "--untracked-files=no"))
+        tracked_changes = bool(envinfo._git("status", "--porcelain", "--untracked-files=no",
+                                            *envinfo.CODE_PATHSPEC))
         assert (env.git_sha, env.git_dirty) == (head[:12], tracked_changes)
 
 

@@ -281,6 +281,48 @@ def test_bad_yaml(tmp_path):
     assert str(path) in message and "invalid YAML" in message and "\n" not in message
 
 
+DUPLICATES = [  # (sweep text, line of the second key, the key, line of the first)
+    ("name: a\ncases: []\nname: b\n", 3, "name", 1),
+    ("timing: {warmup: 1, repeats: 3, warmup: 2}\ncases: []\n", 1, "warmup", 1),
+    ("grid:\n  - seqlen: 8\n    head_dim: 16\n    seqlen: 16\n", 4, "seqlen", 2),
+    ("defaults:\n  heads: {q: 4, kv: 2, q: 8}\n", 2, "q", 2),
+]
+
+
+@pytest.mark.parametrize("text, line, key, first", DUPLICATES)
+def test_a_duplicate_key_at_any_depth_is_refused(tmp_path, text, line, key, first):
+    path = _write(tmp_path, text, name="dup.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    assert str(info.value) == (f"{path}: invalid YAML (line {line}): duplicate key {key!r} "
+                               f"(first on line {first})")
+
+
+def test_merge_keys_still_override(tmp_path):
+    sweep = _load(tmp_path, """
+        defaults: &base {batch: 1, heads: 2, seqlen: 8, head_dim: 16}
+        cases:
+          - {<<: *base, seqlen: 16}
+    """)
+    assert [c.seqlen_q for c in sweep.cases] == [16]
+
+
+def test_the_cli_refuses_a_duplicate_key_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from dmbench.cli import app
+    from dmbench.errors import ExitCode
+
+    sweep = _write(tmp_path, DUPLICATES[2][0] + "backends: [reference]\n", name="dup.yaml")
+    out = tmp_path / "out.csv"
+    result = CliRunner().invoke(app, ["fwd", str(sweep), "--device", "cpu", "--out", str(out),
+                                      "--no-plot", "--no-progress"])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert result.output.strip().splitlines() == [
+        f"error: {sweep}: invalid YAML (line 4): duplicate key 'seqlen' (first on line 2)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.yaml"]
+
+
 @pytest.mark.parametrize("text", ["- 1\n- 2\n", "just a string\n", ""])
 def test_top_level_not_a_mapping(tmp_path, text):
     path = _write(tmp_path, text)
