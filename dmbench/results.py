@@ -10,7 +10,8 @@ existed reads with that column's default.
 
 Statuses: ``ok``; ``accuracy`` (a checked tensor over its allowed error); ``error`` (the backend
 raised; ``detail`` says what); ``oom``; ``skipped`` (the backend cannot run this case or is not
-available here; ``detail`` says why). A row of another status is refused.
+available here; ``detail`` says why). A row of another status, or of a mode not in ``MODES``, is
+refused.
 
 Times (``ms_p20``, ``ms_p50``, ``ms_p80``) are milliseconds, finite and not negative wherever
 present; an ``ok`` row of a timed mode (fwd, bwd, fwd+bwd) has all three. ``equiv`` rows and rows
@@ -213,10 +214,13 @@ class RowWriter:
 
 
 def _check_row(row: Row, where: str) -> None:
-    """A documented status, and times that are times (see the module docstring)."""
+    """A documented status and mode, and times that are times (see the module docstring)."""
     if row.status not in STATUSES:
         raise ConfigError(f"{where}: column status: expected one of {', '.join(STATUSES)}, "
                           f"got {row.status!r}")
+    if row.mode not in MODES:
+        raise ConfigError(f"{where}: column mode: expected one of {', '.join(MODES)}, "
+                          f"got {row.mode!r}")
     for name in TIME_COLUMNS:
         value = getattr(row, name)
         if value is None:

@@ -68,6 +68,8 @@ def _invoke(command: str, good: Path, bad: Path, tmp_path: Path):
 DEFECTS = {  # (column, text written on line 3) -> what the line must say
     "unknown status": ("status", "slow", "column status: expected one of ok, accuracy, error, "
                                          "oom, skipped, got 'slow'"),
+    "unknown mode": ("mode", "fwd2", "column mode: expected one of fwd, bwd, fwd+bwd, equiv, "
+                                     "got 'fwd2'"),
     "negative time": ("ms_p50", "-2.0", "column ms_p50: expected a time in ms (finite, >= 0), "
                                         "got '-2'"),
     "NaN time": ("ms_p80", "nan", "column ms_p80: expected a time in ms (finite, >= 0), "
