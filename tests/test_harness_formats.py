@@ -79,7 +79,7 @@ BASE = "batch: 1, heads: 2, seqlen: 16, head_dim: 16"
 ])
 def test_bad_format_combinations_name_the_key(tmp_path, case, key, words):
     with pytest.raises(ConfigError) as info:
-        _load(tmp_path, f"cases: [{{{BASE}, {case}}}]\n")
+        _load(tmp_path, f"defaults: {{{BASE}}}\ncases: [{{{case}}}]\n")
     message = str(info.value)
     assert "\n" not in message and f"{key}" in message and words in message, message
 
