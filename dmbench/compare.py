@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 from .collected import is_interpreter_row
 from .errors import ConfigError, ExitCode
-from .results import Row, accuracy_failures, row_line
+from .results import TIMED_MODES, Row, accuracy_failures, row_line
 
-TIMED = ("fwd", "bwd", "fwd+bwd")
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,7 @@ def check_environments(base_rows: list[Row], new_rows: list[Row], base_label: st
 
 
 def _timings(rows: list[Row]) -> set[str]:
-    return {r.timing for r in rows if r.mode in TIMED}
+    return {r.timing for r in rows if r.mode in TIMED_MODES}
 
 
 def check_timings(base_rows: list[Row], new_rows: list[Row], base_label: str,
@@ -203,7 +202,7 @@ def compare_rows(base_rows: list[Row], new_rows: list[Row], threshold: float,
     new = _index(new_rows, new_label)
     entries = []
     for key, brow in base.items():
-        if brow.mode not in TIMED:
+        if brow.mode not in TIMED_MODES:
             continue
         nrow = new.get(key)
         if nrow is None:
@@ -217,7 +216,7 @@ def compare_rows(base_rows: list[Row], new_rows: list[Row], threshold: float,
         elif _timed(brow) and nrow.status in ("error", "oom"):
             entries.append(Entry(key, "broken", None, brow.ms_p50, None))
     for key, nrow in new.items():
-        if key not in base and nrow.mode in TIMED:
+        if key not in base and nrow.mode in TIMED_MODES:
             entries.append(Entry(key, "new", None, None, nrow.ms_p50))
     return Report(tuple(entries), tuple(_accuracy_problems(new_rows)), coverage(base, new),
                   allow_missing)

@@ -26,9 +26,9 @@ from .backends import make_backends
 from .device import CPU_NOTE, DeviceFault, select_device
 from .envinfo import REPO_ROOT, collect, gpu_slug
 from .errors import ConfigError, ExitCode
-from .results import Row, RowWriter, accuracy_failures, read_rows, rewrite
+from .results import TIMED_MODES, Row, RowWriter, accuracy_failures, read_rows, rewrite
 from .progress import make_progress
-from .runner import TIMED_MODES, SweepRunner, Unit, plan_units
+from .runner import SweepRunner, Unit, plan_units
 from .watchdog import DEFAULT_POINT_TIMEOUT_S
 from .sweep import Sweep, sweep_digest
 

@@ -33,14 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
-from .results import Row
+from .results import TIMED_MODES, Row
 
 AXES = ("window", "seqlen_k", "head_dim", "heads", "batch", "mask", "mask_format", "bias",
         "causal", "dtype")
 # Every case parameter, as plotted: points on one line agree on all of these but the axis.
 PARAMS = ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "window", "causal", "dtype",
           "mask", "mask_format", "documents", "bias", "seed")
-TIMED = ("fwd", "bwd", "fwd+bwd")
 COMMAND_SUFFIXES = ("-fwd", "-bwd", "-equiv")
 BASELINE_FALLBACKS = ("fdma", "sdpa", "reference")
 MAX_PANELS = 12
@@ -363,7 +362,7 @@ def _save(fig, path: Path) -> None:
 def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None) -> list[Path]:
     """Write the charts for ``rows`` (read from a CSV named ``stem``) into ``out_dir``, eager
     rows and CUDA graph rows apart."""
-    timed = [r for r in rows if r.mode in TIMED and r.status in ("ok", "accuracy") and r.ms_p50]
+    timed = [r for r in rows if r.mode in TIMED_MODES and r.status in ("ok", "accuracy") and r.ms_p50]
     if not timed:
         raise ConfigError(f"{stem}: no timed rows with status ok to plot")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -416,7 +415,7 @@ def _plot_timed(timed: list[Row], out_dir: Path, stem: str, baseline: str | None
     sweep = sweep_title(timed, stem) + ("" if timing == "eager" else " (CUDA graphs)")
     gpu = _gpu_name(timed)
     written = []
-    modes = [m for m in TIMED if any(r.mode == m for r in timed)]
+    modes = [m for m in TIMED_MODES if any(r.mode == m for r in timed)]
     for mode in modes:
         mode_rows = [r for r in timed if r.mode == mode]
         charts = mode_charts(mode_rows, baseline, f"{sweep} {mode} on {gpu}", mode == modes[0])

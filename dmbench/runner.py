@@ -26,13 +26,12 @@ from .accuracy import FORWARD_TENSORS, CheckResult, check_backend, ground_truth
 from .backends import DIFF_KEYS, Backend
 from .device import DeviceFault, context_alive
 from .problem import Problem, make_problem
-from .results import Row, new_row, set_accuracy
+from .results import TIMED_MODES, Row, new_row, set_accuracy
 from .sweep import Case, Sweep, Timing
 from .timing import (BuildStep, CaptureError, Measurement, build_total, measure, point_stream,
                      pooled)
 from .watchdog import PointWatchdog
 
-TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 GRAD_MODES = ("bwd", "fwd+bwd", "equiv")
 
 

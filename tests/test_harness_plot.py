@@ -16,7 +16,7 @@ from dmbench import plot
 from dmbench.backends import BACKEND_NAMES
 from dmbench.cli import app
 from dmbench.envinfo import Environment
-from dmbench.results import Row, new_row, rewrite
+from dmbench.results import TIMED_MODES, Row, new_row, rewrite
 from dmbench.sweep import Case
 from dmbench.train_results import TrainRow, TrainWriter, plot_train
 
@@ -179,7 +179,7 @@ def test_file_names_of_different_stems_never_meet():
     stems = ("x", "x-fwd", "x-bwd", "x-fwd.2", "x.2", "x-fwd_bwd", "x-cuda_graph",
              "x-fwd-cuda_graph", "x-bwd-fwd_bwd", "x-seqlen_k", "x-seqlen_k-speedup")
     names = [plot.chart_file_name(*parts) for parts in itertools.product(
-        stems, ("eager", "cuda_graph"), plot.TIMED, ("seqlen_k", "case"), ("speedup", "build"))]
+        stems, ("eager", "cuda_graph"), TIMED_MODES, ("seqlen_k", "case"), ("speedup", "build"))]
     assert len(set(names)) == len(names)
 
 
