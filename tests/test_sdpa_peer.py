@@ -9,7 +9,7 @@ import torch
 
 from dmbench.accuracy import check_backend, ground_truth
 from dmbench.backends import make_backends
-from dmbench.backends.sdpa_form import SdpaForm, bind_sdpa, sdpa_call, sdpa_kernel_name
+from dmbench.backends.sdpa_form import bind_sdpa, sdpa_call, sdpa_kernel_name
 from dmbench.problem import make_problem
 from dmbench.runner import _timed_call
 from dmbench.sweep import Case
@@ -53,11 +53,11 @@ def test_sdpa_kernel_name_is_the_dispatchers_choice(monkeypatch):
     q = torch.randn(1, 4, 5, 8)
     k = v = torch.randn(1, 2, 7, 8)
     mask = torch.zeros(1, 4, 5, 7)
-    assert sdpa_kernel_name(q, k, v, mask, is_causal=False, gqa=True) in KERNELS
+    assert sdpa_kernel_name(q, k, v, mask, is_causal=False) in KERNELS
     monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *args, **kwargs: 2)
-    assert sdpa_kernel_name(q, k, v, mask, is_causal=False, gqa=True) == "efficient"
+    assert sdpa_kernel_name(q, k, v, mask, is_causal=False) == "efficient"
     monkeypatch.delattr(torch, "_fused_sdp_choice")
-    assert sdpa_kernel_name(q, k, v, mask, is_causal=False, gqa=True) == "unknown"
+    assert sdpa_kernel_name(q, k, v, mask, is_causal=False) == "unknown"
 
 
 def _gqa_operands(requires_grad: bool):
@@ -78,13 +78,13 @@ def test_sdpa_binds_the_faster_form_and_says_which(repeated_wins):
         seen.append(len(leaves))
         return 1.0 if (len(seen) == 2) == repeated_wins else 2.0  # the 2nd trial is repeated
 
-    bound = bind_sdpa(q, k, v, mask, is_causal=False, group=2, timer=timer)
+    bound = bind_sdpa(q, k, v, mask, is_causal=False, timer=timer)
     assert seen == [4, 4]  # q, k, v and the mask need grad: each trial times the backward too
     if repeated_wins:
         assert "K/V repeated to Hq heads" in bound.kernel and "enable_gqa ran" in bound.kernel
     else:
         assert "repeated" not in bound.kernel
-    native = sdpa_call(q, k, v, mask, False, SdpaForm(1), group=2)()[0]
+    native = sdpa_call(q, k, v, mask, False)()[0]
     out = bound.call()[0]
     torch.testing.assert_close(out, native)
     grads = torch.autograd.grad(out.sum(), (q, k, v, mask))
@@ -95,9 +95,9 @@ def test_sdpa_binds_the_faster_form_and_says_which(repeated_wins):
 
 def test_sdpa_without_gqa_or_on_the_cpu_runs_no_trial():
     q, k, v, mask = _gqa_operands(requires_grad=False)
-    assert "repeated" not in bind_sdpa(q, k, v, mask, False, group=2).kernel
+    assert "repeated" not in bind_sdpa(q, k, v, mask, False).kernel
     same = bind_sdpa(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), mask, False,
-                     group=1, timer=lambda call, leaves: pytest.fail("timed without GQA"))
+                     timer=lambda call, leaves: pytest.fail("timed without GQA"))
     assert same.kernel.removeprefix("sdpa kernel: ") in KERNELS
 
 
@@ -112,4 +112,4 @@ def test_decode_rows_call_sdpa_without_a_causal_mask():
     assert isinstance(mask, CausalBias) and not is_causal
     q = torch.randn(1, 4, 3, 16)
     k = v = torch.randn(1, 2, 33, 16)
-    assert sdpa_kernel_name(q, k, v, mask, False, gqa=True) in KERNELS
+    assert sdpa_kernel_name(q, k, v, mask, False) in KERNELS

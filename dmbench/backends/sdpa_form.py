@@ -19,7 +19,6 @@ the repeated form won, both forms' times.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -33,22 +32,32 @@ _KERNEL_NAMES = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash",
 TRIAL_CALLS = 3  # timed calls per form, after one warm-up call
 
 
-def sdpa_kernel_name(q, k, v, mask, is_causal: bool, gqa: bool) -> str:
-    """The kernel F.scaled_dot_product_attention runs for these arguments: torch's own
-    dispatcher decision (``torch._fused_sdp_choice``, the function SDPA itself consults; for a
-    lower-right ``CausalBias``, the flash / efficient checks its dispatch makes), ``unknown``
-    where this torch offers neither."""
+def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether K/V (B, Hk, Lk, D) have fewer heads than Q, so SDPA needs ``enable_gqa``."""
+    return k.shape[1] != q.shape[1]
+
+
+def _repeated(t: torch.Tensor, repeat: int) -> torch.Tensor:
+    return t if repeat == 1 else t.repeat_interleave(repeat, dim=1)
+
+
+def sdpa_kernel_name(q, k, v, mask, is_causal: bool) -> str:
+    """The kernel F.scaled_dot_product_attention runs for these arguments (``enable_gqa`` where
+    K/V have fewer heads than Q): torch's own dispatcher decision (``torch._fused_sdp_choice``,
+    the function SDPA itself consults; for a lower-right ``CausalBias``, the flash / efficient
+    checks its dispatch makes), ``unknown`` where this torch offers neither."""
     from torch.nn.attention.bias import CausalBias
 
     if isinstance(mask, CausalBias):
-        return _causal_bias_kernel(q, k, v, gqa)
+        return _causal_bias_kernel(q, k, v, _gqa(q, k))
     choose = getattr(torch, "_fused_sdp_choice", None)
     if choose is None:
         return "unknown"
     from torch.nn.attention import SDPBackend
 
     try:
-        choice = SDPBackend(choose(q, k, v, mask, 0.0, is_causal, scale=None, enable_gqa=gqa))
+        choice = SDPBackend(choose(q, k, v, mask, 0.0, is_causal, scale=None,
+                                   enable_gqa=_gqa(q, k)))
     except (RuntimeError, TypeError, ValueError) as exc:
         return f"unknown ({type(exc).__name__})"
     return _KERNEL_NAMES.get(choice.name, choice.name.lower())
@@ -67,38 +76,23 @@ def _causal_bias_kernel(q, k, v, gqa: bool) -> str:
     return "efficient" if can_use_efficient_attention(params) else "math"
 
 
-@dataclass(frozen=True)
-class SdpaForm:
-    """One way of calling SDPA: K/V repeated ``repeat`` times over heads (1: not repeated),
-    ``enable_gqa`` when K/V keep fewer heads than Q."""
-    repeat: int
-
-    @property
-    def gqa(self) -> bool:
-        return self.repeat == 1
-
-    def describe(self) -> str:
-        return "enable_gqa" if self.repeat == 1 else "K/V repeated to Hq heads"
-
-
-def sdpa_call(q, k, v, mask, is_causal: bool, form: SdpaForm, group: int) -> Callable:
-    """The zero-argument call: (out in (B, Lq, Hq, D), None)."""
-    gqa = group > 1 and form.gqa
+def sdpa_call(q, k, v, mask, is_causal: bool, repeat: int = 1) -> Callable:
+    """The zero-argument call, (out in (B, Lq, Hq, D), None): K/V repeated ``repeat`` times over
+    heads inside the call (1: not repeated), ``enable_gqa`` while they have fewer heads than Q."""
 
     def call():
-        kk = k if form.repeat == 1 else k.repeat_interleave(form.repeat, dim=1)
-        vv = v if form.repeat == 1 else v.repeat_interleave(form.repeat, dim=1)
+        kk, vv = _repeated(k, repeat), _repeated(v, repeat)
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=is_causal,
-                                             enable_gqa=gqa)
+                                             enable_gqa=_gqa(q, kk))
         return out.transpose(1, 2), None
 
     return call
 
 
-def _form_kernel(q, k, v, mask, is_causal: bool, form: SdpaForm, group: int) -> str:
-    if form.repeat > 1:
-        k, v = (t.repeat_interleave(form.repeat, dim=1) for t in (k, v))
-    return sdpa_kernel_name(q, k, v, mask, is_causal, gqa=group > 1 and form.gqa)
+def sdpa_bound(q, k, v, mask, is_causal: bool, repeat: int = 1, note: str = "") -> Bound:
+    """``sdpa_call`` with the kernel it runs named for the row's detail, then ``note``."""
+    name = sdpa_kernel_name(q, _repeated(k, repeat), _repeated(v, repeat), mask, is_causal)
+    return Bound(sdpa_call(q, k, v, mask, is_causal, repeat), kernel=f"sdpa kernel: {name}{note}")
 
 
 def trial_ms(call: Callable, leaves: list[torch.Tensor]) -> float:
@@ -125,24 +119,21 @@ def trial_ms(call: Callable, leaves: list[torch.Tensor]) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bind_sdpa(q, k, v, mask, is_causal: bool, group: int,
+def bind_sdpa(q, k, v, mask, is_causal: bool,
               timer: Callable[[Callable, list], float] | None = None) -> Bound:
-    """The SDPA call in its faster form (``enable_gqa`` where there is no GQA, on the CPU, or
-    where it is at least as fast), with the kernel it runs named for the row's detail."""
-    native = SdpaForm(1)
-    name = _form_kernel(q, k, v, mask, is_causal, native, group)
+    """The SDPA call in its faster form: ``enable_gqa`` where K/V have as many heads as Q, on the
+    CPU, or where it is at least as fast as K/V repeated to Q's heads (``timer``, by default
+    ``trial_ms``, times both)."""
+    group = q.shape[1] // k.shape[1]
     if group == 1 or (timer is None and q.device.type != "cuda"):
-        return Bound(sdpa_call(q, k, v, mask, is_causal, native, group),
-                     kernel=f"sdpa kernel: {name}")
+        return sdpa_bound(q, k, v, mask, is_causal)
     timer = timer or trial_ms
     leaves = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor) and t.requires_grad]
-    repeated = SdpaForm(group)
-    native_ms = timer(sdpa_call(q, k, v, mask, is_causal, native, group), leaves)
-    repeated_ms = timer(sdpa_call(q, k, v, mask, is_causal, repeated, group), leaves)
+    native_ms = timer(sdpa_call(q, k, v, mask, is_causal), leaves)
+    repeated_ms = timer(sdpa_call(q, k, v, mask, is_causal, repeat=group), leaves)
     if native_ms <= repeated_ms:
-        return Bound(sdpa_call(q, k, v, mask, is_causal, native, group),
-                     kernel=f"sdpa kernel: {name}")
-    repeated_name = _form_kernel(q, k, v, mask, is_causal, repeated, group)
-    return Bound(sdpa_call(q, k, v, mask, is_causal, repeated, group),
-                 kernel=(f"sdpa kernel: {repeated_name}, {repeated.describe()} (trial: "
-                         f"{repeated_ms:.3g} ms; enable_gqa ran {name} in {native_ms:.3g} ms)"))
+        return sdpa_bound(q, k, v, mask, is_causal)
+    native = sdpa_kernel_name(q, k, v, mask, is_causal)
+    return sdpa_bound(q, k, v, mask, is_causal, repeat=group,
+                      note=(f", K/V repeated to Hq heads (trial: {repeated_ms:.3g} ms; "
+                            f"enable_gqa ran {native} in {native_ms:.3g} ms)"))

@@ -7,14 +7,13 @@ import inspect
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..problem import Problem
 from ..sweep import Case
 from ..mask_views import dense_mask, is_intervals
 from .base import (Backend, Bound, causal_keep, dtype_size, pairs_bytes, per_query_head,
                    timed_build)
-from .sdpa_form import SdpaForm, bind_sdpa, sdpa_call, sdpa_kernel_name
+from .sdpa_form import bind_sdpa, sdpa_bound
 
 
 def _bhld(t: torch.Tensor) -> torch.Tensor:
@@ -64,8 +63,7 @@ class SdpaBackend(Backend):
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         mask = adapted["bias"] if adapted["bias"] is not None else adapted["attn_mask"]
-        return bind_sdpa(adapted["q"], adapted["k"], adapted["v"], mask, adapted["is_causal"],
-                         group=case.heads_q // case.heads_kv)
+        return bind_sdpa(adapted["q"], adapted["k"], adapted["v"], mask, adapted["is_causal"])
 
 
 def _float_mask(problem: Problem) -> torch.Tensor:
@@ -95,13 +93,8 @@ class SdpaDenseBackend(Backend):
                 "attn_mask": attn_mask, "is_causal": is_causal}
 
     def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
-        attn_mask, is_causal = adapted["attn_mask"], adapted["is_causal"]
-        group = case.heads_q // case.heads_kv
-        return Bound(sdpa_call(adapted["q"], adapted["k"], adapted["v"], attn_mask, is_causal,
-                               SdpaForm(1), group),
-                     kernel="sdpa kernel: " + sdpa_kernel_name(adapted["q"], adapted["k"],
-                                                               adapted["v"], attn_mask, is_causal,
-                                                               gqa=group > 1))
+        return sdpa_bound(adapted["q"], adapted["k"], adapted["v"], adapted["attn_mask"],
+                          adapted["is_causal"])
 
 
 # Dynamo falls back to eager without an error once a function recompiles more often than its
