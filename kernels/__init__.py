@@ -11,15 +11,16 @@ the eager ground truth and ``tolerance`` the accuracy rule. ``warmup`` compiles 
 kernels a model's calls will need; ``compiled_forms`` counts the compiles so far.
 """
 
-from . import schedule, tolerance
+from . import tolerance
 from .interface import dmattn_func, schedule_for, triton_dmattn_func
-from .intervals import KeyIntervals
+from .masks.intervals import KeyIntervals
+from .masks.topk import topk_intervals
+from .planning import schedule
 from .prepared import PreparedMask, prepare_mask
 from .reference import attention_reference, attention_varlen_reference
-from .topk_intervals import topk_intervals
+from .runtime.launch import compiled_forms
 from .varlen import dmattn_varlen_func
 from .warmup import WarmupReport, warmup
-from ._launch import compiled_forms
 
 __all__ = ["dmattn_func", "triton_dmattn_func", "dmattn_varlen_func", "prepare_mask",
            "PreparedMask", "KeyIntervals", "topk_intervals", "attention_reference",

@@ -7,16 +7,16 @@ from collections import OrderedDict
 import torch
 
 from . import ops
-from ._blocks import ActivityMap, IntervalActivityPass, TileActivityPass
-from ._checks import BroadcastOperand, check_flags, check_inputs
-from ._launch import ensure_runnable
-from .backward import attention_backward
-from .forward import ForwardPlan, plan_schedule
-from .forward_kernels import _attn_fwd_kernel
-from .intervals import KeyIntervals
-from .key_order import reorder_keys
+from .masks.intervals import KeyIntervals
+from .masks.key_order import reorder_keys
+from .planning.activity import ActivityMap, IntervalActivityPass, TileActivityPass
+from .planning.backward import attention_backward
+from .planning.forward import ForwardPlan, plan_schedule
+from .planning.inputs import BroadcastOperand, check_flags, check_inputs
+from .planning.schedule import normalize_options
 from .prepared import PreparedMask, prepared_intervals
-from .schedule import normalize_options
+from .runtime.launch import ensure_runnable
+from .triton_device.forward_kernels import _attn_fwd_kernel
 
 
 # Bound once: the lookup through ``torch.compiler`` cost another ~40 ns per call (70 against

@@ -60,11 +60,11 @@ import torch
 from torch import Tensor
 
 from . import interface
-from ._checks import check_flags, check_inputs, resolve_scale
-from ._scratch import allocated_per_call
-from .backward import attention_backward
-from .intervals import KeyIntervals
+from .masks.intervals import KeyIntervals
+from .planning.backward import attention_backward
+from .planning.inputs import check_flags, check_inputs, resolve_scale
 from .prepared import PreparedMask
+from .runtime.scratch import allocated_per_call
 
 NAMESPACE = "dmattn"
 

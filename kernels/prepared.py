@@ -17,25 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._blocks import ActivityMap
-from ._checks import AttnShape, check_flags, check_inputs
-from .intervals import KeyIntervals
-from ._launch import ensure_runnable
-from ._scratch import graph_capturing
-from .backward import prepare_backward_lists
-from .forward import call_problem, mask_activity
-from .forward_kernels import _attn_fwd_kernel
-from .forward_schedule import forward_list_tiles
-from .schedule import schedule
-
-
-def _version(t: torch.Tensor) -> int | None:
-    if not isinstance(t, torch.Tensor):  # KeyIntervals: immutable by contract
-        return None
-    try:
-        return t._version
-    except RuntimeError:  # inference-mode tensors keep no version counter
-        return None
+from .masks.intervals import KeyIntervals
+from .planning.activity import ActivityMap
+from .planning.backward import prepare_backward_lists
+from .planning.forward import call_problem, mask_activity
+from .planning.forward_schedule import forward_list_tiles
+from .planning.inputs import AttnShape, check_flags, check_inputs
+from .planning.schedule import schedule
+from .runtime.launch import ensure_runnable
+from .runtime.scratch import graph_capturing, tensor_version
+from .triton_device.forward_kernels import _attn_fwd_kernel
 
 
 @dataclass(frozen=True)
@@ -57,7 +48,7 @@ class PreparedMask:
 
     def check_fresh(self) -> None:
         """Refuse a mask written in place since it was prepared: its lists would be stale."""
-        version = _version(self.mask)
+        version = tensor_version(self.mask)
         if version is not None and self.version is not None and version != self.version:
             raise ValueError("attn_mask: the mask was written in place after prepare_mask, so "
                              "its prepared tile lists are stale; call prepare_mask again")
@@ -109,7 +100,7 @@ def prepared_intervals(intervals: KeyIntervals, query: torch.Tensor, key: torch.
     if graph_capturing(query.device):
         return None
     form = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, is_causal,
-            _version(intervals.start), _version(intervals.end))
+            tensor_version(intervals.start), tensor_version(intervals.end))
     kept = intervals._preparations
     if form not in kept:  # the first call of this form
         kept[form] = None
@@ -137,4 +128,4 @@ def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMa
         prepare_backward_lists(activity, problem)
     kernel_mask = checked.mask.view if checked.mask.interval_pairs is not None else attn_mask
     return PreparedMask(attn_mask, kernel_mask, checked.shape, query.dtype, query.device,
-                        is_causal, activity, _version(attn_mask))
+                        is_causal, activity, tensor_version(attn_mask))

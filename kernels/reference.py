@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_inputs
-from .intervals import KeyIntervals
+from .masks.intervals import KeyIntervals
+from .planning.inputs import check_inputs
 
 
 def _per_query_head(view: torch.Tensor, head_div: int, heads_q: int) -> torch.Tensor:

@@ -18,10 +18,10 @@ from collections import OrderedDict
 
 import torch
 
-from .intervals import INT32_MAX, KeyIntervals
 from .interface import dmattn_func
-from ._scratch import graph_capturing
-from .packed_seqlens import PackedKeys, check_cu_seqlens
+from .masks.intervals import INT32_MAX, KeyIntervals
+from .masks.packed_seqlens import PackedKeys, check_cu_seqlens
+from .runtime.scratch import graph_capturing
 
 
 def _check_packed_tensor(name: str, t) -> None:

@@ -33,16 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import AttnShape
-from ._launch import compile_only, compiled_forms, multiprocessors
-from .backward_schedule import dkdv_takes_wide_tile
-from .forward import interpreted
-from .forward_schedule import interval_tile_rows
 from .interface import dmattn_func
-from .intervals import KeyIntervals
-from .problem import Problem
-from .topk_intervals import (ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, orders_keys,
-                             topk_intervals)
+from .masks.intervals import KeyIntervals
+from .masks.topk import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, orders_keys, topk_intervals
+from .planning.backward_schedule import dkdv_takes_wide_tile
+from .planning.forward import interpreted
+from .planning.forward_schedule import interval_tile_rows
+from .planning.inputs import AttnShape
+from .planning.problem import Problem
+from .runtime.launch import compile_only, compiled_forms, multiprocessors
 
 MASK_FORMS = ("none", "bool", "intervals")
 BIAS_FORMS = ("none", "kv_row", "full")

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kernels import KeyIntervals, attention_reference, dmattn_func, schedule_for
-from kernels._checks import AttnShape
+from kernels.planning.inputs import AttnShape
 from kernels.tolerance import check_tensor
 
 # The dtypes the kernels accept. Each one's tolerance travels with it inside
@@ -353,7 +353,7 @@ def assert_deterministic_grads(q, k, v, mask, bias, causal, func=dmattn_func) ->
 
 def backward_schedule(q, k, v, mask=None, bias=None, causal=False, *, deterministic=False,
                       bias_grad=True, kernel_options=None):
-    """The backward part of the ``kernels.schedule.Schedule`` that a ``dmattn_func`` call with
+    """The backward part of the ``kernels.planning.schedule.Schedule`` that a ``dmattn_func`` call with
     these arguments runs (a bias gets a gradient unless ``bias_grad`` is False)."""
     return schedule_for(q, k, v, mask, bias, causal, deterministic=deterministic,
                         bias_requires_grad=bias is not None and bias_grad,

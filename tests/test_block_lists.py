@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from attn_helpers import Dims, random_mask, random_qkv
-from kernels._blocks import lists_from_activity, tile_activity
-from kernels._checks import check_inputs
+from kernels.planning.activity import lists_from_activity, tile_activity
+from kernels.planning.inputs import check_inputs
 
 
 def _expected_lists(visible: torch.Tensor, block_rows: int, block_cols: int):

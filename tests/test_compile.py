@@ -17,8 +17,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
-from kernels import (KeyIntervals, attention_reference, dmattn_func, ops, prepare_mask,
-                     topk_intervals)
+from kernels import KeyIntervals, attention_reference, dmattn_func, ops, prepare_mask
+from kernels import topk_intervals
 
 from attn_helpers import (Dims, SyncWatch, assert_close_to_reference, grads_of, random_bias,
                           random_mask, random_qkv)
@@ -492,7 +492,7 @@ def test_top_window_made_from_the_bias_compiles_whole(backend, order_keys, devic
     compiled function. The selection is one opaque op in the graph (no gradient through it),
     and the outputs and gradients are eager's bits. Inductor runs too: it once failed to
     lower the selection's slice writes when it traced into them. With a key order
-    (``kernels.key_order``) the sort and the gathers of K, V and the bias are traced torch
+    (``kernels.masks.key_order``) the sort and the gathers of K, V and the bias are traced torch
     ops around the same custom ops."""
     q, k, v, _, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
 

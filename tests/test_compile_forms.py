@@ -1,4 +1,4 @@
-"""What a call at a new sequence length compiles (kernels._launch.compile_form): after
+"""What a call at a new sequence length compiles (kernels.runtime.launch.compile_form): after
 ``kernels.warmup`` at one length, calls of the same form at other lengths of its range compile
 no kernel. The interpreter compiles nothing, but every launch records the form it would be
 compiled for, the count ``dmbench compile-cost`` reports on a GPU as well."""
@@ -12,13 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import KeyIntervals, _launch, compiled_forms, dmattn_func, topk_intervals, warmup
-from kernels._checks import AttnShape
-from kernels import tuning
-from kernels.backward_schedule import dkdv_takes_wide_tile
-from kernels.forward_schedule import forward_tile, interval_tile_rows
-from kernels.problem import OperandLayout, Problem
-from kernels.topk_intervals import orders_keys
+from kernels import KeyIntervals, compiled_forms, dmattn_func, warmup
+from kernels.runtime import launch as _launch
+from kernels import topk_intervals
+from kernels.planning.inputs import AttnShape
+from kernels.planning import tuning
+from kernels.planning.backward_schedule import dkdv_takes_wide_tile
+from kernels.planning.forward_schedule import forward_tile, interval_tile_rows
+from kernels.planning.problem import OperandLayout, Problem
+from kernels.masks.topk import orders_keys
 from kernels.warmup import ordering_threshold, window_lengths
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
@@ -141,7 +143,7 @@ def test_warmup_with_a_window_compiles_the_ordered_form(device, monkeypatch):
     nothing; the same intervals without their order need other forms."""
     # The shape rules alone decide the order here, as under the interpreter: on a GPU the
     # estimated saving of these small calls is below ORDER_MIN_SAVED_TILES.
-    monkeypatch.setattr(importlib.import_module("kernels.topk_intervals"),
+    monkeypatch.setattr(importlib.import_module("kernels.masks.topk"),
                         "ORDER_MIN_SAVED_TILES", 0)
     heads_q, heads_kv, window, seqlen = 2, 1, 64, 280  # ordered from 256 rows on
     generator = torch.Generator().manual_seed(5)
@@ -215,7 +217,7 @@ def test_warmup_names_bad_arguments():
 @pytest.mark.parametrize("window,rows", [(2048, 4), (32, 1), (1024, 64)])
 def test_ordering_threshold_follows_the_gpus_rule(monkeypatch, window, rows):
     """With the GPU's saving rule the threshold is the first ordered length for the rows."""
-    selection = importlib.import_module("kernels.topk_intervals")
+    selection = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(selection, "is_interpreted", lambda kernel: False)
     threshold = ordering_threshold(window, True, rows)
     assert orders_keys(threshold, threshold, window, True, rows)

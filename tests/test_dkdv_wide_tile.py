@@ -16,12 +16,14 @@ import torch
 
 from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, forcing,
                           random_problem, run_backward)
-from kernels import dmattn_func, prepare_mask, tuning
-from kernels._checks import AttnShape
-from kernels._blocks import ActivityMap, shared_granularity
-from kernels.backward_schedule import backward_tiles, compared_dkdv_tiles, dkdv_takes_wide_tile
-from kernels.problem import Problem
-from kernels.schedule import activity_tiles, schedule
+from kernels import dmattn_func, prepare_mask
+from kernels.planning import tuning
+from kernels.planning.inputs import AttnShape
+from kernels.planning.activity import ActivityMap, shared_granularity
+from kernels.planning.backward_schedule import (backward_tiles, compared_dkdv_tiles,
+                                                dkdv_takes_wide_tile)
+from kernels.planning.problem import Problem
+from kernels.planning.schedule import activity_tiles, schedule
 
 WIDE = {"dkdv_wide_tile": True}
 

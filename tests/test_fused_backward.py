@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attn_helpers import Dims, backward_schedule, forcing, random_problem, run_backward
-from kernels.backward_schedule import BackwardRoute
+from kernels.planning.backward_schedule import BackwardRoute
 
 SPLIT_DIMS = Dims(1, 9, 1031, heads_q=4, heads_kv=2, head_dim=40)  # 18 rows per group
 # (dims, mask axes or None, bias axes or None, causal): what a plan change could break.

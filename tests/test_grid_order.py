@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.forward_schedule import grid_chunk_rows
-from kernels._score import grid_position
+from kernels.planning.forward_schedule import grid_chunk_rows
+from kernels.triton_device.spans import grid_position
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def test_grid_chunk_rows_keeps_rows_in_order_without_uneven_work():
     (48, 64, 4), (44, 64, 4), (64, 16, 8), (1, 1, 1), (8, 4096, 1), (6, 4096, 2),
 ])
 def test_grid_chunk_rows_fills_the_gpu_in_whole_groups(rows, blocks, group):
-    from kernels import tuning
+    from kernels.planning import tuning
 
     sms = 132
     size = grid_chunk_rows(rows, blocks, group, True, sms)

@@ -12,9 +12,9 @@ import torch
 from attn_helpers import (Dims, assert_deterministic_grads, backward_schedule, forcing,
                           random_problem, run_backward)
 from kernels import prepare_mask
-from kernels._checks import AttnShape
-from kernels.backward_schedule import dkdv_head_shares
-from kernels.problem import Problem
+from kernels.planning.inputs import AttnShape
+from kernels.planning.backward_schedule import dkdv_head_shares
+from kernels.planning.problem import Problem
 
 # (dims, mask axes or None, bias axes or None, causal)
 CASES = [

@@ -13,14 +13,15 @@ import torch
 from attn_helpers import (Dims, assert_close_to_reference, assert_empty_rows_and_finite,
                           assert_grads_close_to_reference, random_bias, random_intervals,
                           random_qkv)
-from kernels import (KeyIntervals, attention_reference, attention_varlen_reference,
-                     dmattn_func, dmattn_varlen_func, prepare_mask, tuning)
-from kernels._blocks import shared_granularity
-from kernels._checks import AttnShape, check_inputs
-from kernels.forward import call_problem
-from kernels.forward_schedule import forward_list_tiles
-from kernels.problem import OperandLayout, Problem
-from kernels.schedule import activity_tiles, schedule
+from kernels import (KeyIntervals, attention_reference, attention_varlen_reference, dmattn_func,
+                     dmattn_varlen_func, prepare_mask)
+from kernels.planning import tuning
+from kernels.planning.activity import shared_granularity
+from kernels.planning.inputs import AttnShape, check_inputs
+from kernels.planning.forward import call_problem
+from kernels.planning.forward_schedule import forward_list_tiles
+from kernels.planning.problem import OperandLayout, Problem
+from kernels.planning.schedule import activity_tiles, schedule
 from kernels.tolerance import check_tensor
 
 INTERVALS, BIAS, BOOL = "intervals", "kv_row bias", "bool mask"

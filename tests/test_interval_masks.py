@@ -12,8 +12,8 @@ from attn_helpers import (Dims, assert_close_to_reference, assert_empty_rows_and
                           assert_grads_close_to_reference, backward_schedule, forcing, grads_of,
                           random_bias, random_intervals, random_qkv)
 from kernels import KeyIntervals, attention_reference, dmattn_func, prepare_mask
-from kernels._blocks import interval_activity, tile_activity
-from kernels._checks import check_inputs
+from kernels.planning.activity import interval_activity, tile_activity
+from kernels.planning.inputs import check_inputs
 
 CAUSAL = (pytest.param(False, id="full"), pytest.param(True, id="causal"))
 # (dims, interval heads: "1", "Hk" or "Hq", interval batch: "1" or "B")

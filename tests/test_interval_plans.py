@@ -15,7 +15,7 @@ import torch
 from attn_helpers import (AllocationWatch, Dims, SyncWatch, forward_plans_made, grads_of,
                           random_bias, random_intervals, random_qkv)
 from kernels import KeyIntervals, dmattn_func, interface, prepare_mask, schedule_for
-from kernels.backward_schedule import BackwardRoute
+from kernels.planning.backward_schedule import BackwardRoute
 
 pytestmark = pytest.mark.usefixtures("no_kept_plans")
 

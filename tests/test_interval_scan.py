@@ -15,8 +15,8 @@ from attn_helpers import (AllocationWatch, Dims, assert_close_to_reference,
                           assert_empty_rows_and_finite, forward_plans_made, random_bias,
                           random_intervals, random_qkv)
 from kernels import KeyIntervals, attention_reference, dmattn_func, interface, prepare_mask
-from kernels import tuning
-from kernels._blocks import IntervalActivityPass, ListCompaction
+from kernels.planning import tuning
+from kernels.planning.activity import IntervalActivityPass, ListCompaction
 
 pytestmark = pytest.mark.usefixtures("no_kept_plans")
 

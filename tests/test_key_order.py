@@ -1,4 +1,4 @@
-"""Key intervals read in a key order (``kernels.key_order``): the same attention and gradients
+"""Key intervals read in a key order (``kernels.masks.key_order``): the same attention and gradients
 as the keys' own order, against the float64 reference; the order is a permutation that groups
 keys seen by similar rows, and it cuts the active tiles of a top-W mask."""
 
@@ -10,10 +10,13 @@ import torch
 
 from attn_helpers import (Dims, assert_close_to_reference, assert_grads_close_to_reference,
                           grads_of, random_qkv)
-from kernels import (KeyIntervals, attention_reference, dmattn_func, interface, key_order,
-                     prepared, schedule_for, topk_intervals)
-from kernels.key_order import end_buckets, grouping_order, reordered_intervals
-from kernels.topk_intervals import orders_keys
+from kernels import (KeyIntervals, attention_reference, dmattn_func, interface, prepared,
+                     schedule_for)
+from kernels.masks import key_order
+from kernels import topk_intervals
+from kernels.masks.grouping import end_buckets, grouping_order
+from kernels.masks.key_order import reordered_intervals
+from kernels.masks.topk import orders_keys
 
 # (dims, selection heads: "1", "Hk" or "Hq", bias shape as axis names)
 SHAPES = [
@@ -130,7 +133,7 @@ def test_the_order_cuts_a_top_w_masks_active_tiles():
 def shape_rules_alone(monkeypatch):
     """``orders_keys`` with its shape rules only (its tile threshold at 0, as under the
     interpreter), on any device."""
-    topk_module = importlib.import_module("kernels.topk_intervals")
+    topk_module = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(topk_module, "ORDER_MIN_SAVED_TILES", 0)
     monkeypatch.setattr(topk_module, "ORDER_MIN_SAVED_TILES_INTERPRETED", 0)
 
@@ -150,7 +153,7 @@ def test_topk_intervals_orders_keys_by_shape(monkeypatch):
 def test_orders_keys_needs_enough_saved_tiles(monkeypatch):
     """Past the shape rules, the order is given where the selection's rows together save at
     least ORDER_MIN_SAVED_TILES tiles (the GPU's rule; the interpreter's threshold is 0)."""
-    topk_module = importlib.import_module("kernels.topk_intervals")
+    topk_module = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(topk_module, "is_interpreted", lambda kernel: False)
     per_row = topk_module.saved_tiles(4096, 4096, 1024, True)
     assert 0 < per_row < topk_module.ORDER_MIN_SAVED_TILES
@@ -163,7 +166,7 @@ def test_orders_keys_needs_enough_saved_tiles(monkeypatch):
 def test_the_gpu_orders_only_where_the_saving_beats_the_host_cost(monkeypatch):
     """The GPU's rule (``saved_tiles`` against ORDER_MIN_SAVED_TILES) on the H100 shapes it was
     set from: ordered where the order measured faster, plain where it measured slower."""
-    selection = importlib.import_module("kernels.topk_intervals")
+    selection = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(selection, "is_interpreted", lambda kernel: False)
     faster = [(16384, 4096, 1), (16384, 256, 1), (8192, 1024, 8), (16384, 2048, 4)]
     slower = [(2048, 256, 2), (16384, 32, 1), (4096, 1024, 4), (32768, 32, 1)]
@@ -251,7 +254,7 @@ def test_doge_padding_keeps_the_key_order(device, monkeypatch):
 def test_a_broadcast_bias_is_gathered_as_one_row():
     """A per-key bias handed in expand()ed over the query rows (stride 0) is gathered as its
     one row, not as an (Lq, Lk) copy."""
-    from kernels.key_order import reorder_keys
+    from kernels.masks.key_order import reorder_keys
     dims = Dims(2, 300, 300, heads_q=4, heads_kv=2, head_dim=16)
     q, k, v = random_qkv(dims, torch.float32, "cpu")
     per_key = torch.randn(2, 2, 1, 300)
@@ -307,7 +310,7 @@ def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
     order's heads, the batch, the operand's heads and last size, the order's version): a repeat
     call gathers the same keys without making them again; a write into the order makes new
     ones; none are kept while tracing. The gathers equal indexing each head by its order."""
-    from kernels.key_order import reorder_keys
+    from kernels.masks.key_order import reorder_keys
     dims = Dims(2, 30, 40, heads_q=4, heads_kv=2, head_dim=8)
     q, k, v = random_qkv(dims, torch.float32, "cpu")
     bias = torch.randn(2, 2, 30, 40)

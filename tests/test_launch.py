@@ -1,4 +1,4 @@
-"""The direct launch path (kernels._launch.launch): what decides whether a compiled kernel is
+"""The direct launch path (kernels.runtime.launch.launch): what decides whether a compiled kernel is
 reused. The launches themselves run in every kernel test; on a GPU (``--device cuda``) repeat
 calls take the direct path, and test_repeated_calls_with_one_shape repeats one shape with
 misaligned pointers."""
@@ -9,7 +9,7 @@ import torch
 
 
 def test_specialization_is_what_triton_compiles_for():
-    from kernels._launch import specialization
+    from kernels.runtime.launch import specialization
 
     base = torch.zeros(8, dtype=torch.float16)
     shifted = base[1:]  # the same storage, 2 bytes further: not 16-byte aligned
@@ -26,8 +26,8 @@ def test_compile_form_forgets_lengths_and_keeps_what_pays():
     """List strides and grid counts are compiled for as unknown (1 stays 1); a stride group is
     compiled for as all multiples of 16 or as unknown; kept fields (the lengths among them)
     stay as they are, which Triton then compiles for by class."""
-    from kernels._launch import UNKNOWN_INT, compile_form, specialization
-    from kernels._operands import Layout, ListStrides, SeqStrides, Sizes
+    from kernels.runtime.launch import UNKNOWN_INT, compile_form, specialization
+    from kernels.triton_device.operands import Layout, ListStrides, SeqStrides, Sizes
 
     unknown = UNKNOWN_INT
     assert compile_form(Sizes(16, 4, 1000, 1024)) == Sizes(16, 4, 1000, 1024)
@@ -63,7 +63,7 @@ def test_compile_form_forgets_lengths_and_keeps_what_pays():
 
 
 def test_launch_hooks_send_launches_through_triton():
-    from kernels._launch import _hook_installed
+    from kernels.runtime.launch import _hook_installed
 
     class Chain:  # Triton >= 3.5's HookChain: always present, empty when nothing listens
         def __init__(self, calls):
@@ -79,8 +79,8 @@ def test_planned_launch_hands_the_launcher_plain_tuples():
     """The compiled kernel's launcher reads tuple arguments by position; NamedTuples take its
     slow path (13 against 9 us per launch on the H100 host), so a plan passes plain tuples,
     with the same values in the same nesting."""
-    from kernels._launch import _plain
-    from kernels._operands import BackwardLayouts, Layout, ListStrides, Sizes
+    from kernels.runtime.launch import _plain
+    from kernels.triton_device.operands import BackwardLayouts, Layout, ListStrides, Sizes
 
     layouts = BackwardLayouts(Layout(1, 2, 3, 4, 5), Layout(6, 7, 8, 9, 10),
                               Layout(0, 0, 0, 0, 1), ListStrides(1, 2, 3), ListStrides(4, 5, 6))
@@ -103,7 +103,7 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch):
     import numpy
     import triton
 
-    from kernels._launch import interpreter_problem
+    from kernels.runtime.launch import interpreter_problem
 
     check = interpreter_problem.__wrapped__  # uncached
     for triton_version, numpy_version, fails in (("3.6.0", "2.4.6", True),

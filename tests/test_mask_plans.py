@@ -16,7 +16,7 @@ import torch
 from attn_helpers import (AllocationWatch, Dims, SyncWatch, forward_plans_made, grads_of,
                           random_bias, random_mask, random_qkv)
 from kernels import dmattn_func, interface, schedule_for
-from kernels.backward_schedule import BackwardRoute
+from kernels.planning.backward_schedule import BackwardRoute
 
 pytestmark = pytest.mark.usefixtures("no_kept_plans")
 

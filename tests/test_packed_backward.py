@@ -1,4 +1,4 @@
-"""The packed backward (``kernels.backward_packed``): a few query rows per GQA group (decode),
+"""The packed backward (``kernels.planning.backward_packed``): a few query rows per GQA group (decode),
 one launch in which each program owns a share of the key blocks of one (batch, kv head), writes
 their dk and dv whole, adds its part of the group's dq, and stores its blocks' part of the bias
 gradient. Every case checks that the packed plan was the one made, and every gradient against
@@ -15,9 +15,9 @@ from attn_helpers import (CAUSAL, DTYPES, MASKED_BAND, Dims, assert_deterministi
                           backward_schedule, grads_of, nan_in_band, random_mask, random_problem,
                           random_qkv, run_backward)
 from kernels import dmattn_func, prepare_mask
-from kernels._checks import AttnShape
-from kernels.backward_schedule import BackwardRoute, takes_packed
-from kernels.problem import OperandLayout, Problem
+from kernels.planning.inputs import AttnShape
+from kernels.planning.backward_schedule import BackwardRoute, takes_packed
+from kernels.planning.problem import OperandLayout, Problem
 
 # (dims, whether the keys split into shares: on the GPU and under the interpreter alike, which
 # differ in key block and multiprocessor count)

@@ -14,9 +14,9 @@ import torch
 from attn_helpers import (Dims, random_bias, random_mask, random_qkv, run_backward,
                           run_forward)
 from kernels import dmattn_func, interface, prepare_mask, schedule_for
-from kernels.backward_schedule import dkdv_stages
-from kernels.problem import OperandLayout, Problem
-from kernels.tuning import Tile
+from kernels.planning.backward_schedule import dkdv_stages
+from kernels.planning.problem import OperandLayout, Problem
+from kernels.planning.tuning import Tile
 
 DIMS = Dims(batch=2, seqlen_q=17, seqlen_k=33, heads_q=4, heads_kv=2, head_dim=16)
 
@@ -166,8 +166,8 @@ def test_a_prepared_mask_keeps_its_plans_and_refuses_a_later_write(device):
 
 
 def _activity(mask, device):
-    from kernels._blocks import tile_activity
-    from kernels._checks import check_inputs
+    from kernels.planning.activity import tile_activity
+    from kernels.planning.inputs import check_inputs
 
     dims = Dims(1, mask.shape[2], mask.shape[3], heads_q=1, heads_kv=1, head_dim=16)
     q, k, v = random_qkv(dims, torch.float32, device)
@@ -218,7 +218,7 @@ def test_prepare_mask_counts_dkdv_partial_tiles(device):
 def test_prepare_mask_in_a_graph_capture_leaves_the_share_uncounted(device, monkeypatch):
     """Counting syncs, which a CUDA graph capture forbids: a mask prepared while one is being
     captured is not counted (dkdv then takes the depth of a mostly partial mask)."""
-    from kernels import backward
+    from kernels.planning import backward
 
     q, k, v = random_qkv(DIMS, torch.bfloat16, device)
     mask = random_mask(DIMS.full_operand_shape("Hk"), device)
@@ -238,8 +238,8 @@ def test_masked_forward_tiles_at_padded_head_dims():
     """A mask (bool or KeyIntervals: the schedule does not tell them apart) takes the masked
     forward tile of its padded head dim, padded (80, 96, 192) or not; without a mask, D80/D96
     take the unmasked tile."""
-    from kernels import tuning
-    from kernels.forward_schedule import forward_tile
+    from kernels.planning import tuning
+    from kernels.planning.forward_schedule import forward_tile
 
     def tile(head_dim, masked=True):
         shape = Dims(1, 4096, 4096, heads_q=16, heads_kv=4, head_dim=head_dim)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels._blocks
-import kernels.forward
+import kernels.planning.activity
+import kernels.planning.forward
 from kernels import PreparedMask, dmattn_func, prepare_mask
 
 from attn_helpers import (CAUSAL, Dims, assert_forward_skips_masked_band, grads_of, random_bias,
@@ -43,8 +43,8 @@ def no_mask_pass(monkeypatch):
         raise AssertionError("a prepared call built an activity map or tile list")
 
     def forbid():
-        monkeypatch.setattr(kernels.forward, "tile_activity", forbidden)
-        monkeypatch.setattr(kernels._blocks, "lists_from_activity", forbidden)
+        monkeypatch.setattr(kernels.planning.forward, "tile_activity", forbidden)
+        monkeypatch.setattr(kernels.planning.activity, "lists_from_activity", forbidden)
     return forbid
 
 

@@ -1,4 +1,4 @@
-"""Scratch buffers (kernels._scratch): a plan keeps them per CUDA stream and hands them to its
+"""Scratch buffers (kernels.runtime.scratch): a plan keeps them per CUDA stream and hands them to its
 next call there; off CUDA, above the size cap and during a graph capture each call gets its
 own. Calls that reuse them, enqueued back to back with no synchronization between, must each
 still match the float64 reference."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from attn_helpers import Dims, assert_close_to_reference, grads_of, random_bias, random_qkv
-from kernels import _scratch, attention_reference, dmattn_func, interface
-from kernels._scratch import Scratch
+from kernels import attention_reference, dmattn_func, interface
+from kernels.runtime import scratch as _scratch
+from kernels.runtime.scratch import Scratch
 
 SPECS = (((3, 5), torch.float32), ((7,), torch.int32))
 # Decode rows over enough keys that the forward and dq split the keys (split-K partials are

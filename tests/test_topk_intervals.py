@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from attn_helpers import AllocationWatch
-from kernels import KeyIntervals, topk_intervals
+from kernels import KeyIntervals
+from kernels import topk_intervals
 
 # (Lq, Lk): equal, Lq < Lk, Lq > Lk, decode, and odd sizes.
 LENGTHS = (
@@ -239,7 +240,7 @@ def test_rejects_bad_input():
 
 
 def test_single_sequence_keys_equal_their_offsets_build(device):
-    from kernels.packed_seqlens import PackedKeys
+    from kernels.masks.packed_seqlens import PackedKeys
 
     single = PackedKeys.single(13, 29, device)
     built = PackedKeys.build(torch.tensor([0, 13], dtype=torch.int32, device=device),
@@ -252,7 +253,7 @@ def test_repeated_forms_replay_a_graph_with_the_direct_bits(device, monkeypatch)
     """On a GPU a form's first call captures the selection as a CUDA graph and every call
     replays it: each must give the bits of the direct ops for its own bias. Off the GPU
     nothing is kept."""
-    tk = importlib.import_module("kernels.topk_intervals")
+    tk = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(tk, "_graphs", type(tk._graphs)())
     generator = torch.Generator().manual_seed(5)
     for call in range(4):  # per form: captured and replayed, then replayed

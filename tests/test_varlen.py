@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from kernels import (KeyIntervals, attention_reference, attention_varlen_reference,
-                     dmattn_varlen_func, topk_intervals)
-from kernels.packed_seqlens import check_cu_seqlens
+                     dmattn_varlen_func)
+from kernels import topk_intervals
+from kernels.masks.packed_seqlens import check_cu_seqlens
 from kernels.tolerance import check_tensor
 from kernels.varlen import packed_intervals, varlen_call
 

@@ -1,4 +1,4 @@
-"""kernels._wavelet: the Triton kernels of topk_intervals' causal selection give the bits of the
+"""kernels.masks.wavelet: the Triton kernels of topk_intervals' causal selection give the bits of the
 torch ops they replace (``topk_intervals._kth_smallest`` and ``_intervals``' epilogue).
 
 Under the interpreter (the default CPU run) the kernels run on CPU tensors, as topk_intervals
@@ -12,9 +12,10 @@ import importlib
 import pytest
 import torch
 
-from kernels import _wavelet, topk_intervals
+from kernels.masks import wavelet as _wavelet
+from kernels import topk_intervals
 
-tk = importlib.import_module("kernels.topk_intervals")
+tk = importlib.import_module("kernels.masks.topk")
 
 # n = 1024 and 2048 fill whole blocks (an empty block past them holds the table's last word);
 # 1025 and 2049 spill one position into a block of their own.

@@ -15,21 +15,21 @@ from dataclasses import replace
 
 import torch
 
-from ._blocks import (ActivityMap, BlockLists, ListCompaction, block_list_strides,
-                      call_activity)
-from ._dbias import DbiasMode, broadcast_args
-from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
-                      operand_pointer)
-from ._operands import (ABSENT, BackwardLayouts, BackwardStrides, DkdvPointers, DqPointers,
-                        FusedPointers, SeqStrides, seq_strides, sizes_of)
-from ._scratch import Scratch, graph_capturing
-from .backward_dkdv_kernels import attn_bwd_dkdv_kernel
-from .backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
+from ..runtime.arith import LOG2E, ceil_div, contiguous_strides
+from ..runtime.launch import PlannedLaunch, dot_options
+from ..runtime.scratch import Scratch, graph_capturing
+from ..triton_device.backward_dkdv_kernels import attn_bwd_dkdv_kernel
+from ..triton_device.backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
+from ..triton_device.operands import (ABSENT, BackwardLayouts, BackwardStrides, DkdvPointers,
+                                      DqPointers, FusedPointers, SeqStrides, seq_strides, sizes_of)
+from .activity import ActivityMap, BlockLists, ListCompaction, block_list_strides, call_activity
 from .backward_packed import PackedBackwardPlan
 from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles,
                                 compared_dkdv_tiles, packed_tile, packed_tile_heads, takes_packed,
                                 wide_tile_possible)
+from .dbias import DbiasMode, broadcast_args
 from .forward_schedule import edge_slots, grid_chunk_rows
+from .inputs import operand_pointer
 from .problem import Problem
 from .schedule import schedule
 from .tuning import Tile

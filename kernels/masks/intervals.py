@@ -143,7 +143,7 @@ class KeyIntervals:
         head) here and copies of K and V (and their gradients) per call; it pays where few
         of the visible keys are kept. ``topk_intervals`` sets it by that rule.
         """
-        from .key_order import grouping_order
+        from .grouping import grouping_order
         return KeyIntervals(self.start, self.end, grouping_order(self.start, self.end))
 
     @property

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles,
-                                schedule_backward, wide_tile_possible)
+from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles, schedule_backward,
+                                wide_tile_possible)
 from .forward_schedule import ForwardSchedule, forward_list_tiles, schedule_forward
 from .problem import Problem
 

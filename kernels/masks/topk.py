@@ -43,10 +43,10 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from . import _wavelet
-from ._launch import is_interpreted
+from ..runtime.launch import is_interpreted
+from . import wavelet as _wavelet
+from .grouping import grouping_order
 from .intervals import KeyIntervals
-from .key_order import grouping_order
 from .packed_seqlens import PackedKeys, check_cu_seqlens
 
 

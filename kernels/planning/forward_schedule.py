@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
-from ._launch import ceil_div, next_power_of_2
 from .problem import Problem
 
 

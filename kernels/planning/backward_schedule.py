@@ -9,9 +9,9 @@ from enum import Enum
 
 import torch
 
+from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
-from ._dbias import DbiasMode, DbiasPlan, plan_dbias, plan_packed_dbias
-from ._launch import ceil_div, next_power_of_2
+from .dbias import DbiasMode, DbiasPlan, plan_dbias, plan_packed_dbias
 from .forward_schedule import key_splits
 from .problem import Problem
 

@@ -8,12 +8,12 @@ Axis letters: b batch, h head, m query position, n key position, d head dim.
 import triton
 import triton.language as tl
 
-from ._partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
-                        sum_partials)
-from ._score import (FULL, INNER, LEAD, SPAN_KINDS, block_at, block_spans, clamp_index,
-                     dense_spans, grid_position, head_base, interval_rows, load_bias, mma,
-                     probs_from_lse, scores_log2, seq_base, span, tile_offsets, visible_keys,
-                     write_tile)
+from .partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
+                       sum_partials)
+from .score import (clamp_index, head_base, load_bias, mma, probs_from_lse, scores_log2, seq_base,
+                    tile_offsets, visible_keys, write_tile)
+from .spans import (FULL, INNER, LEAD, SPAN_KINDS, block_at, block_spans, dense_spans,
+                    grid_position, interval_rows, span)
 
 
 @triton.jit

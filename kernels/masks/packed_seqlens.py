@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._scratch import graph_capturing
+from ..runtime.scratch import graph_capturing
 
 
 def _check_offsets_tensor(name: str, cu: torch.Tensor) -> None:

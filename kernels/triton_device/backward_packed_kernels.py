@@ -26,10 +26,10 @@ path (``backward_schedule.takes_packed``).
 import triton
 import triton.language as tl
 
-from ._partials import merge_shares
-from ._score import (INNER, TAIL, block_spans, clamp_index, dense_spans, head_base, load_bias,
-                     mma, probs_from_lse, row_offsets, scores_log2, seq_base, tile_offsets,
-                     visible_keys)
+from .partials import merge_shares
+from .score import (clamp_index, head_base, load_bias, mma, probs_from_lse, row_offsets,
+                    scores_log2, seq_base, tile_offsets, visible_keys)
+from .spans import INNER, TAIL, block_spans, dense_spans
 
 
 @triton.jit

@@ -7,15 +7,16 @@ from dataclasses import replace
 
 import torch
 
+from ..runtime.arith import LOG2E, ceil_div, contiguous_strides
+from ..runtime.launch import PlannedLaunch, dot_options, is_interpreted, multiprocessors
+from ..runtime.scratch import Scratch
+from ..triton_device.forward_kernels import _attn_fwd_kernel
+from ..triton_device.operands import (ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides,
+                                      sizes_of)
 from . import tuning
-from ._blocks import (ActivityMap, ListCompaction, block_list_strides, call_activity,
-                      shared_granularity, tile_activity)
-from ._checks import CheckedInputs
-from ._launch import (LOG2E, PlannedLaunch, ceil_div, contiguous_strides, dot_options,
-                      is_interpreted, multiprocessors, operand_args, operand_pointer)
-from ._operands import ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides, sizes_of
-from ._scratch import Scratch
-from .forward_kernels import _attn_fwd_kernel
+from .activity import (ActivityMap, ListCompaction, block_list_strides, call_activity,
+                       shared_granularity, tile_activity)
+from .inputs import CheckedInputs, operand_args, operand_pointer
 from .problem import Problem, problem_of
 from .schedule import Schedule, activity_tiles, schedule
 

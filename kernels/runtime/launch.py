@@ -9,9 +9,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ._checks import BroadcastOperand
-from ._operands import ABSENT, Layout
-from .tuning import INTERPRETED_MULTIPROCESSORS
 
 
 def is_interpreted(kernel) -> bool:
@@ -67,55 +64,11 @@ def dot_options(dtype: torch.dtype, interpreted: bool) -> dict:
     )
 
 
-LOG2E = 1.4426950408889634
-
-
-def ceil_div(a: int, b: int) -> int:
-    # Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are Triton
-    # constexpr functions, and calling them from the host cost ~5 us each on the H100 host
-    # (8 calls in a masked forward; profiled with cProfile, triton 3.6).
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
-def padded_head_dim(head_dim: int) -> int:
-    # tl.dot needs every dimension >= 16 and power-of-two tiles; loads mask the padding.
-    return max(16, next_power_of_2(head_dim))
-
-
-def operand_args(op: BroadcastOperand | None) -> Layout:
-    """The ``Layout`` of a broadcast view; ``ABSENT`` for an absent operand, whose pointer is a
-    placeholder that the kernel never dereferences (HAS_MASK / HAS_BIAS are compile-time
-    False)."""
-    if op is None:
-        return ABSENT
-    return Layout(*op.view.stride(), op.head_div)
-
-
-def operand_pointer(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
-    """What a mask or bias passes as its pointer argument: the tensor itself (its broadcast
-    view has the same address), or ``placeholder`` when absent. A bool mask stays bool here;
-    Triton is handed its uint8 view (``_kernel_arg``) only where it reads the dtype."""
-    return placeholder if t is None else t
-
-
 def _kernel_arg(a):
     # A bool tensor is passed to Triton as uint8 (same bytes, no copy, and a plain integer
     # load in every Triton version). Only the JIT and interpreter paths need this: the direct
     # path passes addresses, so a repeat call makes no view (a torch op of host time).
     return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype == torch.bool else a
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def multiprocessors(device: torch.device, interpreted: bool) -> int:
@@ -153,6 +106,8 @@ _multiprocessors: dict[int, int] = {}
 # list compaction and the intervals' activity pass read or write the small activity map with
 # byte accesses where 2- to 8-byte ones were used at some lengths.
 UNKNOWN_INT = 17  # neither 1 nor a multiple of 16: compiled for as an unknown int32
+
+
 _INT32 = range(-2**31, 2**31)
 
 
@@ -232,6 +187,8 @@ def _note_form(kernel, args: tuple, options: dict) -> None:
 # three launches. ``launch`` compiles once per form (``compile_form``) and then calls the
 # compiled kernel's launcher directly.
 MAX_SIGNATURES = 256  # per kernel; a model or a sweep uses a handful of forms
+
+
 _compiled: dict = {}
 
 
@@ -275,6 +232,8 @@ def _compile(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
 # host code reads them (the host never waits for the device within a call), so the calls make
 # the same launches as when they run.
 _compile_executor: Executor | None = None
+
+
 _pending: list = []
 
 
@@ -362,6 +321,8 @@ def _plain(value):
 
 
 _data_ptr = torch.Tensor.data_ptr
+
+
 _alignment = (15).__and__  # an address's offset from 16-byte alignment
 
 
@@ -419,3 +380,8 @@ class PlannedLaunch:
             _run_compiled(hit, self.grid, (*addresses, *self._plain_scalars), device)
         else:
             _run_compiled(hit, self.grid, (addresses, *self._plain_scalars), device)
+
+
+# The interpreter pretends to have this many multiprocessors, so that small CPU test shapes
+# (decode rows over a few hundred keys) take the split paths too.
+INTERPRETED_MULTIPROCESSORS = 16

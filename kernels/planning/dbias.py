@@ -37,9 +37,9 @@ from enum import Enum
 
 import torch
 
-from ._checks import AttnShape
-from ._launch import contiguous_strides
-from ._operands import Layout
+from ..runtime.arith import contiguous_strides
+from ..triton_device.operands import Layout
+from .inputs import AttnShape
 
 
 class DbiasMode(str, Enum):

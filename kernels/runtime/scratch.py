@@ -95,3 +95,12 @@ class Scratch:
         if kept is None:
             kept = self._by_stream[key] = self._allocate()
         return kept
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    if not isinstance(t, torch.Tensor):  # KeyIntervals: immutable by contract
+        return None
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors keep no version counter
+        return None

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from ._dbias import DbiasMode
-from ._launch import LOG2E, PlannedLaunch, contiguous_strides, dot_options, operand_pointer
-from ._operands import (ABSENT, NO_LISTS, BackwardLayouts, BackwardStrides, PackedPointers,
-                        SeqStrides, seq_strides, sizes_of)
-from ._scratch import Scratch
-from .backward_packed_kernels import attn_bwd_packed_kernel
+from ..runtime.arith import LOG2E, contiguous_strides
+from ..runtime.launch import PlannedLaunch, dot_options
+from ..runtime.scratch import Scratch
+from ..triton_device.backward_packed_kernels import attn_bwd_packed_kernel
+from ..triton_device.operands import (ABSENT, BackwardLayouts, BackwardStrides, NO_LISTS,
+                                      PackedPointers, SeqStrides, seq_strides, sizes_of)
 from .backward_schedule import BackwardSchedule
+from .dbias import DbiasMode
+from .inputs import operand_pointer
 
 
 class PackedBackwardPlan:

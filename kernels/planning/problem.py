@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import AttnShape, CheckedInputs
-from ._launch import padded_head_dim
+from ..runtime.arith import padded_head_dim
+from .inputs import AttnShape, CheckedInputs
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,12 @@ Axis letters: b batch, h head, m query position, n key position, d head dim.
 import triton
 import triton.language as tl
 
-from ._partials import merge_shares, store_gradient_rows
-from ._score import (FULL, INNER, LEAD, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
-                     dense_spans, grid_position, head_base, interval_rows, mma, probs_from_lse,
-                     query_tile_scores, seq_base, span, tile_offsets, write_tile)
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
+from .partials import merge_shares, store_gradient_rows
+from .score import (clamp_index, head_base, mma, probs_from_lse, query_tile_scores, seq_base,
+                    tile_offsets, write_tile)
+from .spans import (FULL, INNER, LEAD, SPAN_KINDS, TAIL, block_at, block_spans, dense_spans,
+                    grid_position, interval_rows, span)
 
 
 @triton.jit

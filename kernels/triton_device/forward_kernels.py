@@ -10,11 +10,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._partials import last_share_arrived, split_rows, store_partial
-from ._score import (FULL, INNER, LEAD, LN2, SPAN_KINDS, TAIL, block_at, block_spans, clamp_index,
-                     dense_spans, grid_position, head_base, interval_block_range, interval_rows,
-                     mma, operand_base, pair_keeps, query_tile_scores, row_offsets, span,
-                     split_share, tile_offsets)
+from .partials import last_share_arrived, split_rows, store_partial
+from .score import (LN2, clamp_index, head_base, mma, operand_base, pair_keeps, query_tile_scores,
+                    row_offsets, tile_offsets)
+from .spans import (FULL, INNER, LEAD, SPAN_KINDS, TAIL, block_at, block_spans, dense_spans,
+                    grid_position, interval_block_range, interval_rows, span, split_share)
 
 
 @triton.jit

@@ -13,7 +13,8 @@ from numbers import Real
 
 import torch
 
-from .intervals import KeyIntervals
+from ..masks.intervals import KeyIntervals
+from ..triton_device.operands import ABSENT, Layout
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -214,3 +215,19 @@ def check_flags(**flags) -> None:
         if value.__class__ is not bool:
             raise TypeError(f"{name} must be a bool (True or False), got "
                             f"{type(value).__name__} {value!r}")
+
+
+def operand_args(op: BroadcastOperand | None) -> Layout:
+    """The ``Layout`` of a broadcast view; ``ABSENT`` for an absent operand, whose pointer is a
+    placeholder that the kernel never dereferences (HAS_MASK / HAS_BIAS are compile-time
+    False)."""
+    if op is None:
+        return ABSENT
+    return Layout(*op.view.stride(), op.head_div)
+
+
+def operand_pointer(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """What a mask or bias passes as its pointer argument: the tensor itself (its broadcast
+    view has the same address), or ``placeholder`` when absent. A bool mask stays bool here;
+    Triton is handed its uint8 view (``_kernel_arg``) only where it reads the dtype."""
+    return placeholder if t is None else t

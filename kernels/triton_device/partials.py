@@ -16,7 +16,7 @@ counter, so a plan's kept scratch is ready for its next call.
 import triton
 import triton.language as tl
 
-from ._score import operand_base, tile_offsets
+from .score import operand_base, tile_offsets
 
 
 @triton.jit

@@ -45,49 +45,13 @@ from __future__ import annotations
 
 import torch
 
-from ._scratch import graph_capturing
-from .intervals import INT32_MAX, KeyIntervals
-from .prepared import _version
-
-# A key's end bucket is floor(END_BUCKET_SCALE * sqrt(Lk * W / end)) (see above); 1/8 makes
-# buckets of sqrt(64 E**3 / (L W)) rows.
-END_BUCKET_SCALE = 0.125
-
-
-def end_buckets(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """Each key's end bucket, int64 of start's shape: -floor(sqrt(Lk * W / end) / 8), with W
-    the kept pairs of its (batch, head) over its latest end. Negated, so that the buckets sort
-    in the order of their ends."""
-    return _end_buckets(*_rows_clamped(start, end))
-
-
-def _rows_clamped(start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 (start, end) clamped to the rows a call can have, [0, INT32_MAX]."""
-    return start.long().clamp(0, INT32_MAX), end.long().clamp(0, INT32_MAX)
-
-
-def _end_buckets(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """``end_buckets`` of intervals already clamped by ``_rows_clamped``."""
-    lengths = (end - start).clamp(min=0).double()
-    rows = end.amax(-1, keepdim=True).clamp(min=1).double()
-    window = lengths.sum(-1, keepdim=True) / rows
-    spread = torch.sqrt(start.shape[-1] * window / end.clamp(min=1).double())
-    return -torch.floor(spread * END_BUCKET_SCALE).long()
+from ..runtime.scratch import graph_capturing, tensor_version
+from .intervals import KeyIntervals
 
 
 # Call forms whose reordered intervals one ordered KeyIntervals keeps (a model calls with one
 # or two).
 MAX_REORDERED = 4
-
-
-def grouping_order(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """A permutation of the keys per (batch, head), int64 of start's shape (Bm, Hm, Lk):
-    keys sorted by (``end_buckets``, start), keys with an empty interval last."""
-    start, end = _rows_clamped(start, end)
-    bucket = _end_buckets(start, end)
-    empty = start >= end
-    sort_key = torch.where(empty, torch.full_like(start, 1 << 62), bucket * (1 << 32) + start)
-    return torch.argsort(sort_key, dim=-1, stable=True)
 
 
 def _heads_of_order(order: torch.Tensor, heads: int) -> torch.Tensor:
@@ -162,7 +126,7 @@ def _gather_index(intervals: KeyIntervals, kind: str, order_heads: int, batch: i
             return _kv_index(widened, batch, own, last)
         return _bias_index(widened, batch, own, last)
 
-    form = (kind, _version(order), order_heads, batch, own, last)
+    form = (kind, tensor_version(order), order_heads, batch, own, last)
     return _kept_per_form(intervals, intervals._gather_indices, form, MAX_GATHER_INDICES, make)
 
 
@@ -202,8 +166,8 @@ def reordered_intervals(intervals: KeyIntervals, seqlen_q: int,
     ``torch.compile`` traces (the trace must hold the gathers, not a constant) and during a
     CUDA graph capture (the graph must gather what start and end hold at each replay)."""
     is_causal = bool(is_causal)
-    form = (is_causal, seqlen_q if is_causal else None, _version(intervals.start),
-            _version(intervals.end), _version(intervals.key_order))
+    form = (is_causal, seqlen_q if is_causal else None, tensor_version(intervals.start),
+            tensor_version(intervals.end), tensor_version(intervals.key_order))
     return _kept_per_form(intervals, intervals._reordered, form, MAX_REORDERED,
                           lambda: _reorder(intervals, seqlen_q, is_causal))
 
