@@ -43,8 +43,8 @@ carrier (``MASK_ARGS``), and each kind of ``attn_mask`` the public function acce
 argument names join the schemas through ``OPERANDS``, and one more row.
 
 Importing ``kernels`` registers both ops in torch's process-wide operator registry: an op must
-exist before ``torch.compile`` traces a call to it. This module reads the planner from
-``interface`` at call time; ``interface`` imports this module to route traced calls.
+exist before ``torch.compile`` traces a call to it. Both ops plan through ``call_plan``, as
+eager calls do; ``interface`` imports this module to route traced calls.
 
 Neither op reads device memory back to the host (no synchronization), so a CUDA graph can
 capture them.
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import interface
+from . import call_plan
 from .masks.intervals import KeyIntervals
 from .planning.backward import attention_backward
 from .planning.inputs import check_flags, check_inputs, resolve_scale
@@ -168,23 +168,22 @@ def _forward_impl(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
                   deterministic, plan_backward, bias_needs_grad):
     """(out, lse) of one forward call, lse float32 (B, Hq, Lq), planned as the eager call
     plans it: for a backward (with its determinism and bias gradient) when one will follow."""
-    plan, query, key, value, mask, activity = interface._plan_call(
-        query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, plan_backward,
-        deterministic and plan_backward, bias_needs_grad and plan_backward)
+    call = call_plan.plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
+                               plan_backward, deterministic and plan_backward,
+                               bias_needs_grad and plan_backward)
     with allocated_per_call():  # see there: Inductor's CUDA graph pools
-        return plan.run(query, key, value, mask, attn_bias, activity=activity)
+        return call.run(attn_bias)
 
 
 def _backward_impl(grad_out, query, key, value, out, lse, attn_mask, attn_bias, is_causal,
                    softmax_scale, deterministic, bias_needs_grad):
     """(dq, dk, dv, dbias or None) of one backward call, on the forward's saved tensors."""
-    plan, query, key, value, mask, activity = interface._plan_call(
-        query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, True,
-        deterministic, bias_needs_grad)
+    call = call_plan.plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
+                               True, deterministic, bias_needs_grad)
     with allocated_per_call():
-        return attention_backward(plan, grad_out, query, key, value, out, lse, mask, attn_bias,
-                                  deterministic, bias_needs_grad=bias_needs_grad,
-                                  activity=activity)
+        return attention_backward(call.plan, grad_out, call.query, call.key, call.value, out,
+                                  lse, call.mask, attn_bias, deterministic,
+                                  bias_needs_grad=bias_needs_grad, activity=call.activity)
 
 
 # -- schemas
@@ -268,7 +267,7 @@ def _attention_fwd_fake(query, key, value, is_causal, softmax_scale, determinist
 
 
 def _grad_like(t: Tensor) -> Tensor:
-    # The kernels read a contiguous copy of an input whose last stride is not 1 (interface's
+    # The kernels read a contiguous copy of an input whose last stride is not 1 (``call_plan``'s
     # ``_last_dim_contiguous``) and make its gradient like that copy.
     return torch.empty_like(t if t.stride(-1) == 1 else t.contiguous())
 
@@ -330,7 +329,7 @@ def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
                          "default schedule); pass it in eager calls")
     optional = operands_of(attn_mask, attn_bias)
     bias = getattr(optional, bias_slot(optional))
-    plan_backward = interface._needs_grad(query, key, value, bias)
+    plan_backward = call_plan.needs_grad(query, key, value, bias)
     out, lse = attention_fwd(query, key, value, is_causal, _scale_arg(softmax_scale),
                              deterministic, plan_backward,
                              getattr(bias, "requires_grad", False), *optional)

@@ -19,7 +19,8 @@ from collections import OrderedDict
 import torch
 
 from .interface import dmattn_func
-from .masks.intervals import INT32_MAX, KeyIntervals
+from .masks.intervals import KeyIntervals
+from .runtime.arith import INT32_MAX
 from .masks.packed_seqlens import PackedKeys, check_cu_seqlens
 from .runtime.scratch import graph_capturing
 

@@ -408,16 +408,16 @@ def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
 
 def forward_plans_made(monkeypatch) -> list:
     """The ``ForwardPlan`` objects made from now on, in order (recorded as they are made)."""
-    from kernels import interface
+    from kernels.planning.forward import ForwardPlan
 
     made = []
-    original_init = interface.ForwardPlan.__init__
+    original_init = ForwardPlan.__init__
 
     def counted_init(self, *args, **kwargs):
         made.append(self)
         original_init(self, *args, **kwargs)
 
-    monkeypatch.setattr(interface.ForwardPlan, "__init__", counted_init)
+    monkeypatch.setattr(ForwardPlan, "__init__", counted_init)
     return made
 
 

@@ -69,9 +69,9 @@ def no_kept_plans():
     and of unprepared bool masks) and no checked forms of ordered intervals: another test in
     the session may have made a plan of the very signature a test means to plan afresh (a kept
     plan also keeps its backward plans)."""
-    from kernels import interface  # after pytest_configure has set TRITON_INTERPRET
+    from kernels import call_plan, interface  # after pytest_configure has set TRITON_INTERPRET
 
-    interface._plans.clear()
-    interface._interval_plans.clear()
-    interface._mask_plans.clear()
+    call_plan._plans.clear()
+    call_plan._interval_plans.clear()
+    call_plan._mask_plans.clear()
     interface._ordered_forms.clear()

@@ -1,4 +1,4 @@
-"""Plans for KeyIntervals used once (``interface._interval_plans``): a new intervals object of
+"""Plans for KeyIntervals used once (``call_plan._interval_plans``): a new intervals object of
 a form already seen takes the kept plan, and only reads its own values (the interleaved pairs,
 an activity map and the tile lists) per call.
 
@@ -14,7 +14,7 @@ import torch
 
 from attn_helpers import (AllocationWatch, Dims, SyncWatch, forward_plans_made, grads_of,
                           random_bias, random_intervals, random_qkv)
-from kernels import KeyIntervals, dmattn_func, interface, prepare_mask, schedule_for
+from kernels import KeyIntervals, call_plan, dmattn_func, prepare_mask, schedule_for
 from kernels.planning.backward_schedule import BackwardRoute
 
 pytestmark = pytest.mark.usefixtures("no_kept_plans")
@@ -82,10 +82,10 @@ def test_new_intervals_take_the_kept_plan_with_the_bits_of_planning_afresh(
     assert schedule_for(q, k, v, used_once(sets[0]), bias, True, kernel_options=options,
                         bias_requires_grad=True).backward.route is route
 
-    monkeypatch.setattr(interface, "MAX_INTERVAL_PLANS", 0)
+    monkeypatch.setattr(call_plan, "MAX_INTERVAL_PLANS", 0)
     afresh = [(fwd_bwd(q, k, v, s, bias, grad_out, options),
                no_grad_forward(q, k, v, s, bias, options)) for s in sets]
-    assert not interface._interval_plans
+    assert not call_plan._interval_plans
     monkeypatch.undo()
 
     made = forward_plans_made(monkeypatch)
@@ -95,7 +95,7 @@ def test_new_intervals_take_the_kept_plan_with_the_bits_of_planning_afresh(
             assert_equal_bits(fwd_bwd(q, k, v, s, bias, grad_out, options), want)
             assert_equal_bits(no_grad_forward(q, k, v, s, bias, options), want_no_grad)
     # One plan with a backward, one without (its map is only as fine as the forward's tile).
-    assert len(made) == 2 and len(interface._interval_plans) == 2
+    assert len(made) == 2 and len(call_plan._interval_plans) == 2
     with_grad = next(p for p in made if p.backward_plans)
     assert len(with_grad.backward_plans) == 1
     for plan in made:  # a kept plan holds no tensor of the call that made it
@@ -120,7 +120,7 @@ def test_forwards_of_several_layers_then_their_backwards(device):
              for (q, k, v, bias), s, g in zip(layers, sets, grad_outs)]
     leaves = [[t.detach().requires_grad_() for t in layer] for layer in layers]
     outs = [dmattn_func(*leaf[:3], used_once(s), leaf[3], True) for leaf, s in zip(leaves, sets)]
-    assert len(interface._interval_plans) == 1
+    assert len(call_plan._interval_plans) == 1
     loss = sum((out * g).sum() for out, g in zip(outs, grad_outs))
     grads = torch.autograd.grad(loss, [t for leaf in leaves for t in leaf])
     for i, want in enumerate(alone):
@@ -156,15 +156,15 @@ def test_each_form_of_intervals_gets_its_own_plan(device, monkeypatch):
         with torch.no_grad():
             return dmattn_func(q, k, v, intervals, None, causal, return_lse=True)
 
-    monkeypatch.setattr(interface, "MAX_INTERVAL_PLANS", 0)
+    monkeypatch.setattr(call_plan, "MAX_INTERVAL_PLANS", 0)
     afresh = [call(used_once(s), causal) for _, s, causal in cases]
-    monkeypatch.setattr(interface, "MAX_INTERVAL_PLANS", len(cases))
+    monkeypatch.setattr(call_plan, "MAX_INTERVAL_PLANS", len(cases))
     for (name, s, causal), want in zip(cases, afresh):
         assert_equal_bits(call(used_once(s), causal), want)
-    assert len(interface._interval_plans) == len(cases)
+    assert len(call_plan._interval_plans) == len(cases)
     for (name, s, causal), want in zip(cases, afresh):  # and again, from the kept plans
         assert_equal_bits(call(used_once(s), causal), want)
-    assert len(interface._interval_plans) == len(cases)
+    assert len(call_plan._interval_plans) == len(cases)
 
 
 def test_values_beyond_int32_keep_their_meaning(device):
@@ -190,7 +190,7 @@ def test_values_beyond_int32_keep_their_meaning(device):
 
 
 def test_kept_interval_plans_are_bounded_least_recently_used_first(device, monkeypatch):
-    monkeypatch.setattr(interface, "MAX_INTERVAL_PLANS", 2)
+    monkeypatch.setattr(call_plan, "MAX_INTERVAL_PLANS", 2)
     dims = Dims(1, 8, 16, heads_q=2, heads_kv=1, head_dim=16)
     q, k, v = random_qkv(dims, torch.float32, device)
     forms = [q[:, :lq] for lq in (8, 7, 6)]
@@ -199,14 +199,14 @@ def test_kept_interval_plans_are_bounded_least_recently_used_first(device, monke
         intervals = random_intervals(dims, "1", "1", device)
         with torch.no_grad():
             dmattn_func(query, k, v, intervals, None, False)
-        return next(reversed(interface._interval_plans.values()))
+        return next(reversed(call_plan._interval_plans.values()))
 
     first, second = call(forms[0]), call(forms[1])
     assert call(forms[0]) is first  # used again: now the most recent
     call(forms[2])  # a third form drops the least recently used: the second
-    assert list(interface._interval_plans.values())[0] is first
-    assert len(interface._interval_plans) == 2
-    assert second not in interface._interval_plans.values()
+    assert list(call_plan._interval_plans.values())[0] is first
+    assert len(call_plan._interval_plans) == 2
+    assert second not in call_plan._interval_plans.values()
 
 
 def test_a_kept_interval_plan_reads_no_value_back(device):
@@ -218,12 +218,12 @@ def test_a_kept_interval_plan_reads_no_value_back(device):
     grad_out = torch.randn(q.shape, device=device).to(q.dtype)
     grads_of(dmattn_func, q, k, v, random_intervals(dims, "Hk", "1", device), bias, True,
              None, grad_out)
-    assert len(interface._interval_plans) == 1
+    assert len(call_plan._interval_plans) == 1
     with SyncWatch() as watch:
         grads_of(dmattn_func, q, k, v, random_intervals(dims, "Hk", "1", device, seed=1), bias,
                  True, None, grad_out)
     assert not watch.syncs, f"ops that wait for the device: {watch.syncs}"
-    assert len(interface._interval_plans) == 1
+    assert len(call_plan._interval_plans) == 1
 
 
 def test_a_reused_object_still_prepares_and_a_prepared_mask_keeps_its_lists(device):
@@ -237,7 +237,7 @@ def test_a_reused_object_still_prepares_and_a_prepared_mask_keeps_its_lists(devi
         second = dmattn_func(q, k, v, intervals, None, True)
         (prepared,) = intervals._preparations.values()
         assert prepared is not None
-        (plan,) = prepared.plans.values()
+        ((plan, _),) = prepared.plans.values()
         assert not plan.lists_per_call and plan.list_table is not None
         explicit = dmattn_func(q, k, v, prepare_mask(intervals, q, k, True), None, True)
     assert torch.equal(first, second) and torch.equal(first, explicit)

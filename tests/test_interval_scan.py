@@ -14,7 +14,7 @@ import torch
 from attn_helpers import (AllocationWatch, Dims, assert_close_to_reference,
                           assert_empty_rows_and_finite, forward_plans_made, random_bias,
                           random_intervals, random_qkv)
-from kernels import KeyIntervals, attention_reference, dmattn_func, interface, prepare_mask
+from kernels import KeyIntervals, attention_reference, call_plan, dmattn_func, prepare_mask
 from kernels.planning import tuning
 from kernels.planning.activity import IntervalActivityPass, ListCompaction
 
@@ -44,7 +44,7 @@ def forward(q, k, v, intervals, bias, causal, **options):
     with torch.no_grad():
         out, lse = dmattn_func(q, k, v, intervals, bias, causal, return_lse=True,
                                kernel_options=options or None)
-    kept = list(interface._interval_plans.values())
+    kept = list(call_plan._interval_plans.values())
     return out, lse, (kept[-1][0] if kept else None)
 
 
@@ -144,7 +144,7 @@ def test_kept_scan_plans_follow_each_calls_values_bit_for_bit(device, monkeypatc
     sets.append(banded(dims, device, [(52, 0, 37)]))  # one key, the last block's
     sets[-1] = KeyIntervals(sets[-1].start.expand(2, 2, -1), sets[-1].end.expand(2, 2, -1))
 
-    monkeypatch.setattr(interface, "MAX_INTERVAL_PLANS", 0)
+    monkeypatch.setattr(call_plan, "MAX_INTERVAL_PLANS", 0)
     afresh = [forward(q, k, v, KeyIntervals(s.start, s.end), bias, True)[:2] for s in sets]
     monkeypatch.undo()
     made = forward_plans_made(monkeypatch)
@@ -196,22 +196,22 @@ def test_which_calls_scan(device, monkeypatch):
     with torch.no_grad():
         prepared = prepare_mask(KeyIntervals(start, end), q, k, True)
         dmattn_func(q, k, v, prepared, None, True)
-    (kept,) = prepared.plans.values()
+    ((kept, _),) = prepared.plans.values()
     assert not kept.scan_keys
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     dmattn_func(*leaves, KeyIntervals(start, end), None, True)
-    assert not next(reversed(interface._interval_plans.values()))[0].scan_keys
+    assert not next(reversed(call_plan._interval_plans.values()))[0].scan_keys
 
     monkeypatch.setattr(tuning, "FORWARD_SCAN_MAX_KEYS", dims.seqlen_k - 1)
-    interface._interval_plans.clear()  # plans are kept by form, made under the old limit
+    call_plan._interval_plans.clear()  # plans are kept by form, made under the old limit
     assert not plan_of(q, k, v, KeyIntervals(start, end)).scan_keys
     assert plan_of(q, k, v, KeyIntervals(start, end), forward_key_scan=True).scan_keys
     # Key splits each read their own share of the keys: two shares of 24 keys are in reach.
     assert plan_of(q, k, v, KeyIntervals(start, end), forward_key_splits=2).scan_keys
     monkeypatch.undo()
     monkeypatch.setattr(tuning, "FORWARD_SCAN_SKIPS_HEAD_DIMS", (dims.head_dim - 1, 128))
-    interface._interval_plans.clear()
+    call_plan._interval_plans.clear()
     assert not plan_of(q, k, v, KeyIntervals(start, end)).scan_keys
 
 

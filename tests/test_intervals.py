@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import KeyIntervals
-from kernels.masks.intervals import INT32_MAX, INT32_MIN
+from kernels.runtime.arith import INT32_MAX, INT32_MIN
 
 INDEX_DTYPES = (pytest.param(torch.int32, id="int32"), pytest.param(torch.int64, id="int64"))
 SEQLEN_Q = (1, 17, 97)

@@ -1,4 +1,4 @@
-"""Plans for bool masks that are not prepared (``interface._mask_plans``): a new mask tensor of
+"""Plans for bool masks that are not prepared (``call_plan._mask_plans``): a new mask tensor of
 a layout already seen takes the kept plan, and only its values are read per call (one activity
 pass, then the tile lists), as a model's padding or causal mask is, new each step.
 
@@ -15,7 +15,7 @@ import torch
 
 from attn_helpers import (AllocationWatch, Dims, SyncWatch, forward_plans_made, grads_of,
                           random_bias, random_mask, random_qkv)
-from kernels import dmattn_func, interface, schedule_for
+from kernels import call_plan, dmattn_func, schedule_for
 from kernels.planning.backward_schedule import BackwardRoute
 
 pytestmark = pytest.mark.usefixtures("no_kept_plans")
@@ -71,12 +71,12 @@ def test_new_masks_take_the_kept_plan_with_the_bits_of_planning_afresh(
     masks = mask_sets(dims, dims.operand_shape(*mask_shape.split("x")), device)
     assert schedule_for(q, k, v, masks[0], bias, True, kernel_options=options,
                         bias_requires_grad=True).backward.route is route
-    interface._mask_plans.clear()
+    call_plan._mask_plans.clear()
 
-    monkeypatch.setattr(interface, "MAX_MASK_PLANS", 0)
+    monkeypatch.setattr(call_plan, "MAX_MASK_PLANS", 0)
     afresh = [(fwd_bwd(q, k, v, m, bias, grad_out, options),
                no_grad_forward(q, k, v, m, bias, options)) for m in masks]
-    assert not interface._mask_plans
+    assert not call_plan._mask_plans
     monkeypatch.undo()
 
     made = forward_plans_made(monkeypatch)
@@ -87,7 +87,7 @@ def test_new_masks_take_the_kept_plan_with_the_bits_of_planning_afresh(
             assert_equal_bits(no_grad_forward(q, k, v, mask.clone(), bias, options),
                               want_no_grad)
     # One plan with a backward, one without (its map is only as fine as the forward's tile).
-    assert len(made) == 2 and len(interface._mask_plans) == 2
+    assert len(made) == 2 and len(call_plan._mask_plans) == 2
     for plan in made:  # a kept plan holds no tensor of the call that made it
         assert plan.lists_per_call and plan.activity is None and plan.list_table is None
         assert plan.schedule.problem.activity is None
@@ -107,7 +107,7 @@ def test_forwards_of_several_layers_then_their_backwards(device):
              for (q, k, v, bias), m, g in zip(layers, masks, grad_outs)]
     leaves = [[t.detach().requires_grad_() for t in layer] for layer in layers]
     outs = [dmattn_func(*leaf[:3], m, leaf[3], True) for leaf, m in zip(leaves, masks)]
-    assert len(interface._mask_plans) == 1
+    assert len(call_plan._mask_plans) == 1
     loss = sum((out * g).sum() for out, g in zip(outs, grad_outs))
     grads = torch.autograd.grad(loss, [t for leaf in leaves for t in leaf])
     for i, want in enumerate(alone):
@@ -132,15 +132,15 @@ def test_each_layout_of_mask_gets_its_own_plan(device, monkeypatch):
         with torch.no_grad():
             return dmattn_func(q, k, v, mask, None, causal, return_lse=True)
 
-    monkeypatch.setattr(interface, "MAX_MASK_PLANS", 0)
+    monkeypatch.setattr(call_plan, "MAX_MASK_PLANS", 0)
     afresh = [call(m, causal) for _, m, causal in cases]
-    monkeypatch.setattr(interface, "MAX_MASK_PLANS", len(cases))
+    monkeypatch.setattr(call_plan, "MAX_MASK_PLANS", len(cases))
     for (name, m, causal), want in zip(cases, afresh):
         assert_equal_bits(call(m.clone(), causal), want)
-    assert len(interface._mask_plans) == len(cases)
+    assert len(call_plan._mask_plans) == len(cases)
     for (name, m, causal), want in zip(cases, afresh):  # and again, from the kept plans
         assert_equal_bits(call(m.clone(), causal), want)
-    assert len(interface._mask_plans) == len(cases)
+    assert len(call_plan._mask_plans) == len(cases)
 
 
 def test_a_mask_of_another_dtype_is_still_refused(device):
@@ -164,8 +164,8 @@ def test_a_kept_mask_plan_reads_no_value_back(device):
     grad_out = torch.randn(q.shape, device=device).to(q.dtype)
     shape = dims.operand_shape("1", "Hk", "Lq", "Lk")
     grads_of(dmattn_func, q, k, v, random_mask(shape, device), bias, True, None, grad_out)
-    assert len(interface._mask_plans) == 1
+    assert len(call_plan._mask_plans) == 1
     with SyncWatch() as watch:
         grads_of(dmattn_func, q, k, v, random_mask(shape, device), bias, True, None, grad_out)
     assert not watch.syncs, f"ops that wait for the device: {watch.syncs}"
-    assert len(interface._mask_plans) == 1
+    assert len(call_plan._mask_plans) == 1

@@ -1,4 +1,4 @@
-"""Call plans (kernels.interface): a repeat call signature reuses the forward plan (and the
+"""Call plans (kernels.call_plan): a repeat call signature reuses the forward plan (and the
 backward plans it keeps) with no checks or planning, so everything a plan depends on must be in
 the signature. Each test makes a plan with one call, then changes one thing and checks the next
 call against the float64 reference: a signature that missed the change would launch with the
@@ -13,7 +13,7 @@ import torch
 
 from attn_helpers import (Dims, random_bias, random_mask, random_qkv, run_backward,
                           run_forward)
-from kernels import dmattn_func, interface, prepare_mask, schedule_for
+from kernels import call_plan, dmattn_func, prepare_mask, schedule_for
 from kernels.planning.backward_schedule import dkdv_stages
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.tuning import Tile
@@ -29,8 +29,9 @@ pytestmark = pytest.mark.usefixtures("no_kept_plans")
 def _kept_plan(q, k, v, bias=None, causal=False, scale=None, bias_grad=False):
     """The plan kept for a mask-free call of this signature (None if there is none);
     ``bias_grad``: the call's bias gets a gradient (its schedule includes that backward)."""
-    return interface._plans.get(interface._signature(q, k, v, bias, causal, scale,
-                                                     bias_grad=bias_grad))
+    kept = call_plan._plans.get(call_plan.call_signature(q, k, v, bias, causal, scale,
+                                                         bias_grad=bias_grad))
+    return None if kept is None else kept.plan
 
 
 def test_a_repeat_call_reuses_its_plan_and_stays_correct(device):
@@ -105,8 +106,8 @@ def test_the_grad_signature_picks_the_backward_plan(device):
     run_backward(q, k, v, None, bias, True, grad_out=strided.to(q.dtype).transpose(1, 2))
     run_backward(q, k, v, None, bias, True, deterministic=True)
     assert len(_kept_plan(q, k, v, bias, True, bias_grad=True).backward_plans) == 2
-    deterministic = interface._plans.get(interface._signature(
-        q, k, v, bias, True, None, deterministic=True, bias_grad=True))
+    deterministic = call_plan._plans.get(call_plan.call_signature(
+        q, k, v, bias, True, None, deterministic=True, bias_grad=True)).plan
     assert len(deterministic.backward_plans) == 1
     assert deterministic.schedule.backward.dbias_mode.value == "dkdv-tiles-ordered"
 

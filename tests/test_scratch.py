@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attn_helpers import Dims, assert_close_to_reference, grads_of, random_bias, random_qkv
-from kernels import attention_reference, dmattn_func, interface
+from kernels import attention_reference, call_plan, dmattn_func
 from kernels.runtime import scratch as _scratch
 from kernels.runtime.scratch import Scratch
 
@@ -65,7 +65,7 @@ def test_scratch_taken_during_a_graph_capture_is_not_kept(device):
 def test_back_to_back_split_calls_each_match_the_reference(device):
     problems = [random_qkv(DECODE, torch.bfloat16, device) for _ in range(3)]
     plan_args = (*problems[0], None, None, True, None)
-    plan, *_ = interface._plan_call(*plan_args, for_backward=False)
+    plan = call_plan.plan_call(*plan_args, for_backward=False).plan
     assert plan.splits > 1, "the shape must take the split-K path"
     with torch.no_grad():
         outs = [dmattn_func(q, k, v, is_causal=True) for q, k, v in problems]
@@ -95,7 +95,7 @@ def test_back_to_back_split_backwards_each_match_the_reference(dims, bias, packe
     # All three backwards are enqueued before any reference work.
     grads = [grads_of(dmattn_func, q, k, v, None, b, True, None, g)
              for (q, k, v), b, g in zip(problems, biases, grad_outs)]
-    fwd_plan = next(iter(interface._plans.values()))
+    fwd_plan = next(iter(call_plan._plans.values())).plan
     plan = next(iter(fwd_plan.backward_plans.values()))
     assert (plan.schedule.route.value == "packed") == packed
     assert plan.splits > 1, "the backward must split the keys"

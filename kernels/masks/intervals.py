@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-INT32_MAX = 2**31 - 1
-INT32_MIN = -(2**31)
+from ..runtime.arith import INT32_MAX, INT32_MIN
+from .grouping import grouping_order
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -143,7 +144,6 @@ class KeyIntervals:
         head) here and copies of K and V (and their gradients) per call; it pays where few
         of the visible keys are kept. ``topk_intervals`` sets it by that rule.
         """
-        from .grouping import grouping_order
         return KeyIntervals(self.start, self.end, grouping_order(self.start, self.end))
 
     @property

@@ -1,35 +1,6 @@
-"""The wavelet matrix of ``topk_intervals._kth_smallest`` as Triton kernels: bits + 2 launches.
-
-``topk_intervals`` needs, for rows of a permutation of [0, n), the k-th smallest value of many
-ranges. The torch version builds the wavelet matrix one bit level at a time and steps every
-query through a level before it builds the next, in ~15-28 small torch ops per level. Here a
-level is one launch, and the queries one launch for all levels:
-
-* ``_first_level_kernel``: one program per block of ``BLOCK`` positions (and ``ROWS`` rows).
-  Copies the values to int32, counts the block's zero bits of the top level, and, when asked,
-  writes the inverse permutation (``rank[values[i]] = i``).
-* ``_level_kernel``: one launch per level, one program per block. Each program sums the zero
-  counts of the blocks before its own (records of the previous launch, four per block), which
-  with a cumulative sum inside the block gives every position's count of zero bits before it.
-  It writes the level's rank table (below) and the row's zero count, partitions the block
-  stably into the next level's array (zero bits first), and counts the next level's zero bits
-  by the block they land in: a block's zero-bit values land in one run of positions and its
-  one-bit values in another, each spanning at most two blocks, hence four (block, count)
-  records per block.
-* ``_answer_kernel`` / ``_intervals_kernel``: one program per block of queries, which walks
-  every query down all levels (``_descend``) in registers. ``_intervals_kernel`` also computes
-  ``topk_intervals._intervals``'s causal (start, end) from the answer, as int32.
-
-The rank table of a level has one int64 per 32 positions: the count of zero bits before the
-word's first position in the high 32 bits, the word's zero bits (position 32 w + j at bit j) in
-the low 32, so the count of zero bits before any position p <= n is one load and a popcount. A
-level's table costs n / 4 bytes; every level is kept, so the queries run after the levels.
-
-Positions and counts are int32 (n < 2**31); the queries' k and the epilogue are int64, as in
-the torch version, so both give the same bits, out-of-range k included.
-
-A program takes ``ROWS`` rows: 1 on a GPU, all of them (up to 16) under Triton's interpreter,
-whose cost is per operation and per program, not per element.
+"""The host side of the wavelet matrix behind ``topk_intervals``' causal selection: when the
+kernels run, their tiles and launches. The kernels and how they work are in
+``triton_device.wavelet_kernels``.
 """
 
 from __future__ import annotations
@@ -43,23 +14,11 @@ from ..triton_device.wavelet_kernels import (_answer_kernel, _first_level_kernel
 
 
 BLOCK = 1024  # positions per program of the level passes; a multiple of 32
-
-
 RECORDS = 4  # (block, count) records per block and level
-
-
 CHUNK = 1024  # records summed per step by a level program
-
-
 QUERIES = 512  # queries per program of the query kernels (interpreter: INTERPRETED_QUERIES)
-
-
 INTERPRETED_QUERIES = 2048
-
-
 INTERPRETED_ROWS = 16  # most rows per program under the interpreter
-
-
 MAX_LENGTH = 2**31 - 2 * BLOCK  # longer rows take the torch version
 
 

@@ -110,7 +110,7 @@ class BackwardPlan:
             dq=seq_strides(dq), dk=seq_strides(dk), dv=seq_strides(dv))
         plan = self.dbias
         layouts = BackwardLayouts(
-            mask=fwd.mask or ABSENT, bias=fwd.bias or ABSENT,
+            mask=fwd.mask_layout or ABSENT, bias=fwd.bias_layout or ABSENT,
             dbias=plan.target if plan else ABSENT,
             q_lists=block_list_strides(q_lists, shape.batch),
             kv_lists=block_list_strides(kv_lists, shape.batch))
@@ -125,7 +125,7 @@ class BackwardPlan:
         sizes = sizes_of(shape)
         scales = (fwd.softmax_scale * LOG2E, fwd.softmax_scale)
         common = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
-                      HAS_MASK=fwd.mask is not None, HAS_BIAS=fwd.bias is not None,
+                      HAS_MASK=fwd.mask_layout is not None, HAS_BIAS=fwd.bias_layout is not None,
                       BIAS_ROW=fwd.bias_one_row, IS_CAUSAL=fwd.is_causal,
                       **dot_options(fwd.dtype, problem.interpreted))
         # The kernels' EDGE_SLOTS: list entries read from each end to find the interior span.

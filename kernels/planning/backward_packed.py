@@ -37,7 +37,7 @@ class PackedBackwardPlan:
             do=seq_strides(grad_out), out=SeqStrides(*contiguous_strides(fwd.out_shape)[:3]),
             dq=seq_strides(dq), dk=seq_strides(dk), dv=seq_strides(dv))
         layouts = BackwardLayouts(
-            mask=fwd.mask or ABSENT, bias=fwd.bias or ABSENT,
+            mask=fwd.mask_layout or ABSENT, bias=fwd.bias_layout or ABSENT,
             dbias=self.dbias.target if writes_dbias else ABSENT, q_lists=NO_LISTS,
             kv_lists=NO_LISTS)
         self.launch = PlannedLaunch(
@@ -45,7 +45,7 @@ class PackedBackwardPlan:
             (strides, layouts, sizes_of(shape), fwd.softmax_scale * LOG2E, fwd.softmax_scale),
             HEAD_DIM=shape.head_dim, BLOCK_D=problem.block_d, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n,
-            HAS_MASK=fwd.mask is not None, HAS_BIAS=fwd.bias is not None,
+            HAS_MASK=fwd.mask_layout is not None, HAS_BIAS=fwd.bias_layout is not None,
             BIAS_ROW=fwd.bias_one_row and problem.bias.shared_by(shape.group_size),
             DBIAS_MODE=self.dbias.mode.value if writes_dbias else DbiasMode.NONE.value,
             IS_CAUSAL=fwd.is_causal, **dot_options(fwd.dtype, problem.interpreted),

@@ -85,11 +85,11 @@ class ForwardPlan:
         self.options = options
         self.shape, self.dtype, self.device = shape, query.dtype, query.device
         self.is_causal, self.softmax_scale = problem.is_causal, problem.softmax_scale
-        self.mask = operand_args(checked.mask) if checked.mask is not None else None
+        self.mask_layout = operand_args(checked.mask) if checked.mask is not None else None
         self.scan_keys = fwd.scan_keys
         if self.scan_keys:  # the layout of the intervals' start and end as given
-            self.mask = Layout(*checked.mask.interval_pair[0].stride(), checked.mask.head_div)
-        self.bias = operand_args(checked.bias) if checked.bias is not None else None
+            self.mask_layout = Layout(*checked.mask.interval_pair[0].stride(), checked.mask.head_div)
+        self.bias_layout = operand_args(checked.bias) if checked.bias is not None else None
         self.bias_shape = problem.bias.shape if problem.bias is not None else None
         self.lists_per_call = lists_per_call
         activity = problem.activity
@@ -120,7 +120,7 @@ class ForwardPlan:
             _attn_fwd_kernel, (row_blocks * (num_bh // pack), 1, self.splits),
             ForwardPointers,
             (seq_strides(query), seq_strides(key), seq_strides(value), out_strides,
-             self.mask or ABSENT, self.bias or ABSENT, block_list_strides(lists, shape.batch),
+             self.mask_layout or ABSENT, self.bias_layout or ABSENT, block_list_strides(lists, shape.batch),
              sizes_of(shape), problem.softmax_scale * LOG2E, fwd.chunk_rows),
             HEAD_DIM=shape.head_dim, BLOCK_D=problem.block_d,
             BLOCK_M=fwd.block_m, BLOCK_N=fwd.tile.block_n, GROUP_PACK=pack,
@@ -148,17 +148,18 @@ class ForwardPlan:
         lists per call, else the plan's (None without a mask)."""
         return call_activity(activity) if self.lists_per_call else self.activity
 
-    def run(self, query, key, value, mask, bias, keep_lse: bool = True,
+    def run(self, query, key, value, mask_operand, bias, keep_lse: bool = True,
             activity: ActivityMap | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, or None without ``keep_lse``) for
-        tensors of this plan's signature; ``mask`` is the bool mask (or its uint8 view) and
+        tensors of this plan's signature; ``mask_operand`` is what the kernel reads of the call's
+        mask (``call_plan.MaskOperand``: the bool mask, a KeyIntervals mask's words, or None) and
         ``bias`` the bias, either may be None; ``activity``: the call's own activity map, for a
-        plan with ``lists_per_call``. With ``scan_keys``, ``mask`` is the intervals' (start,
+        plan with ``lists_per_call``. With ``scan_keys``, ``mask_operand`` is the intervals' (start,
         end) as given, of the plan's layout."""
         table = self.list_table
-        mask_end = None
+        mask, mask_end = mask_operand, None
         if self.scan_keys:
-            mask, mask_end = mask
+            mask, mask_end = mask_operand
         elif self.lists_per_call:  # compacted from the call's map on first use
             table = call_activity(activity).compacted(self.compaction).table
         # ``new_empty`` takes dtype and device from ``query`` (the plan's own): 2.9 us of host

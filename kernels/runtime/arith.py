@@ -1,12 +1,11 @@
-"""Host-side helpers shared by the forward and backward launchers."""
+"""Host integer arithmetic and constants shared by the planners and launchers."""
 
 from __future__ import annotations
 
 
-
-
-
 LOG2E = 1.4426950408889634
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
 
 
 def ceil_div(a: int, b: int) -> int:

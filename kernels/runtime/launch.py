@@ -1,4 +1,6 @@
-"""Host-side helpers shared by the forward and backward launchers."""
+"""Launching Triton kernels: whether they run under the interpreter, what a launch is compiled for
+(its compile form), the direct launch path that skips Triton's per-call dispatch, and the
+compile-only mode of ``kernels.warmup``."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ from concurrent.futures import Executor, wait
 from contextlib import contextmanager
 
 import torch
-
 
 
 def is_interpreted(kernel) -> bool:
@@ -71,6 +72,11 @@ def _kernel_arg(a):
     return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype == torch.bool else a
 
 
+# The interpreter pretends to have this many multiprocessors, so that small CPU test shapes
+# (decode rows over a few hundred keys) take the split paths too.
+INTERPRETED_MULTIPROCESSORS = 16
+
+
 def multiprocessors(device: torch.device, interpreted: bool) -> int:
     """Multiprocessor count, which sizes grids and key splits (see ``tuning`` for the
     interpreter's)."""
@@ -106,8 +112,6 @@ _multiprocessors: dict[int, int] = {}
 # list compaction and the intervals' activity pass read or write the small activity map with
 # byte accesses where 2- to 8-byte ones were used at some lengths.
 UNKNOWN_INT = 17  # neither 1 nor a multiple of 16: compiled for as an unknown int32
-
-
 _INT32 = range(-2**31, 2**31)
 
 
@@ -187,8 +191,6 @@ def _note_form(kernel, args: tuple, options: dict) -> None:
 # three launches. ``launch`` compiles once per form (``compile_form``) and then calls the
 # compiled kernel's launcher directly.
 MAX_SIGNATURES = 256  # per kernel; a model or a sweep uses a handful of forms
-
-
 _compiled: dict = {}
 
 
@@ -232,8 +234,6 @@ def _compile(kernel, grid: tuple, args: tuple, options: dict) -> tuple:
 # host code reads them (the host never waits for the device within a call), so the calls make
 # the same launches as when they run.
 _compile_executor: Executor | None = None
-
-
 _pending: list = []
 
 
@@ -321,8 +321,6 @@ def _plain(value):
 
 
 _data_ptr = torch.Tensor.data_ptr
-
-
 _alignment = (15).__and__  # an address's offset from 16-byte alignment
 
 
@@ -381,7 +379,3 @@ class PlannedLaunch:
         else:
             _run_compiled(hit, self.grid, (addresses, *self._plain_scalars), device)
 
-
-# The interpreter pretends to have this many multiprocessors, so that small CPU test shapes
-# (decode rows over a few hundred keys) take the split paths too.
-INTERPRETED_MULTIPROCESSORS = 16

@@ -1,21 +1,6 @@
-"""Compact lists of active tiles, built once from the mask and shared by all kernels.
+"""The Triton kernels of the tile activity passes and of the list compaction.
 
-For a mask, most of the cost of a sparse tile-skip is the branch: a kernel that loads a mask tile
-and then decides whether to load K/V cannot software-pipeline its K/V loads. Instead, one pass
-over the mask writes, for every row block, the indices of the column blocks that hold at least
-one visible pair (mask AND causal AND in range). The attention loops then walk these lists
-without branches, so inactive tiles cost no K/V loads, no dots and no mask bytes.
-
-Each row's list puts the *full* tiles first (every pair visible: block-sparse masks, sliding
-windows, a topk window wider than the visible keys), then the partial ones, each part in
-ascending order. Full tiles run like unmasked interior tiles: no mask bytes, no select.
-
-Lists are per mask head and mask batch (a (B, Hk, ...) mask gives lists shared by the whole
-GQA group). "Rows" are query blocks for the forward and dq kernels, key blocks for dkdv.
-
-The mask is read once per call: the forward's pass writes an activity map (0 none, 1 some,
-2 all pairs visible) in tiles that divide every kernel's tiles, and each kernel's list comes
-from a small compaction over the map, so the backward reads no mask bytes to find its tiles.
+What they build, and why, is in ``planning.activity``, which plans and launches them.
 """
 
 from __future__ import annotations

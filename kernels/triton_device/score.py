@@ -14,8 +14,6 @@ import triton.language as tl
 
 # log2(e): converts natural-log quantities to the exp2 domain.
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
 LN2 = tl.constexpr(0.6931471805599453)
 
 

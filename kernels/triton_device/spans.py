@@ -1,11 +1,6 @@
-"""Score construction shared by the forward and both backward kernels.
-
-Axis letters used in every kernel module: b batch, h head, m query position, n key position,
-d head dim. Strides are named ``stride_<tensor>_<axis>``.
-
-All scores are kept in the log2 domain: ``s2 = (scale * q.k + bias) * log2(e)``, so that the
-softmax uses ``exp2`` (one MUFU instruction) and the scale costs one multiply folded into
-``qk_scale = scale * log2(e)``. The stored LSE is natural-log; kernels convert at the edges.
+"""Which key blocks a program walks: the dense range, the causal edge, the block lists of a mask,
+key splits and the grid order, as spans of four kinds (``FULL``, ``LEAD``, ``INNER``, ``TAIL``).
+Shared by the forward and backward kernels; the scores themselves are ``score``'s.
 """
 
 import triton
@@ -229,17 +224,9 @@ def dense_spans(start, seqlen_q, seqlen_k, LOOP_ROWS: tl.constexpr, STEP_ROWS: t
 # them in a ``tl.static_range(SPAN_KINDS)`` loop, so each kind's inner loop is compiled with
 # that kind's constexpr flags.
 FULL = tl.constexpr(0)
-
-
 LEAD = tl.constexpr(1)
-
-
 INNER = tl.constexpr(2)
-
-
 TAIL = tl.constexpr(3)
-
-
 SPAN_KINDS = tl.constexpr(4)
 
 
