@@ -177,7 +177,7 @@ def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_cau
 def schedule_for(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
                  softmax_scale=None, deterministic=False, bias_requires_grad=None,
                  kernel_options=None):
-    """The ``kernels.schedule.Schedule`` a ``dmattn_func`` call with these arguments runs:
+    """The ``kernels.planning.schedule.Schedule`` a ``dmattn_func`` call with these arguments runs:
     ``print(schedule_for(q, k, v, ...))`` names its tiles, splits, backward route and bias
     gradient mode. Nothing is launched except, for an unprepared mask, the pass that reads it.
     ``bias_requires_grad`` defaults to the bias's ``requires_grad``."""

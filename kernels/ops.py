@@ -16,7 +16,7 @@ Both reach the same host layer, through :func:`_forward_impl` and :func:`_backwa
 they give bitwise-equal results.
 
 ``torch.library.custom_op`` rather than ``triton_op``: the host layer launches its kernels
-through planned launches (``_launch.PlannedLaunch``), not ``kernel[grid](...)`` calls that
+through planned launches (``launch.PlannedLaunch``), not ``kernel[grid](...)`` calls that
 ``triton_op``'s tracing could capture, so there is nothing for Inductor to look into.
 
 What an op cannot carry, and what that costs:

@@ -1,6 +1,6 @@
 """Compile ahead the kernels a model's calls will need, and count compiles.
 
-A launch is compiled for a canonical form of its arguments (``_launch.compile_form``), so the
+A launch is compiled for a canonical form of its arguments (``launch.compile_form``), so the
 lengths of a call change what it compiles only through two things: whether its lengths keep
 its strides multiples of 16 (two variants of each kernel), and the schedule, which changes at a
 few length thresholds (key splits where a short grid underfills the GPU, group packing for
@@ -10,7 +10,7 @@ the schedule each length takes, so that later calls at other lengths of the same
 compile nothing.
 
 A model whose mask is ``topk_intervals`` of a per-key bias (Doge) calls in one of two forms,
-chosen by the length (``topk_intervals.orders_keys``): below the ordering threshold plain
+chosen by the length (``topk.orders_keys``): below the ordering threshold plain
 intervals with the call's causality; from it on intervals with a key order, which the call
 runs with K and V gathered (widened to the selection's heads where those are more) and
 ``is_causal`` False (``kernels.key_order``). ``warmup(window=...)`` makes its interval masks
@@ -19,7 +19,7 @@ lengths lie on both sides of the threshold it also runs the lengths next to it o
 the ends of each form's range.
 
 On a GPU the warm-up compiles in parallel: a first pass makes the calls with every launch only
-handing the compile of its form to a thread pool (``_launch.compile_only``), and waits for all
+handing the compile of its form to a thread pool (``launch.compile_only``), and waits for all
 of them; a second pass makes the calls for real, which finds every kernel compiled (any form
 the first pass did not reach compiles there, serially).
 """

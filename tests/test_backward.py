@@ -65,7 +65,7 @@ def test_grad_decode_key_split(seqlen_q, causal, masked, device):
     mask = mask if masked else None
     options = {"backward": "dq+dkdv"}
     bwd = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options)
-    assert bwd.dq_key_splits > 1, "this shape should take the split path"
+    assert bwd.general.dq_key_splits > 1, "this shape should take the split path"
     run_backward(q, k, v, mask, bias, causal, func=forcing(**options))
 
 

@@ -58,9 +58,9 @@ def test_wide_tile_gives_the_reference_gradients(dims, mask_axes, bias_axes, cau
     mask = mask if mask_axes else None
     bias = bias if bias_axes else None
     run_backward(q, k, v, mask, bias, causal, func=forcing(**options))
-    bwd = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options)
+    dkdv = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options).general.dkdv
     wide = tuning.DKDV_INTERPRETED_WIDE if device.type == "cpu" else tuning.DKDV_D128_WIDE
-    assert (bwd.dkdv.block_m, bwd.dkdv.block_n) == (wide.block_m, wide.block_n)
+    assert (dkdv.block_m, dkdv.block_n) == (wide.block_m, wide.block_n)
 
 
 def test_wide_tile_with_a_prepared_mask_is_deterministic(device):

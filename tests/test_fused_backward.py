@@ -43,4 +43,4 @@ def test_both_launch_plans_give_the_reference_gradients(dims, mask_axes, bias_ax
     bwd = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options)
     assert bwd.route is route
     if dims == SPLIT_DIMS:
-        assert bwd.dq_key_splits > 1, "this case must split dq over the keys"
+        assert bwd.general.dq_key_splits > 1, "this case must split dq over the keys"

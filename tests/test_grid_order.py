@@ -1,5 +1,5 @@
 """The order in which the attention kernels' 1-D grids visit (block, row) pairs
-(``_score.grid_position``) and the chunk size the host picks for it (``grid_chunk_rows``).
+(``spans.grid_position``) and the chunk size the host picks for it (``grid_chunk_rows``).
 Every kernel test runs through ``grid_position`` too; these tests pin the mapping itself,
 including chunk sizes that the kernel tests' shapes never pick (a narrower last chunk)."""
 
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.planning.forward_schedule import grid_chunk_rows
+from kernels.planning.grids import grid_chunk_rows
 from kernels.triton_device.spans import grid_position
 
 

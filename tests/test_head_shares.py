@@ -52,9 +52,9 @@ def test_head_shares_give_the_reference_gradients(dims, mask_axes, bias_axes, ca
     run_backward(q, k, v, mask, bias, causal, func=forcing(**options))
     bwd = backward_schedule(q, k, v, mask, bias, causal, kernel_options=options)
     group = dims.heads_q // dims.heads_kv
-    assert bwd.dkdv_head_shares == (group if split else 1)
+    assert bwd.general.dkdv_head_shares == (group if split else 1)
     # One-row biases: with shares, each key block's last share sums the group's rows.
-    assert bwd.dkdv_group_rows == (split and bias_axes.endswith("x1xLk"))
+    assert bwd.general.dkdv_group_rows == (split and bias_axes.endswith("x1xLk"))
 
 
 @pytest.mark.parametrize("bias_axes", ("1xHkx1xLk", "BxHqxLqxLk"), ids=("kv_row", "q_full"))
@@ -67,8 +67,9 @@ def test_head_shares_in_the_fused_launch(bias_axes, device):
                                          bias=bias_axes, keep=0.6)
     run_backward(q, k, v, mask, bias, True, func=forcing(**options))
     bwd = backward_schedule(q, k, v, mask, bias, True, kernel_options=options)
-    assert (bwd.route.value, bwd.dkdv_head_shares, bwd.dq_key_splits) == ("fused", 2, 3)
-    assert bwd.dkdv_group_rows == (bias_axes == "1xHkx1xLk")
+    general = bwd.general
+    assert (bwd.route.value, general.dkdv_head_shares, general.dq_key_splits) == ("fused", 2, 3)
+    assert general.dkdv_group_rows == (bias_axes == "1xHkx1xLk")
 
 
 @pytest.mark.parametrize("fused", (False, True), ids=("separate", "fused"))
@@ -85,7 +86,8 @@ def test_head_shares_are_deterministic(fused, device):
     assert_deterministic_grads(q, k, v, prepared, bias, True, func=forcing(**options))
     bwd = backward_schedule(q, k, v, prepared, bias, True, deterministic=True,
                             kernel_options=options)
-    assert (bwd.dkdv_head_shares, bwd.route.value) == (2, "fused" if fused else "dq+dkdv")
+    assert bwd.general.dkdv_head_shares == 2
+    assert bwd.route.value == ("fused" if fused else "dq+dkdv")
 
 
 def test_dkdv_tiles_keep_the_whole_group(device):
@@ -97,7 +99,8 @@ def test_dkdv_tiles_keep_the_whole_group(device):
                                          bias="1xHkxLqxLk")
     run_backward(q, k, v, None, bias, True, deterministic=True)
     bwd = backward_schedule(q, k, v, None, bias, True, deterministic=True)
-    assert (bwd.dkdv_head_shares, bwd.dbias_mode.value) == (1, "dkdv-tiles-ordered")
+    assert bwd.general.dkdv_head_shares == 1
+    assert bwd.dbias_mode.value == "dkdv-tiles-ordered"
     with pytest.raises(ValueError, match="dkdv_head_shares"):
         backward_schedule(q, k, v, None, bias, True, deterministic=True,
                           kernel_options={"dkdv_head_shares": 2})

@@ -1,10 +1,15 @@
-"""The direct launch path (kernels.runtime.launch.launch): what decides whether a compiled kernel is
-reused. The launches themselves run in every kernel test; on a GPU (``--device cuda``) repeat
-calls take the direct path, and test_repeated_calls_with_one_shape repeats one shape with
-misaligned pointers."""
+"""The launch path (kernels.runtime.launch): what decides whether a compiled kernel is reused, and
+which way a launch runs (compile-only, Triton's JIT dispatch, the compiled launcher), for planned
+launches and one-off ``launch`` calls alike. The launches themselves run in every kernel test;
+on a GPU (``--device cuda``) repeat calls take the direct path, and
+test_repeated_calls_with_one_shape repeats one shape with misaligned pointers."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from typing import NamedTuple
+
+import pytest
 import torch
 
 
@@ -117,3 +122,111 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch):
         assert (problem is not None) == fails, (triton_version, numpy_version)
         if fails:
             assert "triton>=3.7" in problem and "numpy<2.4" in problem
+
+
+class _Compiled:
+    function, packed_metadata = "function", "metadata"
+
+
+class _Kernel:
+    """A stand-in for a JITFunction: records its compiles and JIT launches."""
+
+    __name__ = "_fake_kernel"
+    arg_names = ["a", "b", "n", "pair", "BLOCK"]
+
+    def __init__(self):
+        self.compiles, self.jit = [], []
+
+    def warmup(self, *args, grid, **options):
+        self.compiles.append((args, grid, options))
+        return _Compiled()
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.jit.append((grid, args, options))
+
+
+class _Pair(NamedTuple):
+    x: int
+    y: int
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """The direct path on CPU: every launcher call recorded instead of made."""
+    from kernels.runtime import launch as module
+
+    ran = []
+    monkeypatch.setattr(module, "_compiled_forms", set())
+    monkeypatch.setattr(module, "_compiled", {})
+    monkeypatch.setattr(module, "_direct_launch_available", lambda: True)
+    monkeypatch.setattr(module, "_current_device", lambda: 0)
+    monkeypatch.setattr(module, "_run_compiled",
+                        lambda hit, grid, args, device: ran.append((hit[1], grid, args)))
+    return module, ran
+
+
+def test_launch_compiles_once_per_form_and_alignment(direct):
+    """A one-off ``launch`` goes through a plan of its own; plans of one signature share their
+    compiled kernels: another length or grid of the same form reuses it, a misaligned pointer,
+    another dtype, a length of 1 or another constexpr does not."""
+    module, ran = direct
+    kernel = _Kernel()
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    module.launch(kernel, (3, 2), a, b, 1000, _Pair(7, 1), BLOCK=32)
+    module.launch(kernel, (5,), a.clone(), b, 1001, _Pair(9, 1), BLOCK=32)
+    assert len(kernel.compiles) == 1 and module.compiled_forms() == 1
+    args, grid, options = kernel.compiles[0]
+    assert args[2:] == (module.UNKNOWN_INT, _Pair(module.UNKNOWN_INT, 1)) and grid == (3, 2, 1)
+    assert options == dict(num_warps=4, num_stages=3, BLOCK=32)
+    # The launcher gets the real values, tuples plain, and the constexprs after them.
+    assert [(tail, grid) for tail, grid, _ in ran] == [((32,), (3, 2, 1)), ((32,), (5, 1, 1))]
+    assert ran[1][2][2:] == (1001, (9, 1)) and type(ran[1][2][3]) is tuple
+    module.launch(kernel, (5,), a[1:], b, 1001, _Pair(9, 1), BLOCK=32)  # misaligned
+    module.launch(kernel, (5,), a, b.long(), 1001, _Pair(9, 1), BLOCK=32)  # another dtype
+    module.launch(kernel, (5,), a, b, 1024, _Pair(9, 1), BLOCK=32)  # another length: reused
+    module.launch(kernel, (5,), a, b, 1, _Pair(9, 1), BLOCK=32)  # 1 is compiled in
+    module.launch(kernel, (5,), a, b, 1001, _Pair(9, 1), BLOCK=64)  # another constexpr
+    assert len(kernel.compiles) == 5 and module.compiled_forms() == 5 and len(ran) == 7
+
+
+def test_planned_and_one_off_launches_take_one_path(direct, monkeypatch):
+    """Compile-only hands ``kernel.warmup`` and the form to the executor; with hooks installed
+    a launch goes through ``kernel[grid]`` with the real values (a bool tensor as uint8); both
+    for a plan and for ``launch``."""
+    module, ran = direct
+    mask, b = torch.zeros(64, dtype=torch.bool), torch.zeros(64, dtype=torch.int32)
+
+    class Recorder:
+        def __init__(self):
+            self.submitted = []
+
+        def submit(self, fn, *args, **kwargs):
+            self.submitted.append((fn, args, kwargs))
+            future = Future()
+            future.set_result(None)
+            return future
+
+    kernel = _Kernel()
+    plan = module.PlannedLaunch(kernel, (4,), None, (1000, _Pair(3, 1)), BLOCK=16)
+    recorder = Recorder()
+    with module.compile_only(recorder):
+        for length in (1000, 1001):  # one form: the repeats start no compile
+            plan(mask, b)
+            module.launch(kernel, (4,), mask, b, length, _Pair(3, 1), BLOCK=16)
+    assert not ran and not kernel.jit
+    # The same compile from each (the plan notes its form with the mask as uint8, launch as
+    # bool, as before they shared a path).
+    assert len(recorder.submitted) == 2
+    for fn, args, kwargs in recorder.submitted:
+        assert fn == kernel.warmup and args[0].dtype == torch.uint8 and args[1] is b
+        assert args[2:] == (module.UNKNOWN_INT, (module.UNKNOWN_INT, 1))
+        assert kwargs == dict(grid=(4, 1, 1), num_warps=4, num_stages=3, BLOCK=16)
+
+    monkeypatch.setattr(module, "_direct_launch_available", lambda: False)
+    plan(mask, b)
+    module.launch(kernel, (4,), mask, b, 1000, _Pair(3, 1), BLOCK=16)
+    assert not ran and len(kernel.jit) == 2
+    for grid, args, options in kernel.jit:
+        assert grid == (4, 1, 1) and args[0].dtype == torch.uint8 and args[2:] == (
+            1000, (3, 1))
+        assert options == dict(num_warps=4, num_stages=3, BLOCK=16)

@@ -33,10 +33,10 @@ CASES = [
 
 
 def packed(q, k, v, mask=None, bias=None, causal=False, **kwargs):
-    """The packed route's schedule of this call; fails where another route would run."""
+    """The packed route's launch of this call; fails where another route would run."""
     bwd = backward_schedule(q, k, v, mask, bias, causal, **kwargs)
     assert bwd.route is BackwardRoute.PACKED, f"this call takes the {bwd.route} backward"
-    return bwd
+    return bwd.packed
 
 
 @pytest.mark.parametrize("dims,split", CASES)
@@ -44,7 +44,7 @@ def packed(q, k, v, mask=None, bias=None, causal=False, **kwargs):
 def test_packed_grads(dims, split, causal, device):
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     run_backward(q, k, v, None, None, causal)
-    assert (packed(q, k, v, None, None, causal).packed_key_splits > 1) == split
+    assert (packed(q, k, v, None, None, causal).key_splits > 1) == split
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,7 +77,7 @@ def test_packed_split_is_deterministic(device):
     dims = Dims(1, 1, 1031, heads_q=4, heads_kv=1, head_dim=40)
     q, k, v = random_qkv(dims, torch.float16, device)
     assert_deterministic_grads(q, k, v, None, None, True)
-    assert packed(q, k, v, None, None, True, deterministic=True).packed_key_splits > 1
+    assert packed(q, k, v, None, None, True, deterministic=True).key_splits > 1
 
 
 # (dims, mask shape, bias shape): decode and few-row shapes with each head layout of a mask
@@ -115,7 +115,7 @@ def test_packed_bias_grad_dtypes(dtype, device):
     dims = Dims(1, 1, 1031, heads_q=8, heads_kv=2, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, dtype, device, "BxHkx1xLk", "BxHkx1xLk")
     run_backward(q, k, v, mask, bias, True)
-    assert packed(q, k, v, mask, bias, True).packed_key_splits > 1
+    assert packed(q, k, v, mask, bias, True).key_splits > 1
 
 
 def test_packed_bias_without_grad(device):
@@ -168,7 +168,7 @@ def test_packed_masked_split_is_deterministic(device):
     dims = Dims(1, 1, 1031, heads_q=4, heads_kv=1, head_dim=40)
     q, k, v, mask, bias = random_problem(dims, torch.float16, device, "1x1x1xLk", "1xHkx1xLk")
     assert_deterministic_grads(q, k, v, mask, bias, True)
-    assert packed(q, k, v, mask, bias, True, deterministic=True).packed_key_splits > 1
+    assert packed(q, k, v, mask, bias, True, deterministic=True).key_splits > 1
 
 
 # Blocks of this many keys are live or dead as a whole in ``block_sparse_mask``: a multiple of
@@ -219,7 +219,7 @@ def test_packed_prepared_block_sparse_skips_dead_blocks(dims, mask_shape, bias_s
         return dmattn_func(q, k, v, prepared, bias, causal, scale, **kwargs)
 
     run_backward(q, k, v, mask, bias, causal, func=with_prepared)
-    assert packed(q, k, v, prepared, bias, causal).packed_skips_dead_blocks
+    assert packed(q, k, v, prepared, bias, causal).skips_dead_blocks
 
 
 def test_packed_skipped_blocks_read_no_keys_or_values(device):
@@ -235,7 +235,7 @@ def test_packed_skipped_blocks_read_no_keys_or_values(device):
     clean = grads_of(dmattn_func, q, k, v, prepared, None, False, None, grad_out)
     poisoned = grads_of(dmattn_func, q, nan_in_band(k, dead), nan_in_band(v, dead), prepared,
                         None, False, None, grad_out)
-    assert packed(q, k, v, prepared).packed_skips_dead_blocks
+    assert packed(q, k, v, prepared).skips_dead_blocks
     assert torch.equal(poisoned.dq, clean.dq)
     assert torch.equal(poisoned.dk, clean.dk) and torch.equal(poisoned.dv, clean.dv)
     assert (clean.dk[:, dead] == 0).all() and (clean.dv[:, dead] == 0).all()
@@ -252,7 +252,7 @@ def test_which_masks_skip_dead_blocks(every, prepared, skips, device):
     mask = block_sparse_mask(dims, dims.operand_shape("1", "Hk", "1", "Lk"), device, every)
     attn_mask = prepare_mask(mask, q, k) if prepared else mask
     grads_of(dmattn_func, q, k, v, attn_mask, None, False, None, torch.randn_like(q))
-    assert packed(q, k, v, attn_mask).packed_skips_dead_blocks == skips
+    assert packed(q, k, v, attn_mask).skips_dead_blocks == skips
 
 
 def test_live_share_counts_blocks_live_in_any_head_of_a_tile(device):

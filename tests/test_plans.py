@@ -211,7 +211,7 @@ def test_prepare_mask_counts_dkdv_partial_tiles(device):
     q, k, v = random_qkv(DIMS, torch.bfloat16, device)
     mask = random_mask(DIMS.full_operand_shape("Hk"), device)
     prepared = prepare_mask(mask, q, k)
-    dkdv = schedule_for(q, k, v, prepared).backward.dkdv
+    dkdv = schedule_for(q, k, v, prepared).backward.general.dkdv
     share = prepared.activity.partial_share(dkdv.block_n, dkdv.block_m, True)
     assert share is not None and 0.0 <= share <= 1.0
 
@@ -223,7 +223,7 @@ def test_prepare_mask_in_a_graph_capture_leaves_the_share_uncounted(device, monk
 
     q, k, v = random_qkv(DIMS, torch.bfloat16, device)
     mask = random_mask(DIMS.full_operand_shape("Hk"), device)
-    cfg_kv = schedule_for(q, k, v, mask).backward.dkdv
+    cfg_kv = schedule_for(q, k, v, mask).backward.general.dkdv
     if device.type == "cuda":
         prepare_mask(mask, q, k)  # compile the list kernels outside the capture
         graph = torch.cuda.CUDAGraph()

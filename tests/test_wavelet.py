@@ -1,5 +1,5 @@
 """kernels.masks.wavelet: the Triton kernels of topk_intervals' causal selection give the bits of the
-torch ops they replace (``topk_intervals._kth_smallest`` and ``_intervals``' epilogue).
+torch ops they replace (``topk._kth_smallest`` and ``_intervals``' epilogue).
 
 Under the interpreter (the default CPU run) the kernels run on CPU tensors, as topk_intervals
 runs them there; ``--device cuda`` compares them with the torch ops on the GPU.

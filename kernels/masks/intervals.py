@@ -16,7 +16,7 @@ What the kernels read, and the rule their tile skipping follows:
 * ``block_bounds(block_n)``: per block of ``block_n`` keys, the four bounds that decide whether
   a tile of query rows [m0, m1) by that key block may have a visible pair (active), and whether
   every pair of it is visible (full). See :class:`IntervalBlockBounds`. The kernels compute the
-  same bounds on the device in one launch (``_blocks.interval_activity``); this is their
+  same bounds on the device in one launch (``activity.interval_activity``); this is their
   definition in torch, which the tests hold that launch to.
 """
 

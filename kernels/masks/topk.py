@@ -276,7 +276,7 @@ def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
 
 def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
     """int32 (start, end) of the (R, Lk) bias rows, one sequence each, and with ``ordered``
-    their key order (``key_order.grouping_order``); capturable."""
+    their key order (``grouping.grouping_order``); capturable."""
     start, end = _intervals(bias, window, is_causal, seqlen_q, None)
     start, end = start.to(torch.int32), end.to(torch.int32)
     return (start, end, grouping_order(start, end)) if ordered else (start, end)

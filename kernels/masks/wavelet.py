@@ -25,7 +25,7 @@ MAX_LENGTH = 2**31 - 2 * BLOCK  # longer rows take the torch version
 def runs_kernels(device: torch.device, n: int) -> bool:
     """Whether rows of ``n`` values on ``device`` take these kernels: on CUDA, and on the CPU
     under Triton's interpreter (as every kernel of this package does) where that interpreter
-    can run them (``_launch.interpreter_problem``)."""
+    can run them (``launch.interpreter_problem``)."""
     if n > MAX_LENGTH:
         return False
     if device.type == "cuda":
@@ -72,7 +72,7 @@ class _Levels:
 
 def kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  k: torch.Tensor) -> torch.Tensor:
-    """``topk_intervals._kth_smallest`` (same arguments, same bits) by these kernels."""
+    """``topk._kth_smallest`` (same arguments, same bits) by these kernels."""
     rows, m = lo.shape
     answer = torch.empty(rows, m, dtype=torch.int64, device=values.device)
     if not (rows and m):
@@ -87,7 +87,7 @@ def kth_smallest(values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
 
 def causal_intervals(order: torch.Tensor, window: int, seqlen_q: int | None,
                      keys=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 (start, end), (rows, n), of ``topk_intervals._intervals`` with causality, from
+    """int32 (start, end), (rows, n), of ``topk._intervals`` with causality, from
     the rows' rank order ((rows, n) int64, positions sorted by rank). ``keys``: the
     ``PackedKeys`` of packed sequences, or None for one sequence of n keys and ``seqlen_q``
     queries."""

@@ -28,7 +28,7 @@ from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles,
                                 compared_dkdv_tiles, packed_tile, packed_tile_heads, takes_packed,
                                 wide_tile_possible)
 from .dbias import DbiasMode, broadcast_args
-from .forward_schedule import edge_slots, grid_chunk_rows
+from .grids import edge_slots, grid_chunk_rows
 from .inputs import operand_pointer
 from .problem import Problem
 from .schedule import schedule
@@ -76,7 +76,8 @@ class BackwardPlan:
         problem = fwd.schedule.problem
         block_d = problem.block_d
         sms = problem.multiprocessors
-        cfg_kv, cfg_q = bwd.dkdv, bwd.dq
+        launches = bwd.general
+        cfg_kv, cfg_q = launches.dkdv, launches.dq
         self.schedule = bwd
         self.device = fwd.device
         self.dbias = bwd.dbias
@@ -95,13 +96,13 @@ class BackwardPlan:
 
         key_blocks = ceil_div(shape.seqlen_k, cfg_kv.block_n)
         rows_grid = (ceil_div(shape.seqlen_q, cfg_q.block_m), shape.batch * shape.heads_q)
-        self.splits = bwd.dq_key_splits
+        self.splits = launches.dq_key_splits
         dq_programs = rows_grid[0] * rows_grid[1] * self.splits
-        batches_per_launch = 1 if bwd.dkdv_launch_per_batch else shape.batch
-        heads_per_launch = 1 if bwd.dkdv_launch_per_head else shape.heads_kv
+        batches_per_launch = 1 if launches.dkdv_launch_per_batch else shape.batch
+        heads_per_launch = 1 if launches.dkdv_launch_per_head else shape.heads_kv
         pairs = batches_per_launch * heads_per_launch
-        self.head_shares = bwd.dkdv_head_shares
-        self.group_rows = bwd.dkdv_group_rows
+        self.head_shares = launches.dkdv_head_shares
+        self.group_rows = launches.dkdv_group_rows
         group_rows_shape = (shape.batch, shape.heads_q, 1, shape.seqlen_k)
 
         strides = BackwardStrides(
@@ -114,14 +115,14 @@ class BackwardPlan:
             dbias=plan.target if plan else ABSENT,
             q_lists=block_list_strides(q_lists, shape.batch),
             kv_lists=block_list_strides(kv_lists, shape.batch))
-        dbias_mode = (plan.mode if plan else DbiasMode.NONE).value
+        dbias_mode = (plan.mode if plan else DbiasMode.NONE).code
         # With group rows, dkdv writes a one-row gradient per query head into scratch rows of
         # (B, Hq, 1, Lk) and the last share of each key block sums its group's rows.
         dkdv_layouts, dkdv_dbias_mode = layouts, dbias_mode
         if self.group_rows:
             dkdv_layouts = layouts._replace(
                 dbias=broadcast_args(group_rows_shape, group_rows_shape, 1))
-            dkdv_dbias_mode = DbiasMode.DKDV_ROWS.value
+            dkdv_dbias_mode = DbiasMode.DKDV_ROWS.code
         sizes = sizes_of(shape)
         scales = (fwd.softmax_scale * LOG2E, fwd.softmax_scale)
         common = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d,
@@ -163,8 +164,8 @@ class BackwardPlan:
                     GROUP_ROWS=self.group_rows,
                     num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages, **common,
                 )
-                for batch_start in (range(shape.batch) if bwd.dkdv_launch_per_batch else (0,))
-                for head_start in (range(shape.heads_kv) if bwd.dkdv_launch_per_head else (0,))
+                for batch_start in range(0, shape.batch, batches_per_launch)
+                for head_start in range(0, shape.heads_kv, heads_per_launch)
             ]
             self.dq = PlannedLaunch(
                 attn_bwd_dq_kernel, (rows_grid[0] * rows_grid[1], 1, self.splits), DqPointers,

@@ -25,10 +25,11 @@ class PackedBackwardPlan:
                  activity=None):
         shape = fwd.shape
         problem = fwd.schedule.problem
-        tile = bwd.packed
+        launch = bwd.packed
+        tile = launch.tile
         pairs = shape.batch * shape.heads_kv
         self.schedule = bwd
-        self.splits = bwd.packed_key_splits
+        self.splits = launch.key_splits
         self.device = fwd.device
         self.dbias = bwd.dbias
         writes_dbias = self.dbias is not None and self.dbias.packed
@@ -47,10 +48,10 @@ class PackedBackwardPlan:
             BLOCK_N=tile.block_n,
             HAS_MASK=fwd.mask_layout is not None, HAS_BIAS=fwd.bias_layout is not None,
             BIAS_ROW=fwd.bias_one_row and problem.bias.shared_by(shape.group_size),
-            DBIAS_MODE=self.dbias.mode.value if writes_dbias else DbiasMode.NONE.value,
+            DBIAS_MODE=(self.dbias.mode if writes_dbias else DbiasMode.NONE).code,
             IS_CAUSAL=fwd.is_causal, **dot_options(fwd.dtype, problem.interpreted),
             SPLIT_KEYS=self.splits > 1,
-            SKIP_DEAD_BLOCKS=bwd.packed_skips_dead_blocks,
+            SKIP_DEAD_BLOCKS=launch.skips_dead_blocks,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
         split = self.splits > 1

@@ -1,6 +1,10 @@
 """The backward launches of a ``Problem``: the route (one fused launch, dq then dkdv, or the
 packed decode launch), each launch's tile and stages, dq's key splits, dkdv's head shares and
-the bias gradient's plan. ``kernels.schedule`` combines it with the forward's."""
+the bias gradient's plan. ``kernels.schedule`` combines it with the forward's.
+
+A ``BackwardSchedule`` holds what every route has (the route and the bias gradient's plan) and
+the launches of its route: ``GeneralBackward`` (routes ``fused`` and ``dq+dkdv``) or
+``PackedBackward`` (route ``packed``)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .dbias import DbiasMode, DbiasPlan, plan_dbias, plan_packed_dbias
-from .forward_schedule import key_splits
+from .grids import key_splits
 from .problem import Problem
 
 
@@ -28,14 +32,12 @@ class BackwardRoute(str, Enum):
 
 
 @dataclass(frozen=True)
-class BackwardSchedule:
-    """The backward's launches. ``dbias`` holds the bias gradient's plan (None: no gradient);
-    its ``mode`` is the decision. Route PACKED uses ``packed``; the others ``dkdv`` and ``dq``."""
+class GeneralBackward:
+    """The launches of routes ``fused`` and ``dq+dkdv``: dkdv's and dq's tiles, dq's key splits
+    and dkdv's shares of a GQA group's heads."""
 
-    route: BackwardRoute
-    dbias: DbiasPlan | None
-    dkdv: tuning.Tile | None = None
-    dq: tuning.Tile | None = None
+    dkdv: tuning.Tile
+    dq: tuning.Tile
     dq_key_splits: int = 1
     dkdv_head_shares: int = 1
     # dkdv with head shares writes a one-row gradient per query head to scratch; the last share
@@ -45,13 +47,49 @@ class BackwardSchedule:
     # colliding batch and/or kv head, in a fixed order.
     dkdv_launch_per_batch: bool = False
     dkdv_launch_per_head: bool = False
-    packed: tuning.Tile | None = None
-    packed_key_splits: int = 1
-    packed_skips_dead_blocks: bool = False
+
+
+@dataclass(frozen=True)
+class PackedBackward:
+    """The launch of route ``packed``: its tile, its key splits and whether it branches around
+    dead key blocks (``skips_dead_blocks``)."""
+
+    tile: tuning.Tile
+    key_splits: int = 1
+    skips_dead_blocks: bool = False
+
+
+@dataclass(frozen=True)
+class BackwardSchedule:
+    """The backward's launches. ``dbias`` holds the bias gradient's plan (None: no gradient);
+    its ``mode`` is the decision. ``launches`` are the route's: ``PackedBackward`` for route
+    PACKED, ``GeneralBackward`` for the others (also as ``packed`` and ``general``)."""
+
+    route: BackwardRoute
+    dbias: DbiasPlan | None
+    launches: GeneralBackward | PackedBackward
+
+    def __post_init__(self):
+        if (self.route is BackwardRoute.PACKED) != isinstance(self.launches, PackedBackward):
+            raise TypeError(f"route {self.route} cannot run {type(self.launches).__name__}")
 
     @property
     def dbias_mode(self) -> DbiasMode:
         return self.dbias.mode if self.dbias is not None else DbiasMode.NONE
+
+    @property
+    def general(self) -> GeneralBackward:
+        """The launches of routes ``fused`` and ``dq+dkdv``."""
+        if not isinstance(self.launches, GeneralBackward):
+            raise TypeError(f"route {self.route} has no general backward launches")
+        return self.launches
+
+    @property
+    def packed(self) -> PackedBackward:
+        """The launch of route ``packed``."""
+        if not isinstance(self.launches, PackedBackward):
+            raise TypeError(f"route {self.route} has no packed backward launch")
+        return self.launches
 
 
 def wide_tile_possible(problem: Problem) -> bool:
@@ -219,14 +257,11 @@ def schedule_packed(problem: Problem, dbias: DbiasPlan | None) -> BackwardSchedu
     shape = problem.shape
     tile = packed_tile(problem)
     pairs = shape.batch * shape.heads_kv
-    return BackwardSchedule(
-        route=BackwardRoute.PACKED,
-        dbias=dbias,
-        packed=tile,
-        packed_key_splits=key_splits(pairs, ceil_div(shape.seqlen_k, tile.block_n),
-                                     problem.multiprocessors,
-                                     tuning.MIN_BLOCKS_PER_SPLIT),
-        packed_skips_dead_blocks=skips_dead_blocks(problem, tile))
+    return BackwardSchedule(BackwardRoute.PACKED, dbias, PackedBackward(
+        tile=tile,
+        key_splits=key_splits(pairs, ceil_div(shape.seqlen_k, tile.block_n),
+                              problem.multiprocessors, tuning.MIN_BLOCKS_PER_SPLIT),
+        skips_dead_blocks=skips_dead_blocks(problem, tile)))
 
 
 def schedule_general(problem: Problem, options: dict) -> BackwardSchedule:
@@ -266,12 +301,11 @@ def schedule_general(problem: Problem, options: dict) -> BackwardSchedule:
         raise ValueError(f"kernel_options['dkdv_head_shares']: must divide the GQA group of "
                          f"{shape.group_size} query heads, got {shares}")
     stages = dkdv_stages(problem, dkdv) if route is BackwardRoute.SEPARATE else dkdv.num_stages
-    return BackwardSchedule(
-        route=route, dbias=dbias,
+    return BackwardSchedule(route, dbias, GeneralBackward(
         dkdv=tuning.Tile(dkdv.block_m, dkdv.block_n, dkdv.num_warps, stages), dq=dq,
         dq_key_splits=splits, dkdv_head_shares=shares,
         dkdv_group_rows=shares > 1 and bool(dbias and dbias.sum_group),
-        dkdv_launch_per_batch=per_batch, dkdv_launch_per_head=per_head)
+        dkdv_launch_per_batch=per_batch, dkdv_launch_per_head=per_head))
 
 
 def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:

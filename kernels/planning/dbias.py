@@ -28,36 +28,21 @@ broadcasts along. No plan ever allocates (B, Hq, Lq, Lk):
   (batch, kv-head) slice, in a fixed order.
 
 Partials are O(B·Hq·L), the same order as LSE; the reductions in torch are deterministic.
+
+The modes (``DbiasMode``) are defined in ``triton_device.dbias_modes``, beside the integer
+constants the kernels compare their ``DBIAS_MODE`` with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
 from ..runtime.arith import contiguous_strides
+from ..triton_device.dbias_modes import DbiasMode
 from ..triton_device.operands import Layout
 from .inputs import AttnShape
-
-
-class DbiasMode(str, Enum):
-    """How the bias gradient is made (the module docstring says why each exists)."""
-
-    NONE = "none"  # no gradient wanted
-    ZERO = "zero"  # key-broadcast bias: exactly zero, no kernel work
-    DKDV_ROWS = "dkdv-rows"  # one-row bias: dkdv sums dS over queries, a row per query head
-    DKDV_GROUP_ROWS = "dkdv-group-rows"  # ... and over the GQA group: a row per kv head
-    DQ_TILES = "dq-tiles"  # full-size tiles stored by dq, one contributor per element
-    DQ_TILES_ATOMIC = "dq-tiles-atomic"  # ... several contributors: atomic adds into fp32
-    DKDV_TILES_ORDERED = "dkdv-tiles-ordered"  # deterministic, several contributors: dkdv
-    # adds the group's heads in order, colliding slices in serialized launches
-    PACKED_SUMMED_ROWS = "packed-summed-rows"  # packed launch: a tile's rows share one row
-    PACKED_ROWS = "packed-rows"  # packed launch: each tile row owns its own bias row
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """The forward launch of a ``Problem``: its tile, GQA packing, key splits, grid order, and
 whether it reads unprepared intervals itself. ``kernels.schedule`` combines it with the
-backward's. The grid rules the backward's launches follow too (``key_splits``,
-``grid_chunk_rows``, ``edge_slots``) are here, where the forward first uses them."""
+backward's. The grid rules it shares with the backward's launches are in ``grids``."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import torch
 
 from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
+from .grids import edge_slots, grid_chunk_rows, key_splits
 from .problem import Problem
 
 
@@ -27,7 +27,7 @@ class ForwardSchedule:
     edge_slots: int
     bias_row: bool
     # The program reads the caller's interval tensors and finds its own range of key blocks
-    # (``_score.interval_block_range``): no activity map and no list, each pair tested.
+    # (``spans.interval_block_range``): no activity map and no list, each pair tested.
     scan_keys: bool = False
 
     @property
@@ -90,45 +90,6 @@ def group_pack(problem: Problem, block_m: int) -> int:
     if problem.mask is None and problem.shape.seqlen_q >= block_m:
         return 1
     return group
-
-
-def key_splits(programs: int, key_blocks: int, multiprocessors: int, min_blocks: int) -> int:
-    """Key shares for a grid of ``programs`` (1: none): only where it fills less than half the
-    GPU, about ``SPLIT_PROGRAMS_PER_SM`` programs per multiprocessor, at least ``min_blocks``
-    key blocks a share."""
-    if 2 * programs > multiprocessors:
-        return 1
-    return max(1, min(ceil_div(tuning.SPLIT_PROGRAMS_PER_SM * multiprocessors, programs),
-                      key_blocks // min_blocks, tuning.MAX_KEY_SPLITS))
-
-
-def grid_chunk_rows(rows: int, blocks: int, group: int, uneven: bool,
-                    multiprocessors: int) -> int:
-    """Rows per chunk of a ``_score.grid_position`` grid: ``rows`` rows of ``blocks`` programs
-    each, consecutive runs of ``group`` rows sharing K and V (a GQA group).
-
-    With even work per program, one row per chunk: the programs running together then belong
-    to one or two heads and share their K and V in L2. With uneven work (causal), a chunk
-    starts its longest programs first and ends on its shortest, which keeps the grid's last
-    wave short, but only if the chunk holds enough programs to fill the GPU several times
-    over; more rows than that only spread the programs running together over more heads.
-    """
-    if not uneven:
-        return 1
-    # The fewest whole groups that divide the rows into equal chunks and fill the GPU: a
-    # narrower last chunk would end the grid on its own longest programs.
-    for size in range(group, rows, group):
-        if rows % size == 0 and size * blocks >= tuning.CHUNK_PROGRAMS_PER_SM * multiprocessors:
-            return size
-    return rows
-
-
-def edge_slots(loop_rows: int, step_rows: int) -> int:
-    """List entries read from each end by ``_score.interior_span``: a loop over
-    ``step_rows``-sized blocks crosses the causal diagonal of a ``loop_rows``-sized block in at
-    most ceil(loop_rows / step_rows) + 1 blocks; a partial last block is one of those or one
-    more."""
-    return next_power_of_2(ceil_div(loop_rows, step_rows) + 2)
 
 
 def scan_keys(problem: Problem, options: dict, splits: int = 1) -> bool:

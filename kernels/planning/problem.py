@@ -37,7 +37,7 @@ class OperandLayout:
 @dataclass(frozen=True)
 class Problem:
     """One call, as far as the schedule depends on it. ``activity`` is the mask's activity map
-    (``_blocks.ActivityMap``); only the shares it has counted are read."""
+    (``activity.ActivityMap``); only the shares it has counted are read."""
 
     shape: AttnShape
     dtype: torch.dtype

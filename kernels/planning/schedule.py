@@ -1,6 +1,6 @@
 """What runs for one attention problem, decided in one place.
 
-``kernels.problem.Problem`` describes a call: sizes, dtype, device, the mask's and bias's
+``kernels.planning.problem.Problem`` describes a call: sizes, dtype, device, the mask's and bias's
 layouts, causality, scale, what the backward must produce and the mask's counted activity.
 ``schedule(problem, options)`` is a pure function of it. Its ``Schedule`` names every
 decision: the forward's tile, GQA packing and key splits; the backward's route (one fused
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles, schedule_backward,
-                                wide_tile_possible)
+from .backward_schedule import (BackwardRoute, BackwardSchedule, PackedBackward, backward_tiles,
+                                schedule_backward, wide_tile_possible)
 from .forward_schedule import ForwardSchedule, forward_list_tiles, schedule_forward
 from .problem import Problem
 
@@ -40,6 +40,17 @@ def activity_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[in
     return tuple(dict.fromkeys(tiles))
 
 
+def backward_items(backward: BackwardSchedule) -> list[tuple[str, object]]:
+    """(name, value) of what ``Schedule.__str__`` prints of the backward: the packed launch's
+    tile, key splits and skipping, or the general route, bias-gradient mode and launches."""
+    launches = backward.launches
+    if isinstance(launches, PackedBackward):
+        return [("packed", launches.tile), ("packed_key_splits", launches.key_splits),
+                ("packed_skips_dead_blocks", launches.skips_dead_blocks)]
+    return [("route", backward.route), ("dbias", backward.dbias_mode),
+            *((f.name, getattr(launches, f.name)) for f in fields(launches))]
+
+
 @dataclass(frozen=True)
 class Schedule:
     problem: Problem
@@ -53,16 +64,9 @@ class Schedule:
                  f"{' causal' if self.problem.is_causal else ''}"
                  f"{' mask' + str(self.problem.mask.shape) if self.problem.mask else ''}"
                  f"{' bias' + str(self.problem.bias.shape) if self.problem.bias else ''}"]
-        for part, value in (("forward", self.forward), ("backward", self.backward)):
-            shown = [f.name for f in fields(value)]
-            if part == "backward":
-                general = self.backward.route is not BackwardRoute.PACKED
-                shown = [name for name in shown if name.startswith("packed") != general]
-            items = []
-            for name in shown:
-                item = self.backward.dbias_mode if name == "dbias" else getattr(value, name)
-                items.append(f"{name}={item}")
-            lines.append(f"{part}: " + ", ".join(items))
+        forward = [(f.name, getattr(self.forward, f.name)) for f in fields(self.forward)]
+        for part, items in (("forward", forward), ("backward", backward_items(self.backward))):
+            lines.append(f"{part}: " + ", ".join(f"{name}={value}" for name, value in items))
         return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ FORWARD_D128 = Tile(64, 64, 4, 3)
 FORWARD_D128_INTERVALS = Tile(64, 64, 4, 3)
 FORWARD_D256 = Tile(64, 32, 4, 2)
 # KeyIntervals masks take the same tiles as bool masks. Read as one int64 word per key
-# (``_score.mask_keeps``), the D80 forward compiles without spills at 128x64 w8 s3. B1 H16/4
+# (``score.mask_keeps``), the D80 forward compiles without spills at 128x64 w8 s3. B1 H16/4
 # L4096 topk W1024 kv_row causal, H100, ms per call (30 calls per sample, median of 5):
 #   D80:  128x64 w8 s3 0.233, s2 0.253, 128x32 w8 s3 0.276; bool mask 0.254
 #   D96:  128x64 w8 s3 0.234, s2 0.258; bool 0.257

@@ -1,6 +1,8 @@
 """Launching Triton kernels: whether they run under the interpreter, what a launch is compiled for
-(its compile form), the direct launch path that skips Triton's per-call dispatch, and the
-compile-only mode of ``kernels.warmup``."""
+(its compile form), and the one launch path, ``PlannedLaunch.__call__``, which hands the compile
+to ``compile_only``'s executor (``kernels.warmup``), goes through Triton's JIT dispatch (the
+interpreter, launch hooks), or calls the compiled kernel's launcher directly. ``launch`` is a
+one-off launch made through a plan of its own."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def interpreter_problem() -> str | None:
 
 
 def dot_options(dtype: torch.dtype, interpreted: bool) -> dict:
-    """Compile-time dot settings shared by every kernel (see ``_score.mma``)."""
+    """Compile-time dot settings shared by every kernel (see ``score.mma``)."""
     return dict(
         # fp32 inputs are for tight gradient checks: keep the dots in true fp32, not tf32.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -188,10 +190,10 @@ def _note_form(kernel, args: tuple, options: dict) -> None:
 # each argument, builds a cache key and looks the compiled kernel up. On the H100 benchmark
 # host that is ~37 us per launch back to back and ~75 us inside a real call, against ~9 us for
 # the compiled kernel's own launcher (triton 3.6), and the backward makes
-# three launches. ``launch`` compiles once per form (``compile_form``) and then calls the
-# compiled kernel's launcher directly.
-MAX_SIGNATURES = 256  # per kernel; a model or a sweep uses a handful of forms
-_compiled: dict = {}
+# three launches. A ``PlannedLaunch`` compiles once per form (``compile_form``) and then calls
+# the compiled kernel's launcher directly.
+MAX_SIGNATURES = 256  # per kernel, of ``launch``; a model or a sweep uses a handful of forms
+_compiled: dict = {}  # kernel -> signature of a ``launch`` -> what its plans have compiled
 
 
 try:  # the Triton internals the direct path needs (triton 3.x)
@@ -283,33 +285,6 @@ def _grid3(grid: tuple) -> tuple:
     return tuple(grid) + (1,) * (3 - len(grid))
 
 
-def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
-           **constexprs) -> None:
-    """``kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)``, compiled for the
-    arguments' ``compile_form`` and with Triton's per-call dispatch skipped on repeat forms.
-    ``args`` are the runtime arguments in the kernel's order and ``constexprs`` name every
-    remaining parameter."""
-    options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
-    form = tuple(map(compile_form, args))
-    if _compile_executor is not None:
-        _start_compile(kernel, _grid3(grid), form, options)
-        return
-    if is_interpreted(kernel) or not _direct_launch_available():
-        _note_form(kernel, form, options)
-        kernel[grid](*map(_kernel_arg, args), **options)
-        return
-    device = _current_device()
-    key = (device, num_warps, num_stages, tuple(constexprs.values()), specialization(form))
-    cache = _compiled.setdefault(kernel, OrderedDict())
-    hit = cache.get(key)
-    if hit is None:
-        _note_form(kernel, form, options)
-        hit = cache[key] = _compile(kernel, _grid3(grid), form, options)
-        if len(cache) > MAX_SIGNATURES:
-            cache.popitem(last=False)
-    _run_compiled(hit, _grid3(grid), tuple(map(_plain, args)), device)
-
-
 def _plain(value):
     """``value`` with every NamedTuple in it turned into a plain tuple. The compiled kernel's
     launcher reads tuple arguments by position, and a plain tuple is its fast path: 8 tuples
@@ -334,6 +309,11 @@ class PlannedLaunch:
     the scalars are compiled for their ``compile_form``, so the only thing left that a call
     changes is each pointer's 16-byte alignment: one compiled kernel is kept per alignment
     pattern and device.
+
+    A call is the one place that decides how a launch runs (``launch``'s too): under
+    ``compile_only`` it hands the compile of its form to the executor; under the interpreter
+    or with launch hooks installed it goes through Triton's JIT dispatch, noting its form; else
+    it compiles once per form and calls the compiled kernel's launcher (the hot path).
     """
 
     def __init__(self, kernel, grid: tuple, pointers: type, scalars: tuple,
@@ -343,8 +323,8 @@ class PlannedLaunch:
         self.grid = _grid3(grid)
         self.pointers = pointers
         self.scalars = tuple(scalars)
-        self._plain_scalars = _plain(self.scalars)
-        self._form_scalars = compile_form(self.scalars)
+        self._plain_scalars = tuple(map(_plain, self.scalars))
+        self._form_scalars = tuple(map(compile_form, self.scalars))
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
         self._compiled: dict = {}
 
@@ -354,16 +334,16 @@ class PlannedLaunch:
         return tensors if self.pointers is None else (self.pointers(*tensors),)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        if _compile_executor is not None:
+        if _compile_executor is not None:  # compile-only: the executor compiles the form
             form = (*self._leading(tensors), *self._form_scalars)
             _start_compile(self.kernel, self.grid, form, self.options)
             return
-        if self.interpreted or not _direct_launch_available():
+        if self.interpreted or not _direct_launch_available():  # Triton's JIT dispatch
             leading = self._leading(tensors)
             _note_form(self.kernel, (*leading, *self._form_scalars), self.options)
-            self.kernel[self.grid](*leading, *self.scalars, **self.options)
+            self.kernel[self.grid](*leading, *map(_kernel_arg, self.scalars), **self.options)
             return
-        device = _current_device()
+        device = _current_device()  # direct: the compiled kernel's own launcher
         # The launcher takes addresses as plain ints too, which skips its per-tensor
         # ``data_ptr()`` call and pointer-attribute query (we read the addresses anyway).
         # ``map`` over C callables: no Python frame per pointer.
@@ -379,3 +359,26 @@ class PlannedLaunch:
         else:
             _run_compiled(hit, self.grid, (addresses, *self._plain_scalars), device)
 
+
+def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
+           **constexprs) -> None:
+    """``kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)``, compiled for the
+    arguments' ``compile_form`` and with Triton's per-call dispatch skipped on repeat forms.
+    ``args`` are the runtime arguments in the kernel's order and ``constexprs`` name every
+    remaining parameter.
+
+    A plan made for this one call, its arguments all scalars of the plan (the launcher then
+    reads each tensor's address itself). The plans of one signature (options, and what the
+    arguments are compiled for: the tensors' dtypes and alignments among it) share what they
+    compile, by device, as one plan's calls do."""
+    plan = PlannedLaunch(kernel, grid, None, args, num_warps, num_stages, **constexprs)
+    signature = (num_warps, num_stages, tuple(constexprs.values()),
+                 tuple(map(specialization, plan._form_scalars)))
+    signatures = _compiled.setdefault(kernel, OrderedDict())
+    compiled = signatures.get(signature)
+    if compiled is None:
+        compiled = signatures[signature] = {}
+        if len(signatures) > MAX_SIGNATURES:
+            signatures.popitem(last=False)
+    plan._compiled = compiled
+    plan()

@@ -23,7 +23,7 @@ def _tile_activity_kernel(
 
     The load block is wider than the map's tiles so that the mask loads stay long and
     vectorized whatever granularity the kernels' tiles need. The lengths come in ``sizes`` (a
-    ``_operands.Sizes``), which keeps them compiled for their divisibility by 16: the loads
+    ``operands.Sizes``), which keeps them compiled for their divisibility by 16: the loads
     stay vectorized only where the predicate's length is known to be a multiple of 16 (sm_90
     PTX: 4 vector loads against 64 byte loads at L4096)."""
     seqlen_q = sizes.seqlen_q
@@ -119,7 +119,7 @@ def _interval_activity_kernel(
     batch). It reads its COLS key blocks (SUB_COLS keys each) of ``start`` and ``end`` as the
     caller gave them (int32 or int64, any strides; a broadcast axis has stride 0), clamps them
     into [0, 2**31 - 1] and, in the programs of the first row chunk, writes each key's int64
-    word (start in the low half, end in the high half: ``_checks.interval_words``), which the
+    word (start in the low half, end in the high half: ``inputs.interval_words``), which the
     attention kernels read. Then the bounds of each key block and every tile's activity, as
     ``intervals.IntervalBlockBounds`` defines them: a tile of rows [m0, m1) is active where
     min_start < m1 and max_end > m0 over the block's non-empty intervals, and full (2) where

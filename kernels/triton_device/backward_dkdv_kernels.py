@@ -8,6 +8,7 @@ Axis letters: b batch, h head, m query position, n key position, d head dim.
 import triton
 import triton.language as tl
 
+from .dbias_modes import DKDV_GROUP_ROWS, DKDV_ROWS, DKDV_TILES_ORDERED
 from .partials import (last_share_arrived, store_gradient_rows, store_partial, sum_group_rows,
                        sum_partials)
 from .score import (clamp_index, head_base, load_bias, mma, probs_from_lse, scores_log2, seq_base,
@@ -144,10 +145,9 @@ def attn_bwd_dkdv_program(
     ``ptrs.dbias_sum``."""
     # The bias-gradient modes dkdv writes (``_dbias``): one-row sums over queries (and over
     # the group when it shares a row), or full tiles added in order (deterministic).
-    DBIAS_REDUCE_M: tl.constexpr = (DBIAS_MODE == "dkdv-rows") | \
-        (DBIAS_MODE == "dkdv-group-rows")
-    DBIAS_SUM_GROUP: tl.constexpr = DBIAS_MODE == "dkdv-group-rows"
-    DBIAS_ACCUMULATE: tl.constexpr = DBIAS_MODE == "dkdv-tiles-ordered"
+    DBIAS_REDUCE_M: tl.constexpr = (DBIAS_MODE == DKDV_ROWS) | (DBIAS_MODE == DKDV_GROUP_ROWS)
+    DBIAS_SUM_GROUP: tl.constexpr = DBIAS_MODE == DKDV_GROUP_ROWS
+    DBIAS_ACCUMULATE: tl.constexpr = DBIAS_MODE == DKDV_TILES_ORDERED
     HAS_DBIAS: tl.constexpr = DBIAS_REDUCE_M | DBIAS_ACCUMULATE
     seqlen_q = sizes.seqlen_q
     seqlen_k = sizes.seqlen_k

@@ -20,7 +20,7 @@ in one launch, each computing delta itself.
 Every kernel takes its tensors as one pointer tuple (``_operands``: ``DqPointers``...), the
 tensors' strides as one ``BackwardStrides``, the mask, bias, bias gradient and list tables as
 one ``BackwardLayouts`` and the sizes as one ``Sizes``. DBIAS_MODE is the bias gradient's
-``_dbias.DbiasMode`` value.
+``dbias_modes.DbiasMode`` code.
 
 Scores and probabilities are rebuilt with the forward's helpers from the saved LSE. dkdv works
 in the transposed (n, m) orientation so that its dots need no extra transposes of dS and P.
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .backward_dkdv_kernels import attn_bwd_dkdv_program
+from .dbias_modes import DQ_TILES, DQ_TILES_ATOMIC
 from .partials import merge_shares, store_gradient_rows
 from .score import (clamp_index, head_base, mma, probs_from_lse, query_tile_scores, seq_base,
                     tile_offsets, write_tile)
@@ -115,8 +116,8 @@ def _attn_bwd_dq_program(
     ``split`` of ``num_splits``. ``ptrs`` has the fields of ``DqPointers``."""
     # Full-size bias gradient tiles are dq's to write (see ``_dbias``), atomically where
     # several programs add into one element.
-    DQ_DBIAS: tl.constexpr = (DBIAS_MODE == "dq-tiles") | (DBIAS_MODE == "dq-tiles-atomic")
-    DBIAS_ATOMIC: tl.constexpr = DBIAS_MODE == "dq-tiles-atomic"
+    DQ_DBIAS: tl.constexpr = (DBIAS_MODE == DQ_TILES) | (DBIAS_MODE == DQ_TILES_ATOMIC)
+    DBIAS_ATOMIC: tl.constexpr = DBIAS_MODE == DQ_TILES_ATOMIC
     seqlen_q = sizes.seqlen_q
     seqlen_k = sizes.seqlen_k
     start_m = m_block * BLOCK_M

@@ -18,7 +18,7 @@ that no row keeps skip their K and V reads and store zero dk and dv. Where a pre
 leaves at most half the key blocks live, the launch instead branches around whole dead blocks
 (SKIP_DEAD_BLOCKS, ``backward_schedule.skips_dead_blocks``). A bias is added as in the forward,
 and its gradient (dS) is stored per key block by the one program that owns it (the PACKED_* modes
-of ``_dbias.DbiasMode``); a bias whose gradient would sum some but not all of a tile's rows
+of ``dbias_modes.DbiasMode``); a bias whose gradient would sum some but not all of a tile's rows
 (with G > 1 and Lq > 1: a (B, Hk, Lq, Lk) bias, or a (B, Hq, 1, Lk) one) keeps the general
 path (``backward_schedule.takes_packed``).
 """
@@ -26,6 +26,7 @@ path (``backward_schedule.takes_packed``).
 import triton
 import triton.language as tl
 
+from .dbias_modes import PACKED_ROWS, PACKED_SUMMED_ROWS
 from .partials import merge_shares
 from .score import (clamp_index, head_base, load_bias, mma, probs_from_lse, row_offsets,
                     scores_log2, seq_base, tile_offsets, visible_keys)
@@ -44,7 +45,7 @@ def _group_rows(ptr, b, offs_m, heads, strides):
 
 @triton.jit
 def _layout_rows(ptr, layout, b, offs_m, heads):
-    """``_group_rows`` of a broadcast operand of ``layout`` (``_operands.Layout``)."""
+    """``_group_rows`` of a broadcast operand of ``layout`` (``operands.Layout``)."""
     return _group_rows(ptr, b, offs_m, heads // layout.head_div,
                        (layout.stride_b, layout.stride_m, layout.stride_h))
 
@@ -60,9 +61,9 @@ def attn_bwd_packed_kernel(
 ):
     """dk and dv of key share ``program_id(0)`` of (batch, kv head) ``program_id(1)``, its
     part of the group's dq, and its key blocks' part of the bias gradient. ``ptrs`` is a
-    ``_operands.PackedPointers``; DBIAS_MODE the ``_dbias.DbiasMode`` value."""
-    DBIAS_SUM_ROWS: tl.constexpr = DBIAS_MODE == "packed-summed-rows"
-    DBIAS_PER_ROW: tl.constexpr = DBIAS_MODE == "packed-rows"
+    ``operands.PackedPointers``; DBIAS_MODE the ``dbias_modes.DbiasMode`` code."""
+    DBIAS_SUM_ROWS: tl.constexpr = DBIAS_MODE == PACKED_SUMMED_ROWS
+    DBIAS_PER_ROW: tl.constexpr = DBIAS_MODE == PACKED_ROWS
     seqlen_q = sizes.seqlen_q
     seqlen_k = sizes.seqlen_k
     group_size = sizes.group_size

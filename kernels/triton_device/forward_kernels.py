@@ -38,7 +38,7 @@ def _attn_fwd_inner(
     further, so that one loop walks the blocks on both sides of a run another loop walks.
     INTERIOR blocks lie inside both lengths and below the causal diagonal: no range or causal
     test per pair, only the mask (if any), read through row-clamped pointers.
-    PAIR_MASK: the mask is intervals read as given (``_score.pair_keeps``), start at the mask
+    PAIR_MASK: the mask is intervals read as given (``score.pair_keeps``), start at the mask
     pointers and end at the interval end pointers.
     """
     k_ptrs, v_ptrs, mask_ptrs, bias_ptrs, end_ptrs = tiles
@@ -87,11 +87,11 @@ def _attn_fwd_kernel(
     SPLIT_KEYS: tl.constexpr, EDGE_SLOTS: tl.constexpr,
     SCAN_KEYS: tl.constexpr = False, SCAN_CHUNK: tl.constexpr = 1024,
 ):
-    """One tile of query rows per program; ``ptrs`` is a ``_operands.ForwardPointers``.
+    """One tile of query rows per program; ``ptrs`` is a ``operands.ForwardPointers``.
 
     SCAN_KEYS: the mask is KeyIntervals read as the caller gave them (start at ``ptrs.mask``,
     end at ``ptrs.mask_end``, one layout): the program finds the key blocks from its first to
-    its last visible key itself (``_score.interval_block_range``, SCAN_CHUNK keys a step) and
+    its last visible key itself (``spans.interval_block_range``, SCAN_CHUNK keys a step) and
     tests every pair of them; no activity map, no list.
 
     A tile has BLOCK_M rows. With GROUP_PACK = G > 1 (GQA), row r is query position
@@ -239,7 +239,7 @@ def _attn_fwd_kernel(
 def _combine_splits(out_part_ptr, lse_part_ptr, offs_m, row_ok, bh, num_bh, seqlen_q,
                     num_splits, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """(out, lse) of rows ``offs_m`` of (batch x head) rows ``bh`` merged over the key splits'
-    partials (laid out as ``_partials.split_rows`` says): out = sum_s exp(lse_s - lse) * out_s,
+    partials (laid out as ``partials.split_rows`` says): out = sum_s exp(lse_s - lse) * out_s,
     lse = logsumexp_s lse_s."""
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -7,14 +7,14 @@ launch reads like a sentence and a kernel takes a few dozen parameters, not a hu
 * ``ListStrides``: an active-tile list table's (batch, head, row) strides (``_blocks``).
 * ``Sizes``: the problem's sizes, which every kernel reads.
 * ``*Pointers``: each kernel's tensors. They are the only arguments that change from call to
-  call of one plan (``_launch.PlannedLaunch``); an argument a launch does not read is given any
+  call of one plan (``launch.PlannedLaunch``); an argument a launch does not read is given any
   tensor (its kernel never dereferences it).
 
 Inside a kernel the fields are read by name (``q_strides.stride_l``, ``ptrs.mask``).
 
 What a kernel is compiled for: Triton specializes every int on == 1 and on divisibility by 16,
 so a new sequence length would compile new kernels wherever a length or a stride that follows
-it changes class. The launcher (``_launch.compile_form``) compiles each launch for a canonical
+it changes class. The launcher (``launch.compile_form``) compiles each launch for a canonical
 stand-in of its ints instead, by the rules each tuple states here:
 
 * ``ALIGNED_FIELDS``: strides that place a tile's base address. Only their common alignment
@@ -90,7 +90,7 @@ class Sizes(NamedTuple):
 
 
 def sizes_of(shape) -> Sizes:
-    """The ``Sizes`` of an ``_checks.AttnShape``."""
+    """The ``Sizes`` of an ``inputs.AttnShape``."""
     return Sizes(shape.heads_q, shape.group_size, shape.seqlen_q, shape.seqlen_k)
 
 

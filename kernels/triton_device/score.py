@@ -62,7 +62,7 @@ def mask_keeps(mask_ptrs, m_idx, load_ok, key_ok, PREDICATED: tl.constexpr = Tru
 
     A bool mask (read as bytes) keeps a pair whose byte is non-zero. A ``KeyIntervals`` mask
     arrives as one int64 word per key, its start in the low 32 bits and its end in the high
-    (``_checks.interval_words``), and row i is kept iff start <= i < end. Its pointers are one
+    (``inputs.interval_words``), and row i is kept iff start <= i < end. Its pointers are one
     key vector (``interval_rows``), so its loads are predicated on ``key_ok``, the key range
     test of the same shape.
     """
@@ -256,7 +256,7 @@ def mma(a, b, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
 @triton.jit
 def head_base(ptr, layout, b, h):
     """Base pointer of (batch b, query head h) in a broadcast operand of ``layout``
-    (``_operands.Layout``): query head h reads head h // head_div. 64-bit products: a bias of
+    (``operands.Layout``): query head h reads head h // head_div. 64-bit products: a bias of
     (1, 32, 8192, 65536) has head offsets past 2**31."""
     return operand_base(ptr, b, h, layout.head_div, layout.stride_b, layout.stride_h)
 
@@ -264,5 +264,5 @@ def head_base(ptr, layout, b, h):
 @triton.jit
 def seq_base(ptr, strides, b, h):
     """Base pointer of (batch b, head h) in a (B, L, H, D) tensor of ``strides``
-    (``_operands.SeqStrides``)."""
+    (``operands.SeqStrides``)."""
     return operand_base(ptr, b, h, 1, strides.stride_b, strides.stride_h)

@@ -1,4 +1,4 @@
-"""The wavelet matrix of ``topk_intervals._kth_smallest`` as Triton kernels: bits + 2 launches.
+"""The wavelet matrix of ``topk._kth_smallest`` as Triton kernels: bits + 2 launches.
 
 ``topk_intervals`` needs, for rows of a permutation of [0, n), the k-th smallest value of many
 ranges. The torch version builds the wavelet matrix one bit level at a time and steps every
@@ -18,7 +18,7 @@ level is one launch, and the queries one launch for all levels:
   records per block.
 * ``_answer_kernel`` / ``_intervals_kernel``: one program per block of queries, which walks
   every query down all levels (``_descend``) in registers. ``_intervals_kernel`` also computes
-  ``topk_intervals._intervals``'s causal (start, end) from the answer, as int32.
+  ``topk._intervals``'s causal (start, end) from the answer, as int32.
 
 The rank table of a level has one int64 per 32 positions: the count of zero bits before the
 word's first position in the high 32 bits, the word's zero bits (position 32 w + j at bit j) in
@@ -182,7 +182,7 @@ def _intervals_kernel(table_ptr, totals_ptr, rank_ptr, local_ptr, key_start_ptr,
                       seqlen_q_ptr, start_ptr, end_ptr, rows, n, words, bits, window, seqlen_q,
                       QUERIES: tl.constexpr, ROWS: tl.constexpr, PACKED: tl.constexpr):
     """Causal (start, end), int32, of keys p (block ``program_id(0)``) of rows
-    ``program_id(1)`` * ROWS + [0, ROWS), as ``topk_intervals._intervals`` computes them: the
+    ``program_id(1)`` * ROWS + [0, ROWS), as ``topk._intervals`` computes them: the
     query of key p asks for the (window - 1)-th smallest position among ranks key_start[p] ..
     rank[p] - 1. Packed keys read their sequence's local index, key start and lengths from
     the (n,) int64 arrays; one sequence has local index p, key start 0, n keys and
