@@ -389,6 +389,7 @@ def compile_cost_command(
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/compile-cost.csv).")] = None,
         force: ForceOpt = False):
     """First-call latency and kernels compiled at each new sequence length, per mask form."""
+    from .case import parse_pair
     from .compile_cost import BIASES, MASKS, CostOptions, parse_lengths, run_compile_cost
     from .problem import TORCH_DTYPES
     from .train import parse_list
@@ -396,10 +397,10 @@ def compile_cost_command(
     def work():
         if dtype not in TORCH_DTYPES:
             raise ConfigError(f"--dtype: expected {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-        try:
-            heads_q, heads_kv = (int(part) for part in heads.split("/"))
-        except ValueError:
-            raise ConfigError(f"--heads: expected query/kv heads such as 16/4, got {heads!r}") from None
+        pair = parse_pair(heads)
+        if pair is None:
+            raise ConfigError(f"--heads: expected query/kv heads such as 16/4, got {heads!r}")
+        heads_q, heads_kv = pair
         if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
             raise ConfigError(f"--heads: query heads must be a positive multiple of kv heads, got {heads!r}")
         if bias not in BIASES:

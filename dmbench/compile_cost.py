@@ -103,8 +103,8 @@ def triton_cache_entries() -> int | None:
     if not torch.cuda.is_available():
         return None
     total, seen = 0, set()
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
+    for info in pkgutil.walk_packages(kernels.__path__, prefix="kernels."):
+        module = importlib.import_module(info.name)
         for value in vars(module).values():
             caches = getattr(value, "device_caches", None)
             if caches is None or id(value) in seen:

@@ -28,8 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .case import Case
 from .flops import dense_flops
-from .sweep import Case, Timing
+from .sweep import Timing
 from .timing import MIN_REPEATS
 
 # (mode, dense FLOPs of one call, measured p50 ms): triton under the interpreter, smoke.yaml.

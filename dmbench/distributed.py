@@ -20,8 +20,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from . import flops
+from .case import Case
 from .errors import ConfigError
-from .sweep import Case
 
 # Ranks finish their shares at different times and then wait in the gather; a sweep can run for
 # hours, so the collective timeout must outlast the longest share rather than gloo's default.

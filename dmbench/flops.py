@@ -12,7 +12,7 @@ is ``4·B·Hq·Lq·Lk·D``. Backward does five products (2.5× forward) and fwd+
 
 from __future__ import annotations
 
-from .sweep import Case
+from .case import Case
 
 # "equiv" runs a forward and a backward per backend, so it costs (and balances) like fwd+bwd.
 MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5, "equiv": 3.5}

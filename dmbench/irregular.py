@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 
-from .sweep import AXIS_TOKENS, Case, Sweep, Timing
+from .case import AXIS_TOKENS, Case
+from .sweep import Sweep, Timing
 
 ALL_SHAPES = tuple("x".join(t) for t in itertools.product(*AXIS_TOKENS))
 HEAD_DIMS = (40, 80, 96, 192, 256)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .case import Case
 from .masks import causal_rows, row_chunk
-from .sweep import Case
 
 
 def is_intervals(mask) -> bool:

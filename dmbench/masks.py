@@ -43,8 +43,8 @@ from typing import Callable
 
 import torch
 
+from .case import Case, shape_from_tokens
 from .documents import Documents, case_documents
-from .sweep import Case, shape_from_tokens
 
 BLOCK_KEYS = 64
 # Tile edge of block_sparse masks: FlexAttention's default block size, a multiple of ours.

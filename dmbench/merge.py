@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .case import Case
 from .results import ENV_COLUMNS, Row, read_rows
-from .sweep import Case
 
 
 @dataclass(frozen=True)

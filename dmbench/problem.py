@@ -1,5 +1,5 @@
 """Inputs for one case, generated on the target device from the case's seed: q, k, v, the bias
-(its shape from ``sweep.BIAS_KINDS``) and the mask in the case's format (``dmbench.masks``).
+(its shape from ``case.BIAS_KINDS``) and the mask in the case's format (``dmbench.masks``).
 
 The mask's build from its random draws can be timed (``time_build``): ``mask_build`` is the
 wall time of one build after a warm-up one, which every backend that takes the mask counts in
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .case import Case, shape_from_tokens
 from .documents import Documents, PackedLayout
 from .mask_views import kept_pairs
 from .masks import draw_source, mask_builder
-from .sweep import Case, shape_from_tokens
 from .timing import BuildStep, timed_build
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

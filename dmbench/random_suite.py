@@ -17,8 +17,9 @@ from __future__ import annotations
 import random
 
 from .irregular import ALL_SHAPES
-from .sweep import (BIAS_KINDS, FORMAT_MASKS, FULL_MASK_SHAPE, WINDOW_MASKS, Case, Sweep,
-                    Timing, case_problem, format_problem)
+from .case import (BIAS_KINDS, FORMAT_MASKS, FULL_MASK_SHAPE, WINDOW_MASKS, Case, case_problem,
+                   format_problem)
+from .sweep import Sweep, Timing
 
 SMALL_LENGTHS = (1, 2, 5, 17, 33, 64, 65, 97)
 LARGE_LENGTHS = (1, 17, 97, 255, 1025, 2049, 4095)

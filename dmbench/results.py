@@ -22,41 +22,53 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import asdict, dataclass, field, fields
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .case import Case, documents_from_text
+from .columns import (ENVIRONMENT_COLUMNS, Column, column, environment_columns,
+                      environment_values, row_dataclass)
 from .errors import ConfigError
-from .sweep import Case
 
 STATUSES = ("ok", "accuracy", "error", "oom", "skipped")
 MODES = ("fwd", "bwd", "fwd+bwd", "equiv")
 TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 TIME_COLUMNS = ("ms_p20", "ms_p50", "ms_p80")
+# Columns appended after files were already being written; older files lack them.
+ADDED_COLUMNS = ("sweep_hash", "mask_format", "documents", "timing")
+
+
+# The case columns are Case's fields (dmbench.case), so a case key added there is a column here.
+# Each holds the case's value, but documents its text ("0,1,5"; empty when drawn). Case keeps
+# its fields in the order of its positional constructor; the CSV has mask_format and documents,
+# the last two Case gained, right after mask_shape.
+_AFTER_MASK_SHAPE = ("mask_format", "documents")
+_CELL_TYPES = {"documents": ("str", "")}  # (type, default) of a column that differs from Case
+
+
+def _case_columns() -> list[Column]:
+    """Case's fields in the CSV's order. A column older files lack (``ADDED_COLUMNS``) reads
+    with its default and is keyword-only, so that it may stand among required columns."""
+    case_fields = {f.name: f for f in fields(Case)}
+    names = [name for name in case_fields if name not in _AFTER_MASK_SHAPE]
+    at = names.index("mask_shape") + 1
+    names[at:at] = _AFTER_MASK_SHAPE
+    columns = []
+    for name in names:
+        f = case_fields[name]
+        type_, default = _CELL_TYPES.get(name, (f.type, f.default))
+        columns.append(column(name, type_, default, kw_only=True) if name in ADDED_COLUMNS
+                       else column(name, type_))
+    return columns
+
+
+_CASE_COLUMN_SPECS = _case_columns()
 
 
 @dataclass
-class Row:
-    sweep: str
-    case_id: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_k: int
-    head_dim: int
-    window: int | None
-    causal: bool
-    dtype: str
-    mask: str
-    mask_shape: str
-    # How the mask reached the backends (sweep.MASK_FORMATS) and a document mask's explicit
-    # lengths ("0,1,5"; empty when drawn). Keyword-only, with defaults, so that files written
-    # before these columns existed read back.
-    mask_format: str = field(default="bool", kw_only=True)
-    documents: str = field(default="", kw_only=True)
-    bias: str
-    seed: int
+class _Measurement:
+    """What one (case, backend, mode) point measured."""
+
     backend: str
     mode: str
     status: str
@@ -89,15 +101,18 @@ class Row:
     err_dbias: float | None = None
     eager_dbias: float | None = None
     allowed_dbias: float | None = None
-    gpu: str = ""
-    driver: str = ""
-    torch: str = ""
-    triton: str = ""
-    git_sha: str = ""
-    git_dirty: bool = False
-    host: str = ""
-    timestamp: str = ""
-    sweep_hash: str = ""  # dmbench.sweep.sweep_digest of the sweep the row was run from
+
+
+class Row(row_dataclass(
+        "_RowColumns", __name__,
+        [column("sweep", "str"), column("case_id", "str")],
+        _CASE_COLUMN_SPECS,
+        _Measurement,
+        environment_columns(),
+        # dmbench.sweep.sweep_digest of the sweep the row was run from
+        [column("sweep_hash", "str", "")])):
+    """One CSV line: the sweep and case, the measurement, the environment, the sweep's digest.
+    Its fields (``COLUMNS``) are the columns in order."""
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -106,12 +121,10 @@ class Row:
 
 
 COLUMNS = tuple(f.name for f in fields(Row))
-CASE_COLUMNS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "window",
-                "causal", "dtype", "mask", "mask_shape", "mask_format", "documents", "bias", "seed")
-ENV_COLUMNS = ("gpu", "driver", "torch", "triton", "git_sha", "git_dirty")
+CASE_COLUMNS = tuple(name for name, _, _ in _CASE_COLUMN_SPECS)
+# What rows merged into one file must share: the environment but for the host and the time.
+ENV_COLUMNS = tuple(c for c in ENVIRONMENT_COLUMNS if c not in ("host", "timestamp"))
 ACCURACY_TENSORS = ("out", "lse", "dq", "dk", "dv", "dbias")
-# Columns appended after files were already being written; older files lack them.
-ADDED_COLUMNS = ("sweep_hash", "mask_format", "documents", "timing")
 _TYPES = {f.name: f.type for f in fields(Row)}
 
 
@@ -120,17 +133,14 @@ def new_row(sweep: str, case: Case, backend: str, mode: str, status: str, env, d
     case_values = {name: getattr(case, name) for name in CASE_COLUMNS}
     case_values["documents"] = case.documents_text
     return Row(sweep=sweep, case_id=case.case_id, backend=backend, mode=mode, status=status,
-               detail=detail, gpu=env.gpu, driver=env.driver, torch=env.torch, triton=env.triton,
-               git_sha=env.git_sha, git_dirty=env.git_dirty, host=env.host,
-               timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               sweep_hash=sweep_hash, timing=timing, **case_values)
+               detail=detail, sweep_hash=sweep_hash, timing=timing, **environment_values(env),
+               **case_values)
 
 
 def row_case(row: Row) -> Case:
     """The case a row was measured on (the inverse of ``new_row``'s case columns)."""
     values = {name: getattr(row, name) for name in CASE_COLUMNS}
-    values["documents"] = (tuple(int(n) for n in row.documents.split(","))
-                           if row.documents else None)
+    values["documents"] = documents_from_text(row.documents)
     return Case(**values)
 
 
@@ -143,24 +153,6 @@ def csv_cell(value) -> str:
     return str(value)
 
 
-def _parse(name: str, text: str, where: str):
-    kind = _TYPES[name]
-    if text == "":
-        return None if "None" in kind else text
-    try:
-        if kind.startswith("int"):
-            return _integer(text)
-        if kind.startswith("float"):
-            return float(text)
-        if kind == "bool":
-            if text not in ("True", "False"):
-                raise ValueError(text)
-            return text == "True"
-    except ValueError:
-        raise ConfigError(f"{where}: column {name}: expected {kind.split(' ')[0]}, got {text!r}") from None
-    return text
-
-
 def _integer(text: str) -> int:
     """'32' or an integral float such as '32.0' (pandas writes an int column holding blanks as
     floats); '32.5' is rejected."""
@@ -171,6 +163,25 @@ def _integer(text: str) -> int:
         if not value.is_integer():
             raise
         return int(value)
+
+
+def parse_cell(kind: str, name: str, text: str, where: str, integer=_integer):
+    """The value of a cell of column ``name``, annotated ``kind`` ("int | None", "bool", ...):
+    None for an empty cell where the column takes None; ``integer`` reads ints."""
+    if text == "":
+        return None if "None" in kind else text
+    try:
+        if kind.startswith("int"):
+            return integer(text)
+        if kind.startswith("float"):
+            return float(text)
+        if kind == "bool":
+            if text not in ("True", "False"):
+                raise ValueError(text)
+            return text == "True"
+    except ValueError:
+        raise ConfigError(f"{where}: column {name}: expected {kind.split(' ')[0]}, got {text!r}") from None
+    return text
 
 
 def _header_columns(path: Path, header: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
@@ -268,7 +279,8 @@ def read_rows(path: str | Path, tolerate_partial_last_line: bool = False) -> lis
                 break
             raise ConfigError(f"{path}: line {number}: expected {width} fields, got {len(values)}")
         where = f"{path}: line {number}"
-        row = Row(**{c: _parse(c, v, where) for c, v in zip(columns, values[index:])})
+        row = Row(**{c: parse_cell(_TYPES[c], c, v, where)
+                     for c, v in zip(columns, values[index:])})
         _check_row(row, where)
         rows.append(row)
     return rows

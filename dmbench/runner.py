@@ -24,10 +24,11 @@ import torch
 from . import flops
 from .accuracy import FORWARD_TENSORS, CheckResult, check_backend, ground_truth
 from .backends import DIFF_KEYS, Backend
+from .case import Case
 from .device import DeviceFault, context_alive
 from .problem import Problem, make_problem
 from .results import TIMED_MODES, Row, new_row, set_accuracy
-from .sweep import Case, Sweep, Timing
+from .sweep import Sweep, Timing
 from .timing import (BuildStep, CaptureError, Measurement, build_total, measure, point_stream,
                      pooled)
 from .watchdog import PointWatchdog

@@ -4,7 +4,7 @@ A sweep file has these top-level keys (all optional except that it needs cases):
 
     name: window                  # defaults to the file stem
     description: free text
-    backends: [triton, sdpa]      # names from dmbench.backends.BACKENDS
+    backends: [triton, sdpa]      # names from dmbench.backends.BACKEND_NAMES
     timing: {warmup: 5, repeats: 30, budget_s: 10.0, flush_l2: true, cuda_graph: false}
     check: false                  # also check accuracy against the fp64 reference while timing
     defaults: {causal: true}      # case keys shared by every grid point and listed case
@@ -17,13 +17,8 @@ block_topk, block_sparse, sliding, random, document), mask_shape, mask_format (b
 varlen), documents (explicit document lengths), bias (none, kv_row, kv_full, q_full, shared or
 an explicit shape), seed.
 
-``mask_format`` says how the mask reaches the backends that take it natively: ``bool`` a dense
-(B, Hk, Lq, Lk) mask; ``intervals`` a ``kernels.KeyIntervals`` (topk with a kv_row bias or its
-own per-key score, sliding, document); ``varlen`` the packed layout of the documents (document
-only; the bias per key or none). Any other combination is a ``ConfigError`` naming the key.
-
-Shapes of masks and biases are written as four axis tokens joined by ``x``: batch ``1``/``B``,
-heads ``1``/``Hk``/``Hq``, query ``1``/``Lq``, key ``1``/``Lk``; for example ``1xHqxLqx1``.
+What the case keys' values mean (mask formats, axis tokens of shapes, the ``A/B`` form of
+heads and seqlen): ``dmbench.case``.
 
 Every problem is reported as a ``ConfigError`` with one line naming the file and the key; a key
 given twice in one mapping, at any depth, is one too (``UniqueKeyLoader``), with its line.
@@ -39,71 +34,13 @@ from typing import Any
 
 import yaml
 
+from .case import (AXIS_TOKENS, BIAS_KINDS, FULL_MASK_SHAPE, MASK_FORMATS, MASK_KINDS, WINDOW_MASKS,
+                   Case, case_problem, format_problem, parse_pair)
 from .errors import ConfigError
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
           "half": "fp16", "fp32": "fp32", "float32": "fp32"}
-MASK_KINDS = ("none", "topk", "block_topk", "block_sparse", "sliding", "random", "document")
-# Masks whose generation reads ``window`` (for document: the longest drawn document).
-WINDOW_MASKS = ("topk", "block_topk", "block_sparse", "sliding", "document")
-MASK_FORMATS = ("bool", "intervals", "varlen")
-# The mask kinds each format can express (topk only with a per-key score, see _format_problem).
-FORMAT_MASKS = {"bool": MASK_KINDS, "intervals": ("topk", "sliding", "document"),
-                "varlen": ("document",)}
-BIAS_KINDS = {
-    "none": None,
-    "kv_row": "BxHkx1xLk",
-    "kv_full": "BxHkxLqxLk",
-    "q_full": "BxHqxLqxLk",
-    "shared": "1x1xLqxLk",
-}
-FULL_MASK_SHAPE = "BxHkxLqxLk"
-AXIS_TOKENS = (("1", "B"), ("1", "Hk", "Hq"), ("1", "Lq"), ("1", "Lk"))
 MAX_HEAD_DIM = 256
-
-
-@dataclass(frozen=True)
-class Case:
-    """One problem. Query is (batch, seqlen_q, heads_q, head_dim); key/value use heads_kv."""
-
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_k: int
-    head_dim: int
-    window: int | None = None
-    causal: bool = False
-    dtype: str = "bf16"
-    mask: str = "none"
-    mask_shape: str = FULL_MASK_SHAPE
-    bias: str = "none"
-    seed: int = 0
-    mask_format: str = "bool"
-    documents: tuple[int, ...] | None = None  # explicit document lengths of every batch row
-
-    @property
-    def bias_shape(self) -> str | None:
-        """The bias shape in axis tokens, or None for no bias."""
-        return BIAS_KINDS.get(self.bias, self.bias)
-
-    @property
-    def case_id(self) -> str:
-        """A stable, readable key: the same parameters always give the same id."""
-        window = "-" if self.window is None else self.window
-        mask = self.mask if self.mask_shape == FULL_MASK_SHAPE else f"{self.mask}[{self.mask_shape}]"
-        if self.documents is not None:
-            mask += f"[{self.documents_text}]"
-        if self.mask_format != "bool":
-            mask += f":{self.mask_format}"
-        return (f"B{self.batch}-H{self.heads_q}/{self.heads_kv}-Lq{self.seqlen_q}-"
-                f"Lk{self.seqlen_k}-D{self.head_dim}-W{window}-"
-                f"{'causal' if self.causal else 'full'}-{self.dtype}-{mask}-{self.bias}-s{self.seed}")
-
-    @property
-    def documents_text(self) -> str:
-        """The explicit document lengths as written in the CSV ("0,1,5"), or ""."""
-        return "" if self.documents is None else ",".join(map(str, self.documents))
 
 
 @dataclass(frozen=True)
@@ -170,13 +107,6 @@ class _Where:
         return ConfigError(f"{self.path}: {key}: {message}")
 
 
-def shape_from_tokens(tokens: str, case: Case) -> tuple[int, int, int, int]:
-    """The sizes of a shape written in axis tokens (``BxHkx1xLk``) for ``case``."""
-    sizes = {"1": 1, "B": case.batch, "Hk": case.heads_kv, "Hq": case.heads_q,
-             "Lq": case.seqlen_q, "Lk": case.seqlen_k}
-    return tuple(sizes[t] for t in tokens.split("x"))
-
-
 def _positive_int(where: _Where, key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise where.error(key, f"expected a positive integer, got {value!r}")
@@ -184,18 +114,18 @@ def _positive_int(where: _Where, key: str, value: Any) -> int:
 
 
 def _pair(where: _Where, key: str, value: Any, names: tuple[str, str]) -> tuple[int, int]:
-    """'16/4', {q: 16, kv: 4} or a single int meaning both equal. Parsed here and nowhere else."""
+    """'16/4', {q: 16, kv: 4} or a single int meaning both equal (the 'A/B' text through
+    ``case.parse_pair``, as every parse of that form)."""
     first, second = names
     expected = f"expected an integer, '{first.upper()}/{second.upper()}' or {{{first}: .., {second}: ..}}"
     if isinstance(value, int) and not isinstance(value, bool):
         n = _positive_int(where, key, value)
         return n, n
     if isinstance(value, str):
-        parts = value.split("/")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        pair = parse_pair(value)
+        if pair is None:
             raise where.error(key, f"{expected}, got {value!r}")
-        a, b = (int(p) for p in parts)
-        return _positive_int(where, key, a), _positive_int(where, key, b)
+        return _positive_int(where, key, pair[0]), _positive_int(where, key, pair[1])
     if isinstance(value, dict):
         if set(value) != {first, second}:
             raise where.error(key, f"{expected}, got keys {sorted(map(str, value))}")
@@ -283,47 +213,6 @@ def _documents(where: _Where, key: str, value: Any, mask: str) -> tuple[int, ...
         raise where.error(key, f"expected a non-empty list of non-negative integers (document "
                           f"lengths), got {value!r}")
     return tuple(value)
-
-
-def per_key_bias(case: Case) -> bool:
-    """Whether the case's bias is none or has no query axis (one value per key at most)."""
-    shape = case.bias_shape
-    return shape is None or shape.split("x")[2] == "1"
-
-
-def format_problem(case: Case) -> str | None:
-    """Why ``case.mask_format`` cannot express the case's mask, or None."""
-    fmt = case.mask_format
-    if case.mask not in FORMAT_MASKS[fmt]:
-        return (f"mask_format {fmt} expresses masks {', '.join(FORMAT_MASKS[fmt])}, "
-                f"got mask {case.mask}")
-    if fmt == "intervals" and case.mask == "topk" and case.bias_shape not in (None, "BxHkx1xLk"):
-        return ("mask_format intervals takes topk from a per-key score: bias kv_row (or none, "
-                f"a score of its own), got bias {case.bias}")
-    if fmt == "varlen" and not per_key_bias(case):
-        return f"mask_format varlen takes a bias per key (no query axis) or none, got bias {case.bias}"
-    return None
-
-
-def case_problem(case: Case) -> str | None:
-    """Why this combination cannot run at all, or None. Backend limits live in the backends."""
-    if case.heads_q % case.heads_kv:
-        return f"heads_q {case.heads_q} is not a multiple of heads_kv {case.heads_kv}"
-    if case.mask in WINDOW_MASKS and case.window is None and case.documents is None:
-        needs = "a window (the longest document) or documents" if case.mask == "document" else "a window"
-        return f"mask {case.mask} needs {needs}"
-    if case.mask == "document":
-        if case.seqlen_q != case.seqlen_k:
-            return (f"mask document packs documents along one sequence: seqlen q and k must be "
-                    f"equal, got {case.seqlen_q} and {case.seqlen_k}")
-        if case.documents is not None and sum(case.documents) != case.seqlen_k:
-            return (f"documents {list(case.documents)} sum to {sum(case.documents)}; each batch "
-                    f"row holds seqlen {case.seqlen_k}")
-    if case.mask not in ("none", "random") and case.mask_shape != FULL_MASK_SHAPE:
-        return f"mask {case.mask} is generated per (batch, KV head, row); mask_shape must be {FULL_MASK_SHAPE}"
-    if case.mask == "none" and case.mask_shape != FULL_MASK_SHAPE:
-        return "mask_shape needs a mask"
-    return None
 
 
 def _grid_points(where: _Where, key: str, grid: Any) -> list[dict[str, Any]]:

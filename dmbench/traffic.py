@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .sweep import Case, shape_from_tokens
+from .case import Case, shape_from_tokens
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 LSE_BYTES = 4  # float32 per (batch, query head, row)

@@ -46,13 +46,13 @@ import gc
 import math
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from . import outfile
+from .columns import environment_values
 from .device import CPU_NOTE, select_device
 from .envinfo import REPO_ROOT, Environment, collect, gpu_slug
 from .errors import ConfigError, ExitCode
@@ -433,11 +433,7 @@ def new_train_row(size: ModelSize, context: int, implementation: str, mode: str,
     values = {"params": None, **measured}
     return TrainRow(model=size.name, context=context, batch=opts.batch,
                     keep_window=size.keep_window, dtype=dtype_name, implementation=implementation,
-                    mode=mode, warmup=opts.warmup, steps=opts.steps, gpu=env.gpu,
-                    driver=env.driver, torch=env.torch, triton=env.triton,
-                    transformers=_transformers_version(), git_sha=env.git_sha,
-                    git_dirty=env.git_dirty, host=env.host,
-                    timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    **values)
+                    mode=mode, warmup=opts.warmup, steps=opts.steps,
+                    **environment_values(env, transformers=_transformers_version()), **values)
 
 

@@ -7,12 +7,15 @@ import csv
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .columns import environment_columns, row_dataclass
 from .errors import ConfigError
-from .results import csv_cell
+from .results import csv_cell, parse_cell
 
 
 @dataclass
-class TrainRow:
+class _TrainMeasurement:
+    """What one (context, implementation, mode) point of ``dmbench train`` measured."""
+
     model: str
     params: int | None
     context: int
@@ -33,15 +36,12 @@ class TrainRow:
     start_mib: float | None = None
     first_loss: float | None = None
     last_loss: float | None = None
-    gpu: str = ""
-    driver: str = ""
-    torch: str = ""
-    triton: str = ""
-    transformers: str = ""
-    git_sha: str = ""
-    git_dirty: bool = False
-    host: str = ""
-    timestamp: str = ""
+
+
+class TrainRow(row_dataclass("_TrainRowColumns", __name__, _TrainMeasurement,
+                             environment_columns("transformers"))):
+    """One train CSV line: the measurement, then the environment with the transformers
+    version. Its fields (``TRAIN_COLUMNS``) are the columns in order."""
 
 
 TRAIN_COLUMNS = tuple(f.name for f in fields(TrainRow))
@@ -103,23 +103,6 @@ class TrainWriter:
 _TYPES = {f.name: f.type for f in fields(TrainRow)}
 
 
-def _parse(name: str, text: str, where: str):
-    kind = _TYPES[name]
-    if text == "":
-        return None if "None" in kind else text
-    try:
-        if kind.startswith("int"):
-            return int(text)
-        if kind.startswith("float"):
-            return float(text)
-        if kind == "bool":
-            return {"True": True, "False": False}[text]
-    except (ValueError, KeyError):
-        expected = kind.split(" ")[0]
-        raise ConfigError(f"{where}: column {name}: expected {expected}, got {text!r}") from None
-    return text
-
-
 def read_train_rows(path: Path, tolerate_partial_last_line: bool = False) -> list[TrainRow]:
     """The rows of a train CSV, after checking its header. ``tolerate_partial_last_line``:
     drop a last line with too few fields (a run killed while writing it)."""
@@ -137,7 +120,8 @@ def read_train_rows(path: Path, tolerate_partial_last_line: bool = False) -> lis
         where = f"{path}: line {number}"
         if len(values) != len(TRAIN_COLUMNS):
             raise ConfigError(f"{where}: expected {len(TRAIN_COLUMNS)} fields, got {len(values)}")
-        rows.append(TrainRow(**{c: _parse(c, v, where) for c, v in zip(TRAIN_COLUMNS, values)}))
+        rows.append(TrainRow(**{c: parse_cell(_TYPES[c], c, v, where, integer=int)
+                                for c, v in zip(TRAIN_COLUMNS, values)}))
     return rows
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.envinfo import Environment
 from dmbench.errors import ConfigError, ExitCode
 from dmbench.results import COLUMNS, Row, new_row, read_rows, rewrite
-from dmbench.sweep import Case
 
 runner = CliRunner()
 ENV = Environment("Test GPU", "1.0", "2.13", "3.9", "abc123", False, "host")

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.envinfo import Environment
 from dmbench.errors import ExitCode
 from dmbench.results import new_row, rewrite
-from dmbench.sweep import Case
 
 runner = CliRunner()
 SWEEP = """

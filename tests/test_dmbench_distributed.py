@@ -18,11 +18,12 @@ from typer.testing import CliRunner
 
 from dmbench import flops
 from dmbench.backends import BACKEND_NAMES
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.distributed import assign, part_path
 from dmbench.errors import ExitCode
 from dmbench.results import RowWriter, new_row, read_rows
-from dmbench.sweep import Case, load_sweep
+from dmbench.sweep import load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("fwd",)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmbench.case import BIAS_KINDS, Case, shape_from_tokens
 from dmbench.masks import BLOCK_KEYS, SPARSE_TILE
-from dmbench.problem import make_problem, shape_from_tokens
-from dmbench.sweep import BIAS_KINDS, Case
+from dmbench.problem import make_problem
 
 CPU = torch.device("cpu")
 LENGTHS = ((17, 97), (97, 97), (40, 17))  # Lq < Lk, square, Lq > Lk (empty causal rows)

@@ -9,12 +9,12 @@ from typer.testing import CliRunner
 
 from dmbench.backends import make_backends
 from dmbench.backends.dmattn import BASELINE_ENV
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.errors import ExitCode
 from dmbench.collected import collect
 from dmbench.report import baseline_markdown, tables_markdown
 from dmbench.results import read_rows
-from dmbench.sweep import Case
 from test_report import _csv, _masked, _rows
 
 runner = CliRunner()

@@ -56,7 +56,7 @@ def test_require_zero_fails_when_a_new_length_compiles(tmp_path, device):
 
 def test_bad_flags_exit_2(tmp_path):
     for flags, named in ((["--lengths", "12,x"], "--lengths"), (["--masks", "dense"], "--masks"),
-                         (["--heads", "3/2"], "--heads"), (["--bias", "none,kv_row"], "--bias"), (["--dtype", "fp8"], "--dtype"),
+                         (["--heads", "3/2"], "--heads"), (["--heads", "16:4"], "--heads"), (["--heads", "0/4"], "--heads"), (["--bias", "none,kv_row"], "--bias"), (["--dtype", "fp8"], "--dtype"),
                          (["--window", "0"], "--window"), (["--masks", "bool", "--window", "8"], "--window")):
         result = runner.invoke(app, ["compile-cost", *flags,
                                      "--out", str(tmp_path / "cost.csv")])

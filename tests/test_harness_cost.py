@@ -13,12 +13,13 @@ from typer.testing import CliRunner
 import dmbench.execute as execute_module
 from dmbench import cost
 from dmbench.backends import BACKEND_NAMES, make_backends
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.errors import ConfigError, ExitCode
 from dmbench.execute import MODES, cpu_guard
 from dmbench.progress import Eta, make_progress
 from dmbench.runner import plan_units
-from dmbench.sweep import Case, Timing, load_sweep
+from dmbench.sweep import Timing, load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = REPO / "sweeps"

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from dmbench import execute, runner
 from dmbench.backends import Backend, Bound, make_backends
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.device import context_alive
 from dmbench.envinfo import Environment
@@ -28,7 +29,7 @@ from dmbench.errors import ExitCode
 from dmbench.merge import merge_files
 from dmbench.problem import make_problem
 from dmbench.results import Row, new_row, read_rows, rewrite
-from dmbench.sweep import Case, Timing, sweep_from_mapping
+from dmbench.sweep import Timing, sweep_from_mapping
 from dmbench.timing import CaptureError, capture, point_stream
 
 REPO = Path(__file__).resolve().parents[1]

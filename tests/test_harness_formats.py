@@ -13,12 +13,13 @@ import torch
 
 from dmbench.backends import BACKEND_NAMES, make_backends
 from dmbench.backends.torch_ops import FlexBackend
+from dmbench.case import Case
 from dmbench.documents import DOCUMENT_RANGE, Documents, case_documents, draw_lengths
 from dmbench.errors import ConfigError
 from dmbench.mask_views import dense_mask, kept_pairs
 from dmbench.masks import causal_rows
 from dmbench.problem import make_problem
-from dmbench.sweep import Case, load_sweep
+from dmbench.sweep import load_sweep
 
 CPU = torch.device("cpu")
 FORMATS = ("bool", "intervals", "varlen")

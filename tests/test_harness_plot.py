@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from dmbench import plot
 from dmbench.backends import BACKEND_NAMES
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.envinfo import Environment
 from dmbench.results import TIMED_MODES, Row, new_row, rewrite
-from dmbench.sweep import Case
 from dmbench.train_results import TrainRow, TrainWriter, plot_train
 
 matplotlib.use("Agg")

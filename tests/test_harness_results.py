@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.errors import ConfigError, ExitCode
-from dmbench.results import COLUMNS, Row, RowWriter, accuracy_failures, read_rows, rewrite
-from dmbench.sweep import Case
+from dmbench.results import (CASE_COLUMNS, COLUMNS, ENV_COLUMNS, Row, RowWriter, accuracy_failures,
+                             read_rows, rewrite)
 
 runner = CliRunner()
 
@@ -52,6 +53,33 @@ def test_row_field_order_is_columns():
                  "tflops_dense", "tflops_active", "peak_mib", "err_out", "allowed_out",
                  "gpu", "driver", "torch", "triton", "git_sha", "git_dirty", "seed", "timestamp"):
         assert name in COLUMNS
+
+
+def test_columns_are_pinned_and_case_columns_are_case_fields():
+    # The CSV layout: a change here is a change of file format (ADDED_COLUMNS, readers).
+    assert COLUMNS == (
+        "sweep", "case_id", "batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim",
+        "window", "causal", "dtype", "mask", "mask_shape", "mask_format", "documents", "bias",
+        "seed", "backend", "mode", "status", "detail", "ms_p20", "ms_p50", "ms_p80", "repeats",
+        "timing", "build_ms", "tflops_dense", "tflops_active", "active_fraction", "peak_mib",
+        *(f"{kind}_{t}" for t in ("out", "lse", "dq", "dk", "dv", "dbias")
+          for kind in ("err", "eager", "allowed")),
+        "gpu", "driver", "torch", "triton", "git_sha", "git_dirty", "host", "timestamp",
+        "sweep_hash")
+    assert sorted(CASE_COLUMNS) == sorted(f.name for f in fields(Case))
+    assert ENV_COLUMNS == ("gpu", "driver", "torch", "triton", "git_sha", "git_dirty")
+
+
+def test_train_columns_share_the_environment_columns():
+    from dmbench.train_results import TRAIN_COLUMNS
+
+    assert TRAIN_COLUMNS == (
+        "model", "params", "context", "batch", "keep_window", "dtype", "implementation", "mode",
+        "status", "detail", "warmup", "steps", "ms_p20", "ms_p50", "ms_p80", "tokens_per_s",
+        "peak_mib", "start_mib", "first_loss", "last_loss", "gpu", "driver", "torch", "triton",
+        "transformers", "git_sha", "git_dirty", "host", "timestamp")
+    train_env = TRAIN_COLUMNS[TRAIN_COLUMNS.index("gpu"):]
+    assert COLUMNS[COLUMNS.index("gpu"):-1] == tuple(c for c in train_env if c != "transformers")
 
 
 def test_header_written_in_column_order(tmp_path):

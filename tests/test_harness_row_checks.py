@@ -14,8 +14,8 @@ import dmbench.accuracy as accuracy
 from dmbench.accuracy import check_backend, checked_rows, ground_truth
 from dmbench.backends import make_backends
 from dmbench.backends.dmattn import ReferenceBackend
+from dmbench.case import Case
 from dmbench.problem import make_problem
-from dmbench.sweep import Case
 
 CPU = torch.device("cpu")
 SAMPLE = 8

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from dmbench.backends import BACKEND_NAMES
+from dmbench.case import FULL_MASK_SHAPE, Case, parse_pair
 from dmbench.errors import ConfigError
 from dmbench.flops import causal_visible_pairs, dense_flops
-from dmbench.sweep import FULL_MASK_SHAPE, Case, Timing, load_sweep, sweep_digest
+from dmbench.sweep import Timing, load_sweep, sweep_digest
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "sweeps").glob("*.yaml"))
@@ -78,6 +79,13 @@ def test_heads_and_seqlen_forms(tmp_path):
     assert (a.heads_q, a.heads_kv, a.seqlen_q, a.seqlen_k) == (16, 4, 1, 65536)
     c = sweep.cases[1]
     assert (c.heads_q, c.heads_kv, c.seqlen_q, c.seqlen_k) == (8, 8, 512, 512)
+
+
+@pytest.mark.parametrize("text, pair", [("16/4", (16, 4)), (" 16 / 4 ", (16, 4)), ("0/4", (0, 4)),
+                                        ("16", None), ("16/4/2", None), ("-1/4", None),
+                                        ("a/4", None), ("/4", None), ("\u00b2/4", None)])
+def test_parse_pair_is_the_one_parser_of_the_a_slash_b_form(text, pair):
+    assert parse_pair(text) == pair
 
 
 def test_heads_dict_in_a_grid_is_one_value(tmp_path):

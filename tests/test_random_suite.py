@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 from typer.testing import CliRunner
 
+from dmbench.case import FORMAT_MASKS, MASK_FORMATS, case_problem, format_problem
 from dmbench.cli import app
 from dmbench.errors import ExitCode
 from dmbench.random_suite import random_cases
 from dmbench.results import read_rows
-from dmbench.sweep import (FORMAT_MASKS, MASK_FORMATS, case_problem, format_problem)
 
 runner = CliRunner()
 

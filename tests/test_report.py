@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.errors import ExitCode
 from dmbench.collected import collect
 from dmbench.report import HEADLINE, TABLES, headline_markdown, measured_on, tables_markdown
 from dmbench.results import Row, rewrite
-from dmbench.sweep import Case
 
 runner = CliRunner()
 GPU = "Test GPU"

@@ -10,9 +10,9 @@ import torch
 from dmbench.accuracy import check_backend, ground_truth
 from dmbench.backends import make_backends
 from dmbench.backends.sdpa_form import bind_sdpa, sdpa_call, sdpa_kernel_name
+from dmbench.case import Case
 from dmbench.problem import make_problem
 from dmbench.runner import _timed_call
-from dmbench.sweep import Case
 
 CPU = torch.device("cpu")
 KERNELS = {"cudnn", "flash", "efficient", "math"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dmbench.case import Case
 from dmbench.results import new_row, row_case
-from dmbench.sweep import Case
 from dmbench.traffic import PEAK_RATES, compulsory_bytes, gbps
 
 # B1, Hq 2, Hk 1, Lq 4, Lk 8, D16 in bf16: q (and out, dout, dq) 1*2*4*16*2 = 256 bytes each;

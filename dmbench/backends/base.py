@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..case import Case
 from ..problem import Problem
-from ..sweep import Case
 from ..timing import BuildStep, timed_build
 
 __all__ = ["DIFF_KEYS", "Backend", "BuildStep", "Bound", "causal_keep", "per_query_head",

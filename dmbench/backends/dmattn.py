@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from ..case import Case
 from ..mask_views import dense_mask, is_intervals
 from ..problem import Problem
-from ..sweep import Case
 from .base import Backend, Bound, dtype_size, pairs_bytes, timed_build
 
 

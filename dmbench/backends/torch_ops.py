@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from ..case import Case
 from ..problem import Problem
-from ..sweep import Case
 from ..mask_views import dense_mask, is_intervals
 from .base import (Backend, Bound, causal_keep, dtype_size, pairs_bytes, per_query_head,
                    timed_build)
