@@ -21,7 +21,7 @@ from .planning.inputs import check_flags, check_inputs
 # torch.export, whose calls would then launch kernels on fake tensors.
 _is_compiling = torch.compiler.is_compiling
 
-# Call forms of ordered KeyIntervals (``kernels.key_order``) whose inputs passed the checks, by
+# Call forms of ordered KeyIntervals (``kernels.masks.key_order``) whose inputs passed the checks, by
 # call signature and the layouts of the intervals and their order, least recently used first.
 # The checks read only layouts, so a repeat form skips them, and with them the intervals'
 # kernel operand, which the checks build (two or three torch ops on the device).
@@ -99,7 +99,7 @@ def _ordered_form(query, key, value, intervals, attn_bias, is_causal, softmax_sc
 
 def _in_key_order(query, key, value, intervals, attn_bias, is_causal, softmax_scale):
     """The call's arguments with its keys read in ``intervals.key_order``
-    (``kernels.key_order``): the same attention, with causality folded into the intervals.
+    (``kernels.masks.key_order``): the same attention, with causality folded into the intervals.
     The inputs are checked first, once per form (``_ordered_forms``)."""
     if not _is_compiling():  # traced calls are checked by the custom ops
         form = _ordered_form(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
@@ -124,7 +124,7 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
         key, value: (batch, seqlen_k, heads_kv, head_dim) with heads_q % heads_kv == 0
             (MHA, GQA, MQA). Query head h reads KV head h // (heads_q // heads_kv).
         attn_mask: optional bool, True = keep, or ``KeyIntervals`` (each key's run of query
-            rows, O(Lk) memory; see ``kernels.intervals``). A bool mask is 4-D, each axis
+            rows, O(Lk) memory; see ``kernels.masks.intervals``). A bool mask is 4-D, each axis
             broadcastable: batch {1, B},
             heads {1, heads_kv, heads_q}, query {1, seqlen_q}, key {1, seqlen_k}. Never copied.
             Or a ``PreparedMask`` from ``prepare_mask``: the same mask with its active-tile

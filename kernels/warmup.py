@@ -13,7 +13,7 @@ A model whose mask is ``topk_intervals`` of a per-key bias (Doge) calls in one o
 chosen by the length (``topk.orders_keys``): below the ordering threshold plain
 intervals with the call's causality; from it on intervals with a key order, which the call
 runs with K and V gathered (widened to the selection's heads where those are more) and
-``is_causal`` False (``kernels.key_order``). ``warmup(window=...)`` makes its interval masks
+``is_causal`` False (``kernels.masks.key_order``). ``warmup(window=...)`` makes its interval masks
 the same way, so each length takes the form a model's call at that length takes; where the
 lengths lie on both sides of the threshold it also runs the lengths next to it on each side,
 the ends of each form's range.

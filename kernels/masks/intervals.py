@@ -101,7 +101,7 @@ class KeyIntervals:
     start: torch.Tensor
     end: torch.Tensor
     # A permutation of the keys per (batch, head), (Bm, Hm, Lk) int64, in which calls read the
-    # keys (``kernels.key_order``); results do not depend on it. Set by ``with_key_order``
+    # keys (``kernels.masks.key_order``); results do not depend on it. Set by ``with_key_order``
     # and ``topk_intervals``, never from outside: an order that is not a permutation would
     # go unnoticed.
     _key_order: torch.Tensor | None = field(default=None, compare=False, repr=False)

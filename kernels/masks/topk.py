@@ -140,7 +140,7 @@ def _intervals(bias: torch.Tensor, window: int, is_causal: bool, seqlen_q: int |
 
 
 # Below these ratios of visible keys to the window, a key order saves too little to pay for
-# its copies of K and V (counted tiles, ``kernels.key_order``: causal top-2048 at L = 4096
+# its copies of K and V (counted tiles, ``kernels.masks.key_order``: causal top-2048 at L = 4096
 # skips 10% more tiles sorted, at 8192 1.8x as many). Without causality every row sees all
 # Lk keys, so the kept keys fill W of Lk positions in order, Lk / W of every tile otherwise.
 ORDER_MIN_KEYS_PER_WINDOW = {True: 4, False: 2}

@@ -106,7 +106,7 @@ class ForwardPlan:
             sched = replace(sched, problem=replace(problem, activity=None))
         self.schedule, self.activity = sched, activity
         self.list_table = lists.table if lists is not None and not lists_per_call else None
-        self.backward_plans: dict = {}  # kept here by kernels.backward, per grad signature
+        self.backward_plans: dict = {}  # kept here by planning.backward, per grad signature
 
         pack = fwd.group_pack
         row_blocks = ceil_div(shape.seqlen_q, fwd.query_rows)

@@ -12,7 +12,7 @@ carry a Schedule out. ``str(schedule)`` prints it.
 The forward's decisions are made in ``forward_schedule``, the backward's in
 ``backward_schedule``; this module joins them, and names the tiles one activity map serves.
 ``options`` (``kernel_options`` of ``dmattn_func``) forces a decision; see ``OPTION_NAMES``.
-The tuned constants are in ``kernels.tuning``.
+The tuned constants are in ``kernels.planning.tuning``.
 """
 
 from __future__ import annotations
