@@ -87,7 +87,7 @@ def test_grad_dkdv_tiles_follow_the_grid_size(batch, seqlen_q, heads, small_grid
     q, k, v, mask, bias = random_problem(dims, torch.bfloat16, device, mask="BxHkxLqxLk",
                                          bias="BxHkx1xLk", keep=0.5)
     if device.type == "cuda":  # the interpreter always takes its own small tiles
-        assert backward_schedule(q, k, v, mask, bias, True).dkdv.block_n == \
+        assert backward_schedule(q, k, v, mask, bias, True).general.dkdv.block_n == \
             (16 if small_grid else 64)
     run_backward(q, k, v, mask, bias, causal=True)
 
