@@ -70,14 +70,13 @@ MAX_MASK_PLANS = 8
 _mask_plans: OrderedDict = OrderedDict()
 
 
-
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     # The kernels need unit stride only on head_dim; any other strides are used as they are.
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def call_signature(query, key, value, attn_bias, is_causal, softmax_scale, deterministic=False,
-               bias_grad=False, options_key=()) -> tuple | None:
+                   bias_grad=False, options_key=()) -> tuple | None:
     """Everything a forward plan follows from, besides the mask: two calls with equal
     signatures pass or fail the input checks alike and get the same plan. None when the call
     cannot use a kept plan (an argument is not a tensor, or the scale not a plain number):
@@ -247,22 +246,22 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
         activity = sched.problem.activity
     plan = ForwardPlan(checked, query, key, value, sched, options,
                        lists_per_call=per_call is not None)
-    # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs (with
-    # ``scan_keys``, its start and end as given).
-    if plan.scan_keys:
-        reader = INTERVAL_SCAN
-    elif intervals is not None:
-        reader = IntervalReader(checked.mask, activity, checked.shape, is_causal)
-    elif per_call is not None:
-        reader = BoolMaskReader(checked.mask, activity, checked.shape, is_causal)
-    elif prepared is not None:
-        reader = FixedMask(prepared.kernel_mask)
-    else:
-        reader = NO_MASK
-    if signature is not None and not copied:
+    if signature is not None and not copied:  # kept: with the reader of its later calls' masks
+        if plan.scan_keys:
+            reader = INTERVAL_SCAN
+        elif intervals is not None:
+            reader = IntervalReader(checked.mask, activity, checked.shape, is_causal)
+        elif per_call is not None:
+            reader = BoolMaskReader(checked.mask, activity, checked.shape, is_causal)
+        elif prepared is not None:
+            reader = FixedMask(prepared.kernel_mask)
+        else:
+            reader = NO_MASK
         limit = (MAX_INTERVAL_PLANS if intervals is not None else
                  MAX_MASK_PLANS if per_call is not None else MAX_PLANS)
         remember(plans, signature, KeptPlan(plan, reader), limit)
+    # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs (with
+    # ``scan_keys``, its start and end as given).
     if plan.scan_keys:
         return CallPlan(plan, query, key, value, *INTERVAL_SCAN(attn_mask))
     mask = attn_mask
