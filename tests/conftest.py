@@ -31,16 +31,27 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _on_hopper(config) -> bool:
+    return (config.getoption("--device") == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--device") == "cpu":
-        return
-    kept, interpreted = [], []
+    on_cpu = config.getoption("--device") == "cpu"
+    on_hopper = _on_hopper(config)
+    kept, interpreted, hopper = [], [], []
     for item in items:
-        (interpreted if item.get_closest_marker("interpreter") else kept).append(item)
-    if interpreted:
-        config.hook.pytest_deselected(items=interpreted)
+        if item.get_closest_marker("interpreter") and not on_cpu:
+            interpreted.append(item)
+        elif item.get_closest_marker("hopper") and not on_hopper:
+            hopper.append(item)
+        else:
+            kept.append(item)
+    if interpreted or hopper:
+        config.hook.pytest_deselected(items=interpreted + hopper)
         items[:] = kept
-        config._interpreted_deselected = len(interpreted)
+    config._interpreted_deselected = len(interpreted)
+    config._hopper_deselected = len(hopper)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -49,6 +60,11 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"{count} tests marked 'interpreter' deselected: they run kernels on CPU tensors "
             "under Triton's interpreter, which the CPU suite (pytest without --device) covers")
+    count = getattr(config, "_hopper_deselected", 0)
+    if count:
+        terminalreporter.write_line(
+            f"{count} tests marked 'hopper' deselected: they run the Gluon kernels, which "
+            "have no interpreter and need a Hopper GPU (pytest --device cuda on one)")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The forward's host side: plan a call (its Problem, Schedule and mask activity) and carry out
-the Schedule's forward launch. The kernel is in ``forward_kernels``."""
+the Schedule's forward launch: the Triton kernel (``triton_device.forward_kernels``), or where
+the schedule takes the Hopper route, ``hopper_forward``'s launch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import replace
 import torch
 
 from ..runtime.arith import LOG2E, ceil_div, contiguous_strides
-from ..runtime.launch import PlannedLaunch, dot_options, is_interpreted, multiprocessors
+from ..runtime.launch import (PlannedLaunch, capability, dot_options, is_interpreted,
+                              multiprocessors)
 from ..runtime.scratch import Scratch
 from ..triton_device.forward_kernels import _attn_fwd_kernel
 from ..triton_device.operands import (ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides,
@@ -16,8 +18,9 @@ from ..triton_device.operands import (ABSENT, ForwardPointers, Layout, SeqStride
 from . import tuning
 from .activity import (ActivityMap, ListCompaction, block_list_strides, call_activity,
                        shared_granularity, tile_activity)
+from .hopper_forward import HopperForwardLaunch
 from .inputs import CheckedInputs, operand_args, operand_pointer
-from .problem import Problem, problem_of
+from .problem import Problem, problem_of, tma_strides
 from .schedule import Schedule, activity_tiles, schedule
 
 
@@ -29,12 +32,18 @@ def interpreted() -> bool:
 def call_problem(checked: CheckedInputs, query: torch.Tensor, is_causal: bool,
                  deterministic: bool = False, bias_grad: bool = False,
                  activity: ActivityMap | None = None, intervals_per_call: bool = False,
-                 forward_only: bool = False) -> Problem:
-    """The Problem of a call with these checked inputs."""
+                 forward_only: bool = False, key: torch.Tensor | None = None,
+                 value: torch.Tensor | None = None) -> Problem:
+    """The Problem of a call with these checked inputs. Without ``key`` and ``value`` (a
+    mask prepared ahead of the call) the problem does not take TMA operands."""
     on_interpreter = interpreted()
-    return problem_of(checked, query.dtype, query.device, on_interpreter,
-                      multiprocessors(query.device, on_interpreter), is_causal, deterministic,
-                      bias_grad, activity, intervals_per_call, forward_only)
+    device = query.device
+    operands = (query, key, value)
+    return problem_of(checked, query.dtype, device, on_interpreter,
+                      multiprocessors(device, on_interpreter), is_causal, deterministic,
+                      bias_grad, activity, intervals_per_call, forward_only,
+                      capability(device, on_interpreter),
+                      key is not None and value is not None and tma_strides(*operands))
 
 
 def mask_activity(checked: CheckedInputs, sched: Schedule,
@@ -48,16 +57,17 @@ def mask_activity(checked: CheckedInputs, sched: Schedule,
                          sched.problem.is_causal)
 
 
-def plan_schedule(checked: CheckedInputs, query: torch.Tensor, is_causal: bool,
-                  deterministic: bool, bias_grad: bool, options: dict,
-                  activity: ActivityMap | None = None, with_backward: bool = False,
-                  intervals_per_call: bool = False) -> Schedule:
+def plan_schedule(checked: CheckedInputs, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, is_causal: bool, deterministic: bool, bias_grad: bool,
+                  options: dict, activity: ActivityMap | None = None,
+                  with_backward: bool = False, intervals_per_call: bool = False) -> Schedule:
     """The call's Schedule. A mask without a prepared ``activity`` map is read here (the
     schedule's tiles do not depend on the map; its stages and skips read the map's counts),
     unless the forward reads it itself (``scan_keys``). ``intervals_per_call``: the mask is
     ``KeyIntervals`` that the call reads (not prepared)."""
     problem = call_problem(checked, query, is_causal, deterministic, bias_grad, activity,
-                           intervals_per_call, forward_only=not with_backward)
+                           intervals_per_call, forward_only=not with_backward, key=key,
+                           value=value)
     sched = schedule(problem, options)
     if checked.mask is not None and activity is None and not sched.forward.scan_keys:
         activity = mask_activity(checked, sched, with_backward)
@@ -138,6 +148,7 @@ class ForwardPlan:
                  if self.splits > 1 else ())
         self._scratch = Scratch(query.device, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
+        self.hopper = None if fwd.hopper is None else HopperForwardLaunch(problem, fwd.hopper)
 
     @property
     def bias_one_row(self) -> bool:
@@ -165,6 +176,11 @@ class ForwardPlan:
         # ``new_empty`` takes dtype and device from ``query`` (the plan's own): 2.9 us of host
         # per call against 3.9 for ``torch.empty`` with both named, on the H100 host.
         out = query.new_empty(self.out_shape)
+        if self.hopper is not None and self.hopper.takes(query, key, value):
+            lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+                   if keep_lse else self._scratch_with_lse.buffers()[0])
+            self.hopper(query, key, value, out, lse)
+            return out, (lse if keep_lse else None)
         if keep_lse:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
             parts = self._scratch.buffers()

@@ -11,6 +11,7 @@ import torch
 from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .grids import edge_slots, grid_chunk_rows, key_splits
+from .hopper_forward import hopper_gap, takes_hopper
 from .problem import Problem
 
 
@@ -29,6 +30,14 @@ class ForwardSchedule:
     # The program reads the caller's interval tensors and finds its own range of key blocks
     # (``spans.interval_block_range``): no activity map and no list, each pair tested.
     scan_keys: bool = False
+    # The Hopper route's tile where the forward takes it (``hopper_forward``), else None. The
+    # Triton launch above stays planned: a call whose addresses a TMA descriptor cannot take
+    # runs it.
+    hopper: tuning.HopperTile | None = None
+
+    @property
+    def route(self) -> str:
+        return "triton" if self.hopper is None else "hopper"
 
     @property
     def query_rows(self) -> int:
@@ -119,6 +128,25 @@ def scan_keys(problem: Problem, options: dict, splits: int = 1) -> bool:
     return forced
 
 
+FORWARD_ROUTES = ("triton", "hopper")
+
+
+def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
+    """The Hopper forward's tile where the forward takes that route, else None (the Triton
+    route). ``options['forward_route']`` forces it; forcing 'hopper' where it does not cover
+    the problem is a ValueError that says why."""
+    forced = options.get("forward_route")
+    if forced == "triton":
+        return None
+    if forced == "hopper":
+        gap = hopper_gap(problem)
+        if gap is not None:
+            raise ValueError(f"kernel_options['forward_route']: 'hopper' does not cover this "
+                             f"call: {gap}")
+        return tuning.HOPPER_FORWARD
+    return tuning.HOPPER_FORWARD if takes_hopper(problem) else None
+
+
 def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
     shape, sms = problem.shape, problem.multiprocessors
     tile = forward_tile(problem)
@@ -140,7 +168,8 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
                                    problem.is_causal, sms),
         edge_slots=edge_slots(query_rows, tile.block_n),
         bias_row=bias is not None and bias.one_row and bias.shared_by(pack),
-        scan_keys=scan_keys(problem, options, splits))
+        scan_keys=scan_keys(problem, options, splits),
+        hopper=forward_route(problem, options))
 
 
 def forward_list_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:

@@ -58,19 +58,36 @@ class Problem:
     forward_only: bool = False
     # The mask is ``KeyIntervals``: prepared, read by the call, or varlen's documents.
     intervals: bool = False
+    # The GPU's compute capability (None under the interpreter), and whether q, k and v can
+    # be read through TMA descriptors: the last dim contiguous, every other stride a multiple
+    # of 16 bytes (``tma_strides``). Both choose between the device code families.
+    capability: tuple[int, int] | None = None
+    tma_operands: bool = False
 
     @property
     def block_d(self) -> int:
         return padded_head_dim(self.shape.head_dim)
 
 
+def tma_strides(*tensors: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address each tensor as it is laid out: last dim contiguous,
+    the other strides multiples of 16 bytes. (Its address must be 16-byte aligned too; that
+    is a property of each call, tested where the descriptors are made.)"""
+    for t in tensors:
+        if t.stride(-1) != 1 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
 def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                interpreted: bool, multiprocessors: int, is_causal: bool,
                deterministic: bool = False, bias_grad: bool = False,
                activity=None, intervals_per_call: bool = False,
-               forward_only: bool = False) -> Problem:
+               forward_only: bool = False, capability: tuple[int, int] | None = None,
+               tma_operands: bool = False) -> Problem:
     """The Problem of checked inputs. ``intervals_per_call``: the mask is ``KeyIntervals`` that
-    the call reads itself (not prepared); ``forward_only``: no backward follows."""
+    the call reads itself (not prepared); ``forward_only``: no backward follows;
+    ``capability`` and ``tma_operands`` as ``Problem`` says."""
     def layout(op):
         return None if op is None else OperandLayout(tuple(op.original_shape), op.head_div)
 
@@ -80,4 +97,4 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
-                   intervals)
+                   intervals, capability, bool(tma_operands))

@@ -21,7 +21,8 @@ from dataclasses import dataclass, fields
 
 from .backward_schedule import (BackwardRoute, BackwardSchedule, PackedBackward, backward_tiles,
                                 schedule_backward, wide_tile_possible)
-from .forward_schedule import ForwardSchedule, forward_list_tiles, schedule_forward
+from .forward_schedule import (FORWARD_ROUTES, ForwardSchedule, forward_list_tiles,
+                               schedule_forward)
 from .problem import Problem
 
 
@@ -64,7 +65,9 @@ class Schedule:
                  f"{' causal' if self.problem.is_causal else ''}"
                  f"{' mask' + str(self.problem.mask.shape) if self.problem.mask else ''}"
                  f"{' bias' + str(self.problem.bias.shape) if self.problem.bias else ''}"]
-        forward = [(f.name, getattr(self.forward, f.name)) for f in fields(self.forward)]
+        forward = [("route", self.forward.route)]
+        forward += [(f.name, getattr(self.forward, f.name)) for f in fields(self.forward)
+                    if f.name != "hopper" or self.forward.hopper is not None]
         for part, items in (("forward", forward), ("backward", backward_items(self.backward))):
             lines.append(f"{part}: " + ", ".join(f"{name}={value}" for name, value in items))
         return "\n".join(lines)
@@ -72,6 +75,7 @@ class Schedule:
 
 # kernel_options: name -> what it forces.
 OPTION_NAMES = {
+    "forward_route": "the forward's device code: 'triton' or 'hopper' (Gluon, sm_90a)",
     "backward": "the backward route: 'fused', 'dq+dkdv' or 'packed'",
     "forward_key_splits": "the forward's key splits (split-K), an int >= 1",
     "dq_key_splits": "dq's key splits, an int >= 1",
@@ -94,7 +98,11 @@ def normalize_options(options) -> dict:
         if name not in OPTION_NAMES:
             raise ValueError(f"kernel_options: unknown option {name!r}; known: "
                              + ", ".join(sorted(OPTION_NAMES)))
-        if name == "backward":
+        if name == "forward_route":
+            if value not in FORWARD_ROUTES:
+                raise ValueError(f"kernel_options['forward_route']: expected 'triton' or "
+                                 f"'hopper', got {value!r}")
+        elif name == "backward":
             try:
                 value = BackwardRoute(value)
             except ValueError:

@@ -170,3 +170,27 @@ DKDV_SHARE_WAVES = 2
 # probed with 2, 4, 8 and the whole grid as one chunk on causal dense, gqa, seqlen and window
 # rows: 8 was best or within noise of the best everywhere.
 CHUNK_PROGRAMS_PER_SM = 8
+
+
+# -- the Hopper route's forward (``hopper_device.attention_forward``)
+@dataclass(frozen=True)
+class HopperTile:
+    """A Hopper forward program: two consumer warpgroups of ``rows`` query rows each, key
+    blocks of ``block_n``, a K/V ring of ``stages`` slots, and the registers per thread that
+    the consumers and the loader warp take (``setmaxnreg``)."""
+
+    rows: int
+    block_n: int
+    stages: int
+    consumer_regs: int
+    loader_regs: int
+
+    def __str__(self) -> str:
+        return f"{2 * self.rows}x{self.block_n} s{self.stages}"
+
+
+# Two 64-row warpgroups over 128-key blocks, a two-slot ring: 160 KB of shared memory at head
+# dim 128 (Q 32 KB, each K or V slot 32 KB); 168 registers at launch, 0 spills (ptxas, sm_90a).
+HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
+# Below this many query rows a call keeps the Triton route (a 128-row tile per program).
+HOPPER_FORWARD_MIN_QUERIES = 512

@@ -93,6 +93,19 @@ def multiprocessors(device: torch.device, interpreted: bool) -> int:
 _multiprocessors: dict[int, int] = {}
 
 
+def capability(device: torch.device, interpreted: bool) -> tuple[int, int] | None:
+    """The GPU's compute capability, (9, 0) on Hopper; None under the interpreter."""
+    if interpreted or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+    return _capabilities[index]
+
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
 # -- what a launch is compiled for
 # Triton specializes each int argument on == 1 and on divisibility by 16, and caches one
 # compiled kernel per pattern. Lengths and the strides that follow them change pattern from one
@@ -150,6 +163,11 @@ def compile_form(value):
     return value.__class__(*items)
 
 
+def is_descriptor(value) -> bool:
+    """A host-side TMA tensor descriptor (Gluon's ``TensorDescriptor``)."""
+    return hasattr(value, "block_shape") and hasattr(value, "layout") and hasattr(value, "base")
+
+
 def specialization(value):
     """What Triton compiles ``value`` for: ints as 1, a multiple of 16 or other (with their
     width), tensors by dtype and 16-byte alignment, floats by type, tuples item by item."""
@@ -158,6 +176,8 @@ def specialization(value):
         return 1 if value == 1 else (width, value % 16 == 0)
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() & 15
+    if is_descriptor(value):  # compiled for its dtype, box and shared layout, never its sizes
+        return "tensordesc", value.base.dtype, tuple(value.block_shape), value.layout
     if isinstance(value, tuple):
         return tuple(specialization(item) for item in value)
     if value.__class__ is float:
@@ -382,3 +402,36 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
             signatures.popitem(last=False)
     plan._compiled = compiled
     plan()
+
+
+class DescriptorLaunch:
+    """A launch planned once whose operands reach the kernel as TMA tensor descriptors, made by
+    the caller per call (Gluon's Hopper kernels). The grid, the trailing scalars and the
+    constexprs are fixed. A descriptor's kernel is compiled for its dtype, box and layout only
+    (``specialization``), and the scalars the kernel does not specialize on, so one compile
+    serves every call of a plan on a device. Each call takes ``PlannedLaunch``'s paths:
+    compile-only, Triton's JIT dispatch with launch hooks installed, else the compiled kernel's
+    launcher (which encodes the descriptors, 128 bytes each, per call)."""
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, num_warps: int = 4, **constexprs):
+        self.kernel = kernel
+        self.grid = _grid3(grid)
+        self.scalars = tuple(scalars)
+        self.options = dict(num_warps=num_warps, **constexprs)
+        self._compiled: dict = {}
+
+    def __call__(self, *operands) -> None:
+        args = (*operands, *self.scalars)
+        if _compile_executor is not None:
+            _start_compile(self.kernel, self.grid, args, self.options)
+            return
+        if not _direct_launch_available():
+            _note_form(self.kernel, args, self.options)
+            self.kernel[self.grid](*args, **self.options)
+            return
+        device = _current_device()
+        hit = self._compiled.get(device)
+        if hit is None:
+            _note_form(self.kernel, args, self.options)
+            hit = self._compiled[device] = _compile(self.kernel, self.grid, args, self.options)
+        _run_compiled(hit, self.grid, args, device)

@@ -1,0 +1,114 @@
+"""The Hopper route's forward: which problems it covers, and its launch. The kernel is
+``hopper_device.attention_forward`` (Gluon, sm_90a).
+
+It covers a dense forward (no mask, no bias; causal or not, any lengths, GQA/MQA) in fp16 or
+bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out for TMA, on a GPU of
+compute capability 9.0. The schedule takes it there from ``tuning.HOPPER_FORWARD_MIN_QUERIES``
+query rows on, and ``kernel_options['forward_route']`` forces either route. Anything else runs
+the Triton route, which stays whole: a call whose tensors' addresses are not 16-byte aligned
+falls back to it too (``HopperForwardLaunch.takes``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.arith import LOG2E, ceil_div
+from ..runtime.launch import DescriptorLaunch
+from . import tuning
+from .problem import Problem
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..hopper_device.attention_forward import attention_forward
+    GLUON_MISSING = None
+except ImportError as exc:  # a Triton without Gluon's Hopper modules
+    attention_forward = None
+    GLUON_MISSING = f"this Triton has no Gluon Hopper support ({exc})"
+
+HOPPER = (9, 0)
+MAX_HEAD_DIM = 128
+MAX_TILES = 2**31 - 1  # work tiles are counted in int32
+
+
+def hopper_gap(problem: Problem) -> str | None:
+    """Why the Hopper forward does not cover ``problem`` (one line), or None where it does."""
+    shape = problem.shape
+    if GLUON_MISSING:
+        return GLUON_MISSING
+    if problem.interpreted or problem.capability is None:
+        return "it runs on a CUDA GPU only, not under Triton's interpreter"
+    if problem.capability != HOPPER:
+        return (f"it needs a GPU of compute capability 9.0 (Hopper), this one is "
+                f"{problem.capability[0]}.{problem.capability[1]}")
+    if problem.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes float16 or bfloat16, not {str(problem.dtype).replace('torch.', '')}"
+    if problem.mask is not None or problem.bias is not None:
+        return "it takes no mask and no bias yet"
+    if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 8:
+        return f"it takes head dims up to {MAX_HEAD_DIM} that are multiples of 8, not {shape.head_dim}"
+    if not problem.tma_operands:
+        return ("it reads q, k and v through TMA: the last dim contiguous and every other "
+                "stride a multiple of 16 bytes")
+    if not problem.softmax_scale > 0:
+        return f"it takes a positive softmax_scale, not {problem.softmax_scale}"
+    tiles = ceil_div(shape.seqlen_q, 2 * tuning.HOPPER_FORWARD.rows) * shape.batch * shape.heads_q
+    if tiles > MAX_TILES:
+        return f"it takes at most {MAX_TILES} tiles of 128 query rows x heads x batch, not {tiles}"
+    return None
+
+
+def takes_hopper(problem: Problem) -> bool:
+    """The schedule's default: the Hopper forward where it covers the problem and the query
+    rows fill its tiles."""
+    return (problem.shape.seqlen_q >= tuning.HOPPER_FORWARD_MIN_QUERIES
+            and hopper_gap(problem) is None)
+
+
+def block_head_dim(head_dim: int) -> int:
+    """The head dim of the kernel's tiles: 64 or 128 (columns past the head dim read as 0)."""
+    return 64 if head_dim <= 64 else 128
+
+
+def _gluon_dtype(dtype: torch.dtype):
+    return gl.float16 if dtype == torch.float16 else gl.bfloat16
+
+
+class HopperForwardLaunch:
+    """The Hopper forward of one call signature: its grid, tiles' shared layouts and scalars,
+    fixed once. A call makes the four descriptors from its tensors and launches."""
+
+    def __init__(self, problem: Problem, tile: tuning.HopperTile):
+        shape = problem.shape
+        block_d = block_head_dim(shape.head_dim)
+        element = _gluon_dtype(problem.dtype)
+        self.q_box = [1, tile.rows, 1, block_d]
+        self.kv_box = [1, tile.block_n, 1, block_d]
+        self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
+        self.kv_layout = gl.NVMMASharedLayout.get_default_for(self.kv_box, element)
+        row_tiles = ceil_div(shape.seqlen_q, 2 * tile.rows)
+        batch_heads = shape.batch * shape.heads_q
+        num_tiles = row_tiles * batch_heads
+        self.launch = DescriptorLaunch(
+            attention_forward, (min(num_tiles, problem.multiprocessors),),
+            (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.group_size,
+             problem.softmax_scale * LOG2E, row_tiles, batch_heads, num_tiles),
+            num_warps=4, CAUSAL=problem.is_causal, STAGES=tile.stages,
+            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+
+    @staticmethod
+    def takes(*tensors: torch.Tensor) -> bool:
+        """Whether every tensor's address suits a descriptor (16-byte aligned)."""
+        return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+    def _describe(self, t: torch.Tensor, box: list, layout) -> TensorDescriptor:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+
+    def __call__(self, query, key, value, out, lse) -> None:
+        """Write ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq) float32."""
+        self.launch(self._describe(query, self.q_box, self.q_layout),
+                    self._describe(key, self.kv_box, self.kv_layout),
+                    self._describe(value, self.kv_box, self.kv_layout),
+                    self._describe(out, self.q_box, self.q_layout), lse)

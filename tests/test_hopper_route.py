@@ -1,0 +1,254 @@
+"""The Hopper route of the forward (Gluon, ``kernels.hopper_device``).
+
+Host side, on every machine: which problems the schedule sends to it, what forcing it says
+where it does not apply, the TMA layout rule, and that its modules import under the installed
+Triton. Device side (marked ``hopper``; Gluon has no interpreter): its outputs, LSE and the
+gradients of a backward after it, against the float64 reference, on awkward shapes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attn_helpers import (Dims, forcing, random_mask, random_qkv, run_backward, run_forward)
+from kernels import dmattn_func, schedule_for
+from kernels.planning import tuning
+from kernels.planning.hopper_forward import hopper_gap
+from kernels.planning.inputs import AttnShape
+from kernels.planning.problem import OperandLayout, Problem, tma_strides
+from kernels.planning.schedule import normalize_options, schedule
+
+
+def hopper_problem(**changes) -> Problem:
+    """A dense bf16 problem on an H100 that the Hopper forward covers."""
+    shape = AttnShape(batch=2, seqlen_q=4096, seqlen_k=4096, heads_q=16, heads_kv=4,
+                      head_dim=128)
+    problem = Problem(shape, torch.bfloat16, torch.device("cuda"), interpreted=False,
+                      multiprocessors=132, is_causal=False, softmax_scale=128 ** -0.5,
+                      capability=(9, 0), tma_operands=True)
+    return replace(problem, **changes)
+
+
+def sized(**sizes) -> AttnShape:
+    return replace(hopper_problem().shape, **sizes)
+
+
+# -- host side: the route choice
+@pytest.mark.parametrize("changes", [
+    {},
+    {"is_causal": True},
+    {"dtype": torch.float16},
+    {"shape": sized(head_dim=64)},
+    {"shape": sized(head_dim=40)},
+    {"shape": sized(head_dim=80, heads_kv=1)},
+    {"shape": sized(seqlen_q=tuning.HOPPER_FORWARD_MIN_QUERIES, seqlen_k=1)},
+    {"shape": sized(seqlen_q=4095, seqlen_k=97), "is_causal": True},
+], ids=["dense", "causal", "fp16", "d64", "d40", "d80-mqa", "fewest-rows", "odd-lengths"])
+def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
+    sched = schedule(hopper_problem(**changes))
+    assert sched.forward.route == "hopper"
+    assert sched.forward.hopper == tuning.HOPPER_FORWARD
+    assert "forward: route=hopper" in str(sched)
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"capability": (8, 0)}, "compute capability 9.0"),
+    ({"capability": (10, 0)}, "compute capability 9.0"),
+    ({"capability": None}, "CUDA GPU only"),
+    ({"interpreted": True, "capability": None}, "interpreter"),
+    ({"dtype": torch.float32}, "float16 or bfloat16"),
+    ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "no mask"),
+    ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
+    ({"shape": sized(head_dim=256)}, "head dims up to 128"),
+    ({"shape": sized(head_dim=20)}, "multiples of 8"),
+    ({"tma_operands": False}, "TMA"),
+    ({"softmax_scale": 0.0}, "positive softmax_scale"),
+    ({"softmax_scale": -0.1}, "positive softmax_scale"),
+    ({"shape": sized(batch=2**16, heads_q=2**12, heads_kv=2**10)}, "tiles of 128 query rows"),
+], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "bias", "d256", "d20",
+        "strides", "zero-scale", "negative-scale", "grid"])
+def test_what_the_hopper_route_does_not_cover_runs_the_triton_route_and_forcing_says_why(
+        changes, reason):
+    problem = hopper_problem(**changes)
+    assert reason in hopper_gap(problem)
+    sched = schedule(problem)
+    assert sched.forward.route == "triton" and sched.forward.hopper is None
+    assert "forward: route=triton" in str(sched) and "hopper=" not in str(sched)
+    with pytest.raises(ValueError, match=r"kernel_options\['forward_route'\]: 'hopper' does "
+                                         r"not cover this call: .*" + reason):
+        schedule(problem, normalize_options({"forward_route": "hopper"}))
+
+
+def test_short_query_lengths_keep_the_triton_route_unless_forced():
+    problem = hopper_problem(shape=sized(seqlen_q=tuning.HOPPER_FORWARD_MIN_QUERIES - 1))
+    assert hopper_gap(problem) is None
+    assert schedule(problem).forward.route == "triton"
+    forced = schedule(problem, normalize_options({"forward_route": "hopper"}))
+    assert forced.forward.route == "hopper"
+
+
+def test_forcing_the_triton_route_keeps_it_where_the_hopper_route_would_run():
+    sched = schedule(hopper_problem(), normalize_options({"forward_route": "triton"}))
+    assert sched.forward.route == "triton"
+
+
+def test_the_triton_launch_stays_planned_beside_the_hopper_route():
+    """A call whose addresses a descriptor cannot take runs the Triton launch: its tile,
+    splits and grid order are the same as without the Hopper route."""
+    problem = hopper_problem(is_causal=True)
+    hopper = schedule(problem).forward
+    triton = schedule(problem, normalize_options({"forward_route": "triton"})).forward
+    assert replace(hopper, hopper=None) == triton
+
+
+@pytest.mark.parametrize("value", ["cuda", "gluon", None, 1])
+def test_the_route_option_takes_triton_or_hopper(value):
+    with pytest.raises(ValueError, match=r"kernel_options\['forward_route'\]: expected "
+                                         r"'triton' or 'hopper'"):
+        normalize_options({"forward_route": value})
+
+
+@pytest.mark.interpreter
+def test_forcing_the_hopper_route_on_the_interpreter_names_the_reason():
+    q, k, v = random_qkv(Dims(1, 8, 8, 2, 2, 64), torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="not under Triton's interpreter"):
+        dmattn_func(q, k, v, kernel_options={"forward_route": "hopper"})
+    assert schedule_for(q, k, v).forward.route == "triton"
+
+
+@pytest.mark.parametrize("layout, takes", [
+    ("contiguous", True), ("bhld", True), ("sliced", False), ("strided", False)])
+def test_tma_takes_unit_last_strides_and_16_byte_multiples(layout, takes):
+    q, k, v = random_qkv(Dims(2, 16, 16, 4, 2, 64), torch.bfloat16, torch.device("cpu"), layout)
+    assert tma_strides(q, k, v) is takes
+
+
+def test_a_head_dim_of_odd_bytes_is_not_for_tma():
+    q = torch.empty(1, 8, 2, 36, dtype=torch.bfloat16)  # 72-byte rows
+    assert not tma_strides(q)
+    assert tma_strides(torch.empty(1, 8, 2, 40, dtype=torch.bfloat16))  # 80-byte rows
+
+
+def test_a_descriptor_is_compiled_for_its_box_and_layout_not_its_sizes():
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels.runtime.launch import specialization
+
+    box = [1, 64, 1, 128]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+
+    def described(t):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+
+    short = described(torch.empty(1, 100, 2, 128, dtype=torch.bfloat16))
+    long = described(torch.empty(3, 4096, 8, 128, dtype=torch.bfloat16))
+    assert specialization(short) == specialization(long)
+    assert hash(specialization(short)) == hash(specialization(long))
+    other = TensorDescriptor(long.base, long.shape, long.strides, [1, 128, 1, 128],
+                             gl.NVMMASharedLayout.get_default_for([1, 128, 1, 128], gl.bfloat16))
+    assert specialization(other) != specialization(long)
+
+
+def test_the_gluon_kernel_imports_under_this_triton():
+    from kernels.hopper_device.attention_forward import attention_forward
+
+    assert attention_forward.arg_names[:5] == ["q_desc", "k_desc", "v_desc", "o_desc",
+                                               "lse_ptr"]
+    assert {"CAUSAL", "STAGES", "CONSUMER_REGS", "LOADER_REGS"} <= set(
+        attention_forward.arg_names)
+
+
+# -- device side: a Hopper GPU
+HOPPER = forcing(forward_route="hopper")
+
+SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D)
+    (1, 1, 1, 1, 1, 64),
+    (2, 17, 97, 4, 2, 128),
+    (1, 97, 17, 3, 3, 40),
+    (2, 1025, 1025, 4, 1, 80),
+    (1, 4095, 4095, 2, 2, 128),
+    (1, 1000, 3000, 6, 2, 64),
+    (3, 300, 129, 2, 1, 128),
+    (1, 2048, 2048, 8, 8, 16),
+]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", SHAPES, ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hopper_forward_matches_the_reference(device, sizes, causal, dtype):
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, dtype, device)
+    assert schedule_for(q, k, v, is_causal=causal,
+                        kernel_options={"forward_route": "hopper"}).forward.route == "hopper"
+    run_forward(q, k, v, causal=causal, func=HOPPER)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("layout", ["contiguous", "bhld"])
+def test_hopper_forward_reads_strided_views(device, layout):
+    q, k, v = random_qkv(Dims(2, 333, 333, 4, 2, 64), torch.bfloat16, device, layout)
+    run_forward(q, k, v, causal=True, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_the_default_route_on_hopper_is_the_hopper_forward(device):
+    dims = Dims(1, tuning.HOPPER_FORWARD_MIN_QUERIES, 700, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    assert schedule_for(q, k, v).forward.route == "hopper"
+    run_forward(q, k, v, causal=True)
+
+
+@pytest.mark.hopper
+def test_an_unaligned_address_runs_the_triton_launch(device, monkeypatch):
+    from kernels.planning.hopper_forward import HopperForwardLaunch
+
+    launched = []
+    original = HopperForwardLaunch.__call__
+    monkeypatch.setattr(HopperForwardLaunch, "__call__",
+                        lambda self, *args: launched.append(1) or original(self, *args))
+    dims = Dims(1, 600, 600, 2, 2, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    run_forward(q, k, v, func=HOPPER)
+    assert launched == [1]
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)[1:].view(q.shape)
+    shifted.copy_(q)  # 2 bytes past a 16-byte boundary, strides unchanged
+    run_forward(shifted, k, v, func=HOPPER)
+    assert launched == [1]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_backward_after_the_hopper_forward_matches_the_reference(device, causal):
+    dims = Dims(2, 300, 515, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    run_backward(q, k, v, causal=causal, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_a_mask_keeps_the_triton_route_under_the_default(device):
+    dims = Dims(1, 1024, 1024, 2, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_mask((1, 1, 1024, 1024), device)
+    assert schedule_for(q, k, v, mask).forward.route == "triton"
+    run_forward(q, k, v, mask)
+
+
+@pytest.mark.hopper
+def test_hopper_forward_on_random_shapes(device):
+    """A seeded fuzz: lengths 1-3000, head dims 8-128 (multiples of 8), GQA/MQA, both dtypes,
+    causal or not."""
+    rng = random.Random(55)
+    for _ in range(40):
+        heads_kv = rng.choice([1, 2, 3])
+        dims = Dims(rng.randint(1, 3), rng.randint(1, 3000), rng.randint(1, 3000),
+                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        q, k, v = random_qkv(dims, dtype, device)
+        run_forward(q, k, v, causal=rng.random() < 0.5, func=HOPPER)
