@@ -45,8 +45,8 @@ def sized(**sizes) -> AttnShape:
     {"shape": sized(head_dim=64)},
     {"shape": sized(head_dim=40)},
     {"shape": sized(head_dim=80, heads_kv=1)},
-    {"shape": sized(seqlen_q=tuning.HOPPER_FORWARD_MIN_QUERIES, seqlen_k=1)},
-    {"shape": sized(seqlen_q=4095, seqlen_k=97), "is_causal": True},
+    {"shape": sized(seqlen_q=tuning.HOPPER_FORWARD_MIN_QUERIES, seqlen_k=512)},
+    {"shape": sized(seqlen_q=1025, seqlen_k=3001), "is_causal": True},
 ], ids=["dense", "causal", "fp16", "d64", "d40", "d80-mqa", "fewest-rows", "odd-lengths"])
 def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     sched = schedule(hopper_problem(**changes))
@@ -89,6 +89,23 @@ def test_short_query_lengths_keep_the_triton_route_unless_forced():
     assert schedule(problem).forward.route == "triton"
     forced = schedule(problem, normalize_options({"forward_route": "hopper"}))
     assert forced.forward.route == "hopper"
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal, blocks, route", [
+    (512, 512, False, 4.0, "hopper"),
+    (512, 512, True, 2.5, "triton"),
+    (1024, 1024, True, 4.5, "hopper"),
+    (4096, 384, False, 3.0, "triton"),
+    (512, 4096, True, 30.5, "hopper"),  # bottom-right: the rows see most keys
+    (4096, 512, True, 1.1875, "triton"),  # most rows see no key: their tiles walk block 0
+])
+def test_tiles_that_walk_few_key_blocks_keep_the_triton_route(seqlen_q, seqlen_k, causal,
+                                                               blocks, route):
+    from kernels.planning.hopper_forward import mean_key_blocks
+
+    problem = hopper_problem(shape=sized(seqlen_q=seqlen_q, seqlen_k=seqlen_k), is_causal=causal)
+    assert mean_key_blocks(problem) == pytest.approx(blocks)
+    assert schedule(problem).forward.route == route
 
 
 def test_forcing_the_triton_route_keeps_it_where_the_hopper_route_would_run():

@@ -3,8 +3,8 @@
 
 It covers a dense forward (no mask, no bias; causal or not, any lengths, GQA/MQA) in fp16 or
 bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out for TMA, on a GPU of
-compute capability 9.0. The schedule takes it there from ``tuning.HOPPER_FORWARD_MIN_QUERIES``
-query rows on, and ``kernel_options['forward_route']`` forces either route. Anything else runs
+compute capability 9.0. The schedule takes it there where its tiles are full enough
+(``takes_hopper``), and ``kernel_options['forward_route']`` forces either route. Anything else runs
 the Triton route, which stays whole: a call whose tensors' addresses are not 16-byte aligned
 falls back to it too (``HopperForwardLaunch.takes``).
 """
@@ -60,11 +60,26 @@ def hopper_gap(problem: Problem) -> str | None:
     return None
 
 
+def mean_key_blocks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FORWARD) -> float:
+    """The mean number of key blocks a work tile of the Hopper forward walks (as the kernel's
+    ``_key_block_counts`` counts them)."""
+    shape = problem.shape
+    if not problem.is_causal:
+        return float(ceil_div(shape.seqlen_k, tile.block_n))
+    rows = 2 * tile.rows
+    row_tiles = ceil_div(shape.seqlen_q, rows)
+    diagonal = shape.seqlen_k - shape.seqlen_q
+    blocks = sum(ceil_div(max(min(shape.seqlen_k, (i + 1) * rows + diagonal), 1), tile.block_n)
+                 for i in range(row_tiles))
+    return blocks / row_tiles
+
+
 def takes_hopper(problem: Problem) -> bool:
-    """The schedule's default: the Hopper forward where it covers the problem and the query
-    rows fill its tiles."""
+    """The schedule's default: the Hopper forward where it covers the problem, the query rows
+    fill its tiles and each tile walks enough key blocks to hide its prologue and epilogue."""
     return (problem.shape.seqlen_q >= tuning.HOPPER_FORWARD_MIN_QUERIES
-            and hopper_gap(problem) is None)
+            and hopper_gap(problem) is None
+            and mean_key_blocks(problem) >= tuning.HOPPER_FORWARD_MIN_KEY_BLOCKS)
 
 
 def block_head_dim(head_dim: int) -> int:

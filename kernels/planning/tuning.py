@@ -192,5 +192,10 @@ class HopperTile:
 # Two 64-row warpgroups over 128-key blocks, a two-slot ring: 160 KB of shared memory at head
 # dim 128 (Q 32 KB, each K or V slot 32 KB); 168 registers at launch, 0 spills (ptxas, sm_90a).
 HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
-# Below this many query rows a call keeps the Triton route (a 128-row tile per program).
+# Where a call takes the Hopper forward: at least this many query rows, and its tiles walk at
+# least this many key blocks on average (``hopper_forward.mean_key_blocks``), else the
+# per-tile prologue and epilogue dominate. TFLOP/s on an H200, B8 H16 D128 bf16, Hopper
+# against Triton route (SDPA): L512 full (4 blocks) 390 against 302 (451); L512 causal (2.5)
+# 97 against 187 (241); L1024 causal (4.5, B16) 310 against 280 (411).
 HOPPER_FORWARD_MIN_QUERIES = 512
+HOPPER_FORWARD_MIN_KEY_BLOCKS = 4

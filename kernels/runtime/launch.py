@@ -407,31 +407,34 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
 class DescriptorLaunch:
     """A launch planned once whose operands reach the kernel as TMA tensor descriptors, made by
     the caller per call (Gluon's Hopper kernels). The grid, the trailing scalars and the
-    constexprs are fixed. A descriptor's kernel is compiled for its dtype, box and layout only
-    (``specialization``), and the scalars the kernel does not specialize on, so one compile
-    serves every call of a plan on a device. Each call takes ``PlannedLaunch``'s paths:
-    compile-only, Triton's JIT dispatch with launch hooks installed, else the compiled kernel's
-    launcher (which encodes the descriptors, 128 bytes each, per call)."""
+    constexprs are fixed. The kernel must not specialize on its int scalars (``gluon.jit``'s
+    ``do_not_specialize``): it is compiled for ``UNKNOWN_INT`` in their place, and a
+    descriptor for its dtype, box and layout only (``specialization``), so one compile serves
+    every call of every plan of one form on a device. Each call takes ``PlannedLaunch``'s
+    paths: compile-only, Triton's JIT dispatch with launch hooks installed, else the compiled
+    kernel's launcher (which encodes the descriptors, 128 bytes each, per call)."""
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, num_warps: int = 4, **constexprs):
         self.kernel = kernel
         self.grid = _grid3(grid)
         self.scalars = tuple(scalars)
+        self._form_scalars = tuple(UNKNOWN_INT if s.__class__ is int else s for s in scalars)
         self.options = dict(num_warps=num_warps, **constexprs)
         self._compiled: dict = {}
 
     def __call__(self, *operands) -> None:
-        args = (*operands, *self.scalars)
+        form = (*operands, *self._form_scalars)
         if _compile_executor is not None:
-            _start_compile(self.kernel, self.grid, args, self.options)
+            _start_compile(self.kernel, self.grid, form, self.options)
             return
+        args = (*operands, *self.scalars)
         if not _direct_launch_available():
-            _note_form(self.kernel, args, self.options)
+            _note_form(self.kernel, form, self.options)
             self.kernel[self.grid](*args, **self.options)
             return
         device = _current_device()
         hit = self._compiled.get(device)
         if hit is None:
-            _note_form(self.kernel, args, self.options)
-            hit = self._compiled[device] = _compile(self.kernel, self.grid, args, self.options)
+            _note_form(self.kernel, form, self.options)
+            hit = self._compiled[device] = _compile(self.kernel, self.grid, form, self.options)
         _run_compiled(hit, self.grid, args, device)
