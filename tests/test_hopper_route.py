@@ -269,3 +269,85 @@ def test_hopper_forward_on_random_shapes(device):
         dtype = rng.choice([torch.bfloat16, torch.float16])
         q, k, v = random_qkv(dims, dtype, device)
         run_forward(q, k, v, causal=rng.random() < 0.5, func=HOPPER)
+
+
+# -- device side: what the route must work under
+def _count_hopper_launches(monkeypatch) -> list:
+    from kernels.planning.hopper_forward import HopperForwardLaunch
+
+    launched = []
+    original = HopperForwardLaunch.__call__
+    monkeypatch.setattr(HopperForwardLaunch, "__call__",
+                        lambda self, *args: launched.append(1) or original(self, *args))
+    return launched
+
+
+@pytest.mark.hopper
+def test_torch_compile_fullgraph_runs_the_hopper_forward(device, monkeypatch):
+    torch._dynamo.reset()
+    dims = Dims(1, 1000, 1000, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    launched = _count_hopper_launches(monkeypatch)
+    compiled = torch.compile(lambda q, k, v: dmattn_func(q, k, v, is_causal=True),
+                             fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v)
+    assert launched, "the compiled call did not take the Hopper route"
+    assert torch.equal(got, dmattn_func(q, k, v, is_causal=True))
+    torch._dynamo.reset()
+
+
+@pytest.mark.hopper
+def test_a_cuda_graph_replays_the_hopper_forward_on_new_inputs(device, monkeypatch):
+    dims = Dims(2, 1000, 1000, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    launched = _count_hopper_launches(monkeypatch)
+    dmattn_func(q, k, v, is_causal=True)  # plans and compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dmattn_func(q, k, v, is_causal=True)
+    assert len(launched) == 2
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    assert torch.equal(captured, dmattn_func(q, k, v, is_causal=True))
+    assert torch.isfinite(captured.float()).all()
+
+
+@pytest.mark.hopper
+def test_warmup_compiles_the_hopper_forward_for_every_length_between(device):
+    from kernels import compiled_forms, warmup
+
+    warmup(seqlens=[1024, 3000], heads_q=4, heads_kv=2, head_dim=128, dtype=torch.bfloat16,
+           device=device, is_causal=True)
+    before = compiled_forms()
+    for length in (1100, 1537, 2048, 2999):
+        q, k, v = random_qkv(Dims(1, length, length, 4, 2, 128), torch.bfloat16, device)
+        assert schedule_for(q, k, v, is_causal=True).forward.route == "hopper"
+        run_backward(q, k, v, causal=True)
+    assert compiled_forms() == before
+
+
+@pytest.mark.hopper
+def test_a_bf16_llama_takes_the_hopper_route_and_matches_eager(device, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from kernels.integrations import transformers as dm_hf
+    from kernels.tolerance import check_tensor
+
+    dm_hf.register()
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=384,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=1024)
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="dmattn")
+    ours.load_state_dict(eager.state_dict())
+    tokens = torch.randint(0, 97, (2, 1000), device=device)
+    launched = _count_hopper_launches(monkeypatch)
+    with torch.no_grad():
+        got = ours.to(device, torch.bfloat16)(tokens).logits
+        baseline = eager.to(device, torch.bfloat16)(tokens).logits
+        truth = eager.to(device, torch.float64)(tokens).logits
+    assert len(launched) == 2  # one per layer
+    scale = truth.abs().max()
+    check = check_tensor("logits", got.double() / scale, truth / scale,
+                         baseline.double() / scale, torch.bfloat16)
+    assert check.passed, check.describe()
