@@ -8,6 +8,7 @@ gradients of a backward after it, against the float64 reference, on awkward shap
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import replace
 
@@ -337,8 +338,10 @@ def test_a_bf16_llama_takes_the_hopper_route_and_matches_eager(device, monkeypat
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=384,
                                       num_hidden_layers=2, num_attention_heads=2,
                                       num_key_value_heads=1, max_position_embeddings=1024)
-    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="dmattn")
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                          attn_implementation="eager")
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                         attn_implementation="dmattn")
     ours.load_state_dict(eager.state_dict())
     tokens = torch.randint(0, 97, (2, 1000), device=device)
     launched = _count_hopper_launches(monkeypatch)
