@@ -182,6 +182,17 @@ def test_the_gluon_kernel_imports_under_this_triton():
 
 
 # -- device side: a Hopper GPU
+def _count_hopper_launches(monkeypatch) -> list:
+    """The Hopper launches made from now on (one entry each)."""
+    from kernels.planning.hopper_forward import HopperForwardLaunch
+
+    launched = []
+    original = HopperForwardLaunch.__call__
+    monkeypatch.setattr(HopperForwardLaunch, "__call__",
+                        lambda self, *args: launched.append(1) or original(self, *args))
+    return launched
+
+
 HOPPER = forcing(forward_route="hopper")
 
 SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D)
@@ -225,12 +236,7 @@ def test_the_default_route_on_hopper_is_the_hopper_forward(device):
 
 @pytest.mark.hopper
 def test_an_unaligned_address_runs_the_triton_launch(device, monkeypatch):
-    from kernels.planning.hopper_forward import HopperForwardLaunch
-
-    launched = []
-    original = HopperForwardLaunch.__call__
-    monkeypatch.setattr(HopperForwardLaunch, "__call__",
-                        lambda self, *args: launched.append(1) or original(self, *args))
+    launched = _count_hopper_launches(monkeypatch)
     dims = Dims(1, 600, 600, 2, 2, 64)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     run_forward(q, k, v, func=HOPPER)
@@ -273,16 +279,6 @@ def test_hopper_forward_on_random_shapes(device):
 
 
 # -- device side: what the route must work under
-def _count_hopper_launches(monkeypatch) -> list:
-    from kernels.planning.hopper_forward import HopperForwardLaunch
-
-    launched = []
-    original = HopperForwardLaunch.__call__
-    monkeypatch.setattr(HopperForwardLaunch, "__call__",
-                        lambda self, *args: launched.append(1) or original(self, *args))
-    return launched
-
-
 @pytest.mark.hopper
 def test_torch_compile_fullgraph_runs_the_hopper_forward(device, monkeypatch):
     torch._dynamo.reset()

@@ -87,10 +87,10 @@ def _loader(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, q_free, k_
     ring = 0  # key blocks loaded so far, over this program's tiles: the ring's position
     visit = 0  # this program's tiles loaded so far
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, q_head, kv_head, q_start, bh = _tile_at(tile, row_tiles, batch_heads, heads_q,
-                                                       group, 2 * ROWS, CAUSAL)
-        num_blocks, unmasked_blocks = _key_block_counts(q_start, seqlen_q, seqlen_k, 2 * ROWS,
-                                                        BLOCK_N, CAUSAL)
+        batch, q_head, kv_head, q_start, _ = _tile_at(tile, row_tiles, batch_heads, heads_q,
+                                                      group, 2 * ROWS, CAUSAL)
+        num_blocks, _ = _key_block_counts(q_start, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N,
+                                          CAUSAL)
         # A barrier that has completed no phase passes a wait for the parity of the phase
         # before phase 0: the first tile's Q and the ring's first lap do not wait.
         for w in gl.static_range(2):
