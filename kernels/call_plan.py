@@ -10,7 +10,9 @@ read:
 - no mask, or a ``PreparedMask`` (``kernels.prepare_mask``): the operand fixed at planning;
 - a bool mask, unprepared: the mask itself, and one activity pass per call;
 - ``KeyIntervals``, unprepared: their interleaved (start, end) words and activity, one pass;
-- ``KeyIntervals`` read by the forward itself (``scan_keys``): start and end as given.
+- ``KeyIntervals`` read by the forward itself (``scan_keys``, the gather route): start and end
+  as given;
+- a bool mask read by the forward itself (the gather route): the mask, and no pass.
 
 The autograd path (``kernels.interface``) and the custom ops (``kernels.ops``) both plan here.
 """
@@ -96,7 +98,7 @@ def interval_form(intervals: KeyIntervals, for_backward: bool) -> tuple:
     activity map's tile (finer where a backward follows); never their values."""
     start, end = intervals.start, intervals.end
     return (start.shape, start.stride(), start.dtype, end.stride(), end.dtype, start.device,
-            for_backward)
+            intervals.max_kept, for_backward)
 
 
 def mask_form(mask: torch.Tensor, for_backward: bool) -> tuple:
@@ -177,14 +179,25 @@ class IntervalReader(MaskReader):
 
 
 class IntervalScan(MaskReader):
-    """``KeyIntervals`` that the forward reads itself (``scan_keys``): their start and end as
-    given (the plan holds their layout), and no activity map."""
+    """``KeyIntervals`` that the forward reads itself (``scan_keys``, the gather route): their
+    start and end as given (the plan holds their layout), and no activity map."""
 
     def __call__(self, intervals: KeyIntervals) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
         return (intervals.start, intervals.end), None
 
 
 INTERVAL_SCAN = IntervalScan()
+
+
+class MaskAsGiven(MaskReader):
+    """An unprepared bool mask that the forward reads itself (the gather route): the mask,
+    and no activity map."""
+
+    def __call__(self, attn_mask: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return attn_mask, None
+
+
+MASK_AS_GIVEN = MaskAsGiven()
 
 
 def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
@@ -247,8 +260,10 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
     plan = ForwardPlan(checked, query, key, value, sched, options,
                        lists_per_call=per_call is not None)
     if signature is not None and not copied:  # kept: with the reader of its later calls' masks
-        if plan.scan_keys:
+        if plan.mask_as_given and intervals is not None:
             reader = INTERVAL_SCAN
+        elif plan.mask_as_given and per_call is not None:
+            reader = MASK_AS_GIVEN
         elif intervals is not None:
             reader = IntervalReader(checked.mask, activity, checked.shape, is_causal)
         elif per_call is not None:
@@ -262,7 +277,7 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
         remember(plans, signature, KeptPlan(plan, reader), limit)
     # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs (with
     # ``scan_keys``, its start and end as given).
-    if plan.scan_keys:
+    if plan.mask_as_given and intervals is not None:
         return CallPlan(plan, query, key, value, *INTERVAL_SCAN(attn_mask))
     mask = attn_mask
     if checked.mask is not None and checked.mask.interval_pairs is not None:

@@ -176,11 +176,14 @@ def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_cau
 
 def schedule_for(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
                  softmax_scale=None, deterministic=False, bias_requires_grad=None,
-                 kernel_options=None):
+                 kernel_options=None, for_backward=True):
     """The ``kernels.planning.schedule.Schedule`` a ``dmattn_func`` call with these arguments runs:
     ``print(schedule_for(q, k, v, ...))`` names its tiles, splits, backward route and bias
     gradient mode. Nothing is launched except, for an unprepared mask, the pass that reads it.
-    ``bias_requires_grad`` defaults to the bias's ``requires_grad``."""
+    ``bias_requires_grad`` defaults to the bias's ``requires_grad``. ``for_backward``: the call
+    is followed by a backward (as when an input requires grad); False gives the schedule of a
+    call without gradients (inference: the forward may read its mask itself, decode may take
+    the gather route)."""
     check_flags(is_causal=is_causal, deterministic=deterministic)
     if bias_requires_grad is None:
         bias_requires_grad = attn_bias is not None and attn_bias.requires_grad
@@ -188,6 +191,6 @@ def schedule_for(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fa
         query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(
             query, key, value, attn_mask, attn_bias, is_causal, softmax_scale)
     call = plan_call(query, key, value, attn_mask, _compact_bias(attn_bias), is_causal,
-                     softmax_scale, True, deterministic,
+                     softmax_scale, bool(for_backward), deterministic,
                      attn_bias is not None and bool(bias_requires_grad), kernel_options)
     return call.plan.schedule

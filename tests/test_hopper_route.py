@@ -124,9 +124,9 @@ def test_the_triton_launch_stays_planned_beside_the_hopper_route():
 
 
 @pytest.mark.parametrize("value", ["cuda", "gluon", None, 1])
-def test_the_route_option_takes_triton_or_hopper(value):
+def test_the_route_option_takes_a_route_name(value):
     with pytest.raises(ValueError, match=r"kernel_options\['forward_route'\]: expected "
-                                         r"'triton' or 'hopper'"):
+                                         r"'triton', 'hopper' or 'gather'"):
         normalize_options({"forward_route": value})
 
 

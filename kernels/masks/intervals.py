@@ -105,6 +105,10 @@ class KeyIntervals:
     # and ``topk_intervals``, never from outside: an order that is not a permutation would
     # go unnoticed.
     _key_order: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # At most this many keys kept per query row, where known (``topk_intervals`` sets its
+    # window): decode's gather route sizes its kept-key lists by it and takes the route where
+    # they hold a small share of the keys. A bound that is wrong drops keys past it.
+    max_kept: int | None = field(default=None, compare=False)
     # Tile lists built by the calls made with these intervals, per call form (see
     # ``prepared.prepared_intervals``): a later call of the same form skips that work.
     _preparations: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -125,6 +129,9 @@ class KeyIntervals:
         if self.start.device != self.end.device:
             raise ValueError(f"KeyIntervals start and end must be on one device, got "
                              f"{self.start.device} and {self.end.device}")
+        if self.max_kept is not None and (type(self.max_kept) is not int or self.max_kept < 1):
+            raise ValueError(f"KeyIntervals max_kept must be a positive int or None, got "
+                             f"{self.max_kept!r}")
 
     @property
     def key_order(self) -> torch.Tensor | None:
@@ -144,7 +151,8 @@ class KeyIntervals:
         head) here and copies of K and V (and their gradients) per call; it pays where few
         of the visible keys are kept. ``topk_intervals`` sets it by that rule.
         """
-        return KeyIntervals(self.start, self.end, grouping_order(self.start, self.end))
+        return KeyIntervals(self.start, self.end, grouping_order(self.start, self.end),
+                            max_kept=self.max_kept)
 
     @property
     def shape(self) -> tuple[int, int, int]:

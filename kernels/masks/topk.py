@@ -241,7 +241,8 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
                             f"{type(order_keys).__name__} {order_keys!r}")
         if torch.compiler.is_compiling():
             intervals = KeyIntervals(*torch.ops.dmattn.topk_intervals(bias, window, seqlen_q,
-                                                                      bool(is_causal)))
+                                                                      bool(is_causal)),
+                                     max_kept=window)
             return intervals.with_key_order() if order_keys else intervals
         return _dense(bias, window, seqlen_q, bool(is_causal), order_keys)
     if order_keys:
@@ -271,7 +272,7 @@ def _check_dense(bias, seqlen_q) -> int:
 def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
     b, h, _, lk = bias.shape
     rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
-    return KeyIntervals(*(t.reshape(b, h, lk) for t in rows))
+    return KeyIntervals(*(t.reshape(b, h, lk) for t in rows), max_kept=window)
 
 
 def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:

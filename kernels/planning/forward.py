@@ -18,6 +18,7 @@ from ..triton_device.operands import (ABSENT, ForwardPointers, Layout, SeqStride
 from . import tuning
 from .activity import (ActivityMap, ListCompaction, block_list_strides, call_activity,
                        shared_granularity, tile_activity)
+from .gather_decode import GatherDecodePlan, mask_kind
 from .hopper_forward import HopperForwardLaunch
 from .inputs import CheckedInputs, operand_args, operand_pointer
 from .problem import Problem, problem_of, tma_strides
@@ -69,7 +70,7 @@ def plan_schedule(checked: CheckedInputs, query: torch.Tensor, key: torch.Tensor
                            intervals_per_call, forward_only=not with_backward, key=key,
                            value=value)
     sched = schedule(problem, options)
-    if checked.mask is not None and activity is None and not sched.forward.scan_keys:
+    if checked.mask is not None and activity is None and not sched.forward.reads_mask_itself:
         activity = mask_activity(checked, sched, with_backward)
         sched = schedule(replace(problem, activity=activity), options)
     return sched
@@ -97,17 +98,21 @@ class ForwardPlan:
         self.is_causal, self.softmax_scale = problem.is_causal, problem.softmax_scale
         self.mask_layout = operand_args(checked.mask) if checked.mask is not None else None
         self.scan_keys = fwd.scan_keys
-        if self.scan_keys:  # the layout of the intervals' start and end as given
+        # The forward reads the call's mask as given: KeyIntervals' start and end (their
+        # layout), or the bool mask; no activity map, no lists.
+        self.mask_as_given = fwd.reads_mask_itself
+        intervals_as_given = self.mask_as_given and problem.interval_pair
+        if intervals_as_given:  # the layout of the intervals' start and end as given
             self.mask_layout = Layout(*checked.mask.interval_pair[0].stride(), checked.mask.head_div)
         self.bias_layout = operand_args(checked.bias) if checked.bias is not None else None
         self.bias_shape = problem.bias.shape if problem.bias is not None else None
         self.lists_per_call = lists_per_call
         activity = problem.activity
         lists = None
-        if checked.mask is not None and not self.scan_keys:
+        if checked.mask is not None and not self.mask_as_given:
             lists = activity.lists(*fwd.list_tile, transposed=False)
         self.compaction = None
-        if lists_per_call and not self.scan_keys:
+        if lists_per_call and not self.mask_as_given:
             # Kept: the compaction of a call's map (of this map's shape and tile) into the
             # forward's list, and the table's strides; not the map or the table.
             self.compaction = ListCompaction(activity.active.shape, activity.sub_rows,
@@ -149,6 +154,13 @@ class ForwardPlan:
         self._scratch = Scratch(query.device, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
         self.hopper = None if fwd.hopper is None else HopperForwardLaunch(problem, fwd.hopper)
+        self.gather = None
+        if fwd.gather is not None:
+            mask = checked.mask
+            scan_rows = 1 if mask.view.stride(2) == 0 else shape.seqlen_q
+            kind = mask_kind(mask.interval_pair if intervals_as_given else mask.view)
+            self.gather = GatherDecodePlan(problem, fwd.gather, query, key, value,
+                                           self.mask_layout, self.bias_layout, kind, scan_rows)
 
     @property
     def bias_one_row(self) -> bool:
@@ -167,6 +179,8 @@ class ForwardPlan:
         ``bias`` the bias, either may be None; ``activity``: the call's own activity map, for a
         plan with ``lists_per_call``. With ``scan_keys``, ``mask_operand`` is the intervals' (start,
         end) as given, of the plan's layout."""
+        if self.gather is not None:
+            return self.gather.run(query, key, value, mask_operand, bias, keep_lse)
         table = self.list_table
         mask, mask_end = mask_operand, None
         if self.scan_keys:

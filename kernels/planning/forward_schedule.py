@@ -11,6 +11,7 @@ import torch
 from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .grids import edge_slots, grid_chunk_rows, key_splits
+from .gather_decode import GatherTile, gather_gap, gather_tile
 from .hopper_forward import hopper_gap, takes_hopper
 from .problem import Problem
 
@@ -34,10 +35,20 @@ class ForwardSchedule:
     # Triton launch above stays planned: a call whose addresses a TMA descriptor cannot take
     # runs it.
     hopper: tuning.HopperTile | None = None
+    # Decode's gather route (``gather_decode``) where the forward takes it, else None: the
+    # kept keys' lists, then a forward over them.
+    gather: GatherTile | None = None
 
     @property
     def route(self) -> str:
+        if self.gather is not None:
+            return "gather"
         return "triton" if self.hopper is None else "hopper"
+
+    @property
+    def reads_mask_itself(self) -> bool:
+        """The forward reads the call's mask as given (no activity map, no tile lists)."""
+        return self.scan_keys or self.gather is not None
 
     @property
     def query_rows(self) -> int:
@@ -128,7 +139,7 @@ def scan_keys(problem: Problem, options: dict, splits: int = 1) -> bool:
     return forced
 
 
-FORWARD_ROUTES = ("triton", "hopper")
+FORWARD_ROUTES = ("triton", "hopper", "gather")
 
 
 def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
@@ -136,7 +147,7 @@ def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
     route). ``options['forward_route']`` forces it; forcing 'hopper' where it does not cover
     the problem is a ValueError that says why."""
     forced = options.get("forward_route")
-    if forced == "triton":
+    if forced in ("triton", "gather"):
         return None
     if forced == "hopper":
         gap = hopper_gap(problem)
@@ -145,6 +156,20 @@ def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
                              f"call: {gap}")
         return tuning.HOPPER_FORWARD
     return tuning.HOPPER_FORWARD if takes_hopper(problem) else None
+
+
+def gather_route(problem: Problem, options: dict) -> GatherTile | None:
+    """The gather route's launch where the forward takes it, else None. ``options
+    ['forward_route']`` 'gather' forces it (a ValueError says why where it cannot apply), any
+    other forced route keeps it off."""
+    forced = options.get("forward_route")
+    if forced == "gather":
+        gap = gather_gap(problem)
+        if gap is not None:
+            raise ValueError(f"kernel_options['forward_route']: 'gather' does not cover this "
+                             f"call: {gap}")
+        return gather_tile(problem, forced=True)
+    return None if forced is not None else gather_tile(problem)
 
 
 def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
@@ -169,7 +194,7 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
         edge_slots=edge_slots(query_rows, tile.block_n),
         bias_row=bias is not None and bias.one_row and bias.shared_by(pack),
         scan_keys=scan_keys(problem, options, splits),
-        hopper=forward_route(problem, options))
+        hopper=forward_route(problem, options), gather=gather_route(problem, options))
 
 
 def forward_list_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:

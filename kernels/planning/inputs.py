@@ -58,6 +58,8 @@ class BroadcastOperand:
     # with query stride 0, where both have one dtype and layout (None otherwise): a forward
     # that reads them itself (``forward_schedule.ForwardSchedule.scan_keys``) reads these.
     interval_pair: tuple[torch.Tensor, torch.Tensor] | None = None
+    # ``KeyIntervals.max_kept``: at most this many keys kept per query row, where known.
+    max_kept: int | None = None
 
 
 def _check_qkv(query, key, value) -> AttnShape:
@@ -142,7 +144,8 @@ def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
     size = (shape.batch, heads, shape.seqlen_q, shape.seqlen_k)
     view = words.as_strided(size, (0 if batch == 1 else words.stride(0), words.stride(1), 0, 1))
     return BroadcastOperand(view, shape.heads_q // heads, size, pairs,
-                            (intervals.start, intervals.end), _pair_views(intervals, size))
+                            (intervals.start, intervals.end), _pair_views(intervals, size),
+                            intervals.max_kept)
 
 
 def _pair_views(intervals, size: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:

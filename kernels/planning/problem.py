@@ -63,6 +63,11 @@ class Problem:
     # of 16 bytes (``tma_strides``). Both choose between the device code families.
     capability: tuple[int, int] | None = None
     tma_operands: bool = False
+    # ``KeyIntervals.max_kept`` of the mask: at most this many keys kept per query row.
+    max_kept: int | None = None
+    # The mask is prepared (``prepare_mask``, or intervals a former call prepared): the call
+    # brings its activity map, and a KeyIntervals mask arrives as its words.
+    prepared: bool = False
 
     @property
     def block_d(self) -> int:
@@ -97,4 +102,6 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
-                   intervals, capability, bool(tma_operands))
+                   intervals, capability, bool(tma_operands),
+                   checked.mask.max_kept if checked.mask is not None else None,
+                   activity is not None)

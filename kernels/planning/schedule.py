@@ -67,7 +67,7 @@ class Schedule:
                  f"{' bias' + str(self.problem.bias.shape) if self.problem.bias else ''}"]
         forward = [("route", self.forward.route)]
         forward += [(f.name, getattr(self.forward, f.name)) for f in fields(self.forward)
-                    if f.name != "hopper" or self.forward.hopper is not None]
+                    if f.name not in ("hopper", "gather") or getattr(self.forward, f.name)]
         for part, items in (("forward", forward), ("backward", backward_items(self.backward))):
             lines.append(f"{part}: " + ", ".join(f"{name}={value}" for name, value in items))
         return "\n".join(lines)
@@ -75,7 +75,8 @@ class Schedule:
 
 # kernel_options: name -> what it forces.
 OPTION_NAMES = {
-    "forward_route": "the forward's device code: 'triton' or 'hopper' (Gluon, sm_90a)",
+    "forward_route": "the forward's route: 'triton', 'hopper' (Gluon, sm_90a) or 'gather' "
+                     "(decode over the kept keys alone)",
     "backward": "the backward route: 'fused', 'dq+dkdv' or 'packed'",
     "forward_key_splits": "the forward's key splits (split-K), an int >= 1",
     "dq_key_splits": "dq's key splits, an int >= 1",
@@ -100,8 +101,8 @@ def normalize_options(options) -> dict:
                              + ", ".join(sorted(OPTION_NAMES)))
         if name == "forward_route":
             if value not in FORWARD_ROUTES:
-                raise ValueError(f"kernel_options['forward_route']: expected 'triton' or "
-                                 f"'hopper', got {value!r}")
+                raise ValueError(f"kernel_options['forward_route']: expected 'triton', "
+                                 f"'hopper' or 'gather', got {value!r}")
         elif name == "backward":
             try:
                 value = BackwardRoute(value)

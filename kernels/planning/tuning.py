@@ -199,3 +199,16 @@ HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
 # 97 against 187 (241); L1024 causal (4.5, B16) 310 against 280 (411).
 HOPPER_FORWARD_MIN_QUERIES = 512
 HOPPER_FORWARD_MIN_KEY_BLOCKS = 4
+
+
+# -- decode's gather route (``gather_decode``)
+# Query rows it takes at most (decode; speculative or chunked decode).
+GATHER_MAX_ROWS = 16
+# It takes a call by default where its lists are bounded to at most this share of the keys
+# (``KeyIntervals.max_kept`` x the query rows): below it the kept rows it reads cost less than
+# the key blocks the tile walk reads. Not yet measured on a GPU.
+GATHER_MAX_KEPT_SHARE = 1 / 8
+GATHER = Tile(0, 64, 4, 2)  # block_m follows the pack and the rows
+GATHER_INTERPRETED = Tile(0, 16, 4, 1)
+GATHER_MIN_BLOCKS_PER_SPLIT = 4
+GATHER_LIST_CHUNK = 1024  # keys per step of the list pass

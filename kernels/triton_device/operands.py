@@ -109,6 +109,29 @@ class ForwardPointers(NamedTuple):
     mask_end: torch.Tensor  # KeyIntervals read as given (scan_keys): their end; mask: start
 
 
+class KeptPointers(NamedTuple):
+    mask: torch.Tensor  # bool mask bytes, KeyIntervals words, or (pairs) their start
+    mask_end: torch.Tensor  # pairs: the intervals' end
+    kept: torch.Tensor  # (list rows, capacity) int32
+    counts: torch.Tensor  # (list rows,) int32
+
+
+class GatherPointers(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    mask: torch.Tensor
+    mask_end: torch.Tensor
+    bias: torch.Tensor
+    kept: torch.Tensor
+    counts: torch.Tensor
+    out_part: torch.Tensor  # key shares' partials and their tiles' arrival counters
+    lse_part: torch.Tensor
+    arrivals: torch.Tensor
+
+
 class BackwardStrides(NamedTuple):
     """Every (B, L, H, D) tensor's strides in a backward launch (one kernel argument)."""
 

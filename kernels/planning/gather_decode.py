@@ -1,0 +1,169 @@
+"""Decode's gather route: a forward that reads only the keys its mask keeps
+(``triton_device.gather_kernels``).
+
+Two launches per call: the kept-key lists (one program per row of the mask's (batch, head)
+rows), then the forward over them (one program per batch and pack of query heads, times key
+shares), whose shares merge in the launch. Nothing waits for the device: the lists' lengths
+stay on it, each share sizes itself from them, and every buffer is sized on the host from the
+call's form (a list holds at most ``capacity`` keys), so a CUDA graph replays a step and
+``torch.compile`` traces it.
+
+The schedule takes the route for few query rows (``tuning.GATHER_MAX_ROWS``) with a mask that
+keeps a small share of the keys, and no backward (``gather_tile``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.arith import LOG2E, ceil_div, contiguous_strides, next_power_of_2
+from ..runtime.launch import PlannedLaunch, dot_options
+from ..runtime.scratch import Scratch
+from ..triton_device.gather_kernels import (BOOL_MASK, INTERVAL_PAIRS, INTERVAL_WORDS,
+                                            _gather_decode_kernel, _kept_keys_kernel)
+from ..triton_device.operands import (ABSENT, GatherPointers, KeptPointers, Layout, SeqStrides,
+                                      seq_strides, sizes_of)
+from . import tuning
+from .grids import key_splits
+from .problem import Problem
+
+
+@dataclass(frozen=True)
+class GatherTile:
+    """The gather route's launch: ``block_m`` tile rows (``group_pack`` query heads x the
+    query rows), key blocks of ``block_n`` list entries, ``key_splits`` shares per list, and
+    lists of at most ``capacity`` keys."""
+
+    block_m: int
+    block_n: int
+    group_pack: int
+    key_splits: int
+    capacity: int
+    num_warps: int
+
+    def __str__(self) -> str:
+        return (f"{self.block_m}x{self.block_n} pack {self.group_pack} splits "
+                f"{self.key_splits} capacity {self.capacity}")
+
+
+def kept_bound(problem: Problem) -> int:
+    """The most keys one list can hold: every key, or the mask's bound on the keys a query row
+    keeps (``KeyIntervals.max_kept``) times the rows."""
+    seqlen_k = problem.shape.seqlen_k
+    if problem.max_kept is None:
+        return seqlen_k
+    return max(1, min(seqlen_k, problem.max_kept * problem.shape.seqlen_q))
+
+
+def gather_gap(problem: Problem) -> str | None:
+    """Why the gather route does not cover ``problem`` (one line), or None where it does."""
+    if problem.mask is None:
+        return "it reads the keys a mask keeps: the call has no mask"
+    if problem.shape.seqlen_q > tuning.GATHER_MAX_ROWS:
+        return (f"it takes at most {tuning.GATHER_MAX_ROWS} query rows, not "
+                f"{problem.shape.seqlen_q}")
+    if not problem.forward_only:
+        return "it has no backward: the call wants gradients"
+    if problem.intervals and not (problem.interval_pair or problem.prepared):
+        return ("it reads KeyIntervals prepared, or as the call gives them with start and end "
+                "of one dtype and layout")
+    return None
+
+
+def pack_of(problem: Problem) -> int:
+    """Query heads per program: the GQA group where its heads share one mask head, else 1."""
+    group = problem.shape.group_size
+    return group if problem.mask.shared_by(group) else 1
+
+
+def gather_tile(problem: Problem, forced: bool = False) -> GatherTile | None:
+    """The gather route's launch where the forward takes it, else None. Unforced, it takes it
+    where the lists are bounded (``KeyIntervals.max_kept``) to at most
+    ``tuning.GATHER_MAX_KEPT_SHARE`` of the keys."""
+    if gather_gap(problem) is not None:
+        return None
+    capacity = kept_bound(problem)
+    if not forced and capacity > tuning.GATHER_MAX_KEPT_SHARE * problem.shape.seqlen_k:
+        return None
+    shape = problem.shape
+    pack = pack_of(problem)
+    block_m = max(16, next_power_of_2(pack * shape.seqlen_q))
+    tile = tuning.GATHER_INTERPRETED if problem.interpreted else tuning.GATHER
+    programs = shape.batch * shape.heads_q // pack
+    splits = key_splits(programs, ceil_div(capacity, tile.block_n), problem.multiprocessors,
+                        tuning.GATHER_MIN_BLOCKS_PER_SPLIT)
+    return GatherTile(block_m, tile.block_n, pack, splits, capacity, tile.num_warps)
+
+
+def mask_kind(mask_operand) -> int:
+    if isinstance(mask_operand, tuple):
+        return int(INTERVAL_PAIRS)
+    return int(INTERVAL_WORDS if mask_operand.dtype == torch.int64 else BOOL_MASK)
+
+
+class GatherDecodePlan:
+    """The gather route's launches for one call signature: the list pass and the forward,
+    planned once; a call passes its tensors."""
+
+    def __init__(self, problem: Problem, tile: GatherTile, query, key, value,
+                 mask_layout: Layout, bias_layout: Layout | None, mask_kind_code: int,
+                 scan_rows: int):
+        shape = problem.shape
+        self.shape, self.device, self.tile = shape, query.device, tile
+        # Lists per (mask batch, mask head): a broadcast axis (stride 0) keeps one.
+        list_batches = shape.batch if mask_layout.stride_b else 1
+        list_heads = shape.heads_q // mask_layout.head_div
+        list_rows = list_batches * list_heads
+        self.out_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
+        self.lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
+        sizes = sizes_of(shape)
+        self.lists = PlannedLaunch(
+            _kept_keys_kernel, (list_rows,), KeptPointers,
+            (mask_layout, sizes, list_heads, tile.capacity, scan_rows),
+            MASK_KIND=mask_kind_code, IS_CAUSAL=problem.is_causal,
+            CHUNK=tuning.GATHER_LIST_CHUNK if not problem.interpreted else 64,
+            num_warps=4, num_stages=1)
+        programs = shape.batch * shape.heads_q // tile.group_pack
+        out_strides = SeqStrides(*contiguous_strides(self.out_shape)[:3])
+        self.main = PlannedLaunch(
+            _gather_decode_kernel, (programs, 1, tile.key_splits), GatherPointers,
+            (seq_strides(query), seq_strides(key), seq_strides(value), out_strides,
+             mask_layout, bias_layout or ABSENT, sizes, problem.softmax_scale * LOG2E,
+             list_heads, list_heads if list_batches > 1 else 0, mask_layout.head_div,
+             tile.capacity),
+            MASK_KIND=mask_kind_code, HEAD_DIM=shape.head_dim, BLOCK_D=problem.block_d,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, GROUP_PACK=tile.group_pack,
+            HAS_BIAS=bias_layout is not None,
+            BIAS_ROW=bias_layout is not None and problem.bias.one_row
+            and problem.bias.shared_by(tile.group_pack),
+            IS_CAUSAL=problem.is_causal, SPLIT_KEYS=tile.key_splits > 1,
+            **dot_options(query.dtype, problem.interpreted),
+            num_warps=tile.num_warps, num_stages=2)
+        part_shape = (tile.key_splits, shape.batch * shape.heads_q, shape.seqlen_q,
+                      problem.block_d)
+        parts = ((part_shape, torch.float32), (part_shape[:3], torch.float32),
+                 ((programs,), torch.int32)) if tile.key_splits > 1 else ()
+        self._scratch = Scratch(query.device, ((list_rows, tile.capacity), torch.int32),
+                                ((list_rows,), torch.int32), *parts)
+        self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32),
+                                         ((list_rows, tile.capacity), torch.int32),
+                                         ((list_rows,), torch.int32), *parts)
+
+    def run(self, query, key, value, mask_operand, bias, keep_lse: bool = True):
+        """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32 or None without ``keep_lse``).
+        ``mask_operand``: the bool mask, interval words, or (start, end) as given."""
+        start, end = mask_operand if isinstance(mask_operand, tuple) else (mask_operand,
+                                                                          mask_operand)
+        out = query.new_empty(self.out_shape)
+        if keep_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            kept, counts, *parts = self._scratch.buffers()
+        else:
+            lse, kept, counts, *parts = self._scratch_with_lse.buffers()
+        out_part, lse_part, arrivals = parts if parts else (lse, lse, counts)
+        self.lists(start, end, kept, counts)
+        self.main(query, key, value, out, lse, start, end,
+                  out if bias is None else bias, kept, counts, out_part, lse_part, arrivals)
+        return out, (lse if keep_lse else None)

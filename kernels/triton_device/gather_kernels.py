@@ -1,0 +1,227 @@
+"""Decode that reads only the kept keys: the kept-key lists and the forward over them.
+
+A decode call has few query rows (at most 16). Under a mask that keeps W of its Lk keys (a
+top-W mask of a per-key bias keeps scattered keys, so nearly every key block holds one), the
+tile walk reads every K and V block; these kernels read the kept rows alone:
+
+* ``_kept_keys_kernel``: one program per row of the mask's (batch, head) rows compacts, in
+  key order, the keys that any query row of the call keeps (mask and causality) into an int32
+  list and writes its length. A ``KeyIntervals`` mask decides per key in O(1) (the rows
+  [max(start, first causal row), min(end, Lq)) are not empty); a bool mask ORs its rows.
+* ``_gather_decode_kernel``: one program per (batch, pack of query heads, key share) walks its
+  share of a list in blocks of BLOCK_N entries: it gathers those K and V rows (and the mask's
+  and bias's entries at those keys), tests each (row, key) pair again (rows of one call may
+  keep different keys), and folds them into the online softmax. The shares' partials merge in
+  the launch (``partials``), as split-K decode does. All query heads of a GQA group that share
+  one list read each K and V row once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .forward_kernels import _combine_splits
+from .partials import last_share_arrived, split_rows, store_partial
+from .score import LN2, LOG2E, clamped_bounds, mma, row_offsets, rows_within
+
+# How a call's mask reaches these kernels (``MASK_KIND``): a bool mask read as bytes,
+# ``KeyIntervals`` as one int64 word per key (start low, end high: ``inputs.interval_words``),
+# or as the caller's start and end tensors (one layout, int32 or int64).
+BOOL_MASK = tl.constexpr(0)
+INTERVAL_WORDS = tl.constexpr(1)
+INTERVAL_PAIRS = tl.constexpr(2)
+
+
+@triton.jit
+def _runs_at(start_ptrs, end_ptrs, ok, MASK_KIND: tl.constexpr):
+    """(start, end) as int32 in [0, 2**31 - 1] of the keys at these pointers (row i keeps a
+    key iff start <= i < end)."""
+    if MASK_KIND == INTERVAL_WORDS:
+        word = tl.load(start_ptrs, mask=ok, other=0)
+        start = word.to(tl.int32)
+        end = (word >> 32).to(tl.int32)
+    else:
+        start, end = clamped_bounds(tl.load(start_ptrs, mask=ok, other=0),
+                                    tl.load(end_ptrs, mask=ok, other=0))
+    return start, end
+
+
+@triton.jit
+def _kept_keys_kernel(ptrs, mask_layout, sizes, list_heads, capacity, scan_rows,
+                      MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
+    """Program i compacts list row i = (batch b, head h) of ``list_heads`` heads: ``ptrs``
+    (``operands.KeptPointers``) has the mask (``MASK_KIND``) at ``mask`` (and ``mask_end``),
+    the lists (rows of ``capacity`` int32) at ``kept`` and their lengths at ``counts``.
+    ``scan_rows``: the bool mask's query rows to OR (1 where it broadcasts over rows)."""
+    row = tl.program_id(0)
+    b = row // list_heads
+    h = row % list_heads
+    seqlen_q = sizes.seqlen_q
+    seqlen_k = sizes.seqlen_k
+    head_offset = b.to(tl.int64) * mask_layout.stride_b + h.to(tl.int64) * mask_layout.stride_h
+    base = ptrs.mask + head_offset
+    end_base = ptrs.mask_end + head_offset
+    offs = tl.arange(0, CHUNK)
+    # Causal, bottom-right: row r sees key j iff j <= r + (Lk - Lq), so key j's first row.
+    first_causal = -(seqlen_k - seqlen_q)
+    count = 0
+    for first in range(0, seqlen_k, CHUNK):
+        keys = first + offs
+        in_range = keys < seqlen_k
+        key_offsets = keys.to(tl.int64) * mask_layout.stride_n
+        lo = tl.zeros([CHUNK], dtype=tl.int32)
+        if IS_CAUSAL:
+            lo = tl.maximum(keys + first_causal, 0)
+        if MASK_KIND == BOOL_MASK:
+            kept = tl.zeros([CHUNK], dtype=tl.int1)
+            for r in range(scan_rows):
+                byte = tl.load(base + key_offsets + r * mask_layout.stride_m,
+                               mask=in_range, other=0)
+                # A mask broadcast over rows (scan_rows 1) stands for every row: the last row
+                # sees the most keys.
+                last_row = tl.where(scan_rows == 1, seqlen_q - 1, r)
+                kept = kept | ((byte != 0) & (lo <= last_row))
+            kept = kept & in_range
+        else:
+            start, end = _runs_at(base + key_offsets, end_base + key_offsets, in_range,
+                                  MASK_KIND)
+            kept = in_range & (tl.maximum(start, lo) < tl.minimum(end, seqlen_q))
+        taken = kept.to(tl.int32)
+        slot = count + tl.cumsum(taken, 0) - 1
+        tl.store(ptrs.kept + row.to(tl.int64) * capacity + slot, keys,
+                 mask=kept & (slot < capacity))
+        count += tl.sum(taken, 0)
+    tl.store(ptrs.counts + row, tl.minimum(count, capacity))
+
+
+@triton.jit
+def _gather_decode_kernel(ptrs, q_strides, k_strides, v_strides, o_strides, mask_layout,
+                          bias_layout, sizes, qk_scale, list_heads, list_batch_stride,
+                          list_head_div, capacity, MASK_KIND: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GROUP_PACK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BIAS_ROW: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                          SPLIT_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          WIDEN_DOTS: tl.constexpr):
+    """Grid (batch x query heads // GROUP_PACK, 1, key shares). Tile row r is query position
+    r // GROUP_PACK of query head first_head + r % GROUP_PACK; the pack's heads share one KV
+    head and one list (list row: batch b * ``list_batch_stride`` + head // ``list_head_div``,
+    of ``list_heads`` heads). ``ptrs`` is an ``operands.GatherPointers``; the mask there is
+    interval words (int64) or a bool mask (bytes), read at the gathered keys."""
+    seqlen_q = sizes.seqlen_q
+    seqlen_k = sizes.seqlen_k
+    program = tl.program_id(0)
+    heads_grid = sizes.heads_q // GROUP_PACK
+    b = program // heads_grid
+    first_head = (program % heads_grid) * GROUP_PACK
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = rows // GROUP_PACK
+    heads = first_head + rows % GROUP_PACK
+    row_ok = offs_m < seqlen_q
+    safe_m = tl.minimum(offs_m, seqlen_q - 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_j = tl.arange(0, BLOCK_N)
+
+    q = tl.load(ptrs.q + b.to(tl.int64) * q_strides.stride_b
+                + row_offsets(offs_m, heads, 1, q_strides.stride_l,
+                              q_strides.stride_h)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    kv_head = first_head // sizes.group_size
+    k_base = ptrs.k + b.to(tl.int64) * k_strides.stride_b + kv_head.to(tl.int64) * k_strides.stride_h
+    v_base = ptrs.v + b.to(tl.int64) * v_strides.stride_b + kv_head.to(tl.int64) * v_strides.stride_h
+    if MASK_KIND == BOOL_MASK:
+        mask_rows = ptrs.mask + b.to(tl.int64) * mask_layout.stride_b \
+            + row_offsets(safe_m, heads, mask_layout.head_div, mask_layout.stride_m,
+                          mask_layout.stride_h)[:, None]
+        end_rows = mask_rows
+    else:  # intervals: one key vector for the pack's one mask head
+        run_offset = b.to(tl.int64) * mask_layout.stride_b \
+            + (first_head // mask_layout.head_div).to(tl.int64) * mask_layout.stride_h \
+            + tl.zeros([1, 1], dtype=tl.int64)
+        mask_rows = ptrs.mask + run_offset
+        end_rows = ptrs.mask_end + run_offset
+    if BIAS_ROW:
+        bias_rows = ptrs.bias + b.to(tl.int64) * bias_layout.stride_b \
+            + (first_head // bias_layout.head_div).to(tl.int64) * bias_layout.stride_h \
+            + tl.zeros([1, 1], dtype=tl.int64)
+    else:
+        bias_rows = ptrs.bias + b.to(tl.int64) * bias_layout.stride_b \
+            + row_offsets(safe_m, heads, bias_layout.head_div, bias_layout.stride_m,
+                          bias_layout.stride_h)[:, None]
+
+    list_row = b * list_batch_stride + (first_head // list_head_div) % list_heads
+    kept_base = ptrs.kept + list_row.to(tl.int64) * capacity
+    count = tl.load(ptrs.counts + list_row)
+    blocks = tl.cdiv(count, BLOCK_N)
+    per_share = tl.cdiv(blocks, num_splits)
+    block_lo = split * per_share
+    block_hi = tl.minimum(block_lo + per_share, blocks)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    diagonal = seqlen_k - seqlen_q
+    for block in range(block_lo, block_hi):
+        slots = block * BLOCK_N + offs_j
+        listed = slots < count
+        keys = tl.load(kept_base + slots, mask=listed, other=0)
+        key_off = keys.to(tl.int64)
+        kv_ok = listed[:, None] & d_ok[None, :]
+        k = tl.load(k_base + key_off[:, None] * k_strides.stride_l + offs_d[None, :],
+                    mask=kv_ok, other=0.0)
+        keep = row_ok[:, None] & listed[None, :]
+        mask_offsets = key_off[None, :] * mask_layout.stride_n
+        if MASK_KIND == BOOL_MASK:
+            keep = keep & (tl.load(mask_rows + mask_offsets, mask=keep, other=0) != 0)
+        else:
+            start, end = _runs_at(mask_rows + mask_offsets, end_rows + mask_offsets,
+                                  listed[None, :], MASK_KIND)
+            keep = keep & rows_within(offs_m[:, None], start, end)
+        if IS_CAUSAL:
+            keep = keep & (keys[None, :] <= offs_m[:, None] + diagonal)
+        s = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS) * qk_scale
+        if HAS_BIAS:
+            if BIAS_ROW:
+                bias = tl.load(bias_rows + key_off[None, :] * bias_layout.stride_n,
+                               mask=listed[None, :], other=0.0)
+            else:
+                bias = tl.load(bias_rows + key_off[None, :] * bias_layout.stride_n,
+                               mask=keep, other=0.0)
+            s += bias.to(tl.float32) * LOG2E
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + key_off[:, None] * v_strides.stride_l + offs_d[None, :],
+                    mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    bh = b * sizes.heads_q + heads
+    store = True
+    if SPLIT_KEYS:
+        num_bh = tl.num_programs(0) * GROUP_PACK
+        store_partial(ptrs.out_part, out, offs_m, row_ok, split, bh, num_bh, seqlen_q, BLOCK_D)
+        tl.store(ptrs.lse_part + split_rows(split, bh, num_bh, seqlen_q) + offs_m, lse,
+                 mask=row_ok)
+        store = last_share_arrived(ptrs.arrivals + program, num_splits)
+        if store:
+            out, lse = _combine_splits(ptrs.out_part, ptrs.lse_part, offs_m, row_ok, bh,
+                                       num_bh, seqlen_q, num_splits, BLOCK_M, BLOCK_D)
+    if store:
+        tl.store(ptrs.out + b.to(tl.int64) * o_strides.stride_b
+                 + row_offsets(offs_m, heads, 1, o_strides.stride_l,
+                               o_strides.stride_h)[:, None] + offs_d[None, :],
+                 out.to(ptrs.out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(ptrs.lse + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
