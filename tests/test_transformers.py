@@ -536,3 +536,39 @@ def test_packed_documents_compile_whole(device, family):
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(got, model(**inputs).logits, rtol=0, atol=0)
+
+
+def test_doge_decode_steps_read_only_the_kept_keys(device, monkeypatch):
+    """A cache of 64 keys and keep_window 4: each decode step (one new token, no gradient)
+    takes the gather route, whose lists hold the step's top-4 keys, and gives the logits the
+    tile walk gives over the same cache. (Against eager the biases of this cache tie, and
+    ties may keep other keys: ``doge_biases``.)"""
+    from kernels.planning import forward_schedule
+    from kernels.planning.gather_decode import GatherDecodePlan
+
+    gathered = []
+    real_run = GatherDecodePlan.run
+    monkeypatch.setattr(GatherDecodePlan, "run",
+                        lambda self, *a, **k: gathered.append(1) or real_run(self, *a, **k))
+    config = transformers.DogeConfig(**TINY, keep_window_size=4)
+    ours = _dmattn_model(config, device)
+    _randomize_doge_decay(ours)
+    prompt = torch.randint(0, VOCAB, (2, 64), device=device)
+    step = torch.randint(0, VOCAB, (2, 1), device=device)
+
+    def decode_step():
+        with torch.no_grad():
+            cache = ours(input_ids=prompt, use_cache=True).past_key_values
+            return ours(input_ids=step, past_key_values=cache, use_cache=True).logits
+
+    got = decode_step()
+    assert len(gathered) == TINY["num_hidden_layers"]
+    monkeypatch.setattr(forward_schedule, "gather_tile", lambda problem, forced=False: None)
+    from kernels import call_plan
+
+    call_plan._interval_plans.clear()  # plans are kept by call form: make them again
+    walked = decode_step()
+    assert len(gathered) == TINY["num_hidden_layers"]
+    # The two routes sum the kept keys in other orders: fp32 rounding apart.
+    check = check_tensor("logits", got, walked, walked, torch.float32)
+    assert check.passed, check.describe()
