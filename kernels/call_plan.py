@@ -254,7 +254,8 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
         activity = prepared.activity_for(checked.shape, query.dtype, query.device, is_causal)
     sched = plan_schedule(checked, query, key, value, is_causal, deterministic, bias_grad,
                           options, activity, with_backward=for_backward,
-                          intervals_per_call=intervals is not None)
+                          intervals_per_call=intervals is not None,
+                          kept_keys=prepared.kept_keys if prepared is not None else None)
     if per_call is not None:  # the map this call read, handed to the call, not to the plan
         activity = sched.problem.activity
     plan = ForwardPlan(checked, query, key, value, sched, options,

@@ -21,7 +21,9 @@ from .masks.intervals import KeyIntervals
 from .planning.activity import ActivityMap
 from .planning.backward import prepare_backward_lists
 from .planning.forward import call_problem, mask_activity
+from .planning import tuning
 from .planning.forward_schedule import forward_list_tiles
+from .planning.gather_decode import count_kept_keys
 from .planning.inputs import AttnShape, check_flags, check_inputs
 from .planning.schedule import schedule
 from .runtime.launch import ensure_runnable
@@ -43,6 +45,9 @@ class PreparedMask:
     is_causal: bool
     activity: ActivityMap
     version: int | None
+    # Decode-sized calls (``tuning.GATHER_MAX_ROWS`` query rows at most): the most keys the
+    # rows keep in one (batch, head), which sizes the gather route's lists.
+    kept_keys: int | None = None
     # Forward plans of the calls made with this mask, by call signature (see interface).
     plans: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -127,5 +132,9 @@ def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMa
     if count_shares:  # otherwise the backward builds its lists from the map on first use
         prepare_backward_lists(activity, problem)
     kernel_mask = checked.mask.view if checked.mask.interval_pairs is not None else attn_mask
+    kept_keys = None
+    shape = checked.shape
+    if count_shares and shape.seqlen_q <= tuning.GATHER_MAX_ROWS:
+        kept_keys = count_kept_keys(checked.mask, shape.seqlen_q, shape.seqlen_k, is_causal)
     return PreparedMask(attn_mask, kernel_mask, checked.shape, query.dtype, query.device,
-                        is_causal, activity, tensor_version(attn_mask))
+                        is_causal, activity, tensor_version(attn_mask), kept_keys=kept_keys)

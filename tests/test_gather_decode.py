@@ -196,3 +196,34 @@ def test_the_gather_route_waits_for_nothing(device):
     with SyncWatch() as watch:
         dmattn_func(q, k, v, mask, is_causal=True)
     assert not watch.syncs, f"host waits: {watch.syncs}"
+
+
+def test_a_prepared_decode_mask_counts_its_kept_keys_and_takes_the_route(device):
+    dims = Dims(2, 2, 512, 4, 2, 16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    few = torch.zeros(2, 2, 2, 512, dtype=torch.bool, device=device)
+    few[0, 0, 0, 5:30] = True  # 25 keys by row 0 and 10 more by row 1: a list of 35
+    few[0, 0, 1, 20:45] = True
+    few[1, 1, 1, 300:340] = True  # 40 keys: the longest list
+    prepared = prepare_mask(few, q, k, False)
+    assert prepared.kept_keys == 40
+    sched = schedule_for(q, k, v, prepared, for_backward=False)
+    assert sched.forward.route == "gather" and sched.forward.gather.capacity == 40
+    run_forward(q, k, v, prepared, func=dmattn_func)
+    many = random_mask((2, 2, 2, 512), device, keep=0.3)
+    assert schedule_for(q, k, v, prepare_mask(many, q, k, False),
+                        for_backward=False).forward.route == "triton"
+
+
+def test_prepared_intervals_count_their_kept_keys(device):
+    dims = Dims(1, 3, 300, 2, 2, 16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    start = torch.full((1, 2, 300), 3, dtype=torch.int32, device=device)
+    start[0, 0, 100:110] = 1  # row 1 and 2 of the query rows: 10 keys on head 0
+    start[0, 1, 7] = 0
+    intervals = KeyIntervals(start, start.new_full(start.shape, 3))
+    prepared = prepare_mask(intervals, q, k, True)
+    assert prepared.kept_keys == 10
+    assert schedule_for(q, k, v, prepared, is_causal=True,
+                        for_backward=False).forward.route == "gather"
+    run_forward(q, k, v, prepared, causal=True, func=dmattn_func)

@@ -34,7 +34,7 @@ def call_problem(checked: CheckedInputs, query: torch.Tensor, is_causal: bool,
                  deterministic: bool = False, bias_grad: bool = False,
                  activity: ActivityMap | None = None, intervals_per_call: bool = False,
                  forward_only: bool = False, key: torch.Tensor | None = None,
-                 value: torch.Tensor | None = None) -> Problem:
+                 value: torch.Tensor | None = None, kept_keys: int | None = None) -> Problem:
     """The Problem of a call with these checked inputs. Without ``key`` and ``value`` (a
     mask prepared ahead of the call) the problem does not take TMA operands."""
     on_interpreter = interpreted()
@@ -44,7 +44,8 @@ def call_problem(checked: CheckedInputs, query: torch.Tensor, is_causal: bool,
                       multiprocessors(device, on_interpreter), is_causal, deterministic,
                       bias_grad, activity, intervals_per_call, forward_only,
                       capability(device, on_interpreter),
-                      key is not None and value is not None and tma_strides(*operands))
+                      key is not None and value is not None and tma_strides(*operands),
+                      kept_keys)
 
 
 def mask_activity(checked: CheckedInputs, sched: Schedule,
@@ -61,14 +62,15 @@ def mask_activity(checked: CheckedInputs, sched: Schedule,
 def plan_schedule(checked: CheckedInputs, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, is_causal: bool, deterministic: bool, bias_grad: bool,
                   options: dict, activity: ActivityMap | None = None,
-                  with_backward: bool = False, intervals_per_call: bool = False) -> Schedule:
+                  with_backward: bool = False, intervals_per_call: bool = False,
+                  kept_keys: int | None = None) -> Schedule:
     """The call's Schedule. A mask without a prepared ``activity`` map is read here (the
     schedule's tiles do not depend on the map; its stages and skips read the map's counts),
     unless the forward reads it itself (``scan_keys``). ``intervals_per_call``: the mask is
     ``KeyIntervals`` that the call reads (not prepared)."""
     problem = call_problem(checked, query, is_causal, deterministic, bias_grad, activity,
                            intervals_per_call, forward_only=not with_backward, key=key,
-                           value=value)
+                           value=value, kept_keys=kept_keys)
     sched = schedule(problem, options)
     if checked.mask is not None and activity is None and not sched.forward.reads_mask_itself:
         activity = mask_activity(checked, sched, with_backward)

@@ -49,12 +49,37 @@ class GatherTile:
 
 
 def kept_bound(problem: Problem) -> int:
-    """The most keys one list can hold: every key, or the mask's bound on the keys a query row
-    keeps (``KeyIntervals.max_kept``) times the rows."""
+    """The most keys one list can hold: as ``prepare_mask`` counted them, else the mask's
+    bound on the keys a query row keeps (``KeyIntervals.max_kept``) times the rows, else every
+    key."""
     seqlen_k = problem.shape.seqlen_k
+    if problem.kept_keys is not None:
+        return max(1, min(seqlen_k, problem.kept_keys))
     if problem.max_kept is None:
         return seqlen_k
     return max(1, min(seqlen_k, problem.max_kept * problem.shape.seqlen_q))
+
+
+def count_kept_keys(mask, seqlen_q: int, seqlen_k: int, is_causal: bool) -> int:
+    """The most keys that the query rows together keep in one (batch, head) of ``mask``
+    (a checked ``BroadcastOperand``): the length the gather route's longest list will have.
+    O(B x H x Lq x Lk) for a bool mask, O(B x H x Lk) for intervals; one read back to the
+    host."""
+    diagonal = seqlen_k - seqlen_q
+    keys = torch.arange(seqlen_k, device=mask.view.device)
+    if mask.interval_source is not None:
+        start, end = (t.to(torch.int64) for t in mask.interval_source)
+        lo = start.clamp(min=0)
+        if is_causal:
+            lo = torch.maximum(lo, keys - diagonal)
+        kept = lo < end.clamp(max=seqlen_q)
+    else:
+        keep = mask.view.bool()
+        if is_causal:
+            rows = torch.arange(seqlen_q, device=keys.device)[:, None]
+            keep = keep & (keys[None, :] <= rows + diagonal)
+        kept = keep.any(dim=2)
+    return int(kept.sum(-1).max())
 
 
 def gather_gap(problem: Problem) -> str | None:

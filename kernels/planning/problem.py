@@ -68,6 +68,9 @@ class Problem:
     # The mask is prepared (``prepare_mask``, or intervals a former call prepared): the call
     # brings its activity map, and a KeyIntervals mask arrives as its words.
     prepared: bool = False
+    # The most keys that the query rows together keep in one (batch, mask head), where
+    # ``prepare_mask`` counted them (decode-sized calls).
+    kept_keys: int | None = None
 
     @property
     def block_d(self) -> int:
@@ -89,7 +92,7 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                deterministic: bool = False, bias_grad: bool = False,
                activity=None, intervals_per_call: bool = False,
                forward_only: bool = False, capability: tuple[int, int] | None = None,
-               tma_operands: bool = False) -> Problem:
+               tma_operands: bool = False, kept_keys: int | None = None) -> Problem:
     """The Problem of checked inputs. ``intervals_per_call``: the mask is ``KeyIntervals`` that
     the call reads itself (not prepared); ``forward_only``: no backward follows;
     ``capability`` and ``tma_operands`` as ``Problem`` says."""
@@ -104,4 +107,4 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
                    intervals, capability, bool(tma_operands),
                    checked.mask.max_kept if checked.mask is not None else None,
-                   activity is not None)
+                   activity is not None, kept_keys)
