@@ -119,7 +119,10 @@ def gather_tile(problem: Problem, forced: bool = False) -> GatherTile | None:
     programs = shape.batch * shape.heads_q // pack
     splits = key_splits(programs, ceil_div(capacity, tile.block_n), problem.multiprocessors,
                         tuning.GATHER_MIN_BLOCKS_PER_SPLIT)
-    return GatherTile(block_m, tile.block_n, pack, splits, capacity, tile.num_warps)
+    # 64 tile rows (16 query rows of a group of 4) over 4 warps took 255 registers and
+    # spilled (ptxas, sm_90a, D128); 8 warps hold them.
+    warps = 8 if block_m >= 64 and not problem.interpreted else tile.num_warps
+    return GatherTile(block_m, tile.block_n, pack, splits, capacity, warps)
 
 
 def mask_kind(mask_operand) -> int:
