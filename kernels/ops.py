@@ -3,7 +3,7 @@
 Two ops, both opaque to the compiler (Inductor calls them as they are):
 
 * ``dmattn::fwd(query, key, value, is_causal, softmax_scale, deterministic, plan_backward,
-  bias_needs_grad, attn_mask, attn_bias, bias_base) -> (out, lse)``
+  bias_needs_grad, max_kept, attn_mask, attn_bias, bias_base) -> (out, lse)``
 * ``dmattn::bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
   deterministic, bias_needs_grad, attn_mask, attn_bias, bias_base) -> (dq, dk, dv, dbias)``
 
@@ -194,10 +194,12 @@ def _schema(params: tuple[tuple[str, str], ...], returns: str) -> str:
 
 _FLAGS = (("bool", "is_causal"), ("float?", "softmax_scale"), ("bool", "deterministic"))
 _OPTIONAL = tuple(("Tensor?", name) for name in OPERANDS)
-# ``plan_backward``: a backward will follow; ``bias_needs_grad``: it will make a bias gradient.
-# Both only steer the plan (as in eager calls), never the forward's results.
+# ``plan_backward``: a backward will follow; ``bias_needs_grad``: it will make a bias gradient;
+# ``max_kept``: a KeyIntervals mask's ``max_kept``, which decode's gather route sizes its lists
+# by (the backward never reads it). All three steer the plan, as in eager calls.
 _FWD_PARAMS = (("Tensor", "query"), ("Tensor", "key"), ("Tensor", "value"), *_FLAGS,
-               ("bool", "plan_backward"), ("bool", "bias_needs_grad"), *_OPTIONAL)
+               ("bool", "plan_backward"), ("bool", "bias_needs_grad"), ("int?", "max_kept"),
+               *_OPTIONAL)
 _BWD_PARAMS = (("Tensor", "grad_out"), ("Tensor", "query"), ("Tensor", "key"),
                ("Tensor", "value"), ("Tensor", "out"), ("Tensor", "lse"), *_FLAGS,
                ("bool", "bias_needs_grad"), *_OPTIONAL)
@@ -213,9 +215,12 @@ def _no_dbias(query: Tensor) -> Tensor:
 
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=(), schema=FWD_SCHEMA)
 def attention_fwd(query, key, value, is_causal, softmax_scale, deterministic, plan_backward,
-                  bias_needs_grad, *operands):
+                  bias_needs_grad, max_kept, *operands):
     optional = Operands(*operands)
-    return _forward_impl(query, key, value, host_mask(optional), host_bias(optional), is_causal,
+    mask = host_mask(optional)
+    if max_kept is not None and isinstance(mask, KeyIntervals):
+        mask = KeyIntervals(mask.start, mask.end, max_kept=max_kept)
+    return _forward_impl(query, key, value, mask, host_bias(optional), is_causal,
                          softmax_scale, deterministic, plan_backward, bias_needs_grad)
 
 
@@ -258,7 +263,7 @@ def _check_fake(query, key, value, optional: Operands, softmax_scale) -> None:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, is_causal, softmax_scale, deterministic,
-                        plan_backward, bias_needs_grad, *operands):
+                        plan_backward, bias_needs_grad, max_kept, *operands):
     _check_fake(query, key, value, Operands(*operands), softmax_scale)
     batch, seqlen_q, heads_q, head_dim = query.shape
     out = query.new_empty((batch, seqlen_q, heads_q, head_dim))
@@ -286,7 +291,7 @@ def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softma
 # -- autograd
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, is_causal, softmax_scale, deterministic, _, _, *operands = inputs
+    query, key, value, is_causal, softmax_scale, deterministic, _, _, _, *operands = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *operands)
     ctx.flags = (is_causal, softmax_scale, deterministic)
@@ -330,7 +335,9 @@ def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
     optional = operands_of(attn_mask, attn_bias)
     bias = getattr(optional, bias_slot(optional))
     plan_backward = call_plan.needs_grad(query, key, value, bias)
+    given = attn_mask.mask if isinstance(attn_mask, PreparedMask) else attn_mask
+    max_kept = given.max_kept if isinstance(given, KeyIntervals) else None
     out, lse = attention_fwd(query, key, value, is_causal, _scale_arg(softmax_scale),
                              deterministic, plan_backward,
-                             getattr(bias, "requires_grad", False), *optional)
+                             getattr(bias, "requires_grad", False), max_kept, *optional)
     return (out, lse) if return_lse else out

@@ -9,6 +9,8 @@ schedule sends there by itself.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -227,3 +229,120 @@ def test_prepared_intervals_count_their_kept_keys(device):
     assert schedule_for(q, k, v, prepared, is_causal=True,
                         for_backward=False).forward.route == "gather"
     run_forward(q, k, v, prepared, causal=True, func=dmattn_func)
+
+
+# -- a seeded fuzz, and what the route must work under
+
+BIAS_SHAPES = (None, ("B", "Hk", "1", "Lk"), ("1", "1", "Lq", "Lk"), ("B", "Hq", "Lq", "Lk"),
+               ("1", "Hk", "1", "1"))
+
+
+def test_a_seeded_fuzz_of_the_route(device):
+    """Random decode calls through the forced route: 1-16 query rows, caches of 1-5000 keys
+    (300 under the interpreter), head dims 40-256 (16 and 40 under the interpreter), MHA, GQA
+    and MQA, windows from 1 key to a quarter of the cache, intervals as given, prepared or as
+    a bool mask, broadcast bias shapes, causal or not. 40 calls on a GPU, 6 interpreted."""
+    on_gpu = device.type == "cuda"
+    rng = random.Random(56)
+    for _ in range(40 if on_gpu else 6):
+        heads_kv = rng.choice([1, 2, 4])
+        head_dim = rng.choice([40, 64, 80, 96, 128, 256] if on_gpu else [16, 40])
+        dims = Dims(rng.randint(1, 3), rng.randint(1, 16), rng.randint(1, 5000 if on_gpu else 300),
+                    heads_kv * rng.choice([1, 2, 4]), heads_kv, head_dim)
+        dtype = rng.choice([torch.float16, torch.bfloat16] +
+                           ([torch.float32] if head_dim <= 128 else []))
+        causal = rng.random() < 0.5
+        q, k, v = random_qkv(dims, dtype, device)
+        mask = topk_mask(dims, rng.randint(1, max(1, dims.seqlen_k // 4)), causal, device)
+        form = rng.choice(["intervals", "prepared", "bool"])
+        if form == "bool":
+            mask = mask.to_dense(dims.seqlen_q)
+        elif form == "prepared":
+            mask = prepare_mask(mask, q, k, causal)
+        bias_shape = rng.choice(BIAS_SHAPES)
+        bias = None if bias_shape is None else random_bias(dims.operand_shape(*bias_shape), dtype,
+                                                           device)
+        run_forward(q, k, v, mask, bias, causal=causal, func=GATHER)
+
+
+def test_deterministic_calls_take_the_route_and_repeat_their_bits(device):
+    """The shares' partials merge in share order (``partials``), so the route's results are
+    reproducible, and ``deterministic=True`` keeps it."""
+    dims = Dims(1, 1, 3000, 4, 2, 16)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = topk_mask(dims, 300, True, device)
+    schedule = schedule_for(q, k, v, mask, is_causal=True, deterministic=True,
+                            for_backward=False)
+    assert schedule.forward.route == "gather" and schedule.forward.gather.key_splits > 1
+    first = dmattn_func(q, k, v, mask, is_causal=True, deterministic=True, return_lse=True)
+    for _ in range(3):
+        again = dmattn_func(q, k, v, mask, is_causal=True, deterministic=True, return_lse=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def _gather_runs(monkeypatch) -> list:
+    """The gather route's calls made from now on (one entry each)."""
+    from kernels.planning.gather_decode import GatherDecodePlan
+
+    runs = []
+    original = GatherDecodePlan.run
+    monkeypatch.setattr(GatherDecodePlan, "run",
+                        lambda self, *args, **kw: runs.append(1) or original(self, *args, **kw))
+    return runs
+
+
+def _decode_step(dims: Dims, device, window: int):
+    """A Doge decode step: the top-``window`` keys of a per-key bias chosen inside the step."""
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = torch.randn(dims.batch, dims.heads_kv, 1, dims.seqlen_k, device=device,
+                       dtype=torch.bfloat16)
+
+    def step(q, k, v, bias):
+        chosen = topk_intervals(bias, window, seqlen_q=q.shape[1], is_causal=True)
+        return dmattn_func(q, k, v, chosen, bias, is_causal=True)
+
+    return step, (q, k, v, bias)
+
+
+def test_a_decode_step_with_its_selection_replays_in_a_cuda_graph(device, monkeypatch):
+    """The selection and both launches wait for nothing, so a CUDA graph captures the whole
+    step and replays it on new values; under the interpreter the step runs eagerly."""
+    dims = Dims(2, 1, 1000, 8, 2, 128 if device.type == "cuda" else 16)
+    step, inputs = _decode_step(dims, device, 32)
+    runs = _gather_runs(monkeypatch)
+    step(*inputs)  # plans and compiles outside the capture
+    assert runs, "the decode step did not take the gather route"
+    if device.type == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step(*inputs)
+
+        def replay():
+            graph.replay()
+            return captured
+    else:
+        def replay():
+            return step(*inputs)
+    for _ in range(2):
+        for t in inputs:
+            t.copy_(torch.randn_like(t))
+        assert torch.equal(replay(), step(*inputs))
+
+
+def test_a_compiled_decode_step_takes_the_route(device, monkeypatch):
+    """Under ``torch.compile(fullgraph=True)`` the intervals' ``max_kept`` crosses the op, so
+    the compiled step takes the gather route and gives eager's bits."""
+    torch._dynamo.reset()
+    dims = Dims(1, 1, 1000, 4, 2, 16)
+    step, inputs = _decode_step(dims, device, 24)
+    runs = _gather_runs(monkeypatch)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(*inputs)
+    assert runs, "the compiled step did not take the gather route"
+    assert torch.equal(got, step(*inputs))
+    torch._dynamo.reset()
