@@ -179,6 +179,20 @@ def test_forcing_the_route_where_it_cannot_apply_says_why(device, case, reason):
         dmattn_func(q, k, v, mask, kernel_options={"forward_route": "gather"})
 
 
+def test_max_kept_of_a_top_w_selection_bounds_the_keys_its_rows_keep_together(device):
+    """``topk_intervals``' ``max_kept`` (W + Lq - 1 causal, W not, at most Lk) holds for
+    biases with many ties (integers in [0, 4)) and every row count up to 20."""
+    rng = random.Random(7)
+    for _ in range(12):
+        seqlen_q, seqlen_k = rng.randint(1, 20), rng.randint(1, 90)
+        window, causal = rng.randint(1, 12), rng.random() < 0.6
+        bias = torch.randint(0, 4, (2, 2, 1, seqlen_k), device=device).float()
+        chosen = topk_intervals(bias, window, seqlen_q=seqlen_q, is_causal=causal)
+        together = chosen.to_dense(seqlen_q).any(dim=2).sum(-1).max().item()
+        assert chosen.max_kept == min(seqlen_k, window + seqlen_q - 1 if causal else window)
+        assert together <= chosen.max_kept
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_max_kept_is_a_positive_int(bad):
     start = torch.zeros(1, 1, 8, dtype=torch.int32)

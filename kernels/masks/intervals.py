@@ -105,9 +105,10 @@ class KeyIntervals:
     # and ``topk_intervals``, never from outside: an order that is not a permutation would
     # go unnoticed.
     _key_order: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    # At most this many keys kept per query row, where known (``topk_intervals`` sets its
-    # window): decode's gather route sizes its kept-key lists by it and takes the route where
-    # they hold a small share of the keys. A bound that is wrong drops keys past it.
+    # At most this many distinct keys kept by all query rows together, per (batch, head),
+    # where known (``topk_intervals`` sets it: W + Lq - 1 causal, W not): decode's gather
+    # route sizes its kept-key lists by it and takes the route where they hold a small share
+    # of the keys. A bound that is wrong drops keys past it.
     max_kept: int | None = field(default=None, compare=False)
     # Tile lists built by the calls made with these intervals, per call form (see
     # ``prepared.prepared_intervals``): a later call of the same form skips that work.

@@ -242,7 +242,8 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
         if torch.compiler.is_compiling():
             intervals = KeyIntervals(*torch.ops.dmattn.topk_intervals(bias, window, seqlen_q,
                                                                       bool(is_causal)),
-                                     max_kept=window)
+                                     max_kept=kept_union(window, seqlen_q, bias.shape[-1],
+                                                         bool(is_causal)))
             return intervals.with_key_order() if order_keys else intervals
         return _dense(bias, window, seqlen_q, bool(is_causal), order_keys)
     if order_keys:
@@ -256,6 +257,14 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
         return KeyIntervals(*torch.ops.dmattn.topk_intervals_packed(
             bias, window, bool(is_causal), cu_seqlens_q, cu_seqlens_k))
     return _packed(bias, window, bool(is_causal), cu_seqlens_q, cu_seqlens_k)
+
+
+def kept_union(window: int, seqlen_q: int, seqlen_k: int, is_causal: bool) -> int:
+    """The most distinct keys a top-``window`` selection keeps over all its query rows, per
+    (batch, head): each row keeps at most W; with causality each row sees one key more than
+    the row before, which enters the top W at most in place of one key, so Lq rows keep at
+    most W + Lq - 1 keys; without it every row keeps the same W."""
+    return min(seqlen_k, window + seqlen_q - 1 if is_causal else window)
 
 
 def _check_dense(bias, seqlen_q) -> int:
@@ -272,7 +281,8 @@ def _check_dense(bias, seqlen_q) -> int:
 def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
     b, h, _, lk = bias.shape
     rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
-    return KeyIntervals(*(t.reshape(b, h, lk) for t in rows), max_kept=window)
+    return KeyIntervals(*(t.reshape(b, h, lk) for t in rows),
+                        max_kept=kept_union(window, seqlen_q, lk, is_causal))
 
 
 def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:

@@ -1,9 +1,10 @@
 """Decode's gather route: a forward that reads only the keys its mask keeps
 (``triton_device.gather_kernels``).
 
-Two launches per call: the kept-key lists (one program per row of the mask's (batch, head)
-rows), then the forward over them (one program per batch and pack of query heads, times key
-shares), whose shares merge in the launch. Nothing waits for the device: the lists' lengths
+Three launches per call: the kept-key lists in two (one program per row of the mask's
+(batch, head) rows and chunk of keys: the chunks' counts, then the chunks' keys after the
+counts before them), then the forward over them (one program per batch and pack of query
+heads, times key shares), whose shares merge in the launch. Nothing waits for the device: the lists' lengths
 stay on it, each share sizes itself from them, and every buffer is sized on the host from the
 call's form (a list holds at most ``capacity`` keys), so a CUDA graph replays a step and
 ``torch.compile`` traces it.
@@ -22,7 +23,8 @@ from ..runtime.arith import LOG2E, ceil_div, contiguous_strides, next_power_of_2
 from ..runtime.launch import PlannedLaunch, dot_options
 from ..runtime.scratch import Scratch
 from ..triton_device.gather_kernels import (BOOL_MASK, INTERVAL_PAIRS, INTERVAL_WORDS,
-                                            _gather_decode_kernel, _kept_keys_kernel)
+                                            _gather_decode_kernel, _kept_counts_kernel,
+                                            _kept_keys_kernel)
 from ..triton_device.operands import (ABSENT, GatherPointers, KeptPointers, Layout, SeqStrides,
                                       seq_strides, sizes_of)
 from . import tuning
@@ -50,14 +52,11 @@ class GatherTile:
 
 def kept_bound(problem: Problem) -> int:
     """The most keys one list can hold: as ``prepare_mask`` counted them, else the mask's
-    bound on the keys a query row keeps (``KeyIntervals.max_kept``) times the rows, else every
+    bound on the keys its query rows keep together (``KeyIntervals.max_kept``), else every
     key."""
     seqlen_k = problem.shape.seqlen_k
-    if problem.kept_keys is not None:
-        return max(1, min(seqlen_k, problem.kept_keys))
-    if problem.max_kept is None:
-        return seqlen_k
-    return max(1, min(seqlen_k, problem.max_kept * problem.shape.seqlen_q))
+    bound = problem.kept_keys if problem.kept_keys is not None else problem.max_kept
+    return seqlen_k if bound is None else max(1, min(seqlen_k, bound))
 
 
 def count_kept_keys(mask, seqlen_q: int, seqlen_k: int, is_causal: bool) -> int:
@@ -147,12 +146,16 @@ class GatherDecodePlan:
         self.out_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
         self.lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
         sizes = sizes_of(shape)
-        self.lists = PlannedLaunch(
-            _kept_keys_kernel, (list_rows,), KeptPointers,
-            (mask_layout, sizes, list_heads, tile.capacity, scan_rows),
-            MASK_KIND=mask_kind_code, IS_CAUSAL=problem.is_causal,
-            CHUNK=tuning.GATHER_LIST_CHUNK if not problem.interpreted else 64,
-            num_warps=4, num_stages=1)
+        chunk = tuning.GATHER_LIST_CHUNK if not problem.interpreted else 64
+        num_chunks = ceil_div(shape.seqlen_k, chunk)
+        list_args = (mask_layout, sizes, list_heads, scan_rows, num_chunks)
+        list_options = dict(MASK_KIND=mask_kind_code, IS_CAUSAL=problem.is_causal, CHUNK=chunk,
+                            num_warps=4, num_stages=1)
+        self.counts = PlannedLaunch(_kept_counts_kernel, (list_rows, num_chunks), KeptPointers,
+                                    list_args, **list_options)
+        self.lists = PlannedLaunch(_kept_keys_kernel, (list_rows, num_chunks), KeptPointers,
+                                   (*list_args, tile.capacity), COUNTS_BLOCK=256,
+                                   **list_options)
         programs = shape.batch * shape.heads_q // tile.group_pack
         out_strides = SeqStrides(*contiguous_strides(self.out_shape)[:3])
         self.main = PlannedLaunch(
@@ -173,11 +176,11 @@ class GatherDecodePlan:
                       problem.block_d)
         parts = ((part_shape, torch.float32), (part_shape[:3], torch.float32),
                  ((programs,), torch.int32)) if tile.key_splits > 1 else ()
-        self._scratch = Scratch(query.device, ((list_rows, tile.capacity), torch.int32),
-                                ((list_rows,), torch.int32), *parts)
-        self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32),
-                                         ((list_rows, tile.capacity), torch.int32),
-                                         ((list_rows,), torch.int32), *parts)
+        lists = (((list_rows, tile.capacity), torch.int32), ((list_rows,), torch.int32),
+                 ((list_rows, num_chunks), torch.int32))
+        self._scratch = Scratch(query.device, *lists, *parts)
+        self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *lists,
+                                         *parts)
 
     def run(self, query, key, value, mask_operand, bias, keep_lse: bool = True):
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32 or None without ``keep_lse``).
@@ -187,11 +190,12 @@ class GatherDecodePlan:
         out = query.new_empty(self.out_shape)
         if keep_lse:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-            kept, counts, *parts = self._scratch.buffers()
+            kept, counts, chunk_counts, *parts = self._scratch.buffers()
         else:
-            lse, kept, counts, *parts = self._scratch_with_lse.buffers()
+            lse, kept, counts, chunk_counts, *parts = self._scratch_with_lse.buffers()
         out_part, lse_part, arrivals = parts if parts else (lse, lse, counts)
-        self.lists(start, end, kept, counts)
+        self.counts(start, end, kept, counts, chunk_counts)
+        self.lists(start, end, kept, counts, chunk_counts)
         self.main(query, key, value, out, lse, start, end,
                   out if bias is None else bias, kept, counts, out_part, lse_part, arrivals)
         return out, (lse if keep_lse else None)

@@ -4,9 +4,11 @@ A decode call has few query rows (at most 16). Under a mask that keeps W of its 
 top-W mask of a per-key bias keeps scattered keys, so nearly every key block holds one), the
 tile walk reads every K and V block; these kernels read the kept rows alone:
 
-* ``_kept_keys_kernel``: one program per row of the mask's (batch, head) rows compacts, in
-  key order, the keys that any query row of the call keeps (mask and causality) into an int32
-  list and writes its length. A ``KeyIntervals`` mask decides per key in O(1) (the rows
+* ``_kept_counts_kernel`` and ``_kept_keys_kernel``: per row of the mask's (batch, head) rows,
+  the keys that any query row of the call keeps (mask and causality), compacted in key order
+  into an int32 list, and its length. One program per (row, chunk of keys) in both: the first
+  counts its chunk's kept keys, the second sums the counts of the chunks before its own and
+  writes its keys after theirs. A ``KeyIntervals`` mask decides per key in O(1) (the rows
   [max(start, first causal row), min(end, Lq)) are not empty); a bool mask ORs its rows.
 * ``_gather_decode_kernel``: one program per (batch, pack of query heads, key share) walks its
   share of a list in blocks of BLOCK_N entries: it gathers those K and V rows (and the mask's
@@ -48,51 +50,76 @@ def _runs_at(start_ptrs, end_ptrs, ok, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
-def _kept_keys_kernel(ptrs, mask_layout, sizes, list_heads, capacity, scan_rows,
-                      MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
-    """Program i compacts list row i = (batch b, head h) of ``list_heads`` heads: ``ptrs``
-    (``operands.KeptPointers``) has the mask (``MASK_KIND``) at ``mask`` (and ``mask_end``),
-    the lists (rows of ``capacity`` int32) at ``kept`` and their lengths at ``counts``.
-    ``scan_rows``: the bool mask's query rows to OR (1 where it broadcasts over rows)."""
+def _chunk_kept(ptrs, mask_layout, sizes, list_heads, scan_rows, MASK_KIND: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
+    """(keys, kept) of this program's chunk: keys [chunk x CHUNK, ...) of list row
+    ``program_id(0)`` = (batch b, head h) of ``list_heads`` heads, and whether any query row of
+    the call keeps each (mask and causality; False past the last key)."""
     row = tl.program_id(0)
+    keys = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     b = row // list_heads
     h = row % list_heads
     seqlen_q = sizes.seqlen_q
     seqlen_k = sizes.seqlen_k
     head_offset = b.to(tl.int64) * mask_layout.stride_b + h.to(tl.int64) * mask_layout.stride_h
-    base = ptrs.mask + head_offset
-    end_base = ptrs.mask_end + head_offset
-    offs = tl.arange(0, CHUNK)
+    in_range = keys < seqlen_k
+    key_offsets = head_offset + keys.to(tl.int64) * mask_layout.stride_n
     # Causal, bottom-right: row r sees key j iff j <= r + (Lk - Lq), so key j's first row.
-    first_causal = -(seqlen_k - seqlen_q)
-    count = 0
-    for first in range(0, seqlen_k, CHUNK):
-        keys = first + offs
-        in_range = keys < seqlen_k
-        key_offsets = keys.to(tl.int64) * mask_layout.stride_n
-        lo = tl.zeros([CHUNK], dtype=tl.int32)
-        if IS_CAUSAL:
-            lo = tl.maximum(keys + first_causal, 0)
-        if MASK_KIND == BOOL_MASK:
-            kept = tl.zeros([CHUNK], dtype=tl.int1)
-            for r in range(scan_rows):
-                byte = tl.load(base + key_offsets + r * mask_layout.stride_m,
-                               mask=in_range, other=0)
-                # A mask broadcast over rows (scan_rows 1) stands for every row: the last row
-                # sees the most keys.
-                last_row = tl.where(scan_rows == 1, seqlen_q - 1, r)
-                kept = kept | ((byte != 0) & (lo <= last_row))
-            kept = kept & in_range
-        else:
-            start, end = _runs_at(base + key_offsets, end_base + key_offsets, in_range,
-                                  MASK_KIND)
-            kept = in_range & (tl.maximum(start, lo) < tl.minimum(end, seqlen_q))
-        taken = kept.to(tl.int32)
-        slot = count + tl.cumsum(taken, 0) - 1
-        tl.store(ptrs.kept + row.to(tl.int64) * capacity + slot, keys,
-                 mask=kept & (slot < capacity))
-        count += tl.sum(taken, 0)
-    tl.store(ptrs.counts + row, tl.minimum(count, capacity))
+    lo = tl.zeros([CHUNK], dtype=tl.int32)
+    if IS_CAUSAL:
+        lo = tl.maximum(keys - (seqlen_k - seqlen_q), 0)
+    if MASK_KIND == BOOL_MASK:
+        kept = tl.zeros([CHUNK], dtype=tl.int1)
+        for r in range(scan_rows):
+            byte = tl.load(ptrs.mask + key_offsets + r * mask_layout.stride_m, mask=in_range,
+                           other=0)
+            # A mask broadcast over rows (scan_rows 1) stands for every row: the last row
+            # sees the most keys.
+            last_row = tl.where(scan_rows == 1, seqlen_q - 1, r)
+            kept = kept | ((byte != 0) & (lo <= last_row))
+        kept = kept & in_range
+    else:
+        start, end = _runs_at(ptrs.mask + key_offsets, ptrs.mask_end + key_offsets, in_range,
+                              MASK_KIND)
+        kept = in_range & (tl.maximum(start, lo) < tl.minimum(end, seqlen_q))
+    return keys, kept
+
+
+@triton.jit
+def _kept_counts_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chunks,
+                        MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid (list rows, chunks of CHUNK keys): how many keys of its chunk the call keeps, into
+    ``ptrs.chunk_counts`` (list rows x ``num_chunks`` int32). ``ptrs`` is an
+    ``operands.KeptPointers``; ``scan_rows``: the bool mask's query rows to OR (1 where it
+    broadcasts over rows)."""
+    _, kept = _chunk_kept(ptrs, mask_layout, sizes, list_heads, scan_rows, MASK_KIND,
+                          IS_CAUSAL, CHUNK)
+    tl.store(ptrs.chunk_counts + tl.program_id(0).to(tl.int64) * num_chunks
+             + tl.program_id(1), tl.sum(kept.to(tl.int32), 0))
+
+
+@triton.jit
+def _kept_keys_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chunks, capacity,
+                      MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr,
+                      COUNTS_BLOCK: tl.constexpr):
+    """Grid (list rows, chunks of CHUNK keys), after ``_kept_counts_kernel``: each chunk writes
+    its kept keys, in key order, into its row's list (``capacity`` int32 entries) after those
+    of the chunks before it, and the last chunk writes the list's length."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    count_row = ptrs.chunk_counts + row.to(tl.int64) * num_chunks
+    before = 0
+    for first in range(0, chunk, COUNTS_BLOCK):
+        offs = first + tl.arange(0, COUNTS_BLOCK)
+        before += tl.sum(tl.load(count_row + offs, mask=offs < chunk, other=0), 0)
+    keys, kept = _chunk_kept(ptrs, mask_layout, sizes, list_heads, scan_rows, MASK_KIND,
+                             IS_CAUSAL, CHUNK)
+    taken = kept.to(tl.int32)
+    slot = before + tl.cumsum(taken, 0) - 1
+    tl.store(ptrs.kept + row.to(tl.int64) * capacity + slot, keys,
+             mask=kept & (slot < capacity))
+    if chunk == num_chunks - 1:
+        tl.store(ptrs.counts + row, tl.minimum(before + tl.sum(taken, 0), capacity))
 
 
 @triton.jit

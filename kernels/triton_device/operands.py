@@ -114,6 +114,7 @@ class KeptPointers(NamedTuple):
     mask_end: torch.Tensor  # pairs: the intervals' end
     kept: torch.Tensor  # (list rows, capacity) int32
     counts: torch.Tensor  # (list rows,) int32
+    chunk_counts: torch.Tensor  # (list rows, chunks) int32: kept keys per chunk of keys
 
 
 class GatherPointers(NamedTuple):
