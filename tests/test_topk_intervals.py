@@ -107,8 +107,9 @@ def test_ties_rank_the_smaller_key_first(lengths, window, is_causal, device):
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
-def test_nan_ranks_as_minus_infinity(is_causal, device):
-    seqlen_q, seqlen_k, window = 9, 23, 4
+@pytest.mark.parametrize("seqlen_q", (9, 1), ids=("q9", "decode"))
+def test_nan_ranks_as_minus_infinity(is_causal, seqlen_q, device):
+    seqlen_k, window = 23, 4
     bias = torch.randint(0, 4, (1, 2, 1, seqlen_k)).float()
     bias[..., 1::5] = math.nan
     bias[..., 3::7] = -math.inf
