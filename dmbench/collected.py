@@ -21,8 +21,8 @@ from pathlib import Path
 from .errors import ConfigError
 from .results import TIMED_MODES, Row, read_rows, row_line
 
-# The backends we are compared against; sdpa-dense computes a different (dense) function and
-# triton-base runs our own kernels, so neither is a peer.
+# The backends we are compared against; sdpa-dense computes a different (dense) function, and
+# triton-base and triton-select run our own kernels, so none of them is a peer.
 PEERS = ("sdpa", "flex", "fdma")
 
 

@@ -67,6 +67,7 @@ BACKEND_STYLE = {
     "fdma": ("tab:red", "v"),
     "reference": ("tab:brown", "x"),
     "triton-base": ("tab:cyan", "P"),
+    "triton-select": ("darkblue", "p"),
 }
 # For a backend not listed above: chosen by a hash of its name, so still stable across charts.
 SPARE_STYLES = (("tab:purple", "<"), ("tab:pink", "*"), ("tab:olive", "h"), ("black", ">"))

@@ -41,7 +41,8 @@ from .collected import (TIMED_MODES, Collected, case_label, collect, other_comma
 from .errors import ConfigError
 from .results import Row
 
-SHOWN = ("triton", "triton-base", "sdpa", "flex", "fdma", "sdpa-dense", "reference")
+SHOWN = ("triton", "triton-select", "triton-base", "sdpa", "flex", "fdma", "sdpa-dense",
+         "reference")
 # Our kernels from another checkout (an A/B of two kernel versions), not a peer.
 BASELINE = "triton-base"
 # An A/B row counts as unchanged within this ratio either way.

@@ -123,11 +123,18 @@ def test_odd_lengths_and_fewer_keys_than_rows(device):
         run_forward(q, k, v, mask, causal=True, func=GATHER)
 
 
+def _long_lists(device, heads) -> tuple[Dims, int]:
+    """(dims, window) of one decode row whose list spans enough key blocks for several shares
+    (64-key blocks on a GPU, 16 interpreted)."""
+    seqlen_k, window = (20000, 2400) if device.type == "cuda" else (3000, 300)
+    return Dims(1, 1, seqlen_k, *heads, 16), window
+
+
 def test_key_shares_merge_in_the_launch(device):
     """Long enough lists that the schedule gives them several shares."""
-    dims = Dims(1, 1, 600, 2, 1, 16)
+    dims, window = _long_lists(device, heads=(2, 1))
     q, k, v = random_qkv(dims, torch.float16, device)
-    mask = topk_mask(dims, 300, False, device)
+    mask = topk_mask(dims, window, False, device)
     tile = schedule_for(q, k, v, mask, for_backward=False,
                         kernel_options={"forward_route": "gather"}).forward.gather
     assert tile.key_splits > 1
@@ -282,9 +289,9 @@ def test_a_seeded_fuzz_of_the_route(device):
 def test_deterministic_calls_take_the_route_and_repeat_their_bits(device):
     """The shares' partials merge in share order (``partials``), so the route's results are
     reproducible, and ``deterministic=True`` keeps it."""
-    dims = Dims(1, 1, 3000, 4, 2, 16)
+    dims, window = _long_lists(device, heads=(4, 2))
     q, k, v = random_qkv(dims, torch.bfloat16, device)
-    mask = topk_mask(dims, 300, True, device)
+    mask = topk_mask(dims, window, True, device)
     schedule = schedule_for(q, k, v, mask, is_causal=True, deterministic=True,
                             for_backward=False)
     assert schedule.forward.route == "gather" and schedule.forward.gather.key_splits > 1

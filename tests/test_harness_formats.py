@@ -209,6 +209,26 @@ def test_ours_on_intervals(case):
     _checked(make_backends()["triton"], make_problem(case, CPU))
 
 
+@pytest.mark.parametrize("case", [
+    _case("topk", "intervals", bias="kv_row", dtype="bf16", lq=1, lk=200, window=12),
+    _case("topk", "intervals", bias="kv_row", lq=4, lk=97),
+], ids=lambda c: c.case_id)
+@pytest.mark.interpreter
+def test_ours_with_the_selection_inside_the_call(case):
+    """triton-select: the selection of the call's own bias inside the timed call, checked
+    against the reference on the case's mask (the same intervals), gradients too."""
+    _checked(make_backends()["triton-select"], make_problem(case, CPU))
+
+
+@pytest.mark.parametrize("case", [_case("topk", "bool", bias="kv_row"),
+                                  _case("topk", "intervals"),
+                                  _case("sliding", "intervals", bias="kv_row")],
+                         ids=lambda c: c.case_id)
+def test_the_selection_inside_the_call_skips_other_masks_naming_them(case):
+    reason = make_backends()["triton-select"].skip_reason(case)
+    assert reason and "mask topk, mask_format intervals and bias kv_row only" in reason
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("mask, fmt", [("topk", "intervals"), ("sliding", "intervals"),
                                        ("document", "intervals"), ("document", "varlen"),

@@ -8,18 +8,19 @@ when they are asked about availability or bound to a case, after the CLI has cho
 from __future__ import annotations
 
 from .base import DIFF_KEYS, Backend, Bound
-from .dmattn import BaselineBackend, ReferenceBackend, TritonBackend
+from .dmattn import BaselineBackend, ReferenceBackend, SelectingBackend, TritonBackend
 from .fdma import FdmaBackend
 from .torch_ops import FlexBackend, SdpaBackend, SdpaDenseBackend
 
 
 def make_backends() -> dict[str, Backend]:
     """A fresh mapping per run (flex keeps its compiled function on the instance)."""
-    backends = (TritonBackend(), SdpaBackend(), SdpaDenseBackend(), FlexBackend(),
-                FdmaBackend(), ReferenceBackend(), BaselineBackend())
+    backends = (TritonBackend(), SelectingBackend(), SdpaBackend(), SdpaDenseBackend(),
+                FlexBackend(), FdmaBackend(), ReferenceBackend(), BaselineBackend())
     return {b.name: b for b in backends}
 
 
-BACKEND_NAMES = ("triton", "sdpa", "sdpa-dense", "flex", "fdma", "reference", "triton-base")
+BACKEND_NAMES = ("triton", "triton-select", "sdpa", "sdpa-dense", "flex", "fdma", "reference",
+                 "triton-base")
 
 __all__ = ["BACKEND_NAMES", "DIFF_KEYS", "Backend", "Bound", "make_backends"]

@@ -104,6 +104,35 @@ class TritonBackend(Backend):
         return Bound(call)
 
 
+class SelectingBackend(TritonBackend):
+    """Ours as a top-W model decodes: the case's ``topk_intervals`` made from its kv_row bias
+    inside the timed call, then ``dmattn_func``, so a row's time is the whole step's."""
+
+    name = "triton-select"
+    description = ("ours with the top-W selection inside the timed call: kernels.topk_intervals "
+                   "of the kv_row bias, then kernels.dmattn_func (topk intervals cases only)")
+
+    def skip_reason(self, case: Case) -> str | None:
+        if case.mask != "topk" or case.mask_format != "intervals" or case.bias != "kv_row":
+            return ("it selects inside the call: mask topk, mask_format intervals and bias "
+                    f"kv_row only, got mask {case.mask_format} {case.mask}, bias {case.bias}")
+        return None
+
+    def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
+        kernels = self.kernels()
+        dmattn_func, topk_intervals = kernels.dmattn_func, kernels.topk_intervals
+        q, k, v, bias = (adapted[n] for n in ("q", "k", "v", "bias"))
+
+        def call():
+            chosen = topk_intervals(bias, case.window, seqlen_q=case.seqlen_q,
+                                    is_causal=case.causal)
+            result = dmattn_func(q, k, v, attn_mask=chosen, attn_bias=bias,
+                                 is_causal=case.causal, return_lse=want_lse)
+            return result if want_lse else (result, None)
+
+        return Bound(call)
+
+
 BASELINE_ENV = "DMBENCH_BASELINE_KERNELS"
 BASELINE_MODULE = "dmbench_baseline_kernels"
 
