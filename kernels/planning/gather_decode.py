@@ -28,7 +28,6 @@ from ..triton_device.gather_kernels import (BOOL_MASK, INTERVAL_PAIRS, INTERVAL_
 from ..triton_device.operands import (ABSENT, GatherPointers, KeptPointers, Layout, SeqStrides,
                                       seq_strides, sizes_of)
 from . import tuning
-from .grids import key_splits
 from .problem import Problem
 
 
@@ -96,6 +95,15 @@ def gather_gap(problem: Problem) -> str | None:
     return None
 
 
+def gather_splits(programs: int, key_blocks: int, multiprocessors: int) -> int:
+    """Key shares of each list: about ``tuning.GATHER_PROGRAMS_PER_SM`` programs per
+    multiprocessor, at least ``tuning.GATHER_MIN_BLOCKS_PER_SPLIT`` key blocks a share. The
+    forward waits on gathered rows whose addresses come from the list, so it wants more
+    programs in flight than the tile walk's split-K."""
+    return max(1, min(ceil_div(tuning.GATHER_PROGRAMS_PER_SM * multiprocessors, programs),
+                      key_blocks // tuning.GATHER_MIN_BLOCKS_PER_SPLIT, tuning.MAX_KEY_SPLITS))
+
+
 def pack_of(problem: Problem) -> int:
     """Query heads per program: the GQA group where its heads share one mask head, else 1."""
     group = problem.shape.group_size
@@ -116,8 +124,7 @@ def gather_tile(problem: Problem, forced: bool = False) -> GatherTile | None:
     block_m = max(16, next_power_of_2(pack * shape.seqlen_q))
     tile = tuning.GATHER_INTERPRETED if problem.interpreted else tuning.GATHER
     programs = shape.batch * shape.heads_q // pack
-    splits = key_splits(programs, ceil_div(capacity, tile.block_n), problem.multiprocessors,
-                        tuning.GATHER_MIN_BLOCKS_PER_SPLIT)
+    splits = gather_splits(programs, ceil_div(capacity, tile.block_n), problem.multiprocessors)
     # 64 tile rows (16 query rows of a group of 4) over 4 warps took 255 registers and
     # spilled (ptxas, sm_90a, D128); 8 warps hold them.
     warps = 8 if block_m >= 64 and not problem.interpreted else tile.num_warps

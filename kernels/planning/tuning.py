@@ -211,7 +211,13 @@ GATHER_MAX_ROWS = 16
 GATHER_MAX_KEPT_SHARE = 1 / 8
 GATHER = Tile(0, 64, 4, 2)  # block_m follows the pack and the rows
 GATHER_INTERPRETED = Tile(0, 16, 4, 1)
-GATHER_MIN_BLOCKS_PER_SPLIT = 4
+# Shares per list (``gather_decode.gather_splits``). CUDA-graph replays of B8 H32/8 Lq1 D128
+# intervals steps, us at Lk8192 W512 / 32768 W2048 / 32768 W4096 / 131072 W4096 (H200):
+# 2 per SM, 4 blocks 36.3 / 67.1 / 89.4 / 128.2; 4 per SM, 2 blocks 31.8 / 62.3 / 80.8 / 120.5;
+# 8 per SM 32-36 / 62-69 / 88 / 128; 32-key blocks or 3 stages no better; 16 per SM, 1 block
+# 31.5 / 80.6 / 100.2 / 143.5.
+GATHER_MIN_BLOCKS_PER_SPLIT = 2
+GATHER_PROGRAMS_PER_SM = 4
 # Keys per program of the list pass. One program per list row walking 32k keys in 1024-key
 # steps took 54 us (intervals) and 39 us (bool) of a 92 us decode step (H200, B8 H32/8
 # Lq1 Lk32768 W2048): a (row, chunk) grid spreads it over the GPU.
