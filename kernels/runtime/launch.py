@@ -79,31 +79,32 @@ def _kernel_arg(a):
 INTERPRETED_MULTIPROCESSORS = 16
 
 
+def _properties(device: torch.device):
+    """The GPU's properties, looked up once per device (a lookup costs microseconds, and
+    planning asks per call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _device_properties:
+        _device_properties[index] = torch.cuda.get_device_properties(index)
+    return _device_properties[index]
+
+
+_device_properties: dict = {}
+
+
 def multiprocessors(device: torch.device, interpreted: bool) -> int:
     """Multiprocessor count, which sizes grids and key splits (see ``tuning`` for the
     interpreter's)."""
     if interpreted:
         return INTERPRETED_MULTIPROCESSORS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _multiprocessors:  # the property lookup costs microseconds per call
-        _multiprocessors[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _multiprocessors[index]
-
-
-_multiprocessors: dict[int, int] = {}
+    return _properties(device).multi_processor_count
 
 
 def capability(device: torch.device, interpreted: bool) -> tuple[int, int] | None:
     """The GPU's compute capability, (9, 0) on Hopper; None under the interpreter."""
     if interpreted or device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _capabilities:
-        _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
-    return _capabilities[index]
-
-
-_capabilities: dict[int, tuple[int, int]] = {}
+    properties = _properties(device)
+    return (properties.major, properties.minor)
 
 
 # -- what a launch is compiled for
