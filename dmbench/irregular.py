@@ -6,8 +6,9 @@ of the bias, fully masked rows (every ``random`` mask with a query axis has them
 every mask kind and all three dtypes; key-interval masks (topk from a bias and from its own
 score, sliding, documents) with awkward Lk, empty intervals (keys topk never keeps, documents of
 length 0), a key seen by a single row (a sliding window of 1, documents of length 1), GQA, MQA
-and decode; the varlen format with sequences of length 0 and 1 and packed totals that are not
-multiples of 16, and the same documents as bool and intervals.
+and decode; decode under top-W masks that keep at most 1/8 of the keys (what ours reads
+through its gather route without gradients); the varlen format with sequences of length 0 and 1
+and packed totals that are not multiples of 16, and the same documents as bool and intervals.
 
 ``large=False`` keeps every case tiny so the whole suite runs in a few minutes under the CPU
 interpreter; ``large=True`` scales lengths and heads to realistic GPU sizes.
@@ -111,6 +112,18 @@ def interval_cases(large: bool) -> tuple[Case, ...]:
     for i, head_dim in enumerate((80, 192)):
         cases.append(Case(1, *gqa, lq, lk, head_dim, window, True, DTYPES[i], "topk",
                           bias="kv_row", seed=48 + i, mask_format="intervals"))
+    # Decode under a top-W of a per-key bias that keeps at most 1/8 of the keys: without
+    # gradients ours reads only the kept keys (the gather route), which the inference pass of
+    # every check runs. Intervals and a bool mask, GQA and MQA, an odd Lk, 1, 4 and 16 rows.
+    gather_k = _scaled(large, 203, 32771)
+    cases += [
+        Case(2, *gqa, 1, gather_k, 40, gather_k // 16, True, "bf16", "topk", bias="kv_row",
+             seed=50, mask_format="intervals"),
+        Case(2, gqa[0], 1, 4, gather_k, 256, gather_k // 20, True, "fp16", "topk",
+             bias="kv_row", seed=51, mask_format="intervals"),
+        Case(1, *gqa, 16, gather_k, 80, gather_k // 64, False, "bf16", "topk", bias="kv_row",
+             seed=52),
+    ]
     for fmt in ("bool", "intervals", "varlen"):
         cases.append(Case(2, *gqa, doc_len, doc_len, 40, None, True, "bf16", "document",
                           bias="kv_row", seed=46, mask_format=fmt, documents=documents))

@@ -367,3 +367,29 @@ def test_a_compiled_decode_step_takes_the_route(device, monkeypatch):
     assert runs, "the compiled step did not take the gather route"
     assert torch.equal(got, step(*inputs))
     torch._dynamo.reset()
+
+
+def test_the_irregular_suite_holds_decode_cases_that_take_the_route():
+    """``dmbench equiv --irregular`` checks the gather route: its inference pass runs the
+    suite's decode cases under top-W masks of at most 1/8 of the keys through it."""
+    from dmbench.irregular import irregular_cases
+    from dmbench.problem import make_problem
+
+    cpu = torch.device("cpu")
+    taken = 0
+    for large in (False, True):
+        for case in irregular_cases(large):
+            if not (case.mask == "topk" and case.seqlen_q <= tuning.GATHER_MAX_ROWS
+                    and case.window * 8 <= case.seqlen_k and case.bias == "kv_row"):
+                continue
+            if large:  # the GPU sizes: the route's choice from the shapes alone
+                assert case.window + case.seqlen_q - 1 <= case.seqlen_k / 8, case.case_id
+                continue
+            p = make_problem(case, cpu)
+            mask = (p.mask if case.mask_format == "intervals"
+                    else prepare_mask(p.mask, p.q, p.k, case.causal))
+            schedule = schedule_for(p.q, p.k, p.v, mask, p.bias, is_causal=case.causal,
+                                    for_backward=False)
+            assert schedule.forward.route == "gather", case.case_id
+            taken += 1
+    assert taken >= 3

@@ -289,3 +289,25 @@ def test_dense_backends_are_skipped_where_their_tensors_cannot_fit(monkeypatch):
     for name in ("triton", "flex", "sdpa-dense"):
         assert backends[name].memory_reason(case, "bwd", cuda) is None
     assert backends["sdpa"].memory_reason(case, "fwd", CPU) is None
+
+
+def test_a_wrong_inference_forward_fails_the_check_by_name():
+    """The check runs the forward again without autograd (ours may take another route there)
+    and fails a case whose inference output is wrong, naming that pass."""
+    from dmbench.accuracy import check_backend, ground_truth
+    from dmbench.backends import Bound
+
+    class WrongWithoutGrad(type(make_backends()["reference"])):
+        def bind(self, adapted, case, want_lse):
+            bound = super().bind(adapted, case, want_lse)
+
+            def call():
+                out, lse = bound.call()
+                return (out, lse) if torch.is_grad_enabled() else (out + 1, lse)
+
+            return Bound(call)
+
+    problem = make_problem(_case("topk", bias="kv_row"), CPU)
+    result = check_backend(WrongWithoutGrad(), problem, ground_truth(problem, True), True)
+    assert not result.passed
+    assert any(f.startswith("out (inference)") for f in result.failures())
