@@ -371,6 +371,40 @@ def train_command(
     _guarded(work)
 
 
+@app.command("generate", epilog=EXIT_CODES_HELP)
+def generate_command(
+        contexts: Annotated[Optional[str], typer.Option("--contexts", help="Comma-separated prompt lengths in tokens, the cache the steps decode against (default: 2048,8192,32768,65536, or 32,64 with --tiny; after running out of memory, longer ones are skipped).")] = None,
+        batch: Annotated[int, typer.Option("--batch", help="Sequences per step.")] = 1,
+        steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per point, one token each.")] = 32,
+        warmup: Annotated[int, typer.Option("--warmup", help="Untimed decode steps first, after the prefill.")] = 4,
+        implementations: Annotated[Optional[str], typer.Option("--implementations", help="Comma-separated subset of dmattn, eager, flex, sdpa (default: all; sdpa runs only where transformers' Doge sdpa attention is causal).")] = None,
+        tiny: Annotated[bool, typer.Option("--tiny", help="A two-layer model (tests, CPU).")] = False,
+        dtype: Annotated[str, typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")] = "auto",
+        device: DeviceOpt = "auto",
+        out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/generate.csv).")] = None,
+        resume: ResumeOpt = False,
+        force: ForceOpt = False,
+        plot: PlotOpt = True):
+    """Generation with a ~100M-parameter Doge model per attention implementation: after a
+    prefill of each context, tokens/s of one-token decode steps through the cache, and peak
+    memory. Out of memory and errors are row statuses."""
+    from .train import (DECODE, IMPLEMENTATIONS, TrainOptions, default_contexts, parse_contexts,
+                        parse_list, run_train)
+
+    def work():
+        _resume_or_force(resume, force)
+        names = tuple(IMPLEMENTATIONS)
+        opts = TrainOptions(
+            contexts=default_contexts(tiny) if contexts is None else parse_contexts(contexts),
+            batch=batch, steps=steps, warmup=warmup,
+            implementations=names if implementations is None else parse_list("--implementations", implementations, names),
+            modes=(DECODE,), tiny=tiny, dtype=dtype, device=device, out=out, resume=resume,
+            force=force, plot=plot)
+        return run_train(opts, _echo)
+
+    _guarded(work)
+
+
 @app.command("compile-cost", epilog=EXIT_CODES_HELP)
 def compile_cost_command(
         lengths: Annotated[Optional[str], typer.Option("--lengths", help="Comma-separated sequence lengths, called in this order (default: 20 lengths from 1000 to 8000, multiples of 16 and not).")] = None,

@@ -1,4 +1,5 @@
-"""``dmbench train``: training throughput of a Doge model per attention implementation.
+"""``dmbench train`` and ``dmbench generate``: training and generation throughput of a Doge
+model per attention implementation.
 
 One row per (context, implementation, mode). Each point builds the model afresh from the same
 seed, draws one batch of random tokens and times optimizer steps: forward, next-token loss,
@@ -17,6 +18,14 @@ does: the float mask turns off sdpa's causal flag), and if so its rows are ``ski
 
 Modes: ``eager`` (plain PyTorch) and ``compiled`` (``torch.compile`` of the model). A compiled
 point that fails is an ``error`` row whose detail starts with the stage ("compile: ...").
+
+``generate`` times the mode ``decode``: inference (no autograd) of a prompt of ``context``
+tokens through the model with its cache (the prefill, untimed), then one token per step, each
+the argmax of the step before, through that cache: warm-up steps, then the timed ones. Its
+tokens/s is batch / step time, its peak the prefill's or the steps' (the cache included). With
+dmattn each step takes Doge's top-W of its per-key bias over the cache (``topk_intervals``,
+one query row) and reads only those keys where they are at most 1/8 of the cache (the
+forward's gather route); eager and sdpa attend to every cached key under the same top-W mask.
 
 Statuses: ``ok``; ``oom`` (out of memory; the run goes on, and the same implementation and
 mode are ``skipped`` at longer contexts); ``error`` (detail says what raised); ``skipped``
@@ -62,6 +71,7 @@ from .train_results import (TrainRow, TrainWriter, describe, plot_train, read_tr
 
 IMPLEMENTATIONS = {"dmattn": "dmattn", "eager": "eager", "flex": "flex_attention", "sdpa": "sdpa"}
 MODES = ("eager", "compiled")
+DECODE = "decode"  # the mode of ``dmbench generate``
 DIFFERS_FROM_EAGER = {
     "flex": "transformers' Doge flex path: not causal (top-W over all keys, no block mask), "
             "head 0's bias for every head",
@@ -155,12 +165,19 @@ def check_options(opts: TrainOptions, device: torch.device) -> None:
                               "compiles), got 0")
         return
     if not opts.tiny:
-        raise ConfigError("train: on CPU only --tiny runs (the ~100M model would take hours per "
-                          "step under the Triton interpreter); pass --tiny or use a GPU")
-    work = opts.batch * (opts.warmup + opts.steps) * max(opts.contexts) ** 2
+        raise ConfigError(f"{command_name(opts)}: on CPU only --tiny runs (the ~100M model "
+                          f"would take hours per step under the Triton interpreter); pass --tiny "
+                          f"or use a GPU")
+    longest = max(opts.contexts)
+    if DECODE in opts.modes:  # one prefill, then steps of one query row each
+        work = opts.batch * (longest ** 2 + (opts.warmup + opts.steps) * longest)
+        formula = "batch x (context^2 + (warmup + steps) x context)"
+    else:
+        work = opts.batch * (opts.warmup + opts.steps) * longest ** 2
+        formula = "batch x (warmup + steps) x context^2"
     if work > CPU_MAX_WORK:
         raise ConfigError(f"--contexts/--batch/--steps/--warmup: on CPU a point may do at most "
-                          f"batch x (warmup + steps) x context^2 = {CPU_MAX_WORK}, got {work}: "
+                          f"{formula} = {CPU_MAX_WORK}, got {work}: "
                           f"the interpreter would take more than a minute or two")
 
 
@@ -258,6 +275,32 @@ def _ok_detail(implementation: str, mode: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
+def _decode_steps(model, tokens: torch.Tensor, opts: TrainOptions, stage: list) -> list[float]:
+    """Step times in ms of ``dmbench generate``'s point: the prefill
+    of ``tokens`` (untimed), then ``opts.warmup`` and ``opts.steps`` timed one-token steps
+    through the cache. ``stage[0]`` names the stage running, for a failure's detail."""
+    model.eval()
+    with torch.no_grad():
+        stage[0] = "prefill"
+        result = model(input_ids=tokens, use_cache=True)
+        cache, token = result.past_key_values, result.logits[:, -1:].argmax(-1)
+        result = None
+        stage[0] = "step"
+
+        def step() -> torch.Tensor:
+            nonlocal cache, token
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            return token
+
+        for _ in range(opts.warmup):
+            step()
+        timer = _StepTimer(tokens.device)
+        for _ in range(opts.steps):
+            timer.time(step)
+        return timer.finish()
+
+
 def run_point(size: ModelSize, context: int, implementation: str, mode: str, opts: TrainOptions,
               dtype: torch.dtype, device: torch.device) -> dict:
     """Measured fields of one row, or its status and detail when it did not finish. The peak
@@ -271,6 +314,26 @@ def run_point(size: ModelSize, context: int, implementation: str, mode: str, opt
         torch.cuda.reset_peak_memory_stats(device)
         start["start_mib"] = torch.cuda.memory_allocated(device) / 2**20
     try:
+        if mode == DECODE:
+            positions = context + opts.warmup + opts.steps
+            model = build_model(size, positions, implementation, dtype, device)
+            generator = torch.Generator().manual_seed(SEED)
+            tokens = torch.randint(0, size.vocab, (opts.batch, context),
+                                   generator=generator).to(device)
+            where = [stage]
+            try:
+                samples = _decode_steps(model, tokens, opts, where)
+            finally:
+                stage = where[0]
+            p50 = _quantile(samples, 0.5)
+            measured = {"params": sum(p.numel() for p in model.parameters()),
+                        "ms_p20": _quantile(samples, 0.2), "ms_p50": p50,
+                        "ms_p80": _quantile(samples, 0.8),
+                        "tokens_per_s": opts.batch / (p50 / 1e3), "status": "ok",
+                        "detail": _ok_detail(implementation, mode)}
+            if device.type == "cuda":
+                measured["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+            return {**measured, **start}
         model = build_model(size, context, implementation, dtype, device)
         measured = {"params": sum(p.numel() for p in model.parameters())}
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -340,8 +403,13 @@ def _causal_probe(implementation: str) -> bool:
 
 # -- the run ----------------------------------------------------------------------------------
 
-def default_out(gpu: str) -> Path:
-    return REPO_ROOT / "results" / gpu_slug(gpu) / "train.csv"
+def command_name(opts: TrainOptions) -> str:
+    """The command a run belongs to: ``generate`` times the decode mode, ``train`` the others."""
+    return "generate" if DECODE in opts.modes else "train"
+
+
+def default_out(gpu: str, command: str = "train") -> Path:
+    return REPO_ROOT / "results" / gpu_slug(gpu) / f"{command}.csv"
 
 
 class _SkipRules:
@@ -379,13 +447,16 @@ def run_train(opts: TrainOptions, echo: Callable[[str], None]) -> ExitCode:
     """Every (context, implementation, mode) point in order, one CSV row each, then the plots."""
     device = select_device(opts.device)
     check_options(opts, device)
+    command = command_name(opts)
     try:
         from kernels.integrations.transformers import register
     except ImportError as exc:
-        raise ConfigError(f"train: needs transformers (pip install -e '.[hf]'): {exc}") from None
+        raise ConfigError(f"{command}: needs transformers (pip install -e '.[hf]'): "
+                          f"{exc}") from None
     register()
     env = collect(device)
-    target = outfile.explicit(opts.out or default_out(env.gpu), opts.resume, opts.force)
+    target = outfile.explicit(opts.out or default_out(env.gpu, command), opts.resume,
+                              opts.force)
     out = target.path
     size = TINY if opts.tiny else FULL
     dtype = model_dtype(opts, device)

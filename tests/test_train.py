@@ -233,3 +233,66 @@ def test_each_implementation_builds_its_own_model(implementation):
     reference = train.build_model(train.TINY, CONTEXT, "eager", torch.float32, torch.device("cpu"))
     for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
         assert torch.equal(ours, theirs), name
+
+
+# -- dmbench generate: the decode mode
+
+
+def test_generate_times_decode_steps_per_implementation(tmp_path):
+    out = tmp_path / "generate.csv"
+    result = runner.invoke(app, ["generate", "--tiny", "--device", "cpu", "--out", str(out),
+                                 "--contexts", str(CONTEXT), "--steps", "2", "--warmup", "1",
+                                 "--implementations", "dmattn,eager,sdpa", "--no-plot"])
+    assert result.exit_code == ExitCode.OK, result.output
+    rows = _rows(out)
+    assert set(rows) == {(i, train.DECODE) for i in ("dmattn", "eager", "sdpa")}
+    for name in ("dmattn", "eager"):
+        row = rows[name, train.DECODE]
+        assert row.status == "ok", row.detail
+        assert row.steps == 2 and row.warmup == 1 and row.context == CONTEXT
+        assert row.tokens_per_s == pytest.approx(1e3 / row.ms_p50, rel=1e-4)  # one token a step
+    assert "not causal" in rows["sdpa", train.DECODE].detail
+
+
+def _decoded(implementation: str, context: int, steps: int, monkeypatch) -> list:
+    """The tokens the tiny model decodes after a prompt of ``context`` tokens."""
+    from kernels.integrations.transformers import register
+
+    register()
+    tokens = []
+    original = train._StepTimer.time
+    monkeypatch.setattr(train._StepTimer, "time",
+                        lambda self, step: tokens.append(original(self, step).clone()))
+    opts = train.TrainOptions(contexts=(context,), steps=steps, warmup=0, tiny=True,
+                              device="cpu", modes=(train.DECODE,))
+    model = train.build_model(train.TINY, context + steps, implementation, torch.float32,
+                              torch.device("cpu"))
+    prompt = torch.randint(0, train.TINY.vocab, (1, context),
+                           generator=torch.Generator().manual_seed(3))
+    train._decode_steps(model, prompt, opts, ["prefill"])
+    return tokens
+
+
+def test_dmattn_decodes_the_tokens_eager_attention_decodes(monkeypatch):
+    """Past the keep window (32 keys) each step takes Doge's top-W of the per-key bias over
+    the cache; at a cache of 300 (> 8 x 32 keys) our steps read only those keys (the gather
+    route), and decode what eager attention decodes."""
+    from kernels.planning.gather_decode import GatherDecodePlan
+
+    runs = []
+    original = GatherDecodePlan.run
+    monkeypatch.setattr(GatherDecodePlan, "run",
+                        lambda self, *a, **kw: runs.append(1) or original(self, *a, **kw))
+    ours = _decoded("dmattn", 300, 3, monkeypatch)
+    assert len(runs) == 3 * train.TINY.layers, "the decode steps did not read only kept keys"
+    monkeypatch.undo()
+    eager = _decoded("eager", 300, 3, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(ours, eager))
+
+
+def test_generate_on_cpu_bounds_the_work(tmp_path):
+    result = runner.invoke(app, ["generate", "--tiny", "--device", "cpu", "--out",
+                                 str(tmp_path / "g.csv"), "--contexts", "2000"])
+    assert result.exit_code == ExitCode.USAGE
+    assert "context^2 + (warmup + steps) x context" in result.output
+    assert "Traceback" not in result.output
