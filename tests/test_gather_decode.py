@@ -369,13 +369,12 @@ def test_a_compiled_decode_step_takes_the_route(device, monkeypatch):
     torch._dynamo.reset()
 
 
-def test_the_irregular_suite_holds_decode_cases_that_take_the_route():
+def test_the_irregular_suite_holds_decode_cases_that_take_the_route(device):
     """``dmbench equiv --irregular`` checks the gather route: its inference pass runs the
     suite's decode cases under top-W masks of at most 1/8 of the keys through it."""
     from dmbench.irregular import irregular_cases
     from dmbench.problem import make_problem
 
-    cpu = torch.device("cpu")
     taken = 0
     for large in (False, True):
         for case in irregular_cases(large):
@@ -385,7 +384,7 @@ def test_the_irregular_suite_holds_decode_cases_that_take_the_route():
             if large:  # the GPU sizes: the route's choice from the shapes alone
                 assert case.window + case.seqlen_q - 1 <= case.seqlen_k / 8, case.case_id
                 continue
-            p = make_problem(case, cpu)
+            p = make_problem(case, device)
             mask = (p.mask if case.mask_format == "intervals"
                     else prepare_mask(p.mask, p.q, p.k, case.causal))
             schedule = schedule_for(p.q, p.k, p.v, mask, p.bias, is_causal=case.causal,
