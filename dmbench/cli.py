@@ -63,6 +63,11 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cuda or cpu (cpu
 ShardOpt = Annotated[Optional[str], typer.Option("--shard", help="Run share I of N (0-based, e.g. 0/4), balanced by estimated cost; join with `dmbench merge`.")]
 DistOpt = Annotated[bool, typer.Option("--distributed", help="Under torchrun: each rank runs a balanced share and rank 0 writes one CSV.")]
 PlotOpt = Annotated[bool, typer.Option("--plot/--no-plot", help="Draw PNG charts next to the CSV when done.")]
+# The Doge model's commands (train, generate).
+BatchOpt = Annotated[int, typer.Option("--batch", help="Sequences per step.")]
+ImplementationsOpt = Annotated[Optional[str], typer.Option("--implementations", help="Comma-separated subset of dmattn, eager, flex, sdpa (default: all; sdpa runs only where transformers' Doge sdpa attention is causal).")]
+TinyOpt = Annotated[bool, typer.Option("--tiny", help="A two-layer model (tests, CPU).")]
+ModelDtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
 SlowOpt = Annotated[bool, typer.Option("--allow-slow", help="On the CPU, run a sweep the cost model estimates above 5 minutes (refused otherwise, exit 2).")]
 TimeoutOpt = Annotated[float, typer.Option("--point-timeout", help="Seconds a point may run; past it the point is recorded as an error (hung) and the sweep goes on in a fresh process with --resume. 0: no limit.")]
@@ -339,13 +344,13 @@ def report(csvs: Annotated[List[Path], typer.Argument(help="Result CSVs of one d
 @app.command("train", epilog=EXIT_CODES_HELP)
 def train_command(
         contexts: Annotated[Optional[str], typer.Option("--contexts", help="Comma-separated context lengths in tokens (default: 2048,8192,32768,65536, or 32,64 with --tiny; after running out of memory, longer ones are skipped).")] = None,
-        batch: Annotated[int, typer.Option("--batch", help="Sequences per step.")] = 1,
+        batch: BatchOpt = 1,
         steps: Annotated[int, typer.Option("--steps", help="Timed optimizer steps per point.")] = 5,
         warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first (in compiled mode the first step compiles).")] = 2,
-        implementations: Annotated[Optional[str], typer.Option("--implementations", help="Comma-separated subset of dmattn, eager, flex, sdpa (default: all; sdpa runs only where transformers' Doge sdpa attention is causal).")] = None,
+        implementations: ImplementationsOpt = None,
         modes: Annotated[Optional[str], typer.Option("--modes", help="Comma-separated subset of eager, compiled (default: both).")] = None,
-        tiny: Annotated[bool, typer.Option("--tiny", help="A two-layer model (tests, CPU).")] = False,
-        dtype: Annotated[str, typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")] = "auto",
+        tiny: TinyOpt = False,
+        dtype: ModelDtypeOpt = "auto",
         device: DeviceOpt = "auto",
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/train.csv).")] = None,
         resume: ResumeOpt = False,
@@ -374,12 +379,12 @@ def train_command(
 @app.command("generate", epilog=EXIT_CODES_HELP)
 def generate_command(
         contexts: Annotated[Optional[str], typer.Option("--contexts", help="Comma-separated prompt lengths in tokens, the cache the steps decode against (default: 2048,8192,32768,65536, or 32,64 with --tiny; after running out of memory, longer ones are skipped).")] = None,
-        batch: Annotated[int, typer.Option("--batch", help="Sequences per step.")] = 1,
+        batch: BatchOpt = 1,
         steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per point, one token each.")] = 32,
         warmup: Annotated[int, typer.Option("--warmup", help="Untimed decode steps first, after the prefill.")] = 4,
-        implementations: Annotated[Optional[str], typer.Option("--implementations", help="Comma-separated subset of dmattn, eager, flex, sdpa (default: all; sdpa runs only where transformers' Doge sdpa attention is causal).")] = None,
-        tiny: Annotated[bool, typer.Option("--tiny", help="A two-layer model (tests, CPU).")] = False,
-        dtype: Annotated[str, typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")] = "auto",
+        implementations: ImplementationsOpt = None,
+        tiny: TinyOpt = False,
+        dtype: ModelDtypeOpt = "auto",
         device: DeviceOpt = "auto",
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/generate.csv).")] = None,
         resume: ResumeOpt = False,
