@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from .partials import last_share_arrived, split_rows, store_partial
-from .score import (LN2, clamp_index, head_base, mma, operand_base, pair_keeps, query_tile_scores,
-                    row_offsets, tile_offsets)
+from .score import (LN2, clamp_index, head_base, mma, operand_base, packed_query_tile,
+                    pair_keeps, query_tile_scores, row_offsets, tile_offsets)
 from .spans import (FULL, INNER, LEAD, SPAN_KINDS, TAIL, block_at, block_spans, dense_spans,
                     grid_position, interval_block_range, interval_rows, span, split_share)
 
@@ -112,18 +112,10 @@ def _attn_fwd_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = start_m + rows // GROUP_PACK
-    heads = first_head + rows % GROUP_PACK
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM  # folds away when HEAD_DIM == BLOCK_D
-    row_ok = offs_m < seqlen_q
-
-    q = tl.load(ptrs.q + b.to(tl.int64) * q_strides.stride_b
-                + row_offsets(offs_m, heads, 1, q_strides.stride_l,
-                              q_strides.stride_h)[:, None] + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    offs_m, heads, row_ok, offs_d, d_ok, q = packed_query_tile(
+        ptrs.q, q_strides, b, first_head, start_m, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_M,
+        GROUP_PACK)
     k_ptrs = operand_base(ptrs.k, b, first_head, sizes.group_size, k_strides.stride_b,
                           k_strides.stride_h) \
         + tile_offsets(offs_n0[:, None], offs_d[None, :], k_strides.stride_l, 1)

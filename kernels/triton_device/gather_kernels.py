@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .forward_kernels import _combine_splits
 from .partials import last_share_arrived, split_rows, store_partial
-from .score import LN2, LOG2E, clamped_bounds, mma, row_offsets, rows_within
+from .score import LN2, LOG2E, clamped_bounds, mma, packed_query_tile, row_offsets, rows_within
 
 # How a call's mask reaches these kernels (``MASK_KIND``): a bool mask read as bytes,
 # ``KeyIntervals`` as one int64 word per key (start low, end high: ``inputs.interval_words``),
@@ -146,19 +146,10 @@ def _gather_decode_kernel(ptrs, q_strides, k_strides, v_strides, o_strides, mask
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = rows // GROUP_PACK
-    heads = first_head + rows % GROUP_PACK
-    row_ok = offs_m < seqlen_q
+    offs_m, heads, row_ok, offs_d, d_ok, q = packed_query_tile(
+        ptrs.q, q_strides, b, first_head, 0, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_M, GROUP_PACK)
     safe_m = tl.minimum(offs_m, seqlen_q - 1)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     offs_j = tl.arange(0, BLOCK_N)
-
-    q = tl.load(ptrs.q + b.to(tl.int64) * q_strides.stride_b
-                + row_offsets(offs_m, heads, 1, q_strides.stride_l,
-                              q_strides.stride_h)[:, None] + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     kv_head = first_head // sizes.group_size
     k_base = ptrs.k + b.to(tl.int64) * k_strides.stride_b + kv_head.to(tl.int64) * k_strides.stride_h
     v_base = ptrs.v + b.to(tl.int64) * v_strides.stride_b + kv_head.to(tl.int64) * v_strides.stride_h

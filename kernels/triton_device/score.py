@@ -36,6 +36,26 @@ def row_offsets(offs_m, heads, head_div, stride_m, stride_h):
 
 
 @triton.jit
+def packed_query_tile(q_ptr, q_strides, b, first_head, start_m, seqlen_q,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      GROUP_PACK: tl.constexpr):
+    """(offs_m, heads, row_ok, offs_d, d_ok, q) of a tile whose row r is query position
+    start_m + r // GROUP_PACK of query head first_head + r % GROUP_PACK (the GQA heads sharing
+    one KV head share the tile), with q loaded (zeros past seqlen_q and HEAD_DIM)."""
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows // GROUP_PACK
+    heads = first_head + rows % GROUP_PACK
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM  # folds away when HEAD_DIM == BLOCK_D
+    row_ok = offs_m < seqlen_q
+    q = tl.load(q_ptr + b.to(tl.int64) * q_strides.stride_b
+                + row_offsets(offs_m, heads, 1, q_strides.stride_l,
+                              q_strides.stride_h)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return offs_m, heads, row_ok, offs_d, d_ok, q
+
+
+@triton.jit
 def tile_offsets(rows, cols, stride_rows, stride_cols):
     """64-bit element offsets of a 2-D tile; broadcast axes simply have stride 0.
 
