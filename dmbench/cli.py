@@ -358,22 +358,11 @@ def train_command(
         plot: PlotOpt = True):
     """Training steps of a ~100M-parameter Doge model per attention implementation and mode:
     tokens/s and peak memory per context. Out of memory and errors are row statuses."""
-    from .train import (IMPLEMENTATIONS, MODES, TrainOptions, default_contexts, parse_contexts,
-                        parse_list, run_train)
+    from .train import MODES, parse_list
 
-    def work():
-        _resume_or_force(resume, force)
-        names = tuple(IMPLEMENTATIONS)
-        opts = TrainOptions(
-            contexts=default_contexts(tiny) if contexts is None else parse_contexts(contexts),
-            batch=batch, steps=steps, warmup=warmup,
-            implementations=names if implementations is None else parse_list("--implementations", implementations, names),
-            modes=MODES if modes is None else parse_list("--modes", modes, MODES),
-            tiny=tiny, dtype=dtype, device=device, out=out, resume=resume, force=force,
-            plot=plot)
-        return run_train(opts, _echo)
-
-    _guarded(work)
+    _run_doge(lambda: MODES if modes is None else parse_list("--modes", modes, MODES), contexts,
+              batch, steps, warmup, implementations, tiny, dtype, device, out, resume, force,
+              plot)
 
 
 @app.command("generate", epilog=EXIT_CODES_HELP)
@@ -393,7 +382,17 @@ def generate_command(
     """Generation with a ~100M-parameter Doge model per attention implementation: after a
     prefill of each context, tokens/s of one-token decode steps through the cache, and peak
     memory. Out of memory and errors are row statuses."""
-    from .train import (DECODE, IMPLEMENTATIONS, TrainOptions, default_contexts, parse_contexts,
+    from .train import DECODE
+
+    _run_doge(lambda: (DECODE,), contexts, batch, steps, warmup, implementations, tiny, dtype,
+              device, out, resume, force, plot)
+
+
+def _run_doge(modes, contexts, batch, steps, warmup, implementations, tiny, dtype, device, out,
+              resume, force, plot):
+    """``train`` and ``generate``: the options checked (``modes()`` gives the modes or raises
+    the usage error), then every point."""
+    from .train import (IMPLEMENTATIONS, TrainOptions, default_contexts, parse_contexts,
                         parse_list, run_train)
 
     def work():
@@ -403,7 +402,7 @@ def generate_command(
             contexts=default_contexts(tiny) if contexts is None else parse_contexts(contexts),
             batch=batch, steps=steps, warmup=warmup,
             implementations=names if implementations is None else parse_list("--implementations", implementations, names),
-            modes=(DECODE,), tiny=tiny, dtype=dtype, device=device, out=out, resume=resume,
+            modes=modes(), tiny=tiny, dtype=dtype, device=device, out=out, resume=resume,
             force=force, plot=plot)
         return run_train(opts, _echo)
 
