@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from .partials import last_share_arrived, split_rows, store_partial
-from .score import (LN2, clamp_index, head_base, mma, operand_base, packed_query_tile,
-                    pair_keeps, query_tile_scores, row_offsets, tile_offsets)
+from .score import (LN2, clamp_index, head_base, mma, online_softmax_step, operand_base,
+                    packed_query_tile, pair_keeps, query_tile_scores, row_offsets, tile_offsets)
 from .spans import (FULL, INNER, LEAD, SPAN_KINDS, TAIL, block_at, block_spans, dense_spans,
                     grid_position, interval_block_range, interval_rows, span, split_share)
 
@@ -64,12 +64,7 @@ def _attn_fwd_inner(
                               offs_m[:, None], (offs_n < seqlen_k)[None, :],
                               PREDICATED=not INTERIOR)
             s = tl.where(keep, s, float("-inf"))
-        # -- update m_i, l_i; an all -inf row so far shifts by 0 instead of -inf (NaN guard)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_v_n, mask=kv_in_range, other=0.0)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
         m_i = m_new
@@ -198,23 +193,36 @@ def _attn_fwd_kernel(
                 WIDEN_DOTS=WIDEN_DOTS, PAIR_MASK=SCAN_KEYS, skip_at=skip_at,
                 skip_len=skip_len, SKIP=SCAN_KEYS and kind == INNER)
 
+    # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32 (and (splits, B*Hq, Lq) for the LSE).
+    num_bh = tl.num_programs(0) // tl.cdiv(seqlen_q, QUERY_ROWS) * GROUP_PACK
+    store_rows(ptrs, o_strides, acc, l_i, m_i, b, heads, offs_m, offs_d, row_ok, d_ok,
+               sizes.heads_q, seqlen_q, split, num_splits, num_bh,
+               ptrs.counts + tl.program_id(0), SPLIT_KEYS, BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def store_rows(ptrs, o_strides, acc, l_i, m_i, b, heads, offs_m, offs_d, row_ok, d_ok, heads_q,
+               seqlen_q, split, num_splits, num_bh, arrival_ptr, SPLIT_KEYS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Finish a forward tile: out = acc / l and the natural-log LSE, stored at ``ptrs.out``
+    (strides ``o_strides``) and ``ptrs.lse`` (B, Hq, Lq). With SPLIT_KEYS the tile is one of
+    ``num_splits`` key shares of ``num_bh`` (batch x head) rows: it stores its partial, counts
+    itself in at ``arrival_ptr``, and the last share to arrive merges them and stores."""
     # Rows that saw no key: l_i == 0, m_i == -inf -> output 0 and LSE -inf, never 0/0.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     # LSE rows of (B, Hq, Lq). The row predicate keeps a partial last block from writing into
     # the next head's rows (the LSE race seen in other Triton attention ports).
-    bh = b * sizes.heads_q + heads  # each row's (batch x head) row
+    bh = b * heads_q + heads  # each row's (batch x head) row
     lse_rows = bh.to(tl.int64) * seqlen_q + offs_m
     store = True
     if SPLIT_KEYS:
-        # Partials are (splits, B*Hq, Lq, BLOCK_D) fp32 (and (splits, B*Hq, Lq) for the LSE);
-        # the last split of the tile to finish combines them (``_partials``).
-        num_bh = tl.num_programs(0) // tl.cdiv(seqlen_q, QUERY_ROWS) * GROUP_PACK
+        # The last split of the tile to finish combines them (``partials``).
         store_partial(ptrs.out_part, out, offs_m, row_ok, split, bh, num_bh, seqlen_q, BLOCK_D)
         tl.store(ptrs.lse_part + split_rows(split, bh, num_bh, seqlen_q) + offs_m, lse,
                  mask=row_ok)
-        store = last_share_arrived(ptrs.counts + tl.program_id(0), num_splits)
+        store = last_share_arrived(arrival_ptr, num_splits)
         if store:
             out, lse = _combine_splits(ptrs.out_part, ptrs.lse_part, offs_m, row_ok, bh,
                                        num_bh, seqlen_q, num_splits, BLOCK_M, BLOCK_D)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward_kernels import _combine_splits
-from .partials import last_share_arrived, split_rows, store_partial
-from .score import LN2, LOG2E, clamped_bounds, mma, packed_query_tile, row_offsets, rows_within
+from .forward_kernels import store_rows
+from .score import (LOG2E, clamped_bounds, mma, online_softmax_step, packed_query_tile,
+                    row_offsets, rows_within)
 
 # How a call's mask reaches these kernels (``MASK_KIND``): a bool mask read as bytes,
 # ``KeyIntervals`` as one int64 word per key (start low, end high: ``inputs.interval_words``),
@@ -213,33 +213,12 @@ def _gather_decode_kernel(ptrs, q_strides, k_strides, v_strides, o_strides, mask
                                mask=keep, other=0.0)
             s += bias.to(tl.float32) * LOG2E
         s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(v_base + key_off[:, None] * v_strides.stride_l + offs_d[None, :],
                     mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
         m_i = m_new
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    bh = b * sizes.heads_q + heads
-    store = True
-    if SPLIT_KEYS:
-        num_bh = tl.num_programs(0) * GROUP_PACK
-        store_partial(ptrs.out_part, out, offs_m, row_ok, split, bh, num_bh, seqlen_q, BLOCK_D)
-        tl.store(ptrs.lse_part + split_rows(split, bh, num_bh, seqlen_q) + offs_m, lse,
-                 mask=row_ok)
-        store = last_share_arrived(ptrs.arrivals + program, num_splits)
-        if store:
-            out, lse = _combine_splits(ptrs.out_part, ptrs.lse_part, offs_m, row_ok, bh,
-                                       num_bh, seqlen_q, num_splits, BLOCK_M, BLOCK_D)
-    if store:
-        tl.store(ptrs.out + b.to(tl.int64) * o_strides.stride_b
-                 + row_offsets(offs_m, heads, 1, o_strides.stride_l,
-                               o_strides.stride_h)[:, None] + offs_d[None, :],
-                 out.to(ptrs.out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(ptrs.lse + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
+    store_rows(ptrs, o_strides, acc, l_i, m_i, b, heads, offs_m, offs_d, row_ok, d_ok,
+               sizes.heads_q, seqlen_q, split, num_splits, tl.num_programs(0) * GROUP_PACK,
+               ptrs.arrivals + program, SPLIT_KEYS, BLOCK_M, BLOCK_D)

@@ -238,6 +238,18 @@ def query_tile_scores(q, offs_m, offs_n, d_ok, start_n, k_ptrs, stride_k_n,
 
 
 @triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One key block of the online softmax over log2-domain scores ``s``: (p, alpha, m_new,
+    l_new), where the caller scales its accumulator by ``alpha`` and adds p @ V. A row whose
+    scores are all -inf so far shifts by 0 instead of -inf (NaN guard)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def probs_from_lse(s, lse):
     """Recompute softmax probabilities from log2 scores and the saved natural-log LSE.
 
