@@ -333,12 +333,19 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_
         mbarrier.init(k_free.index(slot), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_free.index(slot), count=2)
 
-    consumer_args = (q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free,
-                     v_ready, v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k, heads_q,
-                     group, qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL, STAGES)
-    loader_args = (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, q_free, k_ready,
-                   k_free, v_ready, v_free, seqlen_q, seqlen_k, heads_q, group, row_tiles,
-                   batch_heads, num_tiles, STAGES, CAUSAL)
-    gl.warp_specialize([(_first_consumer, consumer_args), (_second_consumer, consumer_args),
-                        (_loader, loader_args)], [CONSUMER_WARPS, 1],
-                       [CONSUMER_REGS, LOADER_REGS])
+    # The argument tuples are written inline: a tuple assigned to a name first turns its
+    # constexprs into runtime values (Triton 3.6), so that CAUSAL and STAGES were tested and
+    # divided by at run time.
+    gl.warp_specialize(
+        [(_first_consumer, (q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free,
+                            v_ready, v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k,
+                            heads_q, group, qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL,
+                            STAGES)),
+         (_second_consumer, (q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free,
+                             v_ready, v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k,
+                             heads_q, group, qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL,
+                             STAGES)),
+         (_loader, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, q_free, k_ready,
+                    k_free, v_ready, v_free, seqlen_q, seqlen_k, heads_q, group, row_tiles,
+                    batch_heads, num_tiles, STAGES, CAUSAL))],
+        [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
