@@ -251,20 +251,46 @@ def test_single_sequence_keys_equal_their_offsets_build(device):
 
 
 def test_repeated_forms_replay_a_graph_with_the_direct_bits(device, monkeypatch):
-    """On a GPU a form's first call captures the selection as a CUDA graph and every call
-    replays it: each must give the bits of the direct ops for its own bias. Off the GPU
+    """On a GPU a causal form's first call captures the selection as a CUDA graph and every
+    call replays it: each must give the bits of the direct ops for its own bias. The
+    one-window form (no causality, or one query row) is never captured, and off the GPU
     nothing is kept."""
     tk = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(tk, "_graphs", type(tk._graphs)())
     generator = torch.Generator().manual_seed(5)
-    for call in range(4):  # per form: captured and replayed, then replayed
+    for call in range(6):  # per form: captured and replayed, then replayed
         bias = torch.randn(2, 3, 1, 300, generator=generator).to(device)
-        got = topk_intervals(bias, 40, seqlen_q=250, is_causal=call % 2 == 0)
-        start, end = tk._rows_direct(bias.reshape(6, 300), 40, 250, call % 2 == 0)
+        window, is_causal = (40, True) if call % 3 == 0 else (41, True) if call % 3 == 1 \
+            else (40, False)
+        got = topk_intervals(bias, window, seqlen_q=250, is_causal=is_causal)
+        start, end = tk._rows_direct(bias.reshape(6, 300), window, 250, is_causal)
         assert torch.equal(got.start, start.reshape(2, 3, 300)), f"call {call}: start"
         assert torch.equal(got.end, end.reshape(2, 3, 300)), f"call {call}: end"
     kept = list(tk._graphs.values())
-    if device.type == "cuda":  # two forms (causal and not): two graphs
+    if device.type == "cuda":  # two causal forms (windows 40 and 41): two graphs
         assert len(kept) == 2 and all(isinstance(g, tk._SelectionGraph) for g in kept)
     else:
         assert not kept
+
+
+@pytest.mark.parametrize("seqlen_q, is_causal", ((1, True), (1, False), (5, False)),
+                         ids=("decode", "decode-full", "q5-full"))
+@pytest.mark.parametrize("window", (1, 7, 40, 99))
+def test_one_window_walks_rows_in_steps(seqlen_q, is_causal, window, device, monkeypatch):
+    """The one-window selection's kernel walks a row in steps of ``TOP_WINDOW_BLOCK`` keys,
+    counting the ties before each step: with steps of 16 over 100 keys of three values (ties
+    in every step, NaN and infinities among them), it keeps the rule's keys, and so do the
+    torch ops (``USE_KERNELS = False``)."""
+    tk = importlib.import_module("kernels.masks.topk")
+    monkeypatch.setattr(tk, "TOP_WINDOW_BLOCK", 16)
+    generator = torch.Generator().manual_seed(window)
+    bias = torch.randint(0, 3, (2, 3, 1, 100), generator=generator).float()
+    bias[0, 0, 0, 5::11] = math.nan
+    bias[0, 1, 0, 7::13] = math.inf
+    bias[1, 2, 0, ::3] = -math.inf
+    expected = rule_mask(bias, window, seqlen_q, is_causal)
+    for use_kernels in (True, False):
+        monkeypatch.setattr(tk, "USE_KERNELS", use_kernels)
+        got = topk_intervals(bias.to(torch.bfloat16).to(device), window, seqlen_q=seqlen_q,
+                             is_causal=is_causal)
+        assert torch.equal(got.to_dense(seqlen_q).cpu(), expected), f"kernels {use_kernels}"

@@ -43,12 +43,16 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from ..runtime.launch import is_interpreted
+from ..runtime.launch import is_interpreted, launch
+from ..triton_device.selection_kernels import _top_window_kernel
 from . import wavelet as _wavelet
 from .grouping import grouping_order
 from .intervals import KeyIntervals
 from .packed_seqlens import PackedKeys, check_cu_seqlens
 
+
+# Keys per step of ``_top_window_kernel``'s walks along a row.
+TOP_WINDOW_BLOCK = 2048
 
 # False: every call takes the torch ops, on every device (to compare the two paths). Read at
 # call time; a CUDA graph already captured keeps the path it captured.
@@ -288,29 +292,43 @@ def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
 def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
     """int32 (start, end) of the (R, Lk) bias rows, one sequence each, and with ``ordered``
     their key order (``grouping.grouping_order``); capturable."""
-    if not ordered and (not is_causal or seqlen_q == 1):
+    if _one_window_form(is_causal, seqlen_q, ordered):
         return _one_window(bias, window, seqlen_q)
     start, end = _intervals(bias, window, is_causal, seqlen_q, None)
     start, end = start.to(torch.int32), end.to(torch.int32)
     return (start, end, grouping_order(start, end)) if ordered else (start, end)
 
 
+def _one_window_form(is_causal, seqlen_q, ordered) -> bool:
+    """Whether every query row keeps the same W keys (``_one_window``)."""
+    return not ordered and (not is_causal or seqlen_q == 1)
+
+
 def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 (start, end) of the (R, Lk) bias rows where every query row keeps the same keys:
     without causality, or with one query row (decode), which sees every key. The top W by
-    ``torch.topk``'s W-th largest value, the keys tied with it taken by index; O(Lk) work in
-    a dozen launches, no sort (a decode step's selection at B8 Hk8 Lk32768 W2048 took 517 us
-    through the sort and the wavelet matrix, H200)."""
+    ``torch.topk``'s W-th largest value, the keys tied with it taken by index; no sort. Where
+    the kernels run (``_wavelet.runs_kernels``), one launch (``_top_window_kernel``) turns the
+    threshold into the intervals; elsewhere torch ops do."""
     rows, n = bias.shape
-    kept = torch.ones_like(bias, dtype=torch.bool)
-    if window < n:
-        bias = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"),
-                                neginf=float("-inf"))
-        threshold = torch.topk(bias, window, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-        above = bias > threshold
-        ties = bias == threshold
-        room = window - above.sum(-1, keepdim=True, dtype=torch.int32)
-        kept = above | (ties & (torch.cumsum(ties, -1, dtype=torch.int32) <= room))
+    if window >= n:
+        return (torch.zeros((rows, n), dtype=torch.int32, device=bias.device),
+                torch.full((rows, n), seqlen_q, dtype=torch.int32, device=bias.device))
+    ranked = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"),
+                              neginf=float("-inf"))
+    threshold = torch.topk(ranked, window, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    if USE_KERNELS and _wavelet.runs_kernels(bias.device, n):
+        if bias.stride(-1) != 1:
+            bias = bias.contiguous()
+        start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
+        end = torch.empty_like(start)
+        launch(_top_window_kernel, (rows,), bias, threshold, start, end, n, bias.stride(0),
+               window, seqlen_q, BLOCK=TOP_WINDOW_BLOCK, num_warps=8, num_stages=2)
+        return start, end
+    above = ranked > threshold
+    ties = ranked == threshold
+    room = window - above.sum(-1, keepdim=True, dtype=torch.int32)
+    kept = above | (ties & (torch.cumsum(ties, -1, dtype=torch.int32) <= room))
     start = torch.zeros((rows, n), dtype=torch.int32, device=bias.device)
     return start, kept.to(torch.int32) * seqlen_q
 
@@ -327,7 +345,9 @@ def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
 # kernels the sort's and about six of 4 or 8 bytes), so only forms up to GRAPH_MAX_ELEMENTS
 # bias elements are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate,
 # and at most MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture
-# fails runs the ops directly from then on. A graph is made on a thread of its own
+# fails runs the ops directly from then on. The one-window form (``_one_window``: one query
+# row, or no causality) is never captured: its five launches cost less than a replay's
+# copies in and out. A graph is made on a thread of its own
 # (``_made_apart``).
 GRAPH_MAX_ELEMENTS = 1 << 20
 MAX_GRAPHS = 4
@@ -382,6 +402,7 @@ def _made_apart(bias, window, seqlen_q, is_causal, ordered) -> _SelectionGraph:
 
 def _select_rows(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
     if (bias.device.type != "cuda" or bias.numel() > GRAPH_MAX_ELEMENTS
+            or _one_window_form(is_causal, seqlen_q, ordered)
             or torch.cuda.is_current_stream_capturing()):
         return _rows_direct(bias, window, seqlen_q, is_causal, ordered)
     form = (tuple(bias.shape), window, seqlen_q, is_causal, ordered, bias.dtype, bias.device)

@@ -177,7 +177,7 @@ class GatherDecodePlan:
             BIAS_ROW=bias_layout is not None and problem.bias.one_row
             and problem.bias.shared_by(tile.group_pack),
             IS_CAUSAL=problem.is_causal, SPLIT_KEYS=tile.key_splits > 1,
-            **dot_options(query.dtype, problem.interpreted),
+            ROW_TESTS=shape.seqlen_q > 1, **dot_options(query.dtype, problem.interpreted),
             num_warps=tile.num_warps, num_stages=2)
         part_shape = (tile.key_splits, shape.batch * shape.heads_q, shape.seqlen_q,
                       problem.block_d)

@@ -130,13 +130,15 @@ def _gather_decode_kernel(ptrs, q_strides, k_strides, v_strides, o_strides, mask
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_PACK: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BIAS_ROW: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                          SPLIT_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          WIDEN_DOTS: tl.constexpr):
+                          SPLIT_KEYS: tl.constexpr, ROW_TESTS: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Grid (batch x query heads // GROUP_PACK, 1, key shares). Tile row r is query position
     r // GROUP_PACK of query head first_head + r % GROUP_PACK; the pack's heads share one KV
     head and one list (list row: batch b * ``list_batch_stride`` + head // ``list_head_div``,
     of ``list_heads`` heads). ``ptrs`` is an ``operands.GatherPointers``; the mask there is
-    interval words (int64) or a bool mask (bytes), read at the gathered keys."""
+    interval words (int64) or a bool mask (bytes), read at the gathered keys. Without
+    ``ROW_TESTS`` (one query row: its list holds exactly the keys it keeps, causality included)
+    the mask is not read and every listed key is kept."""
     seqlen_q = sizes.seqlen_q
     seqlen_k = sizes.seqlen_k
     program = tl.program_id(0)
@@ -193,16 +195,21 @@ def _gather_decode_kernel(ptrs, q_strides, k_strides, v_strides, o_strides, mask
         kv_ok = listed[:, None] & d_ok[None, :]
         k = tl.load(k_base + key_off[:, None] * k_strides.stride_l + offs_d[None, :],
                     mask=kv_ok, other=0.0)
+        # V's rows are requested with K's, before the scores need K: both gathers are then in
+        # flight at once.
+        v = tl.load(v_base + key_off[:, None] * v_strides.stride_l + offs_d[None, :],
+                    mask=kv_ok, other=0.0)
         keep = row_ok[:, None] & listed[None, :]
         mask_offsets = key_off[None, :] * mask_layout.stride_n
-        if MASK_KIND == BOOL_MASK:
-            keep = keep & (tl.load(mask_rows + mask_offsets, mask=keep, other=0) != 0)
-        else:
-            start, end = _runs_at(mask_rows + mask_offsets, end_rows + mask_offsets,
-                                  listed[None, :], MASK_KIND)
-            keep = keep & rows_within(offs_m[:, None], start, end)
-        if IS_CAUSAL:
-            keep = keep & (keys[None, :] <= offs_m[:, None] + diagonal)
+        if ROW_TESTS:
+            if MASK_KIND == BOOL_MASK:
+                keep = keep & (tl.load(mask_rows + mask_offsets, mask=keep, other=0) != 0)
+            else:
+                start, end = _runs_at(mask_rows + mask_offsets, end_rows + mask_offsets,
+                                      listed[None, :], MASK_KIND)
+                keep = keep & rows_within(offs_m[:, None], start, end)
+            if IS_CAUSAL:
+                keep = keep & (keys[None, :] <= offs_m[:, None] + diagonal)
         s = mma(q, tl.trans(k), DOT_PRECISION, WIDEN_DOTS) * qk_scale
         if HAS_BIAS:
             if BIAS_ROW:
@@ -214,8 +221,6 @@ def _gather_decode_kernel(ptrs, q_strides, k_strides, v_strides, o_strides, mask
             s += bias.to(tl.float32) * LOG2E
         s = tl.where(keep, s, float("-inf"))
         p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
-        v = tl.load(v_base + key_off[:, None] * v_strides.stride_l + offs_d[None, :],
-                    mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOTS)
         m_i = m_new
 
