@@ -252,6 +252,52 @@ def test_prepared_intervals_count_their_kept_keys(device):
     run_forward(q, k, v, prepared, causal=True, func=dmattn_func)
 
 
+def _gather_plans(prepared) -> list:
+    """The gather plans a prepared mask keeps (one per call signature)."""
+    return [kept.plan.gather for kept in prepared.plans.values() if kept.plan.gather]
+
+
+def test_a_prepared_mask_keeps_its_lists_after_its_first_call(device):
+    """A prepared mask cannot change between calls, so its first call keeps the lists it made
+    and later calls launch the forward alone, with the same bits; a new mask makes its own."""
+    dims = Dims(2, 1, 700, 4, 2, 32)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = torch.randn(2, 2, 1, 700, device=device, dtype=torch.bfloat16)
+    chosen = topk_mask(dims, 40, True, device)
+    prepared = prepare_mask(chosen.to_dense(1), q, k, True)
+    first = run_forward(q, k, v, prepared, bias, causal=True, func=dmattn_func)
+    (plan,) = _gather_plans(prepared)
+    assert plan.kept_lists is not None
+    kept = plan.kept_lists[0].data_ptr()
+    again = run_forward(q, k, v, prepared, bias, causal=True, func=dmattn_func)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert plan.kept_lists[0].data_ptr() == kept
+    other = prepare_mask(topk_mask(dims, 40, True, device).to_dense(1), q, k, True)
+    run_forward(q, k, v, other, bias, causal=True, func=dmattn_func)
+    assert _gather_plans(other)[0].kept_lists[0].data_ptr() != kept
+    # Intervals used once are read by their call: no plan of theirs keeps lists.
+    run_forward(q, k, v, topk_mask(dims, 40, True, device), bias, causal=True,
+                func=dmattn_func)
+
+
+def test_lists_are_not_kept_from_a_call_that_only_compiles(device):
+    """Under ``compile_only`` (the warm-up) launches write nothing, so the lists of such a
+    call are not kept: the next call makes them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernels.runtime.launch import compile_only
+
+    dims = Dims(1, 1, 500, 4, 2, 32)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    prepared = prepare_mask(topk_mask(dims, 30, False, device).to_dense(1), q, k, False)
+    with ThreadPoolExecutor(2) as executor, compile_only(executor):
+        dmattn_func(q, k, v, prepared)
+    (plan,) = _gather_plans(prepared)
+    assert plan.kept_lists is None
+    run_forward(q, k, v, prepared, func=dmattn_func)
+    assert plan.kept_lists is not None
+
+
 # -- a seeded fuzz, and what the route must work under
 
 BIAS_SHAPES = (None, ("B", "Hk", "1", "Lk"), ("1", "1", "Lq", "Lk"), ("B", "Hq", "Lq", "Lk"),

@@ -276,21 +276,32 @@ def test_repeated_forms_replay_a_graph_with_the_direct_bits(device, monkeypatch)
 @pytest.mark.parametrize("seqlen_q, is_causal", ((1, True), (1, False), (5, False)),
                          ids=("decode", "decode-full", "q5-full"))
 @pytest.mark.parametrize("window", (1, 7, 40, 99))
-def test_one_window_walks_rows_in_steps(seqlen_q, is_causal, window, device, monkeypatch):
-    """The one-window selection's kernel walks a row in steps of ``TOP_WINDOW_BLOCK`` keys,
-    counting the ties before each step: with steps of 16 over 100 keys of three values (ties
-    in every step, NaN and infinities among them), it keeps the rule's keys, and so do the
-    torch ops (``USE_KERNELS = False``)."""
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32),
+                         ids=("bf16", "fp16", "fp32"))
+def test_one_window_walks_rows_in_steps(seqlen_q, is_causal, window, dtype, device,
+                                        monkeypatch):
+    """The one-window selection's kernel walks a row in steps of ``TOP_WINDOW_BLOCK`` keys: a
+    radix select of the W-th largest value, then each key's verdict with the ties before it
+    counted. With steps of 16 over 100 keys of few values (ties in every step; values one
+    unit in the last place apart, so every bit of the dtype matters; both signs, -0.0 and
+    +0.0, NaN and infinities among them), it keeps the rule's keys, and so do the torch ops
+    (``USE_KERNELS = False``)."""
     tk = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(tk, "TOP_WINDOW_BLOCK", 16)
     generator = torch.Generator().manual_seed(window)
-    bias = torch.randint(0, 3, (2, 3, 1, 100), generator=generator).float()
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-23}[dtype]
+    shape = (2, 3, 1, 100)
+    bias = (torch.randint(0, 3, shape, generator=generator)
+            + ulp * torch.randint(0, 2, shape, generator=generator)).double()
+    bias[1] -= 2.0  # negative values
     bias[0, 0, 0, 5::11] = math.nan
     bias[0, 1, 0, 7::13] = math.inf
+    bias[0, 2, 0, 1::4] = -0.0
+    bias[0, 2, 0, 3::4] = 0.0
     bias[1, 2, 0, ::3] = -math.inf
+    bias = bias.to(dtype)
     expected = rule_mask(bias, window, seqlen_q, is_causal)
     for use_kernels in (True, False):
         monkeypatch.setattr(tk, "USE_KERNELS", use_kernels)
-        got = topk_intervals(bias.to(torch.bfloat16).to(device), window, seqlen_q=seqlen_q,
-                             is_causal=is_causal)
+        got = topk_intervals(bias.to(device), window, seqlen_q=seqlen_q, is_causal=is_causal)
         assert torch.equal(got.to_dense(seqlen_q).cpu(), expected), f"kernels {use_kernels}"

@@ -51,8 +51,11 @@ from .intervals import KeyIntervals
 from .packed_seqlens import PackedKeys, check_cu_seqlens
 
 
-# Keys per step of ``_top_window_kernel``'s walks along a row.
-TOP_WINDOW_BLOCK = 2048
+# Keys per step of ``_top_window_kernel``'s walks along a row, and the 8-bit digits (from the
+# top of a float32's ordered bits) that tell a dtype's values apart: bfloat16 has 16 bits,
+# float16 19 (its 10 mantissa bits sit 13 above float32's lowest).
+TOP_WINDOW_BLOCK = 4096
+KEY_DIGITS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}
 
 # False: every call takes the torch ops, on every device (to compare the two paths). Read at
 # call time; a CUDA graph already captured keeps the path it captured.
@@ -306,25 +309,26 @@ def _one_window_form(is_causal, seqlen_q, ordered) -> bool:
 
 def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 (start, end) of the (R, Lk) bias rows where every query row keeps the same keys:
-    without causality, or with one query row (decode), which sees every key. The top W by
-    ``torch.topk``'s W-th largest value, the keys tied with it taken by index; no sort. Where
-    the kernels run (``_wavelet.runs_kernels``), one launch (``_top_window_kernel``) turns the
-    threshold into the intervals; elsewhere torch ops do."""
+    without causality, or with one query row (decode), which sees every key. Where the
+    kernels run (``_wavelet.runs_kernels``; a 16- or 32-bit float bias), one launch: a radix select of the W-th largest
+    bias per row and the keys above it or tied with it by index (``_top_window_kernel``).
+    Elsewhere the same from ``torch.topk``'s W-th value in torch ops. No sort either way."""
     rows, n = bias.shape
     if window >= n:
         return (torch.zeros((rows, n), dtype=torch.int32, device=bias.device),
                 torch.full((rows, n), seqlen_q, dtype=torch.int32, device=bias.device))
-    ranked = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"),
-                              neginf=float("-inf"))
-    threshold = torch.topk(ranked, window, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    if USE_KERNELS and _wavelet.runs_kernels(bias.device, n):
+    if USE_KERNELS and bias.dtype in KEY_DIGITS and _wavelet.runs_kernels(bias.device, n):
         if bias.stride(-1) != 1:
             bias = bias.contiguous()
         start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
         end = torch.empty_like(start)
-        launch(_top_window_kernel, (rows,), bias, threshold, start, end, n, bias.stride(0),
-               window, seqlen_q, BLOCK=TOP_WINDOW_BLOCK, num_warps=8, num_stages=2)
+        launch(_top_window_kernel, (rows,), bias, start, end, n, bias.stride(0), window,
+               seqlen_q, DIGITS=KEY_DIGITS[bias.dtype], BLOCK=TOP_WINDOW_BLOCK, num_warps=16,
+               num_stages=2)
         return start, end
+    ranked = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"),
+                              neginf=float("-inf"))
+    threshold = torch.topk(ranked, window, dim=-1, sorted=False).values.amin(-1, keepdim=True)
     above = ranked > threshold
     ties = ranked == threshold
     room = window - above.sum(-1, keepdim=True, dtype=torch.int32)

@@ -2,12 +2,18 @@
 (``triton_device.gather_kernels``).
 
 Three launches per call: the kept-key lists in two (one program per row of the mask's
-(batch, head) rows and chunk of keys: the chunks' counts, then the chunks' keys after the
-counts before them), then the forward over them (one program per batch and pack of query
+(batch, head) rows and chunk of keys: the chunks' counts and a bit per key, then the chunks'
+keys from the bits, after the counts before them), then the forward over them (one program per batch and pack of query
 heads, times key shares), whose shares merge in the launch. Nothing waits for the device: the lists' lengths
 stay on it, each share sizes itself from them, and every buffer is sized on the host from the
 call's form (a list holds at most ``capacity`` keys), so a CUDA graph replays a step and
 ``torch.compile`` traces it.
+
+A prepared mask (``prepare_mask``, or intervals a former call prepared) cannot change between
+its calls (``PreparedMask.check_fresh``), and its plans are its own: the first call that runs
+its list passes outside a CUDA graph capture (and outside ``launch.compile_only``) keeps the
+lists with the plan, and later calls launch the forward alone. Lists made inside a capture
+are not kept: they are written only when the graph replays.
 
 The schedule takes the route for few query rows (``tuning.GATHER_MAX_ROWS``) with a mask that
 keeps a small share of the keys, and no backward (``gather_tile``).
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.arith import LOG2E, ceil_div, contiguous_strides, next_power_of_2
-from ..runtime.launch import PlannedLaunch, dot_options
+from ..runtime.launch import PlannedLaunch, dot_options, launches_run
 from ..runtime.scratch import Scratch
 from ..triton_device.gather_kernels import (BOOL_MASK, INTERVAL_PAIRS, INTERVAL_WORDS,
                                             _gather_decode_kernel, _kept_counts_kernel,
@@ -146,6 +152,9 @@ class GatherDecodePlan:
                  scan_rows: int):
         shape = problem.shape
         self.shape, self.device, self.tile = shape, query.device, tile
+        # A prepared mask's lists, (kept, counts), once made (see the module docstring).
+        self.keeps_lists = problem.prepared
+        self.kept_lists: tuple[torch.Tensor, torch.Tensor] | None = None
         # Lists per (mask batch, mask head): a broadcast axis (stride 0) keeps one.
         list_batches = shape.batch if mask_layout.stride_b else 1
         list_heads = shape.heads_q // mask_layout.head_div
@@ -161,8 +170,8 @@ class GatherDecodePlan:
         self.counts = PlannedLaunch(_kept_counts_kernel, (list_rows, num_chunks), KeptPointers,
                                     list_args, **list_options)
         self.lists = PlannedLaunch(_kept_keys_kernel, (list_rows, num_chunks), KeptPointers,
-                                   (*list_args, tile.capacity), COUNTS_BLOCK=256,
-                                   **list_options)
+                                   (num_chunks, tile.capacity), CHUNK=chunk, COUNTS_BLOCK=256,
+                                   num_warps=4, num_stages=1)
         programs = shape.batch * shape.heads_q // tile.group_pack
         out_strides = SeqStrides(*contiguous_strides(self.out_shape)[:3])
         self.main = PlannedLaunch(
@@ -184,7 +193,8 @@ class GatherDecodePlan:
         parts = ((part_shape, torch.float32), (part_shape[:3], torch.float32),
                  ((programs,), torch.int32)) if tile.key_splits > 1 else ()
         lists = (((list_rows, tile.capacity), torch.int32), ((list_rows,), torch.int32),
-                 ((list_rows, num_chunks), torch.int32))
+                 ((list_rows, num_chunks), torch.int32),
+                 ((list_rows, num_chunks * chunk // 32), torch.int32))
         self._scratch = Scratch(query.device, *lists, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *lists,
                                          *parts)
@@ -197,12 +207,21 @@ class GatherDecodePlan:
         out = query.new_empty(self.out_shape)
         if keep_lse:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-            kept, counts, chunk_counts, *parts = self._scratch.buffers()
+            kept, counts, chunk_counts, kept_bits, *parts = self._scratch.buffers()
         else:
-            lse, kept, counts, chunk_counts, *parts = self._scratch_with_lse.buffers()
+            lse, kept, counts, chunk_counts, kept_bits, *parts = self._scratch_with_lse.buffers()
         out_part, lse_part, arrivals = parts if parts else (lse, lse, counts)
-        self.counts(start, end, kept, counts, chunk_counts)
-        self.lists(start, end, kept, counts, chunk_counts)
+        if self.kept_lists is not None:
+            kept, counts = self.kept_lists
+        else:
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            keep = self.keeps_lists and launches_run() and not capturing
+            if keep:
+                kept, counts = torch.empty_like(kept), torch.empty_like(counts)
+            self.counts(start, end, kept, counts, chunk_counts, kept_bits)
+            self.lists(start, end, kept, counts, chunk_counts, kept_bits)
+            if keep:
+                self.kept_lists = kept, counts
         self.main(query, key, value, out, lse, start, end,
                   out if bias is None else bias, kept, counts, out_part, lse_part, arrivals)
         return out, (lse if keep_lse else None)

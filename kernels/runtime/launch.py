@@ -280,6 +280,11 @@ def compile_only(executor: Executor):
         future.result()
 
 
+def launches_run() -> bool:
+    """False while ``compile_only`` is active: launches then compile and write nothing."""
+    return _compile_executor is None
+
+
 def _start_compile(kernel, grid: tuple, form: tuple, options: dict) -> None:
     key = _form_key(kernel, form, options)
     if key in _compiled_forms:  # compiled, or being compiled

@@ -89,22 +89,30 @@ def _chunk_kept(ptrs, mask_layout, sizes, list_heads, scan_rows, MASK_KIND: tl.c
 def _kept_counts_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chunks,
                         MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
     """Grid (list rows, chunks of CHUNK keys): how many keys of its chunk the call keeps, into
-    ``ptrs.chunk_counts`` (list rows x ``num_chunks`` int32). ``ptrs`` is an
+    ``ptrs.chunk_counts`` (list rows x ``num_chunks`` int32), and which, a bit per key in
+    ``ptrs.kept_bits`` (bit i of word w: key 32 w + i of the row), so that the keys pass reads
+    1 bit a key instead of the mask's 1 or 8 bytes again. ``ptrs`` is an
     ``operands.KeptPointers``; ``scan_rows``: the bool mask's query rows to OR (1 where it
     broadcasts over rows)."""
     _, kept = _chunk_kept(ptrs, mask_layout, sizes, list_heads, scan_rows, MASK_KIND,
                           IS_CAUSAL, CHUNK)
-    tl.store(ptrs.chunk_counts + tl.program_id(0).to(tl.int64) * num_chunks
-             + tl.program_id(1), tl.sum(kept.to(tl.int32), 0))
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    taken = kept.to(tl.int32)
+    tl.store(ptrs.chunk_counts + row * num_chunks + chunk, tl.sum(taken, 0))
+    # Distinct bits: their sum is their OR (bit 31 wraps to the sign, as an OR would set it).
+    bits = tl.reshape(taken, [CHUNK // 32, 32]) << tl.arange(0, 32)[None, :]
+    words = chunk * (CHUNK // 32) + tl.arange(0, CHUNK // 32)
+    tl.store(ptrs.kept_bits + row * (num_chunks * (CHUNK // 32)) + words, tl.sum(bits, 1))
 
 
 @triton.jit
-def _kept_keys_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chunks, capacity,
-                      MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr,
+def _kept_keys_kernel(ptrs, num_chunks, capacity, CHUNK: tl.constexpr,
                       COUNTS_BLOCK: tl.constexpr):
     """Grid (list rows, chunks of CHUNK keys), after ``_kept_counts_kernel``: each chunk writes
-    its kept keys, in key order, into its row's list (``capacity`` int32 entries) after those
-    of the chunks before it, and the last chunk writes the list's length."""
+    its kept keys (from ``ptrs.kept_bits``), in key order, into its row's list (``capacity``
+    int32 entries) after those of the chunks before it, and the last chunk writes the list's
+    length."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     count_row = ptrs.chunk_counts + row.to(tl.int64) * num_chunks
@@ -112,12 +120,13 @@ def _kept_keys_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chunk
     for first in range(0, chunk, COUNTS_BLOCK):
         offs = first + tl.arange(0, COUNTS_BLOCK)
         before += tl.sum(tl.load(count_row + offs, mask=offs < chunk, other=0), 0)
-    keys, kept = _chunk_kept(ptrs, mask_layout, sizes, list_heads, scan_rows, MASK_KIND,
-                             IS_CAUSAL, CHUNK)
-    taken = kept.to(tl.int32)
+    words = tl.load(ptrs.kept_bits + row.to(tl.int64) * (num_chunks * (CHUNK // 32))
+                    + chunk * (CHUNK // 32) + tl.arange(0, CHUNK // 32))
+    taken = tl.reshape((words[:, None] >> tl.arange(0, 32)[None, :]) & 1, [CHUNK])
+    keys = chunk * CHUNK + tl.arange(0, CHUNK)
     slot = before + tl.cumsum(taken, 0) - 1
     tl.store(ptrs.kept + row.to(tl.int64) * capacity + slot, keys,
-             mask=kept & (slot < capacity))
+             mask=(taken != 0) & (slot < capacity))
     if chunk == num_chunks - 1:
         tl.store(ptrs.counts + row, tl.minimum(before + tl.sum(taken, 0), capacity))
 

@@ -115,6 +115,7 @@ class KeptPointers(NamedTuple):
     kept: torch.Tensor  # (list rows, capacity) int32
     counts: torch.Tensor  # (list rows,) int32
     chunk_counts: torch.Tensor  # (list rows, chunks) int32: kept keys per chunk of keys
+    kept_bits: torch.Tensor  # (list rows, chunks x CHUNK / 32) int32: each key's verdict, a bit
 
 
 class GatherPointers(NamedTuple):
