@@ -278,16 +278,19 @@ def test_repeated_forms_replay_a_graph_with_the_direct_bits(device, monkeypatch)
 @pytest.mark.parametrize("window", (1, 7, 40, 99))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32),
                          ids=("bf16", "fp16", "fp32"))
-def test_one_window_walks_rows_in_steps(seqlen_q, is_causal, window, dtype, device,
+@pytest.mark.parametrize("max_slices", (32, 2), ids=("slices8", "slices2"))
+def test_one_window_walks_rows_in_steps(seqlen_q, is_causal, window, dtype, max_slices, device,
                                         monkeypatch):
-    """The one-window selection's kernel walks a row in steps of ``TOP_WINDOW_BLOCK`` keys: a
-    radix select of the W-th largest value, then each key's verdict with the ties before it
-    counted. With steps of 16 over 100 keys of few values (ties in every step; values one
+    """The one-window selection's kernels cut a row into slices walked in steps of
+    ``TOP_WINDOW_BLOCK`` keys: a radix select of the W-th largest value, then each key's
+    verdict with the ties before it counted. With steps of 16 over 100 keys (8 slices of one
+    step, or 2 of four) of few values (ties in every step; values one
     unit in the last place apart, so every bit of the dtype matters; both signs, -0.0 and
     +0.0, NaN and infinities among them), it keeps the rule's keys, and so do the torch ops
     (``USE_KERNELS = False``)."""
     tk = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(tk, "TOP_WINDOW_BLOCK", 16)
+    monkeypatch.setattr(tk, "TOP_WINDOW_MAX_SLICES", max_slices)
     generator = torch.Generator().manual_seed(window)
     ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-23}[dtype]
     shape = (2, 3, 1, 100)
