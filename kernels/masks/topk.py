@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.arith import ceil_div, next_power_of_2
-from ..runtime.launch import is_interpreted, launch
+from ..runtime.launch import PlannedLaunch, is_interpreted
 from ..triton_device.selection_kernels import _top_window_kernel
 from . import wavelet as _wavelet
 from .grouping import grouping_order
@@ -59,6 +59,11 @@ from .packed_seqlens import PackedKeys, check_cu_seqlens
 # (H200): ~3 us a step of 4096 keys.
 TOP_WINDOW_BLOCK = 2048
 TOP_WINDOW_MAX_SLICES = 32
+# The selection's launches, planned per form (rows, length, row stride, dtype, device, window,
+# query rows), the least recently made dropped first: planning a launch per call cost ~25 us
+# of host time each.
+MAX_WINDOW_FORMS = 16
+_window_launches: OrderedDict = OrderedDict()
 KEY_DIGITS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}
 
 # False: every call takes the torch ops, on every device (to compare the two paths). Read at
@@ -336,22 +341,38 @@ def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _top_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_one_window`` by ``_top_window_kernel``'s launches, bias rows of unit key stride."""
+    """``_one_window`` by ``_top_window_kernel``'s launches, bias rows of unit key stride.
+    The launches are planned once per form (``_window_launches``)."""
     rows, n = bias.shape
-    digits = KEY_DIGITS[bias.dtype]
+    form = (rows, n, bias.stride(0), bias.dtype, bias.device, window, seqlen_q,
+            TOP_WINDOW_BLOCK, TOP_WINDOW_MAX_SLICES)
+    planned = _window_launches.get(form)
+    if planned is None:
+        planned = _plan_top_window(rows, n, bias.stride(0), bias.dtype, window, seqlen_q)
+        _window_launches[form] = planned
+        while len(_window_launches) > MAX_WINDOW_FORMS:
+            _window_launches.popitem(last=False)
+    scratch_len, launches = planned
+    scratch = torch.empty(scratch_len, dtype=torch.int32, device=bias.device)
+    start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
+    end = torch.empty_like(start)
+    for planned_launch in launches:
+        planned_launch(bias, scratch, start, end)
+    return start, end
+
+
+def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q) -> tuple[int, tuple]:
+    """(the int32 scratch's length, the launches) of one selection form."""
+    digits = KEY_DIGITS[dtype]
     block = TOP_WINDOW_BLOCK
     slices = min(next_power_of_2(ceil_div(n, block)), TOP_WINDOW_MAX_SLICES)
     slice_len = ceil_div(n, slices * block) * block
-    scratch = torch.empty(digits * rows * (slices * 256 + 2), dtype=torch.int32,
-                          device=bias.device)
-    hist, state = scratch[:digits * rows * slices * 256], scratch[digits * rows * slices * 256:]
-    start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
-    end = torch.empty_like(start)
-    for digit in range(digits + 1):
-        launch(_top_window_kernel, (rows, slices), bias, hist, state, start, end, n,
-               bias.stride(0), window, seqlen_q, slice_len, DIGIT=digit, DIGITS=digits,
-               SLICES=slices, BLOCK=block, num_warps=8, num_stages=2)
-    return start, end
+    launches = tuple(
+        PlannedLaunch(_top_window_kernel, (rows, slices), None,
+                      (n, stride_row, window, seqlen_q, slice_len), num_warps=8, num_stages=2,
+                      DIGIT=digit, DIGITS=digits, SLICES=slices, BLOCK=block)
+        for digit in range(digits + 1))
+    return digits * rows * (slices * 256 + 2), launches
 
 
 # -- host time on a GPU: the selection as a CUDA graph

@@ -38,21 +38,22 @@ def _ordered_keys(bias_row, offs, n, DIGITS: tl.constexpr):
 
 
 @triton.jit
-def _top_window_kernel(bias_ptr, hist_ptr, state_ptr, start_ptr, end_ptr, n, stride_row,
+def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
                        window, seqlen_q, slice_len, DIGIT: tl.constexpr,
                        DIGITS: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (rows, SLICES), launch ``DIGIT`` of 0..DIGITS (see the module docstring). Row r of
     the (rows, n) bias (unit key stride, ``stride_row`` apart), 1 <= ``window`` < n; slice
     s: keys [s x slice_len, (s + 1) x slice_len). ``hist_ptr``: (DIGITS, rows, SLICES, 256)
-    int32; ``state_ptr``: (DIGITS, rows, 2) int32, the prefix of T and the keys above it
+    int32, then the state, (DIGITS, rows, 2) int32: the prefix of T and the keys above it
     before byte d, written by launch d's slice 0 for launch d + 1. The last launch writes
     int32 start (0) and end (Lq where kept, else 0), (rows, n)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    rows = tl.num_programs(0)
-    bias_row = bias_ptr + row.to(tl.int64) * stride_row
+    rows = tl.num_programs(0).to(tl.int64)
+    bias_row = bias_ptr + row * stride_row
     bins = tl.arange(0, 256)
     slices = tl.arange(0, SLICES)
+    state_ptr = hist_ptr + DIGITS * rows * SLICES * 256
     found = tl.zeros([], dtype=tl.uint32)  # T's bytes found so far, in place
     above = 0  # keys above that prefix
     if DIGIT > 0:
@@ -90,7 +91,7 @@ def _top_window_kernel(bias_ptr, hist_ptr, state_ptr, start_ptr, end_ptr, n, str
         # T's byte of the last histograms, in the slices before this one: the ties before it
         tied_before = tl.sum(tl.sum(tl.where((slices[:, None] < part) & (bins[None, :] == bin),
                                              hists, 0), 1), 0)
-        out_row = row.to(tl.int64) * n
+        out_row = row * n
         for first in range(first_key, first_key + slice_len, BLOCK):
             offs = first + tl.arange(0, BLOCK)
             in_range = offs < n
