@@ -189,18 +189,6 @@ class IntervalScan(MaskReader):
 INTERVAL_SCAN = IntervalScan()
 
 
-class IntervalListScan(MaskReader):
-    """``KeyIntervals`` read by decode's gather route: their start and end as given, and the
-    list of their kept keys where the selection that made them left one (``kept_list``), so
-    that the call does not list them again."""
-
-    def __call__(self, intervals: KeyIntervals) -> tuple[tuple, None]:
-        return (intervals.start, intervals.end, intervals.kept_list()), None
-
-
-INTERVAL_LIST_SCAN = IntervalListScan()
-
-
 class MaskAsGiven(MaskReader):
     """An unprepared bool mask that the forward reads itself (the gather route): the mask,
     and no activity map."""
@@ -274,7 +262,7 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
                        lists_per_call=per_call is not None)
     if signature is not None and not copied:  # kept: with the reader of its later calls' masks
         if plan.mask_as_given and intervals is not None:
-            reader = INTERVAL_SCAN if plan.gather is None else INTERVAL_LIST_SCAN
+            reader = INTERVAL_SCAN
         elif plan.mask_as_given and per_call is not None:
             reader = MASK_AS_GIVEN
         elif intervals is not None:
@@ -291,8 +279,7 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
     # What the kernels read: the mask tensor, or a KeyIntervals mask's interleaved pairs (with
     # ``scan_keys``, its start and end as given).
     if plan.mask_as_given and intervals is not None:
-        reader = INTERVAL_SCAN if plan.gather is None else INTERVAL_LIST_SCAN
-        return CallPlan(plan, query, key, value, *reader(attn_mask))
+        return CallPlan(plan, query, key, value, *INTERVAL_SCAN(attn_mask))
     mask = attn_mask
     if checked.mask is not None and checked.mask.interval_pairs is not None:
         mask = checked.mask.view

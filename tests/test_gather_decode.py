@@ -298,42 +298,6 @@ def test_lists_are_not_kept_from_a_call_that_only_compiles(device):
     assert plan.kept_lists is not None
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_a_selection_lists_its_keys_for_the_call(device, causal, monkeypatch):
-    """``topk_intervals`` at one query row (or without causality) lists the keys it keeps;
-    a call with those intervals reads that list and lists nothing itself. The list is every
-    kept key in key order, and the call's result is the reference's."""
-    dims = Dims(2, 1, 3000, 8, 2, 32)
-    q, k, v = random_qkv(dims, torch.bfloat16, device)
-    bias = torch.randn(2, 2, 1, 3000, device=device, dtype=torch.bfloat16)
-    chosen = topk_intervals(bias, 100, seqlen_q=1, is_causal=causal)
-    listed = chosen.kept_list()
-    assert listed is not None and tuple(listed.kept.shape) == (4, 100)
-    expected = (chosen.end > chosen.start).reshape(4, 3000)
-    for row in range(4):
-        keys = torch.nonzero(expected[row]).flatten().to(torch.int32)
-        assert torch.equal(listed.kept[row].cpu(), keys.cpu())
-    assert torch.equal(listed.counts.cpu(), torch.full((4,), 100, dtype=torch.int32))
-    from kernels.planning import gather_decode
-
-    counted = []  # per gather call: whether it was handed the selection's list
-    real_run = gather_decode.GatherDecodePlan.run
-
-    def run(self, query, key, value, mask_operand, *args, **kw):
-        counted.append(isinstance(mask_operand, tuple) and mask_operand[2] is not None)
-        return real_run(self, query, key, value, mask_operand, *args, **kw)
-
-    monkeypatch.setattr(gather_decode.GatherDecodePlan, "run", run)
-    run_forward(q, k, v, chosen, bias, causal=causal, func=dmattn_func)
-    assert counted == [True]
-    # Written in place after the selection, the intervals' list is stale: the call lists the
-    # keys itself and follows the new intervals.
-    chosen.end.zero_()
-    assert chosen.kept_list() is None
-    run_forward(q, k, v, chosen, bias, causal=causal, func=dmattn_func)
-    assert counted == [True, False]
-
-
 # -- a seeded fuzz, and what the route must work under
 
 BIAS_SHAPES = (None, ("B", "Hk", "1", "Lk"), ("1", "1", "Lq", "Lk"), ("B", "Hq", "Lq", "Lk"),

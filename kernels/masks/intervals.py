@@ -23,12 +23,10 @@ What the kernels read, and the rule their tile skipping follows:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from ..runtime.arith import INT32_MAX, INT32_MIN
-from ..runtime.scratch import tensor_version
 from .grouping import grouping_order
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -89,22 +87,6 @@ class IntervalBlockBounds:
         return active, full
 
 
-class KeptList(NamedTuple):
-    """The keys a ``KeyIntervals`` mask keeps, as decode's gather route lists them: per
-    (batch, head) row of the intervals, (rows, width) int32 keys in key order and (rows,) int32
-    lengths; made with the intervals by the selection (``topk_intervals`` at one query row or
-    without causality), with the intervals' version counters then (None where not kept)."""
-
-    kept: torch.Tensor
-    counts: torch.Tensor
-    start_version: int | None
-    end_version: int | None
-
-    @classmethod
-    def made(cls, kept, counts, start, end) -> "KeptList":
-        return cls(kept, counts, tensor_version(start), tensor_version(end))
-
-
 @dataclass(frozen=True, eq=False)
 class KeyIntervals:
     """A mask given per key as the run of query rows that sees it: row ``i`` sees key ``j`` iff
@@ -128,10 +110,6 @@ class KeyIntervals:
     # route sizes its kept-key lists by it and takes the route where they hold a small share
     # of the keys. A bound that is wrong drops keys past it.
     max_kept: int | None = field(default=None, compare=False)
-    # The kept keys listed by the selection that made these intervals (``KeptList``), which
-    # decode's gather route reads instead of listing them itself; set by ``topk_intervals``
-    # only, never from outside: a list that is not these intervals' would go unnoticed.
-    _kept_list: KeptList | None = field(default=None, compare=False, repr=False)
     # Tile lists built by the calls made with these intervals, per call form (see
     # ``prepared.prepared_intervals``): a later call of the same form skips that work.
     _preparations: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -155,16 +133,6 @@ class KeyIntervals:
         if self.max_kept is not None and (type(self.max_kept) is not int or self.max_kept < 1):
             raise ValueError(f"KeyIntervals max_kept must be a positive int or None, got "
                              f"{self.max_kept!r}")
-
-    def kept_list(self) -> KeptList | None:
-        """The selection's list of the kept keys, unless start or end was written since."""
-        listed = self._kept_list
-        if listed is None:
-            return None
-        versions = (tensor_version(self.start), tensor_version(self.end))
-        if None not in versions and versions != (listed.start_version, listed.end_version):
-            return None
-        return listed
 
     @property
     def key_order(self) -> torch.Tensor | None:

@@ -48,7 +48,7 @@ from ..runtime.launch import PlannedLaunch, is_interpreted
 from ..triton_device.selection_kernels import _top_window_kernel
 from . import wavelet as _wavelet
 from .grouping import grouping_order
-from .intervals import KeptList, KeyIntervals
+from .intervals import KeyIntervals
 from .packed_seqlens import PackedKeys, check_cu_seqlens
 
 
@@ -296,17 +296,9 @@ def _check_dense(bias, seqlen_q) -> int:
 
 def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
     b, h, _, lk = bias.shape
-    rows = bias.reshape(b * h, lk)
-    max_kept = kept_union(window, seqlen_q, lk, is_causal)
-    if (_one_window_form(is_causal, seqlen_q, ordered) and window < lk
-            and _top_window_runs(rows)):
-        # The kernels list the kept keys too: decode's gather route reads them as they are.
-        start, end, kept, counts = _top_window(rows if rows.stride(-1) == 1
-                                               else rows.contiguous(), window, seqlen_q)
-        return KeyIntervals(start.reshape(b, h, lk), end.reshape(b, h, lk), max_kept=max_kept,
-                            _kept_list=KeptList.made(kept, counts, start, end))
-    chosen = _select_rows(rows, window, seqlen_q, is_causal, ordered)
-    return KeyIntervals(*(t.reshape(b, h, lk) for t in chosen), max_kept=max_kept)
+    rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
+    return KeyIntervals(*(t.reshape(b, h, lk) for t in rows),
+                        max_kept=kept_union(window, seqlen_q, lk, is_causal))
 
 
 def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
@@ -324,12 +316,6 @@ def _one_window_form(is_causal, seqlen_q, ordered) -> bool:
     return not ordered and (not is_causal or seqlen_q == 1)
 
 
-def _top_window_runs(bias) -> bool:
-    """Whether the one-window selection of these (R, Lk) bias rows takes the kernels."""
-    return (USE_KERNELS and bias.dtype in KEY_DIGITS
-            and _wavelet.runs_kernels(bias.device, bias.shape[-1]))
-
-
 def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 (start, end) of the (R, Lk) bias rows where every query row keeps the same keys:
     without causality, or with one query row (decode), which sees every key. Where the
@@ -340,9 +326,9 @@ def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     if window >= n:
         return (torch.zeros((rows, n), dtype=torch.int32, device=bias.device),
                 torch.full((rows, n), seqlen_q, dtype=torch.int32, device=bias.device))
-    if _top_window_runs(bias):
+    if USE_KERNELS and bias.dtype in KEY_DIGITS and _wavelet.runs_kernels(bias.device, n):
         return _top_window(bias if bias.stride(-1) == 1 else bias.contiguous(), window,
-                           seqlen_q)[:2]
+                           seqlen_q)
     ranked = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"),
                               neginf=float("-inf"))
     threshold = torch.topk(ranked, window, dim=-1, sorted=False).values.amin(-1, keepdim=True)
@@ -354,11 +340,9 @@ def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     return start, kept.to(torch.int32) * seqlen_q
 
 
-def _top_window(bias, window, seqlen_q) -> tuple[torch.Tensor, ...]:
-    """``_one_window`` by ``_top_window_kernel``'s launches, bias rows of unit key stride and
-    1 <= window < Lk: (start, end, kept, counts), the last two the kept keys as decode's gather
-    route lists them ((R, W) int32 in key order, and W per row). The launches are planned
-    once per form (``_window_launches``)."""
+def _top_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_one_window`` by ``_top_window_kernel``'s launches, bias rows of unit key stride.
+    The launches are planned once per form (``_window_launches``)."""
     rows, n = bias.shape
     form = (rows, n, bias.stride(0), bias.dtype, bias.device, window, seqlen_q,
             TOP_WINDOW_BLOCK, TOP_WINDOW_MAX_SLICES)
@@ -372,11 +356,9 @@ def _top_window(bias, window, seqlen_q) -> tuple[torch.Tensor, ...]:
     scratch = torch.empty(scratch_len, dtype=torch.int32, device=bias.device)
     start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
     end = torch.empty_like(start)
-    kept = torch.empty((rows, window), dtype=torch.int32, device=bias.device)
-    counts = torch.empty(rows, dtype=torch.int32, device=bias.device)
     for planned_launch in launches:
-        planned_launch(bias, scratch, start, end, kept, counts)
-    return start, end, kept, counts
+        planned_launch(bias, scratch, start, end)
+    return start, end
 
 
 def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q) -> tuple[int, tuple]:

@@ -9,9 +9,7 @@ stay on it, each share sizes itself from them, and every buffer is sized on the 
 call's form (a list holds at most ``capacity`` keys), so a CUDA graph replays a step and
 ``torch.compile`` traces it.
 
-Intervals that ``topk_intervals`` made at one query row (or without causality) come with their
-kept keys listed (``KeyIntervals.kept_list``): a call reads that list and launches the forward
-alone. A prepared mask (``prepare_mask``, or intervals a former call prepared) cannot change between
+A prepared mask (``prepare_mask``, or intervals a former call prepared) cannot change between
 its calls (``PreparedMask.check_fresh``), and its plans are its own: the first call that runs
 its list passes outside a CUDA graph capture (and outside ``launch.compile_only``) keeps the
 lists with the plan, and later calls launch the forward alone. Lists made inside a capture
@@ -161,7 +159,6 @@ class GatherDecodePlan:
         list_batches = shape.batch if mask_layout.stride_b else 1
         list_heads = shape.heads_q // mask_layout.head_div
         list_rows = list_batches * list_heads
-        self.list_shape = (list_rows, tile.capacity)
         self.out_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
         self.lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
         sizes = sizes_of(shape)
@@ -204,13 +201,9 @@ class GatherDecodePlan:
 
     def run(self, query, key, value, mask_operand, bias, keep_lse: bool = True):
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32 or None without ``keep_lse``).
-        ``mask_operand``: the bool mask, interval words, or (start, end, kept_list) as given,
-        the last a ``KeptList`` of the intervals or None."""
-        listed = None
-        if isinstance(mask_operand, tuple):
-            start, end, listed = mask_operand
-        else:
-            start = end = mask_operand
+        ``mask_operand``: the bool mask, interval words, or (start, end) as given."""
+        start, end = mask_operand if isinstance(mask_operand, tuple) else (mask_operand,
+                                                                          mask_operand)
         out = query.new_empty(self.out_shape)
         if keep_lse:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
@@ -220,8 +213,6 @@ class GatherDecodePlan:
         out_part, lse_part, arrivals = parts if parts else (lse, lse, counts)
         if self.kept_lists is not None:
             kept, counts = self.kept_lists
-        elif listed is not None and tuple(listed.kept.shape) == self.list_shape:
-            kept, counts = listed.kept, listed.counts
         else:
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             keep = self.keeps_lists and launches_run() and not capturing

@@ -38,19 +38,15 @@ def _ordered_keys(bias_row, offs, n, DIGITS: tl.constexpr):
 
 
 @triton.jit
-def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, kept_ptr, counts_ptr, n,
-                       stride_row, window, seqlen_q, slice_len, DIGIT: tl.constexpr,
+def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
+                       window, seqlen_q, slice_len, DIGIT: tl.constexpr,
                        DIGITS: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (rows, SLICES), launch ``DIGIT`` of 0..DIGITS (see the module docstring). Row r of
     the (rows, n) bias (unit key stride, ``stride_row`` apart), 1 <= ``window`` < n; slice
     s: keys [s x slice_len, (s + 1) x slice_len). ``hist_ptr``: (DIGITS, rows, SLICES, 256)
     int32, then the state, (DIGITS, rows, 2) int32: the prefix of T and the keys above it
     before byte d, written by launch d's slice 0 for launch d + 1. The last launch writes
-    int32 start (0) and end (Lq where kept, else 0), (rows, n), and the kept keys as decode's
-    gather route lists them: (rows, window) int32 in key order, and their number per row,
-    ``window``. A slice's first place in its row's list: the keys the slices before it keep,
-    counted from every byte's histograms (a key is above T where its first byte unlike T's is
-    larger), and the ties each may keep."""
+    int32 start (0) and end (Lq where kept, else 0), (rows, n)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     rows = tl.num_programs(0).to(tl.int64)
@@ -92,20 +88,10 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, kept_ptr, counts_
         tl.store(hist_ptr + ((DIGIT * rows + row) * SLICES + part) * 256 + bins, counts)
     else:
         room = window - above
-        # per slice: keys above T (from every byte's histograms), ties, and so the keys kept
-        above_in = tl.zeros([SLICES], dtype=tl.int32)
-        for d in tl.static_range(DIGITS):
-            byte_hists = tl.load(hist_ptr + ((d * rows + row) * SLICES + slices[:, None]) * 256
-                                 + bins[None, :])
-            byte = ((found >> (24 - 8 * d)) & 0xFF).to(tl.int32)
-            above_in += tl.sum(tl.where(bins[None, :] > byte, byte_hists, 0), 1)
-        ties_in = tl.sum(tl.where(bins[None, :] == bin, hists, 0), 1)
-        tied_before_in = tl.cumsum(ties_in, 0) - ties_in
-        kept_in = above_in + tl.minimum(tl.maximum(room - tied_before_in, 0), ties_in)
-        tied_before = tl.sum(tl.where(slices < part, ties_in, 0), 0)
-        listed_before = tl.sum(tl.where(slices < part, kept_in, 0), 0)
+        # T's byte of the last histograms, in the slices before this one: the ties before it
+        tied_before = tl.sum(tl.sum(tl.where((slices[:, None] < part) & (bins[None, :] == bin),
+                                             hists, 0), 1), 0)
         out_row = row * n
-        list_row = kept_ptr + row * window
         for first in range(first_key, first_key + slice_len, BLOCK):
             offs = first + tl.arange(0, BLOCK)
             in_range = offs < n
@@ -116,9 +102,4 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, kept_ptr, counts_
             tl.store(start_ptr + out_row + offs, tl.zeros([BLOCK], dtype=tl.int32),
                      mask=in_range)
             tl.store(end_ptr + out_row + offs, kept.to(tl.int32) * seqlen_q, mask=in_range)
-            taken = kept.to(tl.int32)
-            tl.store(list_row + listed_before + tl.cumsum(taken, 0) - 1, offs, mask=kept)
             tied_before += tl.sum(ties, 0)
-            listed_before += tl.sum(taken, 0)
-        if part == 0:
-            tl.store(counts_ptr + row, window)
