@@ -21,7 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kernels import KeyIntervals, attention_reference, dmattn_func, schedule_for
+from kernels import (KeyIntervals, PreparedMask, attention_reference, dmattn_func,
+                     schedule_for)
 from kernels.planning.inputs import AttnShape
 from kernels.tolerance import check_tensor
 
@@ -269,14 +270,18 @@ def assert_close_to_reference(name, actual, reference, baseline, dtype) -> None:
 
 
 def run_forward(q, k, v, mask=None, bias=None, causal=False, scale=None, func=dmattn_func):
-    """Run ``func`` under an AllocationWatch and check out and LSE against the fp64 reference."""
-    with AllocationWatch(watched=(mask, bias)) as watch:
+    """Run ``func`` under an AllocationWatch and check out and LSE against the fp64 reference.
+    ``mask``: a bool mask, ``KeyIntervals`` or a ``PreparedMask`` (the reference reads the
+    mask it holds); the mask and bias tensors are watched for copies."""
+    watched = tuple(t for t in (mask, bias) if isinstance(t, torch.Tensor))
+    with AllocationWatch(watched=watched) as watch:
         out, lse = func(q, k, v, mask, bias, causal, scale, return_lse=True)
     assert not watch.copies, f"mask or bias copied: {watch.copies}"
     b, lq, hq, _ = q.shape
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     assert lse.shape == (b, hq, lq) and lse.dtype == torch.float32
-
+    if isinstance(mask, PreparedMask):
+        mask = mask.mask
     ref_out, ref_lse = attention_reference(q, k, v, mask, bias, causal, scale, return_lse=True)
     lp_out, lp_lse = attention_reference(q, k, v, mask, bias, causal, scale, return_lse=True,
                                          upcast=False)

@@ -14,32 +14,19 @@ import random
 import pytest
 import torch
 
-from attn_helpers import (AllocationWatch, Dims, assert_close_to_reference,
-                          assert_empty_rows_and_finite, forcing, random_bias, random_mask,
-                          random_qkv)
-from kernels import (KeyIntervals, attention_reference, dmattn_func, prepare_mask, schedule_for,
-                     topk_intervals)
+from attn_helpers import Dims, forcing, random_bias, random_mask, random_qkv
+from attn_helpers import run_forward as checked_forward
+from kernels import KeyIntervals, dmattn_func, prepare_mask, schedule_for, topk_intervals
 from kernels.planning import tuning
 
 GATHER = forcing(forward_route="gather")
 
 
 def run_forward(q, k, v, mask, bias=None, causal=False, func=GATHER):
-    """(out, lse) of ``func`` under an AllocationWatch (fresh outputs poisoned, no mask or bias
-    copied), checked against the float64 reference: empty rows exactly 0 and -inf."""
-    watched = tuple(t for t in (mask, bias) if isinstance(t, torch.Tensor))
-    with AllocationWatch(watched=watched) as watch:
-        out, lse = func(q, k, v, mask, bias, causal, None, return_lse=True)
-    assert not watch.copies, f"mask or bias copied: {watch.copies}"
-    if hasattr(mask, "mask"):  # a PreparedMask: the reference reads the mask it holds
-        mask = mask.mask
-    ref_out, ref_lse = attention_reference(q, k, v, mask, bias, causal, return_lse=True)
-    low_out, low_lse = attention_reference(q, k, v, mask, bias, causal, return_lse=True,
-                                           upcast=False)
-    assert_empty_rows_and_finite(out, lse, ref_lse)
-    assert_close_to_reference("out", out, ref_out, low_out, q.dtype)
-    assert_close_to_reference("lse", lse, ref_lse, low_lse, q.dtype)
-    return out, lse
+    """(out, lse) of ``func``, checked by ``attn_helpers.run_forward`` (fresh outputs
+    poisoned, no mask or bias copied, the float64 reference)."""
+    run = checked_forward(q, k, v, mask, bias, causal, func=func)
+    return run.out, run.lse
 DTYPES = (pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16"),
           pytest.param(torch.float32, id="fp32"))
 

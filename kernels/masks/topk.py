@@ -319,9 +319,10 @@ def _one_window_form(is_causal, seqlen_q, ordered) -> bool:
 def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 (start, end) of the (R, Lk) bias rows where every query row keeps the same keys:
     without causality, or with one query row (decode), which sees every key. Where the
-    kernels run (``_wavelet.runs_kernels``; a 16- or 32-bit float bias), one launch: a radix select of the W-th largest
-    bias per row and the keys above it or tied with it by index (``_top_window_kernel``).
-    Elsewhere the same from ``torch.topk``'s W-th value in torch ops. No sort either way."""
+    kernels run (``_wavelet.runs_kernels``; a 16- or 32-bit float bias): a radix select of
+    the W-th largest bias per row and the keys above it or tied with it by index
+    (``_top_window_kernel``). Elsewhere the same from ``torch.topk``'s W-th value in torch
+    ops. No sort either way."""
     rows, n = bias.shape
     if window >= n:
         return (torch.zeros((rows, n), dtype=torch.int32, device=bias.device),

@@ -3,11 +3,11 @@
 
 Three launches per call: the kept-key lists in two (one program per row of the mask's
 (batch, head) rows and chunk of keys: the chunks' counts and a bit per key, then the chunks'
-keys from the bits, after the counts before them), then the forward over them (one program per batch and pack of query
-heads, times key shares), whose shares merge in the launch. Nothing waits for the device: the lists' lengths
-stay on it, each share sizes itself from them, and every buffer is sized on the host from the
-call's form (a list holds at most ``capacity`` keys), so a CUDA graph replays a step and
-``torch.compile`` traces it.
+keys from the bits, after the counts before them), then the forward over them (one program
+per batch and pack of query heads, times key shares), whose shares merge in the launch.
+Nothing waits for the device: the lists' lengths stay on it, each share sizes itself from
+them, and every buffer is sized on the host from the call's form (a list holds at most
+``capacity`` keys), so a CUDA graph replays a step and ``torch.compile`` traces it.
 
 A prepared mask (``prepare_mask``, or intervals a former call prepared) cannot change between
 its calls (``PreparedMask.check_fresh``), and its plans are its own: the first call that runs
