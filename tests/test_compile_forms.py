@@ -287,3 +287,23 @@ def test_warmup_lengths_straddle_the_interval_tile(monkeypatch, bias):
             (20, 1000), batch=1, heads_q=4, heads_kv=4, head_dim=head_dim, dtype=dtype,
             device="cuda", mask=mask, backward=False, window=None, selection_heads=None,
             is_causal=True) == (16, 20, 992, 1000)
+
+
+def test_the_decode_selection_compiles_nothing_at_new_cache_lengths(device, monkeypatch):
+    """The one-window selection (a decode step's top W) cuts each row into as many slices as
+    its length needs, a number the grid carries: after caches of an aligned and an unaligned
+    length, longer and shorter caches of the same alignments compile nothing, across slice
+    counts (steps of 16 keys here, so 2 to 13 slices)."""
+    monkeypatch.setattr(importlib.import_module("kernels.masks.topk"), "TOP_WINDOW_BLOCK", 16)
+    generator = torch.Generator().manual_seed(3)
+
+    def select(seqlen: int) -> None:
+        bias = torch.randn(2, HEADS_KV, 1, seqlen, generator=generator).to(device)
+        topk_intervals(bias, 9, seqlen_q=1, is_causal=True)
+
+    for seqlen in (48, 49):
+        select(seqlen)
+    before = compiled_forms()
+    for seqlen in (32, 33, 112, 113, 208, 209):
+        select(seqlen)
+        assert compiled_forms() == before, f"a cache of {seqlen} keys compiled a new kernel"

@@ -43,7 +43,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from ..runtime.arith import ceil_div, next_power_of_2
+from ..runtime.arith import ceil_div
 from ..runtime.launch import PlannedLaunch, is_interpreted
 from ..triton_device.selection_kernels import _top_window_kernel
 from . import wavelet as _wavelet
@@ -363,17 +363,19 @@ def _top_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q) -> tuple[int, tuple]:
-    """(the int32 scratch's length, the launches) of one selection form."""
+    """(the int32 scratch's length, the launches) of one selection form. The slices are
+    about one step of ``TOP_WINDOW_BLOCK`` keys each, at most ``TOP_WINDOW_MAX_SLICES``; their
+    number is the grid's (not compiled in)."""
     digits = KEY_DIGITS[dtype]
-    block = TOP_WINDOW_BLOCK
-    slices = min(next_power_of_2(ceil_div(n, block)), TOP_WINDOW_MAX_SLICES)
+    block, most = TOP_WINDOW_BLOCK, TOP_WINDOW_MAX_SLICES
+    slices = min(ceil_div(n, block), most)
     slice_len = ceil_div(n, slices * block) * block
     launches = tuple(
         PlannedLaunch(_top_window_kernel, (rows, slices), None,
                       (n, stride_row, window, seqlen_q, slice_len), num_warps=8, num_stages=2,
-                      DIGIT=digit, DIGITS=digits, SLICES=slices, BLOCK=block)
+                      DIGIT=digit, DIGITS=digits, SLICES=most, BLOCK=block)
         for digit in range(digits + 1))
-    return digits * rows * (slices * 256 + 2), launches
+    return digits * rows * (most * 256 + 2), launches
 
 
 # -- host time on a GPU: the selection as a CUDA graph

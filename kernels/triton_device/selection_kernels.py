@@ -41,15 +41,17 @@ def _ordered_keys(bias_row, offs, n, DIGITS: tl.constexpr):
 def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
                        window, seqlen_q, slice_len, DIGIT: tl.constexpr,
                        DIGITS: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (rows, SLICES), launch ``DIGIT`` of 0..DIGITS (see the module docstring). Row r of
-    the (rows, n) bias (unit key stride, ``stride_row`` apart), 1 <= ``window`` < n; slice
-    s: keys [s x slice_len, (s + 1) x slice_len). ``hist_ptr``: (DIGITS, rows, SLICES, 256)
-    int32, then the state, (DIGITS, rows, 2) int32: the prefix of T and the keys above it
+    """Grid (rows, slices <= SLICES), launch ``DIGIT`` of 0..DIGITS (see the module
+    docstring). Row r of the (rows, n) bias (unit key stride, ``stride_row`` apart), 1 <=
+    ``window`` < n; slice s: keys [s x slice_len, (s + 1) x slice_len). The number of slices
+    is the grid's, so that lengths compile nothing new; ``SLICES`` only bounds it and spaces
+    the histograms. ``hist_ptr``: (DIGITS, rows, SLICES, 256) int32, then the state, (DIGITS, rows, 2) int32: the prefix of T and the keys above it
     before byte d, written by launch d's slice 0 for launch d + 1. The last launch writes
     int32 start (0) and end (Lq where kept, else 0), (rows, n)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     rows = tl.num_programs(0).to(tl.int64)
+    num_slices = tl.num_programs(1)
     bias_row = bias_ptr + row * stride_row
     bins = tl.arange(0, 256)
     slices = tl.arange(0, SLICES)
@@ -62,7 +64,7 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
             found = tl.load(state).to(tl.uint32)
             above = tl.load(state + 1)
         hists = tl.load(hist_ptr + (((DIGIT - 1) * rows + row) * SLICES + slices[:, None]) * 256
-                        + bins[None, :])
+                        + bins[None, :], mask=(slices < num_slices)[:, None], other=0)
         counts = tl.sum(hists, 0)
         at_or_above = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
         bin = tl.max(tl.where(above + at_or_above >= window, bins, -1), 0)
