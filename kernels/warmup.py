@@ -26,6 +26,7 @@ the first pass did not reach compiles there, serially).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,12 +36,14 @@ import torch
 
 from .interface import dmattn_func
 from .masks.intervals import KeyIntervals
-from .masks.topk import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, orders_keys, topk_intervals
+from .masks.topk import (ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, kept_union, orders_keys,
+                         topk_intervals)
 from .planning.backward_schedule import dkdv_takes_wide_tile
 from .planning.forward import interpreted
 from .planning.forward_schedule import interval_tile_rows
 from .planning.inputs import AttnShape
 from .planning.problem import Problem
+from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
 from .runtime.launch import compile_only, compiled_forms, multiprocessors
 
 MASK_FORMS = ("none", "bool", "intervals")
@@ -129,15 +132,36 @@ def threshold_lengths(lengths, threshold: int | None) -> tuple[int, ...]:
     return tuple(sorted(lengths))
 
 
+def gather_threshold(window: int, query_rows: int, is_causal: bool) -> int:
+    """The shortest cache length at which decode calls of ``query_rows`` rows under a
+    top-``window`` selection take the gather route (``gather_decode.gather_tile``: lists of at
+    most ``GATHER_MAX_KEPT_SHARE`` of the keys); every longer cache does too."""
+    kept = kept_union(window, query_rows, 2**62, is_causal)
+    threshold = math.ceil(kept / GATHER_MAX_KEPT_SHARE)
+    while kept > GATHER_MAX_KEPT_SHARE * threshold:  # the rule's own float compare decides
+        threshold += 1
+    while threshold > 1 and kept <= GATHER_MAX_KEPT_SHARE * (threshold - 1):
+        threshold -= 1
+    return threshold
+
+
 def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
                  device, mask: str, backward: bool, window: int | None,
-                 selection_heads: int | None, is_causal: bool) -> tuple[int, ...]:
+                 selection_heads: int | None, is_causal: bool,
+                 query_rows: int | None = None) -> tuple[int, ...]:
     """The lengths ``warmup`` calls at: an aligned and an unaligned length next to each of
     ``seqlens`` (``warmup_lengths``), and where those lie on both sides of a length at which
     the schedule changes, the two ends of each side (``threshold_lengths``): the ordering
     threshold with a ``window``, the forward's interval tile with interval masks
-    (``forward_schedule.interval_tile_rows``) and dkdv's wide tile with ``backward``."""
+    (``forward_schedule.interval_tile_rows``) and dkdv's wide tile with ``backward``. Decode
+    calls (``query_rows``: the lengths are the caches') change form at one cache length only,
+    with a ``window``: where they start to take the gather route (``gather_threshold``)."""
     lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
+    if query_rows is not None:
+        if window is not None:
+            lengths = list(threshold_lengths(lengths, gather_threshold(window, query_rows,
+                                                                       is_causal)))
+        return tuple(lengths)
     if window is not None:
         rows = batch * (heads_kv if selection_heads is None else selection_heads)
         lengths = list(window_lengths(lengths, window, is_causal, rows))
@@ -152,39 +176,43 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
 
 
 def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
-                backward, scattered, *, window=None, selection_heads=None, is_causal=False):
+                backward, scattered, *, window=None, selection_heads=None, is_causal=False,
+                query_rows=None):
     """(q, k, v, attn_mask, attn_bias) of one call of the form on random data: ``mask`` and
     ``bias`` as ``warmup`` takes them; a scattered mask keeps half the pairs (bool) or half the
     length per key (intervals), an unscattered one every pair. With a ``window`` (mask
     "intervals") the mask is ``topk_intervals`` of a random per-key bias of
     ``selection_heads`` heads (default ``heads_kv``) with this causality, whatever
-    ``scattered`` says: ordered or not as a model's at this length."""
+    ``scattered`` says: ordered or not as a model's at this length. ``query_rows``: the
+    call's query rows (default ``seqlen``; fewer: a decode step against a cache of
+    ``seqlen`` keys)."""
     def tensor(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=backward)
 
-    q = tensor(batch, seqlen, heads_q, head_dim)
+    rows = seqlen if query_rows is None else query_rows
+    q = tensor(batch, rows, heads_q, head_dim)
     k, v = tensor(batch, seqlen, heads_kv, head_dim), tensor(batch, seqlen, heads_kv, head_dim)
     attn_bias = None
     if bias == "kv_row":
         attn_bias = tensor(batch, heads_kv, 1, seqlen)
     elif bias == "full":
-        attn_bias = tensor(batch, heads_kv, seqlen, seqlen)
+        attn_bias = tensor(batch, heads_kv, rows, seqlen)
     attn_mask = None
     # A mask with every pair visible and a scattered one: the schedule reads the share of
     # partial tiles (dkdv's pipeline stages), so each kind compiles its own kernels.
     if mask == "bool":
-        shape = (batch, heads_kv, seqlen, seqlen)
+        shape = (batch, heads_kv, rows, seqlen)
         attn_mask = (torch.rand(shape, device=device) < 0.5 if scattered
                      else torch.ones(shape, dtype=torch.bool, device=device))
     elif mask == "intervals" and window is not None:
         heads = heads_kv if selection_heads is None else selection_heads
         selection = torch.randn(batch, heads, 1, seqlen, device=device, dtype=dtype)
-        attn_mask = topk_intervals(selection, window, seqlen_q=seqlen, is_causal=is_causal)
+        attn_mask = topk_intervals(selection, window, seqlen_q=rows, is_causal=is_causal)
     elif mask == "intervals":
         shape = (batch, heads_kv, seqlen)
-        start = (torch.randint(0, seqlen, shape, dtype=torch.int32, device=device) if scattered
+        start = (torch.randint(0, rows, shape, dtype=torch.int32, device=device) if scattered
                  else torch.zeros(shape, dtype=torch.int32, device=device))
-        attn_mask = KeyIntervals(start, start + (seqlen // 2 if scattered else seqlen))
+        attn_mask = KeyIntervals(start, start + (rows // 2 if scattered else rows))
     return q, k, v, attn_mask, attn_bias
 
 
@@ -209,8 +237,9 @@ def _check_window(window, selection_heads, mask: str, heads_q: int, heads_kv: in
 def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
            batch: int = 1, dtype: torch.dtype = torch.bfloat16, device=None,
            mask: str = "none", bias: str = "none", is_causal: bool = False,
-           backward: bool = True, workers: int | None = None, window: int | None = None,
-           selection_heads: int | None = None) -> WarmupReport:
+           backward: bool | None = None, workers: int | None = None,
+           window: int | None = None, selection_heads: int | None = None,
+           query_rows: int | None = None) -> WarmupReport:
     """Compile the kernels that calls of this form at lengths near ``seqlens`` will use.
 
     Runs one call (and its backward, with ``backward``; with interval masks then also a call
@@ -235,13 +264,20 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     ``window`` keys of largest bias (Doge) makes them: plain intervals below the ordering
     threshold (``ordering_threshold``: at least 256 and 4 windows causal, 2 windows not, and
     long enough for the order to save more than its host cost; it falls as the batch and the
-    selection's heads grow) and intervals with a key order from it on, whose calls run with the keys gathered and
-    ``is_causal`` False. Each length compiles the form of its side; where the warm-up lengths
+    selection's heads grow) and intervals with a key order from it on, whose calls run with
+    the keys gathered and ``is_causal`` False. Each length compiles the form of its side; where the warm-up lengths
     lie on both sides, the lengths next to the threshold on each side run too
     (``window_lengths``), so give the shortest and longest length as without a window.
     ``selection_heads``: the heads of the bias the window ranks, 1, ``heads_kv`` (the default:
     Doge ranks a (B, Hk, 1, L) bias) or ``heads_q`` (an order per query head, whose calls
     widen K and V to ``heads_q`` heads).
+
+    ``query_rows``: decode. The calls have this many query rows (1 to
+    ``tuning.GATHER_MAX_ROWS``: a decode step, speculative or chunked decode) against caches
+    of lengths near ``seqlens``, without a backward, as a model generates; give the shortest
+    and longest cache. With a ``window`` the caches at the length where the steps start to
+    read only the kept keys (``gather_threshold``) run too. ``backward``: also run each call's
+    backward (default: True, False with ``query_rows``).
 
     ``workers``: threads that compile at once on a GPU (default: the CPU count, at most 32);
     1 compiles each kernel when its call first launches it.
@@ -258,12 +294,23 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
         raise ValueError("warmup: seqlens is empty; give the lengths a model will call with")
     heads_kv = heads_q if heads_kv is None else heads_kv
     _check_window(window, selection_heads, mask, heads_q, heads_kv)
+    if query_rows is not None and (query_rows.__class__ is not int
+                                   or not 1 <= query_rows <= GATHER_MAX_ROWS):
+        raise ValueError(f"warmup: query_rows must be an int in [1, {GATHER_MAX_ROWS}] (a "
+                         f"decode step's rows) or None, got {query_rows!r}")
+    if backward is None:
+        backward = query_rows is None
+    elif backward.__class__ is not bool:
+        raise ValueError(f"warmup: backward must be a bool or None, got {backward!r}")
+    elif backward and query_rows is not None:
+        raise ValueError("warmup: query_rows makes decode calls, which have no backward; "
+                         "leave backward unset or False")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = call_lengths(seqlens, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
                            head_dim=head_dim, dtype=dtype, device=device, mask=mask,
                            backward=backward, window=window, selection_heads=selection_heads,
-                           is_causal=is_causal)
+                           is_causal=is_causal, query_rows=query_rows)
     if window is not None:  # the selection's mask, whatever ``scattered`` says
         variants = (True,)
     else:  # every pair visible and a scattered half
@@ -275,9 +322,10 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
                 q, k, v, attn_mask, attn_bias = form_inputs(
                     batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
                     backward, scattered, window=window, selection_heads=selection_heads,
-                    is_causal=is_causal)
-                out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
-                                  is_causal=is_causal)
+                    is_causal=is_causal, query_rows=query_rows)
+                with torch.set_grad_enabled(backward):
+                    out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
+                                      is_causal=is_causal)
                 if backward:
                     out.backward(torch.ones_like(out))
                 if backward and mask == "intervals":

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import KeyIntervals, compiled_forms, dmattn_func, warmup
+from kernels import KeyIntervals, compiled_forms, dmattn_func, schedule_for, warmup
 from kernels.runtime import launch as _launch
 from kernels import topk_intervals
 from kernels.planning.inputs import AttnShape
@@ -307,3 +307,48 @@ def test_the_decode_selection_compiles_nothing_at_new_cache_lengths(device, monk
     for seqlen in (32, 33, 112, 113, 208, 209):
         select(seqlen)
         assert compiled_forms() == before, f"a cache of {seqlen} keys compiled a new kernel"
+
+
+@pytest.mark.parametrize("query_rows", [1, 4])
+def test_a_decode_warmup_leaves_nothing_to_compile_as_the_cache_grows(device, monkeypatch,
+                                                                    query_rows):
+    """``warmup(query_rows=...)`` runs decode steps (the top-W selection of a kv_row bias,
+    then the call, no backward) at the shortest and longest cache, and at the cache length
+    where the steps start to take the gather route: steps at caches between, on both sides
+    of that length, compile nothing."""
+    from kernels.warmup import gather_threshold
+
+    window = 16
+    threshold = gather_threshold(window, query_rows, True)
+    assert threshold == 8 * (window + query_rows - 1)
+    monkeypatch.setattr(importlib.import_module("kernels.masks.topk"), "TOP_WINDOW_BLOCK", 16)
+    report = warmup(seqlens=[64, 400], heads_q=HEADS_Q, heads_kv=HEADS_KV, head_dim=HEAD_DIM,
+                    dtype=torch.float32, device=device, mask="intervals", bias="kv_row",
+                    is_causal=True, window=window, query_rows=query_rows)
+    assert {threshold - 1, threshold} <= set(report.seqlens)
+    generator = torch.Generator().manual_seed(7)
+    before = compiled_forms()
+    routes = set()
+    for seqlen in (80, 81, threshold - 16, threshold + 16, threshold + 17, 333):
+        q = torch.randn(1, query_rows, HEADS_Q, HEAD_DIM, generator=generator).to(device)
+        k, v = (torch.randn(1, seqlen, HEADS_KV, HEAD_DIM, generator=generator).to(device)
+                for _ in range(2))
+        bias = torch.randn(1, HEADS_KV, 1, seqlen, generator=generator).to(device)
+        chosen = topk_intervals(bias, window, seqlen_q=query_rows, is_causal=True)
+        dmattn_func(q, k, v, chosen, bias, is_causal=True)
+        assert compiled_forms() == before, f"a decode step at a cache of {seqlen} compiled"
+        # (schedule_for reads the intervals with a pass of its own, a form a step never runs)
+        routes.add(schedule_for(q, k, v, chosen, bias, is_causal=True,
+                                for_backward=False).forward.route)
+        before = compiled_forms()
+    assert routes == {"triton", "gather"}
+
+
+def test_a_decode_warmup_names_bad_arguments():
+    for rows in (0, 17, True, 1.0):
+        with pytest.raises(ValueError, match="query_rows must be an int in"):
+            warmup(seqlens=[64], heads_q=2, head_dim=32, query_rows=rows)
+    with pytest.raises(ValueError, match="decode calls, which have no backward"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, query_rows=1, backward=True)
+    with pytest.raises(ValueError, match="backward must be a bool or None"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, backward=1)
