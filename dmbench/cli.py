@@ -423,12 +423,14 @@ def compile_cost_command(
         warmup_workers: Annotated[Optional[int], typer.Option("--warmup-workers", help="Threads the warm-up compiles with on a GPU (default: the CPU count, at most 32; 1 = one kernel at a time).")] = None,
         require_zero: Annotated[bool, typer.Option("--require-zero", help="Exit 1 if a call after the warm-up (or after the first call) compiled a kernel.")] = False,
         window: Annotated[Optional[int], typer.Option("--window", help="The intervals form as a top-W model's (Doge's): topk_intervals of a random per-key bias with this window, key-ordered from max(256, 4W) causal (2W not); the warm-up gets the window too. Rows' mask: topk<W>.")] = None,
+        query_rows: Annotated[Optional[int], typer.Option("--query-rows", help="Decode: calls of this many query rows (1-16) against caches of the --lengths, forward only, as a model generates; the warm-up makes the same calls.")] = None,
         device: DeviceOpt = "auto",
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/compile-cost.csv).")] = None,
         force: ForceOpt = False):
     """First-call latency and kernels compiled at each new sequence length, per mask form."""
     from .case import parse_pair
-    from .compile_cost import BIASES, MASKS, CostOptions, parse_lengths, run_compile_cost
+    from .compile_cost import (BIASES, MASKS, MAX_QUERY_ROWS, CostOptions, parse_lengths,
+                               run_compile_cost)
     from .problem import TORCH_DTYPES
     from .train import parse_list
 
@@ -450,9 +452,11 @@ def compile_cost_command(
             raise ConfigError(f"--window: expected a positive number of keys, got {window}")
         if window is not None and "intervals" not in mask_forms:
             raise ConfigError(f"--window: applies to the intervals mask form, which --masks {masks!r} leaves out")
+        if query_rows is not None and not 1 <= query_rows <= MAX_QUERY_ROWS:
+            raise ConfigError(f"--query-rows: expected a decode step's query rows, 1 to {MAX_QUERY_ROWS}, got {query_rows}")
         opts = CostOptions(
             lengths=parse_lengths(lengths) if lengths is not None else CostOptions.lengths,
-            masks=mask_forms, bias=bias, window=window,
+            masks=mask_forms, bias=bias, window=window, query_rows=query_rows,
             batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
             causal=causal, warmup=warmup, warmup_workers=warmup_workers,
             require_zero=require_zero, device=device, out=out, force=force)

@@ -11,6 +11,9 @@ needed that no earlier call had (``kernels.compiled_forms``, also under the inte
 form is a top-W model's (Doge's): its masks are ``topk_intervals`` of a random per-key bias
 (B, Hk, 1, L) with that window, key-ordered from the ordering threshold on, the warm-up gets
 the same window (``kernels.warmup(window=...)``), and its rows' ``mask`` reads ``topk<W>``.
+With ``query_rows`` the calls are decode steps: that many query rows against caches of the
+given lengths, forward only (the warm-up makes the same calls: ``kernels.warmup(query_rows=
+...)``); a row's ``seqlen`` is then the cache's length and ``query_rows`` says so.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .problem import TORCH_DTYPES
 from .results import csv_cell
 
 MASKS = ("none", "bool", "intervals")
+MAX_QUERY_ROWS = 16  # decode's gather route takes up to this many (kernels' GATHER_MAX_ROWS)
 BIASES = ("none", "kv_row")
 # 20 lengths from 1000 to 8000: a mix of multiples of 16 and not, as dynamic padding makes.
 DEFAULT_LENGTHS = (1000, 1001, 1024, 1500, 2049, 3000, 1100, 1337, 2048, 2500, 3333, 4000,
@@ -52,6 +56,7 @@ class CostOptions:
     warmup: bool = False
     warmup_workers: int | None = None  # kernels.warmup's default
     window: int | None = None  # the interval form as topk_intervals with this window
+    query_rows: int | None = None  # decode steps of this many query rows, forward only
     require_zero: bool = False
     device: str = "auto"
     out: Path | None = None
@@ -64,6 +69,7 @@ class CostRow:
     bias: str
     step: str  # "warmup", or "call" (the first call at this length)
     seqlen: int
+    query_rows: int | None  # decode calls' query rows (seqlen: the cache); None: seqlen rows
     first_host_ms: float | None
     first_ms: float
     second_ms: float | None
@@ -128,9 +134,10 @@ def form_name(opts: CostOptions, mask: str) -> str:
 
 
 class _Call:
-    """One forward and backward of a form at a length, on fresh random inputs: those of
-    ``kernels.warmup``'s scattered call (a bool mask keeping half the pairs, or intervals of
-    half the length, or with a window the top-W intervals of a random per-key bias)."""
+    """One forward and backward (a decode step: the forward alone) of a form at a length, on
+    fresh random inputs: those of ``kernels.warmup``'s scattered call (a bool mask keeping half
+    the pairs, or intervals of half the length, or with a window the top-W intervals of a
+    random per-key bias)."""
 
     def __init__(self, opts: CostOptions, mask: str, device: torch.device):
         self.opts, self.mask, self.device = opts, mask, device
@@ -141,8 +148,9 @@ class _Call:
         o = self.opts
         return form_inputs(o.batch, seqlen, o.heads_q, o.heads_kv, o.head_dim,
                            TORCH_DTYPES[o.dtype], self.device, self.mask, o.bias,
-                           backward=True, scattered=True, window=form_window(o, self.mask),
-                           is_causal=o.causal)
+                           backward=o.query_rows is None, scattered=True,
+                           window=form_window(o, self.mask), is_causal=o.causal,
+                           query_rows=o.query_rows)
 
     def timed(self, seqlen: int) -> tuple[float, float]:
         """(host ms until the backward returns, wall ms to the end of the GPU work)."""
@@ -151,9 +159,12 @@ class _Call:
         q, k, v, attn_mask, bias = self.inputs(seqlen)
         self._sync()
         start = time.perf_counter()
-        out = kernels.dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=bias,
-                                  is_causal=self.opts.causal)
-        out.backward(torch.ones_like(out))
+        decode = self.opts.query_rows is not None
+        with torch.set_grad_enabled(not decode):
+            out = kernels.dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=bias,
+                                      is_causal=self.opts.causal)
+        if not decode:
+            out.backward(torch.ones_like(out))
         host = time.perf_counter() - start
         self._sync()
         return host * 1e3, (time.perf_counter() - start) * 1e3
@@ -203,9 +214,10 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
                     heads_kv=opts.heads_kv, head_dim=opts.head_dim, batch=opts.batch,
                     dtype=TORCH_DTYPES[opts.dtype], device=device, mask=mask, bias=opts.bias,
                     is_causal=opts.causal, workers=opts.warmup_workers,
-                    window=form_window(opts, mask))
+                    window=form_window(opts, mask), query_rows=opts.query_rows)
                 compiled, triton_compiled = _since(before)
                 emit(CostRow(mask=name, step="warmup", seqlen=max(report.seqlens),
+                             query_rows=opts.query_rows,
                              first_host_ms=None, first_ms=report.seconds * 1e3, second_ms=None,
                              compiled=compiled, triton_compiled=triton_compiled,
                              warmup_workers=report.workers, **common))
@@ -216,7 +228,8 @@ def run_compile_cost(opts: CostOptions, echo: Callable[[str], None]) -> ExitCode
                 _, second_ms = call.timed(seqlen)
                 if opts.warmup or index > 0:
                     compiled_after_warmup += compiled + (triton_compiled or 0)
-                emit(CostRow(mask=name, step="call", seqlen=seqlen, first_host_ms=host_ms,
+                emit(CostRow(mask=name, step="call", seqlen=seqlen, query_rows=opts.query_rows,
+                             first_host_ms=host_ms,
                              first_ms=first_ms, second_ms=second_ms, compiled=compiled,
                              triton_compiled=triton_compiled, warmup_workers=None, **common))
     echo(f"wrote {len(rows)} rows to {out}")

@@ -42,6 +42,24 @@ def test_window_makes_the_interval_form_top_w(tmp_path, device):
     assert all(row["compiled"] == "0" for row in rows[1:])
 
 
+def test_query_rows_time_decode_steps_against_growing_caches(tmp_path, device):
+    """--query-rows: each call is a decode step (one query row against a cache of the
+    length, the top-W selection inside, forward only) and the warm-up makes the same steps:
+    caches on both sides of the gather route's threshold (8 W here) compile nothing after it."""
+    out = tmp_path / "cost.csv"
+    result = runner.invoke(app, ["compile-cost", *TINY, "--device", device.type,
+                                 "--lengths", "40,70,71,90", "--window", "8",
+                                 "--query-rows", "1", "--warmup", "--require-zero",
+                                 "--out", str(out)])
+    assert result.exit_code == ExitCode.OK, result.output
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["step"], row["seqlen"], row["query_rows"]) for row in rows] == [
+        ("warmup", "90", "1"), ("call", "40", "1"), ("call", "70", "1"), ("call", "71", "1"),
+        ("call", "90", "1")]
+    assert int(rows[0]["compiled"]) > 0
+    assert all(row["compiled"] == "0" for row in rows[1:])
+
+
 def test_require_zero_fails_when_a_new_length_compiles(tmp_path, device):
     # Without a warm-up, 40 follows 32: the bias's head stride (the length) is a multiple of
     # 16 at 32 and not at 40, so 40's first call compiles the unaligned variant.
@@ -57,7 +75,8 @@ def test_require_zero_fails_when_a_new_length_compiles(tmp_path, device):
 def test_bad_flags_exit_2(tmp_path):
     for flags, named in ((["--lengths", "12,x"], "--lengths"), (["--masks", "dense"], "--masks"),
                          (["--heads", "3/2"], "--heads"), (["--heads", "16:4"], "--heads"), (["--heads", "0/4"], "--heads"), (["--bias", "none,kv_row"], "--bias"), (["--dtype", "fp8"], "--dtype"),
-                         (["--window", "0"], "--window"), (["--masks", "bool", "--window", "8"], "--window")):
+                         (["--window", "0"], "--window"), (["--masks", "bool", "--window", "8"], "--window"),
+                         (["--query-rows", "0"], "--query-rows"), (["--query-rows", "17"], "--query-rows")):
         result = runner.invoke(app, ["compile-cost", *flags,
                                      "--out", str(tmp_path / "cost.csv")])
         assert result.exit_code == ExitCode.USAGE, (flags, result.output)
