@@ -56,12 +56,13 @@ from .packed_seqlens import PackedKeys, check_cu_seqlens
 # row is cut into, and the 8-bit digits (from the top of a float32's ordered bits) that tell
 # a dtype's values apart: bfloat16 has 16 bits, float16 19 (its 10 mantissa bits sit 13
 # above float32's lowest). One program per row walking it whole took 77 us at B8 Hk8 Lk32768
-# (H200): ~3 us a step of 4096 keys.
+# (H200): ~3 us a step of 4096 keys; 16 slices of 2048 keys, 49 us for the three launches.
 TOP_WINDOW_BLOCK = 2048
 TOP_WINDOW_MAX_SLICES = 32
 # The selection's launches, planned per form (rows, length, row stride, dtype, device, window,
-# query rows), the least recently made dropped first: planning a launch per call cost ~25 us
-# of host time each.
+# query rows), the least recently made dropped first: ``runtime.launch`` plans every call's
+# launch anew, host time a kept plan skips (not measured apart: the whole eager select step
+# read 157-176 us of host time on the H200's host either way, noisily).
 MAX_WINDOW_FORMS = 16
 _window_launches: OrderedDict = OrderedDict()
 KEY_DIGITS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}
@@ -391,8 +392,8 @@ def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q) -> tuple[int,
 # bias elements are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate,
 # and at most MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture
 # fails runs the ops directly from then on. The one-window form (``_one_window``: one query
-# row, or no causality) is never captured: its five launches cost less than a replay's
-# copies in and out. A graph is made on a thread of its own
+# row, or no causality) is never captured: its three to five launches (by dtype) cost less
+# than a replay's copy in and copies out. A graph is made on a thread of its own
 # (``_made_apart``).
 GRAPH_MAX_ELEMENTS = 1 << 20
 MAX_GRAPHS = 4
