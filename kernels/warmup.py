@@ -41,6 +41,7 @@ from .masks.topk import (ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, kept_union, 
 from .planning.backward_schedule import dkdv_takes_wide_tile
 from .planning.forward import interpreted
 from .planning.forward_schedule import interval_tile_rows
+from .planning.gather_decode import lists_pay
 from .planning.inputs import AttnShape
 from .planning.problem import Problem
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
@@ -134,13 +135,13 @@ def threshold_lengths(lengths, threshold: int | None) -> tuple[int, ...]:
 
 def gather_threshold(window: int, query_rows: int, is_causal: bool) -> int:
     """The shortest cache length at which decode calls of ``query_rows`` rows under a
-    top-``window`` selection take the gather route (``gather_decode.gather_tile``: lists of at
-    most ``GATHER_MAX_KEPT_SHARE`` of the keys); every longer cache does too."""
+    top-``window`` selection take the gather route (``gather_decode.lists_pay``); every longer
+    cache does too."""
     kept = kept_union(window, query_rows, 2**62, is_causal)
-    threshold = math.ceil(kept / GATHER_MAX_KEPT_SHARE)
-    while kept > GATHER_MAX_KEPT_SHARE * threshold:  # the rule's own float compare decides
+    threshold = math.ceil(kept / GATHER_MAX_KEPT_SHARE)  # then the rule's own compare decides
+    while not lists_pay(kept, threshold):
         threshold += 1
-    while threshold > 1 and kept <= GATHER_MAX_KEPT_SHARE * (threshold - 1):
+    while threshold > 1 and lists_pay(kept, threshold - 1):
         threshold -= 1
     return threshold
 
@@ -265,8 +266,9 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     threshold (``ordering_threshold``: at least 256 and 4 windows causal, 2 windows not, and
     long enough for the order to save more than its host cost; it falls as the batch and the
     selection's heads grow) and intervals with a key order from it on, whose calls run with
-    the keys gathered and ``is_causal`` False. Each length compiles the form of its side; where the warm-up lengths
-    lie on both sides, the lengths next to the threshold on each side run too
+    the keys gathered and ``is_causal`` False. Each length compiles the form of its side;
+    where the warm-up lengths lie on both sides, the lengths next to the threshold on each
+    side run too
     (``window_lengths``), so give the shortest and longest length as without a window.
     ``selection_heads``: the heads of the bias the window ranks, 1, ``heads_kv`` (the default:
     Doge ranks a (B, Hk, 1, L) bias) or ``heads_q`` (an order per query head, whose calls

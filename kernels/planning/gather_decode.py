@@ -116,6 +116,12 @@ def pack_of(problem: Problem) -> int:
     return group if problem.mask.shared_by(group) else 1
 
 
+def lists_pay(capacity: int, seqlen_k: int) -> bool:
+    """Whether lists of at most ``capacity`` of ``seqlen_k`` keys are short enough for the
+    route to take a call unforced: at most ``tuning.GATHER_MAX_KEPT_SHARE`` of the keys."""
+    return capacity <= tuning.GATHER_MAX_KEPT_SHARE * seqlen_k
+
+
 def gather_tile(problem: Problem, forced: bool = False) -> GatherTile | None:
     """The gather route's launch where the forward takes it, else None. Unforced, it takes it
     where the lists are bounded (``KeyIntervals.max_kept``) to at most
@@ -123,7 +129,7 @@ def gather_tile(problem: Problem, forced: bool = False) -> GatherTile | None:
     if gather_gap(problem) is not None:
         return None
     capacity = kept_bound(problem)
-    if not forced and capacity > tuning.GATHER_MAX_KEPT_SHARE * problem.shape.seqlen_k:
+    if not forced and not lists_pay(capacity, problem.shape.seqlen_k):
         return None
     shape = problem.shape
     pack = pack_of(problem)

@@ -45,8 +45,9 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
     docstring). Row r of the (rows, n) bias (unit key stride, ``stride_row`` apart), 1 <=
     ``window`` < n; slice s: keys [s x slice_len, (s + 1) x slice_len). The number of slices
     is the grid's, so that lengths compile nothing new; ``SLICES`` only bounds it and spaces
-    the histograms. ``hist_ptr``: (DIGITS, rows, SLICES, 256) int32, then the state, (DIGITS, rows, 2) int32: the prefix of T and the keys above it
-    before byte d, written by launch d's slice 0 for launch d + 1. The last launch writes
+    the histograms. ``hist_ptr``: (DIGITS, rows, SLICES, 256) int32, then the state,
+    (DIGITS, rows, 2) int32: the prefix of T and the keys above it before byte d, written by
+    launch d's slice 0 for launch d + 1. The last launch writes
     int32 start (0) and end (Lq where kept, else 0), (rows, n)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
