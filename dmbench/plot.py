@@ -65,6 +65,7 @@ BACKEND_STYLE = {
     "sdpa-dense": ("tab:gray", "^"),
     "flex": ("tab:green", "D"),
     "fdma": ("tab:red", "v"),
+    "fa4": ("tab:purple", "*"),
     "reference": ("tab:brown", "x"),
     "triton-base": ("tab:cyan", "P"),
     "triton-select": ("darkblue", "p"),

@@ -5,7 +5,7 @@ README and the full per-case tables for the GPU's folder.
 that the text around them is untouched:
 
 * the headline, in ``README.md``: per sweep and mode, how many cases we run faster than every
-  peer (sdpa with a mask, flex, fdma), the range of our ratio to the best peer, how many cases
+  peer (sdpa with a mask, flex, fdma, fa4), the range of our ratio to the best peer, how many cases
   are at least twice as fast as fdma; then the TFLOP/s floors of rows with no mask and no bias,
   and whether block-sparse time falls as the targets ask, and how many rows are still behind
   a peer, by what bounds them. Each target is stated in ``docs/TARGETS.md``.
@@ -41,7 +41,7 @@ from .collected import (TIMED_MODES, Collected, case_label, collect, other_comma
 from .errors import ConfigError
 from .results import Row
 
-SHOWN = ("triton", "triton-select", "triton-base", "sdpa", "flex", "fdma", "sdpa-dense",
+SHOWN = ("triton", "triton-select", "triton-base", "sdpa", "flex", "fdma", "fa4", "sdpa-dense",
          "reference")
 # Our kernels from another checkout (an A/B of two kernel versions), not a peer.
 BASELINE = "triton-base"
@@ -159,7 +159,7 @@ def headline_markdown(collected: Collected, tables_link: str | None = None) -> s
     else:
         parts += [f"Against the targets ({TARGETS_DOC}), per mode: the cases where we are faster "
                   "than every peer, and (min – max) the best peer's median time (sdpa with its "
-                  "float mask, flex or fdma, whichever is fastest) divided by ours, so above 1 "
+                  "float mask, flex, fdma or fa4, whichever is fastest) divided by ours, so above 1 "
                   "means we are faster.", ""]
         parts += targets_markdown(collected)
         parts += sparsity_lines(collected.rows)
@@ -303,7 +303,7 @@ def tables_markdown(collected: Collected) -> str:
                      "backend.")
     else:
         parts.append("Median milliseconds, lower is better; **vs best peer** is the fastest of "
-                     "sdpa (float mask), flex and fdma that has a row, divided by ours (above 1 "
+                     "sdpa (float mask), flex, fdma and fa4 that has a row, divided by ours (above 1 "
                      "means we are faster), with that peer named; a dash means no row for that "
                      "backend. sdpa-dense (no mask, no bias) is the dense ceiling, not a peer.")
     parts += baseline_markdown(collected)

@@ -15,6 +15,7 @@ becomes an ``error`` row whose detail starts ``cuda graph capture:``, and the sw
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -102,7 +103,9 @@ class CallSetup:
 
 
 def _timed_call(backend: Backend, problem: Problem, mode: str):
-    """(zero-arg function to time, its ``CallSetup``). Everything else happens here, untimed."""
+    """(zero-arg function to time, its ``CallSetup``). Everything else happens here, untimed:
+    for a backend that names its kernels (``Backend.route_record``), the forward a gradient
+    mode needs and one run of the function are logged."""
     grad = mode != "fwd"
     with torch.no_grad():
         adapted = backend.adapt(problem)
@@ -112,16 +115,26 @@ def _timed_call(backend: Backend, problem: Problem, mode: str):
             adapted[name] = adapted[name].detach().requires_grad_(grad)
             leaves.append(adapted[name])
     bound = backend.bind(adapted, problem.case, want_lse=False)
-    setup = CallSetup([s for s in (problem.mask_build if backend.takes_mask else None,
-                                   adapted.get("build"), bound.build) if s is not None],
-                      bound.kernel)
-    if mode == "fwd":
-        return bound.call, setup
-    out = bound.call()[0]
-    dout = torch.randn_like(out)
-    if mode == "bwd":
-        return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), setup
-    return (lambda: torch.autograd.grad(bound.call()[0], leaves, dout)), setup
+    steps = [s for s in (problem.mask_build if backend.takes_mask else None,
+                         adapted.get("build"), bound.build) if s is not None]
+    record = backend.route_record()
+    with record if record is not None else contextlib.nullcontext():
+        if mode == "fwd":
+            fn = bound.call
+        else:
+            out = bound.call()[0]
+            dout = torch.randn_like(out)
+            if mode == "bwd":
+                def fn():
+                    return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+            else:
+                def fn():
+                    return torch.autograd.grad(bound.call()[0], leaves, dout)
+        if record is not None:
+            fn()
+    routes = record.describe() if record is not None else ""
+    kernel = "; ".join(part for part in (bound.kernel, routes and f"routes: {routes}") if part)
+    return fn, CallSetup(steps, kernel)
 
 
 def _apply_check(row: Row, result: CheckResult, mode: str) -> None:

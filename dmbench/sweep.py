@@ -94,7 +94,7 @@ CASE_KEYS = ("batch", "heads", "seqlen", "head_dim", "window", "causal", "dtype"
              "mask_shape", "mask_format", "documents", "bias", "seed")
 REQUIRED_CASE_KEYS = ("batch", "heads", "seqlen", "head_dim")
 TOP_KEYS = ("name", "description", "backends", "timing", "check", "defaults", "grid", "cases")
-DEFAULT_BACKENDS = ("triton", "sdpa", "sdpa-dense", "flex", "fdma")
+DEFAULT_BACKENDS = ("triton", "sdpa", "sdpa-dense", "flex", "fdma", "fa4")
 
 
 class _Where:

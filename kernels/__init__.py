@@ -9,6 +9,7 @@ either as ``attn_mask``. ``dmattn_varlen_func`` takes flash-attn's packed (varle
 ``schedule_for`` shows what a call will run (``kernels.schedule``). ``attention_reference`` is
 the eager ground truth and ``tolerance`` the accuracy rule. ``warmup`` compiles ahead the
 kernels a model's calls will need; ``compiled_forms`` counts the compiles so far.
+``record_routes`` names the kernels (forward and backward routes) the calls inside it took.
 """
 
 from . import tolerance
@@ -19,10 +20,11 @@ from .planning import schedule
 from .prepared import PreparedMask, prepare_mask
 from .reference import attention_reference, attention_varlen_reference
 from .runtime.launch import compiled_forms
+from .runtime.routes import RouteLog, record_routes
 from .varlen import dmattn_varlen_func
 from .warmup import WarmupReport, warmup
 
 __all__ = ["dmattn_func", "triton_dmattn_func", "dmattn_varlen_func", "prepare_mask",
            "PreparedMask", "KeyIntervals", "topk_intervals", "attention_reference",
            "attention_varlen_reference", "schedule_for", "schedule", "tolerance", "warmup",
-           "WarmupReport", "compiled_forms"]
+           "WarmupReport", "compiled_forms", "record_routes", "RouteLog"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from attn_helpers import (Dims, forcing, random_mask, random_qkv, run_backward, run_forward)
-from kernels import dmattn_func, schedule_for
+from kernels import dmattn_func, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.hopper_forward import hopper_gap
 from kernels.planning.inputs import AttnShape
@@ -193,7 +193,17 @@ def _count_hopper_launches(monkeypatch) -> list:
     return launched
 
 
-HOPPER = forcing(forward_route="hopper")
+FORCED = forcing(forward_route="hopper")
+
+
+def HOPPER(*args, **kwargs):
+    """``dmattn_func`` forced onto the Hopper route, failing unless every forward it ran
+    launched the Hopper kernel (a silent fallback to the Triton launch fails the test)."""
+    with record_routes() as routes:
+        result = FORCED(*args, **kwargs)
+    assert routes.forward and set(routes.forward) == {"hopper"}, (
+        f"the forced call ran {routes.describe() or 'no forward'}")
+    return result
 
 SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D)
     (1, 1, 1, 1, 1, 64),
@@ -231,7 +241,9 @@ def test_the_default_route_on_hopper_is_the_hopper_forward(device):
     dims = Dims(1, tuning.HOPPER_FORWARD_MIN_QUERIES, 700, 4, 2, 128)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     assert schedule_for(q, k, v).forward.route == "hopper"
-    run_forward(q, k, v, causal=True)
+    with record_routes() as routes:
+        run_forward(q, k, v, causal=True)
+    assert set(routes.forward) == {"hopper"}
 
 
 @pytest.mark.hopper
@@ -243,8 +255,10 @@ def test_an_unaligned_address_runs_the_triton_launch(device, monkeypatch):
     assert launched == [1]
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)[1:].view(q.shape)
     shifted.copy_(q)  # 2 bytes past a 16-byte boundary, strides unchanged
-    run_forward(shifted, k, v, func=HOPPER)
+    with record_routes() as routes:
+        run_forward(shifted, k, v, func=FORCED)
     assert launched == [1]
+    assert set(routes.forward) == {"triton"}
 
 
 @pytest.mark.hopper
@@ -261,7 +275,9 @@ def test_a_mask_keeps_the_triton_route_under_the_default(device):
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     mask = random_mask((1, 1, 1024, 1024), device)
     assert schedule_for(q, k, v, mask).forward.route == "triton"
-    run_forward(q, k, v, mask)
+    with record_routes() as routes:
+        run_forward(q, k, v, mask)
+    assert set(routes.forward) == {"triton"}
 
 
 @pytest.mark.hopper
@@ -320,7 +336,9 @@ def test_warmup_compiles_the_hopper_forward_for_every_length_between(device):
     for length in (1100, 1537, 2048, 2999):
         q, k, v = random_qkv(Dims(1, length, length, 4, 2, 128), torch.bfloat16, device)
         assert schedule_for(q, k, v, is_causal=True).forward.route == "hopper"
-        run_backward(q, k, v, causal=True)
+        with record_routes() as routes:
+            run_backward(q, k, v, causal=True)
+        assert set(routes.forward) == {"hopper"}
     assert compiled_forms() == before
 
 

@@ -17,7 +17,9 @@ mask, plus what the backend makes of it, each step timed once after a warm-up ru
 (``timing.BuildStep``): a float mask or a dense expansion of intervals in ``adapt`` (the
 ``"build"`` key of its dict), a prepared mask or a block mask in ``bind`` (``Bound.build``).
 An ok row's ``detail`` names the steps and their times, then ``Bound.kernel`` where the backend
-sets it (sdpa: the kernel torch's dispatcher picked, e.g. ``sdpa kernel: cudnn``).
+sets it (sdpa: the kernel torch's dispatcher picked, e.g. ``sdpa kernel: cudnn``), then what
+``route_record`` logged of the point's untimed forward and one untimed run of the timed call
+(ours: the routes its forward and backward took, ``routes: forward hopper; backward fused``).
 
 Backends that take only dense masks (sdpa, fdma, reference) get intervals expanded
 (``mask_views.dense_mask``); ``dense_bytes`` is a lower bound on what their dense tensors need,
@@ -85,6 +87,12 @@ class Backend:
             return None
         return (f"{self.name}'s dense (Lq, Lk) tensors need at least {need / 2**30:.1f} GiB in "
                 f"{mode}; the device has {total / 2**30:.1f} GiB")
+
+    def route_record(self):
+        """None, or a context manager whose log (``describe()``) names the kernels the calls
+        made inside it took: the runner makes a point's untimed calls inside it, for the row's
+        detail."""
+        return None
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         p = problem

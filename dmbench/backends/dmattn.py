@@ -85,6 +85,13 @@ class TritonBackend(Backend):
 
         return kernels
 
+    def route_record(self):
+        """``kernels.record_routes()``: the routes the calls took as the launchers report them
+        (``forward hopper; backward fused``); None for kernels without it (an older
+        ``triton-base`` checkout)."""
+        record = getattr(self.kernels(), "record_routes", None)
+        return record() if record is not None else None
+
     def _bind_varlen(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
         dmattn_varlen_func = self.kernels().dmattn_varlen_func
 

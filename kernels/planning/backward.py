@@ -17,6 +17,7 @@ import torch
 
 from ..runtime.arith import LOG2E, ceil_div, contiguous_strides
 from ..runtime.launch import PlannedLaunch, dot_options
+from ..runtime.routes import note_route, recording
 from ..runtime.scratch import Scratch, graph_capturing
 from ..triton_device.backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from ..triton_device.backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
@@ -72,6 +73,7 @@ class BackwardPlan:
 
     def __init__(self, fwd, bwd: BackwardSchedule, grad_out, query, key, value, dq, dk, dv,
                  activity: ActivityMap | None = None):
+        self.route = str(bwd.route)  # fused or dq+dkdv, as kernels.record_routes names it
         shape = fwd.shape
         problem = fwd.schedule.problem
         block_d = problem.block_d
@@ -253,5 +255,7 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
         plan_class = PackedBackwardPlan if bwd.route is BackwardRoute.PACKED else BackwardPlan
         plan = plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
         fwd.backward_plans[signature] = plan
+    if recording():
+        note_route("backward", plan.route)
     dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv, activity)
     return dq, dk, dv, dbias

@@ -21,6 +21,8 @@ class PackedBackwardPlan:
     """A Schedule's packed backward for one forward plan and gradient signature; the same
     ``run`` as ``backward.BackwardPlan``."""
 
+    route = "packed"  # as kernels.record_routes names it
+
     def __init__(self, fwd, bwd: BackwardSchedule, grad_out, query, key, value, dq, dk, dv,
                  activity=None):
         shape = fwd.shape
