@@ -15,12 +15,12 @@ kernels a model's calls will need; ``compiled_forms`` counts the compiles so far
 from . import tolerance
 from .interface import dmattn_func, schedule_for, triton_dmattn_func
 from .masks.intervals import KeyIntervals
-from .masks.topk import topk_intervals
 from .planning import schedule
 from .prepared import PreparedMask, prepare_mask
 from .reference import attention_reference, attention_varlen_reference
 from .runtime.launch import compiled_forms
 from .runtime.routes import RouteLog, record_routes
+from .topk_ops import topk_intervals
 from .varlen import dmattn_varlen_func
 from .warmup import WarmupReport, warmup
 

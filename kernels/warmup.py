@@ -36,8 +36,7 @@ import torch
 
 from .interface import dmattn_func
 from .masks.intervals import KeyIntervals
-from .masks.topk import (ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, kept_union, orders_keys,
-                         topk_intervals)
+from .masks.topk import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, kept_union, orders_keys
 from .planning.backward_schedule import dkdv_takes_wide_tile
 from .planning.forward import interpreted
 from .planning.forward_schedule import interval_tile_rows
@@ -46,6 +45,7 @@ from .planning.inputs import AttnShape
 from .planning.problem import Problem
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
 from .runtime.launch import compile_only, compiled_forms, multiprocessors
+from .topk_ops import topk_intervals
 
 MASK_FORMS = ("none", "bool", "intervals")
 BIAS_FORMS = ("none", "kv_row", "full")

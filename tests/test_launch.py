@@ -32,7 +32,7 @@ def test_compile_form_forgets_lengths_and_keeps_what_pays():
     compiled for as all multiples of 16 or as unknown; kept fields (the lengths among them)
     stay as they are, which Triton then compiles for by class."""
     from kernels.runtime.launch import UNKNOWN_INT, compile_form, specialization
-    from kernels.triton_device.operands import Layout, ListStrides, SeqStrides, Sizes
+    from kernels.planning.operands import Layout, ListStrides, SeqStrides, Sizes
 
     unknown = UNKNOWN_INT
     assert compile_form(Sizes(16, 4, 1000, 1024)) == Sizes(16, 4, 1000, 1024)
@@ -85,7 +85,7 @@ def test_planned_launch_hands_the_launcher_plain_tuples():
     slow path (13 against 9 us per launch on the H100 host), so a plan passes plain tuples,
     with the same values in the same nesting."""
     from kernels.runtime.launch import _plain
-    from kernels.triton_device.operands import BackwardLayouts, Layout, ListStrides, Sizes
+    from kernels.planning.operands import BackwardLayouts, Layout, ListStrides, Sizes
 
     layouts = BackwardLayouts(Layout(1, 2, 3, 4, 5), Layout(6, 7, 8, 9, 10),
                               Layout(0, 0, 0, 0, 1), ListStrides(1, 2, 3), ListStrides(4, 5, 6))

@@ -256,7 +256,8 @@ def test_repeated_forms_replay_a_graph_with_the_direct_bits(device, monkeypatch)
     one-window form (no causality, or one query row) is never captured, and off the GPU
     nothing is kept."""
     tk = importlib.import_module("kernels.masks.topk")
-    monkeypatch.setattr(tk, "_graphs", type(tk._graphs)())
+    face = importlib.import_module("kernels.topk_ops")
+    monkeypatch.setattr(face, "_graphs", type(face._graphs)())
     generator = torch.Generator().manual_seed(5)
     for call in range(6):  # per form: captured and replayed, then replayed
         bias = torch.randn(2, 3, 1, 300, generator=generator).to(device)
@@ -266,9 +267,9 @@ def test_repeated_forms_replay_a_graph_with_the_direct_bits(device, monkeypatch)
         start, end = tk._rows_direct(bias.reshape(6, 300), window, 250, is_causal)
         assert torch.equal(got.start, start.reshape(2, 3, 300)), f"call {call}: start"
         assert torch.equal(got.end, end.reshape(2, 3, 300)), f"call {call}: end"
-    kept = list(tk._graphs.values())
+    kept = list(face._graphs.values())
     if device.type == "cuda":  # two causal forms (windows 40 and 41): two graphs
-        assert len(kept) == 2 and all(isinstance(g, tk._SelectionGraph) for g in kept)
+        assert len(kept) == 2 and all(isinstance(g, face._SelectionGraph) for g in kept)
     else:
         assert not kept
 

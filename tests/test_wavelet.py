@@ -119,7 +119,8 @@ def test_topk_intervals_takes_the_kernels_on_the_interpreter_and_cuda(device, mo
     """Causal selections run the kernels on CUDA tensors and under the interpreter (every
     test of topk_intervals then checks them); CPU tensors without the interpreter, and the
     selections without causality, take the torch ops."""
-    monkeypatch.setattr(tk, "GRAPH_MAX_ELEMENTS", 0)  # one call, not a capture's two
+    monkeypatch.setattr(importlib.import_module("kernels.topk_ops"), "GRAPH_MAX_ELEMENTS",
+                        0)  # one call, not a capture's two
     calls = []
     original = _wavelet.causal_intervals
     monkeypatch.setattr(_wavelet, "causal_intervals",

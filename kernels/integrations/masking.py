@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ..masks.intervals import KeyIntervals
-from ..masks.topk import topk_intervals
+from ..topk_ops import topk_intervals
 
 # Query rows per step of the bool top-W fallback: bounds its temporaries (the float scores and
 # their sort) to batch * heads_kv * ROWS_PER_TOPK_STEP * seqlen_k elements.

@@ -28,20 +28,16 @@ the bits of the torch ops, and keep every level's rank table (L / 4 bytes a leve
 CPU tensors without the interpreter, and selections without causality (no wavelet matrix),
 take the torch ops. ``USE_KERNELS = False`` sends every call to the torch ops.
 
-Under ``torch.compile`` the selection runs as the custom ops ``dmattn::topk_intervals`` and
-``dmattn::topk_intervals_packed``, opaque to the compiler: it has no gradient to trace, and
-Inductor in torch 2.11 failed to lower its slice writes (``NotImplementedError: SliceView``)
-when a Doge model was compiled at a context above its keep window. Eager calls run the same
-function directly.
+The entry point, ``kernels.topk_intervals`` (``kernels.topk_ops``), checks its arguments and
+calls ``_rows_direct`` for dense rows and ``_packed`` for packed sequences; on a GPU it replays
+the dense selection as a CUDA graph, and under ``torch.compile`` it calls both as custom ops.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 
 import torch
-from torch import Tensor
 
 from ..runtime.arith import ceil_div
 from ..runtime.launch import PlannedLaunch, is_interpreted
@@ -116,12 +112,6 @@ def _rank_order(bias: torch.Tensor, group: torch.Tensor | None) -> torch.Tensor:
         by_group = torch.sort(group.gather(-1, order), dim=-1, stable=True).indices
         order = order.gather(-1, by_group)
     return order
-
-
-def _check_window(window) -> int:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
-    return window
 
 
 def _intervals(bias: torch.Tensor, window: int, is_causal: bool, seqlen_q: int | None,
@@ -211,95 +201,12 @@ def orders_keys(seqlen_q: int, seqlen_k: int, window: int, is_causal: bool,
     return rows * saved_tiles(seqlen_q, seqlen_k, window, is_causal) >= least
 
 
-def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=None,
-                   cu_seqlens_k=None, *, order_keys=None) -> KeyIntervals:
-    """The key intervals whose mask equals flash-dmattn's dynamic top-``window`` mask.
-
-    Args:
-        bias: a per-key bias (B, H, 1, Lk), or packed (H, total_k) with ``cu_seqlens_k``.
-            Floating point; only its order is read (no gradient flows through the choice).
-        window: W >= 1. At row i the W visible keys with the largest bias are kept, all of
-            them when at most W are visible. Equal biases rank the smaller key index first;
-            NaN ranks as -inf.
-        seqlen_q: Lq, the number of query rows (default Lk). Not used with cu_seqlens.
-        is_causal: bottom-right causality, row i sees key j iff j <= i + Lk - Lq.
-        cu_seqlens_q, cu_seqlens_k: int32 (n + 1,) offsets of packed sequences (the query
-            offsets default to the key offsets); each sequence is masked on its own.
-        order_keys: give the intervals a key order (``KeyIntervals.with_key_order``), so
-            that ``dmattn_func`` reads the keys grouped by the rows that keep them and its
-            work follows the W * Lq kept pairs instead of Lq * Lk. None (the default) decides
-            by shape (``orders_keys``: at least 256 query rows, Lk at least 4 W causal,
-            2 W otherwise, and an estimated saving above the order's host cost,
-            ``saved_tiles``). Packed input never gets one.
-
-    Returns:
-        int32 ``KeyIntervals`` of shape (B, H, Lk), or (1, H, total_k) for packed input in
-        each sequence's own row coordinates (row 0 is the sequence's first query). Built on
-        the bias's device in O(L log L) work, by Triton kernels on a GPU and by torch ops
-        on the CPU; nothing of size Lq * Lk is made.
-    """
-    window = _check_window(window)
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
-    if not bias.dtype.is_floating_point:
-        raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
-    if bias.numel() == 0 and cu_seqlens_k is None:
-        raise ValueError(f"bias must not be empty, got shape {tuple(bias.shape)}")
-    bias = bias.detach()
-    if cu_seqlens_k is None:
-        if cu_seqlens_q is not None:
-            raise ValueError("cu_seqlens_q needs cu_seqlens_k (the packed keys' offsets)")
-        seqlen_q = _check_dense(bias, seqlen_q)
-        if order_keys is None:
-            order_keys = orders_keys(seqlen_q, bias.shape[-1], window, is_causal,
-                                     rows=bias.shape[0] * bias.shape[1])
-        elif not isinstance(order_keys, bool):  # torch 2.11's Dynamo misreads __class__ here
-            raise TypeError(f"order_keys must be a bool or None, got "
-                            f"{type(order_keys).__name__} {order_keys!r}")
-        if torch.compiler.is_compiling():
-            intervals = KeyIntervals(*torch.ops.dmattn.topk_intervals(bias, window, seqlen_q,
-                                                                      bool(is_causal)),
-                                     max_kept=kept_union(window, seqlen_q, bias.shape[-1],
-                                                         bool(is_causal)))
-            return intervals.with_key_order() if order_keys else intervals
-        return _dense(bias, window, seqlen_q, bool(is_causal), order_keys)
-    if order_keys:
-        raise ValueError("order_keys must be None or False with cu_seqlens: packed sequences "
-                         "keep their keys in place")
-    if seqlen_q is not None:
-        raise ValueError("seqlen_q must be None with cu_seqlens (each sequence's query length "
-                         "comes from cu_seqlens_q)")
-    if torch.compiler.is_compiling():
-        _check_packed(bias)
-        return KeyIntervals(*torch.ops.dmattn.topk_intervals_packed(
-            bias, window, bool(is_causal), cu_seqlens_q, cu_seqlens_k))
-    return _packed(bias, window, bool(is_causal), cu_seqlens_q, cu_seqlens_k)
-
-
 def kept_union(window: int, seqlen_q: int, seqlen_k: int, is_causal: bool) -> int:
     """The most distinct keys a top-``window`` selection keeps over all its query rows, per
     (batch, head): each row keeps at most W; with causality each row sees one key more than
     the row before, which enters the top W at most in place of one key, so Lq rows keep at
     most W + Lq - 1 keys; without it every row keeps the same W."""
     return min(seqlen_k, window + seqlen_q - 1 if is_causal else window)
-
-
-def _check_dense(bias, seqlen_q) -> int:
-    """The query length of a dense call, after checking the bias's shape and ``seqlen_q``."""
-    if bias.dim() != 4 or bias.shape[2] != 1:
-        raise ValueError(f"bias must be per key, (B, H, 1, Lk), got shape {tuple(bias.shape)}")
-    if seqlen_q is None:
-        return bias.shape[-1]
-    if isinstance(seqlen_q, bool) or not isinstance(seqlen_q, int) or seqlen_q < 1:
-        raise ValueError(f"seqlen_q must be a positive int or None, got {seqlen_q!r}")
-    return seqlen_q
-
-
-def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
-    b, h, _, lk = bias.shape
-    rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
-    return KeyIntervals(*(t.reshape(b, h, lk) for t in rows),
-                        max_kept=kept_union(window, seqlen_q, lk, is_causal))
 
 
 def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
@@ -379,95 +286,6 @@ def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q) -> tuple[int,
     return digits * rows * (most * 256 + 2), launches
 
 
-# -- host time on a GPU: the selection as a CUDA graph
-# With the torch ops one selection is ~440 small ops at Lk = 8192 (~15 per bit of the
-# position, plus the sort); with the kernels (``_wavelet``) a causal one is still the sort's
-# launches and bits + 3 more. On a GPU each costs host time to launch, more than its device
-# time at short lengths, and a Doge model makes one per layer. The first call of a form (rows,
-# length, dtype, device, window, query length, causality, key order) captures it as a CUDA
-# graph (with the key order's sort: ~0.35 ms of host time at 16k outside it), and
-# every call replays it: a copy in, the replay, a copy out of each output. A graph keeps its
-# intermediates (with the torch ops a few tens of 8-byte buffers of the bias's size; with the
-# kernels the sort's and about six of 4 or 8 bytes), so only forms up to GRAPH_MAX_ELEMENTS
-# bias elements are captured (Doge at 32k, 4 KV heads: 2**17), where the launches dominate,
-# and at most MAX_GRAPHS are kept, the least recently used dropped first. A form whose capture
-# fails runs the ops directly from then on. The one-window form (``_one_window``: one query
-# row, or no causality) is never captured: its three to five launches (by dtype) cost less
-# than a replay's copy in and copies out. A graph is made on a thread of its own
-# (``_made_apart``).
-GRAPH_MAX_ELEMENTS = 1 << 20
-MAX_GRAPHS = 4
-_graphs: OrderedDict = OrderedDict()  # form -> _SelectionGraph, or None: not capturable
-
-
-class _SelectionGraph:
-    def __init__(self, bias: torch.Tensor, window: int, seqlen_q: int, is_causal: bool,
-                 ordered: bool):
-        self.bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
-        self.bias.copy_(bias)
-        side = torch.cuda.Stream(bias.device)  # warm-up off the capturing stream, as required
-        side.wait_stream(torch.cuda.current_stream(bias.device))
-        with torch.cuda.stream(side):
-            _rows_direct(self.bias, window, seqlen_q, is_causal, ordered)
-        torch.cuda.current_stream(bias.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: work other threads do meanwhile (autograd, data loading) is not ours
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outputs = _rows_direct(self.bias, window, seqlen_q, is_causal, ordered)
-
-    def __call__(self, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self.bias.copy_(bias)
-        self.graph.replay()
-        return tuple(t.clone() for t in self.outputs)
-
-
-def _made_apart(bias, window, seqlen_q, is_causal, ordered) -> _SelectionGraph:
-    """A ``_SelectionGraph`` made on a thread of its own, on the caller's stream.
-
-    The graph's buffers outlive the call. Inductor's CUDA graph trees
-    (``torch.compile(mode="reduce-overhead")``) route every allocation of the calling thread
-    to their pool while they warm a step up, then fail the step if a tensor there is not one
-    of its outputs; allocations of another thread are not routed."""
-    stream = torch.cuda.current_stream(bias.device)
-    made = {}
-
-    def make():
-        try:
-            with torch.cuda.device(bias.device), torch.cuda.stream(stream):
-                made["graph"] = _SelectionGraph(bias, window, seqlen_q, is_causal, ordered)
-        except BaseException as error:  # raised again by the caller
-            made["error"] = error
-
-    worker = threading.Thread(target=make, name="topk_intervals graph")
-    worker.start()
-    worker.join()
-    if "error" in made:
-        raise made["error"]
-    return made["graph"]
-
-
-def _select_rows(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
-    if (bias.device.type != "cuda" or bias.numel() > GRAPH_MAX_ELEMENTS
-            or _one_window_form(is_causal, seqlen_q, ordered)
-            or torch.cuda.is_current_stream_capturing()):
-        return _rows_direct(bias, window, seqlen_q, is_causal, ordered)
-    form = (tuple(bias.shape), window, seqlen_q, is_causal, ordered, bias.dtype, bias.device)
-    if form in _graphs:
-        _graphs.move_to_end(form)
-        graph = _graphs[form]
-    else:
-        try:
-            graph = _made_apart(bias, window, seqlen_q, is_causal, ordered)
-        except RuntimeError:  # not capturable here: the ops, directly, for this form
-            graph = None
-        _graphs[form] = graph
-        while len(_graphs) > MAX_GRAPHS:
-            _graphs.popitem(last=False)
-    if graph is None:
-        return _rows_direct(bias, window, seqlen_q, is_causal, ordered)
-    return graph(bias)
-
-
 def _check_packed(bias) -> None:
     if bias.dim() != 2:
         raise ValueError(f"bias must be (H, total_k) with cu_seqlens, got shape "
@@ -493,34 +311,3 @@ def _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k) -> KeyIntervals
     start, end = _intervals(bias, window, is_causal, None, keys)
     return KeyIntervals(start[None].to(torch.int32), end[None].to(torch.int32))
 
-
-# -- the custom ops that compiled calls take (see the module docstring)
-
-@torch.library.custom_op("dmattn::topk_intervals", mutates_args=())
-def _topk_intervals_op(bias: Tensor, window: int, seqlen_q: int,
-                       is_causal: bool) -> tuple[Tensor, Tensor]:
-    chosen = _dense(bias, window, seqlen_q, is_causal)
-    # Contiguous, as the fake says: Inductor checks the real outputs' strides against it.
-    return chosen.start.contiguous(), chosen.end.contiguous()
-
-
-@_topk_intervals_op.register_fake
-def _topk_intervals_fake(bias, window, seqlen_q, is_causal):
-    b, h, _, lk = bias.shape
-    return (bias.new_empty((b, h, lk), dtype=torch.int32),
-            bias.new_empty((b, h, lk), dtype=torch.int32))
-
-
-@torch.library.custom_op("dmattn::topk_intervals_packed", mutates_args=())
-def _topk_intervals_packed_op(bias: Tensor, window: int, is_causal: bool,
-                              cu_seqlens_q: Tensor | None,
-                              cu_seqlens_k: Tensor) -> tuple[Tensor, Tensor]:
-    chosen = _packed(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k)
-    return chosen.start.contiguous(), chosen.end.contiguous()
-
-
-@_topk_intervals_packed_op.register_fake
-def _topk_intervals_packed_fake(bias, window, is_causal, cu_seqlens_q, cu_seqlens_k):
-    heads, total_k = bias.shape
-    return (bias.new_empty((1, heads, total_k), dtype=torch.int32),
-            bias.new_empty((1, heads, total_k), dtype=torch.int32))

@@ -29,8 +29,8 @@ from ..runtime.arith import ceil_div
 from ..runtime.launch import PlannedLaunch
 from ..triton_device.activity_kernels import (_compact_kernel, _interval_activity_kernel,
                                               _tile_activity_kernel)
-from ..triton_device.operands import ListStrides, NO_LISTS, sizes_of
 from .inputs import AttnShape, BroadcastOperand, interval_words, operand_args
+from .operands import ListStrides, NO_LISTS, sizes_of
 
 
 @dataclass(frozen=True)

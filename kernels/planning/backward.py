@@ -21,8 +21,6 @@ from ..runtime.routes import note_route, recording
 from ..runtime.scratch import Scratch, graph_capturing
 from ..triton_device.backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from ..triton_device.backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
-from ..triton_device.operands import (ABSENT, BackwardLayouts, BackwardStrides, DkdvPointers,
-                                      DqPointers, FusedPointers, SeqStrides, seq_strides, sizes_of)
 from .activity import ActivityMap, BlockLists, ListCompaction, block_list_strides, call_activity
 from .backward_packed import PackedBackwardPlan
 from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles,
@@ -31,6 +29,8 @@ from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles,
 from .dbias import DbiasMode, broadcast_args
 from .grids import edge_slots, grid_chunk_rows
 from .inputs import operand_pointer
+from .operands import (ABSENT, BackwardLayouts, BackwardStrides, DkdvPointers, DqPointers,
+                       FusedPointers, SeqStrides, seq_strides, sizes_of)
 from .problem import Problem
 from .schedule import schedule
 from .tuning import Tile

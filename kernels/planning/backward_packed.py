@@ -10,11 +10,11 @@ from ..runtime.arith import LOG2E, contiguous_strides
 from ..runtime.launch import PlannedLaunch, dot_options
 from ..runtime.scratch import Scratch
 from ..triton_device.backward_packed_kernels import attn_bwd_packed_kernel
-from ..triton_device.operands import (ABSENT, BackwardLayouts, BackwardStrides, NO_LISTS,
-                                      PackedPointers, SeqStrides, seq_strides, sizes_of)
 from .backward_schedule import BackwardSchedule
 from .dbias import DbiasMode
 from .inputs import operand_pointer
+from .operands import (ABSENT, BackwardLayouts, BackwardStrides, NO_LISTS, PackedPointers,
+                       SeqStrides, seq_strides, sizes_of)
 
 
 class PackedBackwardPlan:

@@ -41,8 +41,8 @@ import torch
 
 from ..runtime.arith import contiguous_strides
 from ..triton_device.dbias_modes import DbiasMode
-from ..triton_device.operands import Layout
 from .inputs import AttnShape
+from .operands import Layout
 
 
 @dataclass(frozen=True)

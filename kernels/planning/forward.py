@@ -14,14 +14,13 @@ from ..runtime.launch import (PlannedLaunch, capability, dot_options, is_interpr
 from ..runtime.routes import note_route, recording
 from ..runtime.scratch import Scratch
 from ..triton_device.forward_kernels import _attn_fwd_kernel
-from ..triton_device.operands import (ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides,
-                                      sizes_of)
 from . import tuning
 from .activity import (ActivityMap, ListCompaction, block_list_strides, call_activity,
                        shared_granularity, tile_activity)
 from .gather_decode import GatherDecodePlan, mask_kind
 from .hopper_forward import HopperForwardLaunch
 from .inputs import CheckedInputs, operand_args, operand_pointer
+from .operands import ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides, sizes_of
 from .problem import Problem, problem_of, tma_strides
 from .schedule import Schedule, activity_tiles, schedule
 

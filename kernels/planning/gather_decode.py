@@ -31,9 +31,9 @@ from ..runtime.scratch import Scratch
 from ..triton_device.gather_kernels import (BOOL_MASK, INTERVAL_PAIRS, INTERVAL_WORDS,
                                             _gather_decode_kernel, _kept_counts_kernel,
                                             _kept_keys_kernel)
-from ..triton_device.operands import (ABSENT, GatherPointers, KeptPointers, Layout, SeqStrides,
-                                      seq_strides, sizes_of)
 from . import tuning
+from .operands import (ABSENT, GatherPointers, KeptPointers, Layout, SeqStrides, seq_strides,
+                       sizes_of)
 from .problem import Problem
 
 

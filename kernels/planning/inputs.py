@@ -14,7 +14,7 @@ from numbers import Real
 import torch
 
 from ..masks.intervals import KeyIntervals
-from ..triton_device.operands import ABSENT, Layout
+from .operands import ABSENT, Layout
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -113,9 +113,9 @@ def capability(device: torch.device, interpreted: bool) -> tuple[int, int] | Non
 # length to the next (1000 and 1024 differ; so do the strides of a (B, H, L, L) mask at
 # L = 1000 and 1001), and each new pattern cost ~3 s of compiling per kernel on the H100 host,
 # ~10 s for a masked forward and backward. ``compile_form`` gives each launch a canonical
-# stand-in of its arguments, by the rules of ``_operands``, and the kernel is compiled for the
-# stand-in and run with the real values: a kernel compiled for an int it knows nothing about
-# is correct for every value of it. The value 1 is kept: Triton folds it into the code (a
+# stand-in of its arguments, by the rules of ``planning.operands``, and the kernel is compiled
+# for the stand-in and run with the real values: a kernel compiled for an int it knows nothing
+# about is correct for every value of it. The value 1 is kept: Triton folds it into the code (a
 # single key split, one head share), and a stand-in is never 1 unless the value is, so no
 # parameter compiled as the constant 1 is handed another value.
 #
@@ -137,7 +137,7 @@ def _unknown(value: int) -> int:
 
 
 def compile_form(value):
-    """The canonical stand-in of a launch argument (see ``_operands`` for the rules)."""
+    """The canonical stand-in of a launch argument (see ``planning.operands`` for the rules)."""
     if value.__class__ is int:
         return _unknown(value)
     if not isinstance(value, tuple):
@@ -328,7 +328,7 @@ _alignment = (15).__and__  # an address's offset from 16-byte alignment
 class PlannedLaunch:
     """A launch planned once per call signature: the grid, every scalar argument, the
     constexprs and the options are fixed, and each call passes only the kernel's tensors, which
-    its first parameter takes as one ``pointers`` NamedTuple (``_operands``), or, with
+    its first parameter takes as one ``pointers`` NamedTuple (``planning.operands``), or, with
     ``pointers`` None, its leading parameters take one by one (the small list launches).
 
     The plan's owner guarantees the pointers' dtypes (they follow from the call signature) and

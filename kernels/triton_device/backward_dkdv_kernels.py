@@ -1,7 +1,7 @@
 """The dkdv kernel: dk, dv (and the bias gradient's one-row sums) of one key block per
 program, in the transposed (n, m) orientation; ``backward_kernels`` describes the backward's
 launches, and its fused kernel runs ``attn_bwd_dkdv_program`` beside the dq program.
-Arguments are grouped as there (``_operands``).
+Arguments are grouped as there (``planning.operands``).
 Axis letters: b batch, h head, m query position, n key position, d head dim.
 """
 

@@ -17,9 +17,9 @@ Two launches, FlashAttention-2 style:
 On small grids, where host time decides, ``attn_bwd_fused_kernel`` runs both kinds of program
 in one launch, each computing delta itself.
 
-Every kernel takes its tensors as one pointer tuple (``_operands``: ``DqPointers``...), the
-tensors' strides as one ``BackwardStrides``, the mask, bias, bias gradient and list tables as
-one ``BackwardLayouts`` and the sizes as one ``Sizes``. DBIAS_MODE is the bias gradient's
+Every kernel takes its tensors as one pointer tuple (``planning.operands``: ``DqPointers``...),
+the tensors' strides as one ``BackwardStrides``, the mask, bias, bias gradient and list tables
+as one ``BackwardLayouts`` and the sizes as one ``Sizes``. DBIAS_MODE is the bias gradient's
 ``dbias_modes.DbiasMode`` code.
 
 Scores and probabilities are rebuilt with the forward's helpers from the saved LSE. dkdv works
