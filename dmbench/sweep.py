@@ -2,7 +2,7 @@
 
 A sweep file has these top-level keys (all optional except that it needs cases)::
 
-    name: window                  # defaults to the file stem
+    name: window                  # defaults to the file stem; a plain file name
     description: free text
     backends: [triton, sdpa]      # names from dmbench.backends.BACKEND_NAMES
     timing: {warmup: 5, repeats: 30, budget_s: 10.0, flush_l2: true, cuda_graph: false}
@@ -21,7 +21,10 @@ What the case keys' values mean (mask formats, axis tokens of shapes, the ``A/B`
 heads and seqlen): ``dmbench.case``.
 
 Every problem is reported as a ``ConfigError`` with one line naming the file and the key; a key
-given twice in one mapping, at any depth, is one too (``UniqueKeyLoader``), with its line.
+given twice in one mapping, at any depth, is one too (``UniqueKeyLoader``), with its line. A point
+that cannot run (``case.case_problem``) is an error too, except in a grid, which skips it with
+the reason; but a heads value that cannot run is an error wherever it is not one value of a grid
+axis, and so is a sweep none of whose points can run.
 """
 
 from __future__ import annotations
