@@ -128,10 +128,19 @@ def format_problem(case: Case) -> str | None:
     return None
 
 
+def heads_problem(heads_q: int, heads_kv: int) -> str | None:
+    """Why query/kv head counts (both positive) cannot run, or None: the one statement of the
+    GQA rule for the harness (sweep files, skipped grid points, ``compile-cost --heads``)."""
+    if heads_q % heads_kv:
+        return f"heads q ({heads_q}) must be a multiple of kv ({heads_kv})"
+    return None
+
+
 def case_problem(case: Case) -> str | None:
     """Why this combination cannot run at all, or None. Backend limits live in the backends."""
-    if case.heads_q % case.heads_kv:
-        return f"heads_q {case.heads_q} is not a multiple of heads_kv {case.heads_kv}"
+    heads = heads_problem(case.heads_q, case.heads_kv)
+    if heads:
+        return heads
     if case.mask in WINDOW_MASKS and case.window is None and case.documents is None:
         needs = "a window (the longest document) or documents" if case.mask == "document" else "a window"
         return f"mask {case.mask} needs {needs}"

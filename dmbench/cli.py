@@ -16,9 +16,12 @@ from . import paths
 from .errors import EXIT_CODES_HELP, ConfigError, ExitCode
 from .watchdog import DEFAULT_POINT_TIMEOUT_S
 
+# rich_markup_mode=None: click's plain help for every command. Typer's Rich help (0.29) puts a
+# type label such as ``<bool>`` beside every flag, --help included, although flags take no value.
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    rich_markup_mode=None,
     help="Benchmark, verify and gate flash dynamic-mask attention kernels.\n\n" + EXIT_CODES_HELP,
 )
 
@@ -428,7 +431,7 @@ def compile_cost_command(
         out: Annotated[Optional[Path], typer.Option("--out", help="CSV to write (default: results/<gpu>/compile-cost.csv).")] = None,
         force: ForceOpt = False):
     """First-call latency and kernels compiled at each new sequence length, per mask form."""
-    from .case import parse_pair
+    from .case import heads_problem, parse_pair
     from .compile_cost import (BIASES, MASKS, MAX_QUERY_ROWS, CostOptions, parse_lengths,
                                run_compile_cost)
     from .problem import TORCH_DTYPES
@@ -441,8 +444,11 @@ def compile_cost_command(
         if pair is None:
             raise ConfigError(f"--heads: expected query/kv heads such as 16/4, got {heads!r}")
         heads_q, heads_kv = pair
-        if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
-            raise ConfigError(f"--heads: query heads must be a positive multiple of kv heads, got {heads!r}")
+        if heads_q < 1 or heads_kv < 1:
+            raise ConfigError(f"--heads: expected positive query/kv heads, got {heads!r}")
+        problem = heads_problem(heads_q, heads_kv)
+        if problem:
+            raise ConfigError(f"--heads: {heads!r}: {problem}")
         if bias not in BIASES:
             raise ConfigError(f"--bias: expected one of {', '.join(BIASES)}, got {bias!r}")
         if warmup_workers is not None and warmup_workers < 1:

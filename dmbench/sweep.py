@@ -2,7 +2,7 @@
 
 A sweep file has these top-level keys (all optional except that it needs cases)::
 
-    name: window                  # defaults to the file stem
+    name: window                  # defaults to the file stem; a plain file name
     description: free text
     backends: [triton, sdpa]      # names from dmbench.backends.BACKEND_NAMES
     timing: {warmup: 5, repeats: 30, budget_s: 10.0, flush_l2: true, cuda_graph: false}
@@ -21,7 +21,10 @@ What the case keys' values mean (mask formats, axis tokens of shapes, the ``A/B`
 heads and seqlen): ``dmbench.case``.
 
 Every problem is reported as a ``ConfigError`` with one line naming the file and the key; a key
-given twice in one mapping, at any depth, is one too (``UniqueKeyLoader``), with its line.
+given twice in one mapping, at any depth, is one too (``UniqueKeyLoader``), with its line. A point
+that cannot run (``case.case_problem``) is an error too, except in a grid, which skips it with
+the reason; but a heads value that cannot run is an error wherever it is not one value of a grid
+axis, and so is a sweep none of whose points can run.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 import yaml
 
 from .case import (AXIS_TOKENS, BIAS_KINDS, FULL_MASK_SHAPE, MASK_FORMATS, MASK_KINDS, WINDOW_MASKS,
-                   Case, case_problem, format_problem, parse_pair)
+                   Case, case_problem, format_problem, heads_problem, parse_pair)
 from .errors import ConfigError
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
@@ -142,9 +145,22 @@ def _shape_tokens(where: _Where, key: str, value: Any) -> str:
     return value
 
 
-def _parse_case(where: _Where, key: str, raw: dict[str, Any], defaults: dict[str, Any]) -> Case:
+def _as_written(value: Any) -> str:
+    """A heads or seqlen value as a sweep file writes it: ``"3/2"``, ``{q: 3, kv: 2}``."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _parse_case(where: _Where, key: str, raw: dict[str, Any], defaults: dict[str, Any],
+                axes: frozenset[str] = frozenset()) -> Case:
     """``raw`` is the case's own keys (a grid point or a listed case); ``defaults`` fills the
-    rest. A bad value is reported where it is written: ``defaults.<name>`` or ``<key>.<name>``."""
+    rest. A bad value is reported where it is written: ``defaults.<name>`` or ``<key>.<name>``.
+    ``axes`` are the grid's list-valued keys: a heads value that cannot run is an error unless
+    it is one value of such an axis (then the point is skipped, ``case_problem``), since a value
+    in ``defaults``, a listed case or a grid's scalar reaches only points that cannot run."""
 
     own = raw
 
@@ -159,6 +175,9 @@ def _parse_case(where: _Where, key: str, raw: dict[str, Any], defaults: dict[str
     if missing:
         raise where.error(f"{key}.{missing[0]}", "missing (set it in the case, the grid or defaults)")
     heads_q, heads_kv = _pair(where, at("heads"), raw["heads"], ("q", "kv"))
+    problem = heads_problem(heads_q, heads_kv)
+    if problem and not ("heads" in own and "heads" in axes):
+        raise where.error(at("heads"), f"{_as_written(raw['heads'])}: {problem}")
     seqlen_q, seqlen_k = _pair(where, at("seqlen"), raw["seqlen"], ("q", "k"))
     head_dim = _positive_int(where, at("head_dim"), raw["head_dim"])
     if head_dim > MAX_HEAD_DIM:
@@ -215,7 +234,8 @@ def _documents(where: _Where, key: str, value: Any, mask: str) -> tuple[int, ...
     return tuple(value)
 
 
-def _grid_points(where: _Where, key: str, grid: Any) -> list[dict[str, Any]]:
+def _grid_points(where: _Where, key: str, grid: Any) -> tuple[list[dict[str, Any]], frozenset[str]]:
+    """The grid's points, and its axes (the keys given a list)."""
     if not isinstance(grid, dict):
         raise where.error(key, f"expected a mapping of case keys to values or lists, got {type(grid).__name__}")
     names = list(grid)
@@ -227,7 +247,42 @@ def _grid_points(where: _Where, key: str, grid: Any) -> list[dict[str, Any]]:
         axes.append(values if isinstance(values, list) else [values])
         if not axes[-1]:
             raise where.error(f"{key}.{name}", "empty list")
-    return [dict(zip(names, combo)) for combo in itertools.product(*axes)]
+    points = [dict(zip(names, combo)) for combo in itertools.product(*axes)]
+    return points, frozenset(name for name in names if isinstance(grid[name], list))
+
+
+def file_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a plain file name (one that stays in the folder it is joined to), or
+    None: empty, ``.`` or ``..``, a path separator (``/`` or ``\\``, so no ``..`` component and
+    nothing absolute), or a NUL character."""
+    if not name:
+        return "is empty"
+    if name in (".", ".."):
+        return f"is {name!r}"
+    for char, label in (("/", "'/'"), ("\\", "'\\'"), ("\0", "a NUL character")):
+        if char in name:
+            return f"contains {label}"
+    return None
+
+
+def _results_name(where: _Where, raw: dict[str, Any], path: str) -> str:
+    """The sweep's name (default: the file stem), which names its default results files
+    (``results/<gpu>/<name>-<command>.csv``) and their charts: a plain file name."""
+    expected = "expected a plain file name (it names the results files in results/<gpu>/)"
+    if "name" not in raw:
+        stem = Path(path).stem
+        problem = file_name_problem(stem)
+        if problem:
+            raise where.error("name", f"absent, so the file stem {stem!r} would name the "
+                              f"results files, but it {problem}: set name to a plain file name")
+        return stem
+    name = raw["name"]
+    if not isinstance(name, str):
+        raise where.error("name", f"{expected}, got {name!r}")
+    problem = file_name_problem(name)
+    if problem:
+        raise where.error("name", f"{expected}, got {name!r}, which {problem}")
+    return name
 
 
 def _parse_timing(where: _Where, raw: Any) -> Timing:
@@ -292,15 +347,20 @@ def sweep_from_mapping(raw: Any, path: str, known_backends: tuple[str, ...]) -> 
 
     cases: list[Case] = []
     skipped: list[SkippedCase] = []
+    first_skip: tuple[str, str] | None = None  # (key, reason) of the first skipped point
     grids = raw.get("grid")
     grids = [] if grids is None else grids if isinstance(grids, list) else [grids]
     for gi, grid in enumerate(grids):
         key = "grid" if len(grids) == 1 and not isinstance(raw.get("grid"), list) else f"grid[{gi}]"
-        for point in _grid_points(where, key, grid):
-            case = _parse_case(where, key, point, defaults)
+        points, axes = _grid_points(where, key, grid)
+        for point in points:
+            case = _parse_case(where, key, point, defaults, axes)
             problem = case_problem(case)
             if problem:
                 skipped.append(SkippedCase(case, problem))
+                if first_skip is None:
+                    heads = heads_problem(case.heads_q, case.heads_kv)
+                    first_skip = (f"{key}.heads" if heads else key, problem)
             else:
                 cases.append(case)
     listed = raw.get("cases") or []
@@ -316,14 +376,15 @@ def sweep_from_mapping(raw: Any, path: str, known_backends: tuple[str, ...]) -> 
             # An explicit case that cannot run is a mistake in the file, not a grid corner.
             raise where.error(key, problem)
         cases.append(case)
+    if not cases and first_skip is not None:
+        # Every point is a grid corner that cannot run: the file is wrong, not a corner.
+        raise where.error(first_skip[0], f"no point of the sweep can run: {first_skip[1]}")
 
     unique = list(dict.fromkeys(cases))  # grids that differ only in ignored keys repeat points
     check = raw.get("check", False)
     if not isinstance(check, bool):
         raise where.error("check", f"expected true or false, got {check!r}")
-    name = raw.get("name", Path(path).stem)
-    if not isinstance(name, str) or not name:
-        raise where.error("name", f"expected a non-empty string, got {name!r}")
+    name = _results_name(where, raw, path)
     backends = (parse_backends(path, raw["backends"], known_backends) if "backends" in raw
                 else tuple(b for b in DEFAULT_BACKENDS if b in known_backends))
     return Sweep(name, path, backends, _parse_timing(where, raw.get("timing")), check,

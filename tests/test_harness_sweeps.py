@@ -331,6 +331,85 @@ def test_the_cli_refuses_a_duplicate_key_in_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.yaml"]
 
 
+# -- name: a plain file name (it names results/<gpu>/<name>-<command>.csv and the charts)
+
+CASE = "cases: [{batch: 1, heads: 2, seqlen: 8, head_dim: 16}]\n"
+
+
+@pytest.mark.parametrize("name, why", [
+    ("'../../escape'", "contains '/'"), ("/abs/path", "contains '/'"), ("a/b", "contains '/'"),
+    ("'a\\b'", "contains '\\'"), ("'..'", "is '..'"), ("'.'", "is '.'"),
+    ("''", "is empty"), ('"a\\0b"', "a NUL character"), ("[a]", "got ['a']"),
+])
+def test_name_must_be_a_plain_file_name(tmp_path, name, why):
+    path = _write(tmp_path, f"name: {name}\n{CASE}")
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    message = str(info.value)
+    assert message.startswith(f"{path}: name: expected a plain file name"), message
+    assert why in message and "\n" not in message
+
+
+@pytest.mark.parametrize("file_name", ["...yaml", "a\\b.yaml"])
+def test_a_file_stem_that_is_no_plain_file_name_needs_a_name(tmp_path, file_name):
+    path = _write(tmp_path, CASE, name=file_name)
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    assert str(info.value).startswith(f"{path}: name: absent, so the file stem"), str(info.value)
+    path.write_text(f"name: fine\n{CASE}")
+    assert load_sweep(path, BACKEND_NAMES).name == "fine"
+
+
+@pytest.mark.parametrize("name", ["window", "a.b", "..a", "x-1_2 3", "é"])
+def test_plain_names_are_kept(tmp_path, name):
+    assert _load(tmp_path, f"name: '{name}'\n{CASE}").name == name
+
+
+# -- heads whose q is not a multiple of kv: an error wherever the value reaches only such points
+
+GQA_RULE = "heads q (3) must be a multiple of kv (2)"
+
+
+@pytest.mark.parametrize("text, key, written", [
+    ('defaults: {batch: 1, heads: "3/2", seqlen: 8, head_dim: 16}\ngrid: {seqlen: [8, 16]}',
+     "defaults.heads", '"3/2"'),
+    ('defaults: {batch: 1, heads: {q: 3, kv: 2}, seqlen: 8, head_dim: 16}\ncases: [{seed: 1}]',
+     "defaults.heads", "{q: 3, kv: 2}"),
+    ('defaults: {batch: 1, seqlen: 8, head_dim: 16}\ncases: [{heads: 2}, {heads: "3/2"}]',
+     "cases[1].heads", '"3/2"'),
+    ('defaults: {batch: 1, seqlen: 8, head_dim: 16}\ngrid: {heads: "3/2", seed: [1, 2]}',
+     "grid.heads", '"3/2"'),
+    ('defaults: {batch: 1, seqlen: 8, head_dim: 16}\n'
+     'grid: [{heads: 2}, {heads: {q: 3, kv: 2}, seed: [1, 2]}]', "grid[1].heads", "{q: 3, kv: 2}"),
+])
+def test_heads_that_cannot_run_are_refused_where_written(tmp_path, text, key, written):
+    path = _write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    assert str(info.value) == f"{path}: {key}: {written}: {GQA_RULE}"
+
+
+def test_a_sweep_whose_every_point_is_skipped_is_refused(tmp_path):
+    path = _write(tmp_path, 'defaults: {batch: 1, seqlen: 8, head_dim: 16}\n'
+                            'grid: {heads: ["3/2", "5/2"]}\n')
+    with pytest.raises(ConfigError) as info:
+        load_sweep(path, BACKEND_NAMES)
+    assert str(info.value) == f"{path}: grid.heads: no point of the sweep can run: {GQA_RULE}"
+    path.write_text("defaults: {batch: 1, heads: 2, seqlen: 8, head_dim: 16}\n"
+                    "grid: {mask: topk, seed: [1, 2]}\n")
+    with pytest.raises(ConfigError, match=r": grid: no point of the sweep can run: mask topk needs a window$"):
+        load_sweep(path, BACKEND_NAMES)
+
+
+def test_a_mixed_heads_axis_still_skips_its_bad_points(tmp_path):
+    sweep = _load(tmp_path, """
+        defaults: {batch: 1, seqlen: 8, head_dim: 16}
+        grid: {heads: ["4/2", "3/2"], seed: [1, 2]}
+    """)
+    assert {(c.heads_q, c.seed) for c in sweep.cases} == {(4, 1), (4, 2)}
+    assert [s.reason for s in sweep.skipped] == [GQA_RULE, GQA_RULE]
+
+
 @pytest.mark.parametrize("text", ["- 1\n- 2\n", "just a string\n", ""])
 def test_top_level_not_a_mapping(tmp_path, text):
     path = _write(tmp_path, text)
