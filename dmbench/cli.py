@@ -189,7 +189,8 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
 @app.command(epilog=EXIT_CODES_HELP)
 def plot(csv: Annotated[Path, typer.Argument(help="Results CSV from fwd, bwd or merge.")],
          out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="Folder for the PNGs (default: next to the CSV).")] = None,
-         baseline: Annotated[Optional[str], typer.Option("--baseline", help="Backend to compute speedups against (default: fdma, else sdpa, else reference).")] = None):
+         baseline: Annotated[Optional[str], typer.Option("--baseline", help="Backend to compute speedups against (default: fdma, else sdpa, else reference).")] = None,
+         metrics: Annotated[str, typer.Option("--metrics", help="Charts to draw, a comma-separated subset of speedup, tflops, memory, build.")] = "speedup,tflops,memory,build"):
     """Draw speedup and TFLOP/s charts (PNG) against each swept axis, from the CSV only."""
     from .plot import plot_rows
     from .results import read_rows
@@ -198,7 +199,8 @@ def plot(csv: Annotated[Path, typer.Argument(help="Results CSV from fwd, bwd or 
         paths.input_file(csv, "CSV", RESULTS_CSV)
         paths.output_dir(out_dir or csv.parent, "--out-dir" if out_dir else "plot folder")
         rows = read_rows(csv)
-        for path in plot_rows(rows, out_dir or csv.parent, csv.stem, baseline):
+        chosen = tuple(m.strip() for m in metrics.split(",") if m.strip())
+        for path in plot_rows(rows, out_dir or csv.parent, csv.stem, baseline, chosen):
             _echo(f"plot: {path}")
         return ExitCode.OK
 

@@ -361,9 +361,17 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None) -> list[Path]:
-    """Write the charts for ``rows`` (read from a CSV named ``stem``) into ``out_dir``, eager
-    rows and CUDA graph rows apart."""
+METRICS = ("speedup", "tflops", "memory", "build")
+
+
+def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None,
+              metrics: tuple[str, ...] = METRICS) -> list[Path]:
+    """Write the charts of ``metrics`` (``METRICS``) for ``rows`` (read from a CSV named
+    ``stem``) into ``out_dir``, eager rows and CUDA graph rows apart."""
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown or not metrics:
+        raise ConfigError(f"--metrics: expected a comma-separated subset of {', '.join(METRICS)}, "
+                          f"got {','.join(metrics) or 'nothing'}")
     timed = [r for r in rows if r.mode in TIMED_MODES and r.status in ("ok", "accuracy") and r.ms_p50]
     if not timed:
         raise ConfigError(f"{stem}: no timed rows with status ok to plot")
@@ -371,7 +379,7 @@ def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None) -
     written = []
     for timing in sorted({r.timing for r in timed}, key=lambda t: (t != "eager", t)):
         written += _plot_timed([r for r in timed if r.timing == timing], out_dir, stem, baseline,
-                               timing)
+                               timing, metrics)
     return written
 
 
@@ -410,7 +418,7 @@ def mode_charts(mode_rows: list[Row], baseline: str | None, title: str,
 
 
 def _plot_timed(timed: list[Row], out_dir: Path, stem: str, baseline: str | None,
-                timing: str) -> list[Path]:
+                timing: str, metrics: tuple[str, ...]) -> list[Path]:
     """The charts of rows of one timing."""
     baseline = choose_baseline(timed, baseline)
     axes = [a for a in AXES if has_line(timed, a)] or ["case"]
@@ -422,7 +430,7 @@ def _plot_timed(timed: list[Row], out_dir: Path, stem: str, baseline: str | None
         mode_rows = [r for r in timed if r.mode == mode]
         charts = mode_charts(mode_rows, baseline, f"{sweep} {mode} on {gpu}", mode == modes[0])
         for axis in axes:
-            for chart in charts:
+            for chart in (c for c in charts if c.metric in metrics):
                 series = group_series(mode_rows, axis, chart.values)
                 if not series:
                     continue

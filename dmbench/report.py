@@ -100,7 +100,9 @@ def _is_dense_target_row(row) -> bool:
 
 def targets_markdown(collected: Collected) -> list[str]:
     """One row per sweep against the peers (a column per mode: faster than every peer, and the
-    min – max ratio to the best peer), then the dense TFLOP/s floors."""
+    min – max ratio to the best peer), then the dense TFLOP/s floors. A sweep without any peer
+    row (ours alone, such as the bool-against-intervals sweep) has no row here; the tables list
+    its cases."""
     lines = [f"| sweep | cases | {' | '.join(TIMED_MODES)} | ≥ {FDMA_MIN_SPEEDUP:g}× fdma |",
              "|---|---|" + "---|" * len(TIMED_MODES) + "---|"]
     by_sweep: dict[str, dict[str, dict]] = defaultdict(dict)
@@ -117,6 +119,8 @@ def targets_markdown(collected: Collected) -> list[str]:
             fdma_all += len(vs_fdma)
             cells.append(f"{sum(r > 1 for r in ratios)} of {len(ratios)} "
                          f"({min(ratios):.2f}× – {max(ratios):.2f}×)" if ratios else "–")
+        if all(cell == "–" for cell in cells) and not fdma_all:
+            continue
         count = max(len(cases) for cases in modes.values())
         fdma = f"{fdma_ok} of {fdma_all}" if fdma_all else "–"
         lines.append(f"| {sweep} | {count} | {' | '.join(cells)} | {fdma} |")

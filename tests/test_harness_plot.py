@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dmbench import plot
+from dmbench.errors import ConfigError
 from dmbench.backends import BACKEND_NAMES
 from dmbench.case import Case
 from dmbench.cli import app
@@ -171,6 +172,19 @@ def test_file_names_hold_the_whole_stem_and_the_mode(charted, tmp_path):
                      "smoke-bwd-fwd_bwd-seqlen_k-tflops.png"]
     numbered = plot.plot_rows(rows, tmp_path, "smoke-bwd.2", "reference")
     assert {p.name for p in numbered} == {n.replace("smoke-bwd-", "smoke-bwd.2-") for n in names}
+
+
+def test_metrics_choose_the_charts_drawn(charted, tmp_path):
+    rows = _rows(modes=("bwd",))
+    names = sorted(p.name for p in plot.plot_rows(rows, tmp_path, "smoke-bwd", "reference",
+                                                  ("speedup",)))
+    assert names == ["smoke-bwd-bwd-seqlen_k-speedup.png"]
+
+
+@pytest.mark.parametrize("metrics", [(), ("speedup", "colour")])
+def test_unknown_or_no_metrics_are_refused(tmp_path, metrics):
+    with pytest.raises(ConfigError, match="--metrics"):
+        plot.plot_rows(_rows(modes=("bwd",)), tmp_path, "smoke-bwd", "reference", metrics)
 
 
 def test_file_names_of_different_stems_never_meet():
