@@ -19,14 +19,13 @@ tile is [1, rows, 1, BLOCK_D] at (batch, first row, head, 0). Rows past a sequen
 columns past the head dim arrive as zeros and are never written back, so any length, any head
 dim a descriptor can address, strided views and GQA (key head = query head // group) need no
 copy and no bounds test on a load. Shared tiles are allocated rank-2 and viewed rank-4 only
-for the copies (``_copy_view``): an NVMMA layout's bytes depend only on the rows and the
-contiguous dim, which the two views share.
+for the copies (``ring.copy_view``).
 
-Online softmax in the log2 domain: ``m_i`` the running row max of s * qk_scale (qk_scale =
-softmax_scale * log2(e), positive), ``l_i`` the running row sum of exp2(s * qk_scale - m_i),
-``acc`` the unnormalized output. A row that has seen no visible key has m_i = -inf and shifts
-by 0 instead (no -inf - -inf); it ends with output 0 and LSE -inf.
+The roles live beside this module: ``ring`` (the K/V slots and their barriers, as one value),
+``tiles`` (the tile scheduler and each tile's key-block walk), ``softmax`` (the online softmax
+and the rows' finish). This module holds the loader, the consumers and the entry point.
 """
+
 
 from __future__ import annotations
 
@@ -35,80 +34,31 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-LN2 = gl.constexpr(0.6931471805599453)
+from .gluon_compat import tma_load, tma_store
+from .ring import KeyValueRing, copy_view
+from .softmax import finish_rows, fold_scores
+from .tiles import WorkTiles
+
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
 
 
 @gluon.jit
-def _copy_view(tile):
-    """A rank-2 [rows, cols] shared tile as the [1, rows, 1, cols] box its descriptor copies."""
-    return tile.reshape([1, tile.shape[0], 1, tile.shape[1]])
-
-
-@gluon.jit
-def _tile_at(tile, row_tiles, batch_heads, heads_q, group, ROWS2: gl.constexpr,
-             CAUSAL: gl.constexpr):
-    """(batch, query head, key head, first query row, batch x heads row) of work tile
-    ``tile``. A head's row tiles are consecutive, so that the programs in flight share K and V
-    in L2; with CAUSAL each head's longest rows come first. (Every head's longest rows first,
-    heads inner, was 3% slower causal at B2 H16 L8192 on an H200: no K/V shared in flight.)"""
-    bh = tile // row_tiles
-    row_tile = tile % row_tiles
-    if CAUSAL:
-        row_tile = row_tiles - 1 - row_tile
-    q_head = bh % heads_q
-    return bh // heads_q, q_head, q_head // group, row_tile * ROWS2, bh
-
-
-@gluon.jit
-def _key_block_counts(q_start, seqlen_q, seqlen_k, ROWS2: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr):
-    """How many key blocks the tile of rows [q_start, q_start + ROWS2) walks, and how many of
-    the first of them every row sees whole (no test per pair). With CAUSAL the keys end at the
-    last row's diagonal; a tile whose rows see no key still walks block 0, all hidden, so that
-    every row is written."""
-    if CAUSAL:
-        visible_end = gl.minimum(seqlen_k, q_start + ROWS2 + seqlen_k - seqlen_q)
-        num_blocks = gl.cdiv(gl.maximum(visible_end, 1), BLOCK_N)
-        unmasked_blocks = gl.maximum(q_start + seqlen_k - seqlen_q + 1, 0) // BLOCK_N
-        unmasked_blocks = gl.minimum(unmasked_blocks, seqlen_k // BLOCK_N)
-    else:
-        num_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-        unmasked_blocks = seqlen_k // BLOCK_N
-    return num_blocks, unmasked_blocks
-
-
-@gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free,
-            v_ready, v_free, seqlen_q, seqlen_k, heads_q, group, row_tiles, batch_heads,
-            num_tiles, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _loader(q_desc, k_desc, v_desc, q_tiles, q_ready, q_free, kv, work):
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     ring = 0  # key blocks loaded so far, over this program's tiles: the ring's position
     visit = 0  # this program's tiles loaded so far
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, q_head, kv_head, q_start, _ = _tile_at(tile, row_tiles, batch_heads, heads_q,
-                                                      group, 2 * ROWS, CAUSAL)
-        num_blocks, _ = _key_block_counts(q_start, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N,
-                                          CAUSAL)
+    for tile in range(gl.program_id(0), work.num_tiles, gl.num_programs(0)):
+        batch, q_head, kv_head, q_start, _ = work.coordinates(tile)
+        num_blocks, _ = work.key_blocks(q_start)
         # A barrier that has completed no phase passes a wait for the parity of the phase
-        # before phase 0: the first tile's Q and the ring's first lap do not wait.
+        # before phase 0: the first tile's Q does not wait.
         for w in gl.static_range(2):
             mbarrier.wait(q_free.index(w), (visit & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, q_start + w * ROWS, q_head, 0],
-                                            q_ready.index(w), _copy_view(q_tiles.index(w)))
+            tma_load(q_desc, [batch, q_start + w * ROWS, q_head, 0], q_ready.index(w),
+                     copy_view(q_tiles.index(w)))
         for j in range(num_blocks):
-            slot = (ring + j) % STAGES
-            parity = (((ring + j) // STAGES) & 1) ^ 1
-            mbarrier.wait(k_free.index(slot), parity)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, kv_head, 0],
-                                            k_ready.index(slot), _copy_view(k_ring.index(slot)))
-            mbarrier.wait(v_free.index(slot), parity)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0],
-                                            v_ready.index(slot), _copy_view(v_ring.index(slot)))
+            kv.fill(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head)
         ring += num_blocks
         visit += 1
 
@@ -127,57 +77,28 @@ def _pass_turn(turns, WARPGROUP: gl.constexpr):
 
 
 @gluon.jit
-def _fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal,
-                 MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
-                 o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """Fold one key block's scores ``s`` into (m_i, l_i). Returns P in the PV product's operand
-    layout, the new m_i and l_i, and the factor that rescales the output rows. MASKED blocks
-    hide keys past ``seqlen_k`` and, with CAUSAL, keys past row + ``diagonal``."""
-    BLOCK_N: gl.constexpr = s.shape[1]
-    if MASKED:
-        cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if CAUSAL:
-            s = gl.where((cols[None, :] < seqlen_k) & (cols[None, :] <= rows[:, None] + diagonal),
-                         s, -float("inf"))
-        else:
-            s = gl.where((cols < seqlen_k)[None, :], s, -float("inf"))
-    # qk_scale > 0, so the max of the scaled scores is the scaled max.
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    m_shift = gl.where(m_new == -float("inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - m_shift[:, None])
-    alpha = gl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    p_operand = gl.convert_layout(p.to(dtype), p_layout)
-    return p_operand, m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-
-
-@gluon.jit
-def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, k_ring, v_ring, k_ready,
-                k_free, v_ready, v_free, turns, qk_scale, rows, seqlen_k, diagonal,
-                WARPGROUP: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
+                seqlen_k, diagonal, WARPGROUP: gl.constexpr, MASKED: gl.constexpr,
+                CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                 p_layout: gl.constexpr):
     """Key blocks [first, stop) of a tile whose block 0 sits at ring position ``ring``: per
     block j, issue S_j and block j - 1's PV product, fold S_j while PV runs, then rescale.
     ``p`` enters as block first - 1's and leaves as block stop - 1's."""
     ROWS: gl.constexpr = q_tile.shape[0]
-    BLOCK_N: gl.constexpr = k_ring.shape[1]
+    BLOCK_N: gl.constexpr = kv.keys.shape[1]
     for j in range(first, stop):
-        slot = (ring + j) % STAGES
-        prev_slot = (ring + j - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), ((ring + j) // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev_slot), ((ring + j - 1) // STAGES) & 1)
+        slot, prev_slot = kv.wait_step(ring + j)
         _take_turn(turns, WARPGROUP, turn)
-        s_token = warpgroup_mma(q_tile, k_ring.index(slot).permute((1, 0)),
+        s_token = warpgroup_mma(q_tile, kv.keys.index(slot).permute((1, 0)),
                                 gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
-        o_token = warpgroup_mma(p, v_ring.index(prev_slot), acc, is_async=True)
+        o_token = warpgroup_mma(p, kv.values.index(prev_slot), acc, is_async=True)
         _pass_turn(turns, WARPGROUP)
         turn += 1
         # wgmma groups retire in issue order: one left outstanding is the PV product.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
-        mbarrier.arrive(k_free.index(slot), count=1)
-        p_next, m_i, l_i, alpha = _fold_scores(
+        kv.free_keys(slot)
+        p_next, m_i, l_i, alpha = fold_scores(
             s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seqlen_k, diagonal, MASKED, CAUSAL,
             s_layout, o_layout, p_layout, q_tile.dtype)
         # P's registers are the PV product's operand until it retires. Passing the softmax's
@@ -185,20 +106,19 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, k_ring, v_rin
         # would serialize the two (measured: +1-3% at head dim 128, +6% at 64, H100).
         acc, p, p_next, l_i, alpha = warpgroup_mma_wait(
             num_outstanding=0, deps=(o_token, p, p_next, l_i, alpha))
-        mbarrier.arrive(v_free.index(prev_slot), count=1)
+        kv.free_values(prev_slot)
         acc = acc * alpha[:, None]
         p = p_next
     return turn, acc, p, m_i, l_i
 
 
 @gluon.jit
-def _consumer(q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free, v_ready,
-              v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k, heads_q, group, qk_scale,
-              row_tiles, batch_heads, num_tiles, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              STAGES: gl.constexpr):
+def _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr, qk_scale,
+              WARPGROUP: gl.constexpr):
     ROWS: gl.constexpr = q_tiles.shape[1]
     BLOCK_D: gl.constexpr = q_tiles.shape[2]
-    BLOCK_N: gl.constexpr = k_ring.shape[1]
+    BLOCK_N: gl.constexpr = work.BLOCK_N
+    CAUSAL: gl.constexpr = work.CAUSAL
     dtype: gl.constexpr = q_tiles.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, BLOCK_N, 16])
@@ -207,16 +127,16 @@ def _consumer(q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_tile = q_tiles.index(WARPGROUP)
     o_tile = o_tiles.index(WARPGROUP)
+    seqlen_q = work.seqlen_q
+    seqlen_k = work.seqlen_k
     diagonal = seqlen_k - seqlen_q  # bottom-right causal: row r sees keys <= r + diagonal
 
     ring = 0  # key blocks consumed so far, over this program's tiles
     visit = 0
     turn = 0  # products issued so far: the turn barriers' phase
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, q_head, kv_head, q_start, bh = _tile_at(tile, row_tiles, batch_heads, heads_q,
-                                                       group, 2 * ROWS, CAUSAL)
-        num_blocks, unmasked_blocks = _key_block_counts(q_start, seqlen_q, seqlen_k, 2 * ROWS,
-                                                        BLOCK_N, CAUSAL)
+    for tile in range(gl.program_id(0), work.num_tiles, gl.num_programs(0)):
+        batch, q_head, kv_head, q_start, bh = work.coordinates(tile)
+        num_blocks, unmasked_blocks = work.key_blocks(q_start)
         first_row = q_start + WARPGROUP * ROWS
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -225,74 +145,59 @@ def _consumer(q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free
 
         # Key block 0: its scores alone (no PV product yet), always masked.
         mbarrier.wait(q_ready.index(WARPGROUP), visit & 1)
-        slot = ring % STAGES
-        mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
+        slot = kv.wait_keys(ring)
         _take_turn(turns, WARPGROUP, turn)
-        s_token = warpgroup_mma(q_tile, k_ring.index(slot).permute((1, 0)),
+        s_token = warpgroup_mma(q_tile, kv.keys.index(slot).permute((1, 0)),
                                 gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
         _pass_turn(turns, WARPGROUP)
         turn += 1
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
-        mbarrier.arrive(k_free.index(slot), count=1)
-        p, m_i, l_i, alpha = _fold_scores(s, m_i, l_i, qk_scale, rows, 0, seqlen_k, diagonal,
-                                          True, CAUSAL, s_layout, o_layout, p_layout, dtype)
+        kv.free_keys(slot)
+        p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, 0, seqlen_k, diagonal,
+                                         True, CAUSAL, s_layout, o_layout, p_layout, dtype)
 
         turn, acc, p, m_i, l_i = _key_blocks(
-            1, unmasked_blocks, ring, turn, acc, p, m_i, l_i, q_tile, k_ring, v_ring, k_ready,
-            k_free, v_ready, v_free, turns, qk_scale, rows, seqlen_k, diagonal, WARPGROUP,
-            False, CAUSAL, STAGES, s_layout, o_layout, p_layout)
+            1, unmasked_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
+            seqlen_k, diagonal, WARPGROUP, False, CAUSAL, s_layout, o_layout, p_layout)
         turn, acc, p, m_i, l_i = _key_blocks(
-            gl.maximum(unmasked_blocks, 1), num_blocks, ring, turn, acc, p, m_i, l_i, q_tile,
-            k_ring, v_ring, k_ready, k_free, v_ready, v_free, turns, qk_scale, rows, seqlen_k,
-            diagonal, WARPGROUP, True, CAUSAL, STAGES, s_layout, o_layout, p_layout)
+            gl.maximum(unmasked_blocks, 1), num_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv,
+            turns, qk_scale, rows, seqlen_k, diagonal, WARPGROUP, True, CAUSAL, s_layout,
+            o_layout, p_layout)
         # Every score product has retired: the loader may bring the next tile's Q while the
         # last PV product and the epilogue run.
         mbarrier.arrive(q_free.index(WARPGROUP), count=1)
 
         # The last block's PV product.
-        slot = (ring + num_blocks - 1) % STAGES
-        mbarrier.wait(v_ready.index(slot), ((ring + num_blocks - 1) // STAGES) & 1)
+        slot = kv.wait_values(ring + num_blocks - 1)
         _take_turn(turns, WARPGROUP, turn)
-        o_token = warpgroup_mma(p, v_ring.index(slot), acc, is_async=True)
+        o_token = warpgroup_mma(p, kv.values.index(slot), acc, is_async=True)
         _pass_turn(turns, WARPGROUP)
         turn += 1
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_token, p))
-        mbarrier.arrive(v_free.index(slot), count=1)
+        kv.free_values(slot)
         ring += num_blocks
         visit += 1
 
-        empty = l_i == 0.0
-        l_safe = gl.where(empty, 1.0, l_i)
-        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-        lse = gl.where(empty, -float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+        out, lse = finish_rows(acc, m_i, l_i, o_layout)
         gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
         tma.store_wait(pendings=0)  # the previous tile's output has left the staging tile
         o_tile.store(out.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, first_row, q_head, 0],
-                                        _copy_view(o_tile))
+        tma_store(o_desc, [batch, first_row, q_head, 0], copy_view(o_tile))
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _first_consumer(q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free, v_ready,
-                    v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k, heads_q, group,
-                    qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr,
-                    STAGES: gl.constexpr):
-    _consumer(q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free, v_ready,
-              v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k, heads_q, group, qk_scale,
-              row_tiles, batch_heads, num_tiles, 0, CAUSAL, STAGES)
+def _first_consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr,
+                    qk_scale):
+    _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr, qk_scale, 0)
 
 
 @gluon.jit
-def _second_consumer(q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free,
-                     v_ready, v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k, heads_q,
-                     group, qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr,
-                     STAGES: gl.constexpr):
-    _consumer(q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free, v_ready,
-              v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k, heads_q, group, qk_scale,
-              row_tiles, batch_heads, num_tiles, 1, CAUSAL, STAGES)
+def _second_consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr,
+                     qk_scale):
+    _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr, qk_scale, 1)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_q", "group", "row_tiles",
@@ -302,9 +207,9 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_
                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
-    ``row_tiles`` x ``batch_heads`` work tiles (``_tile_at``): program i takes tiles i, i +
-    grid, ... ``lse_ptr``: (B, Hq, Lq) float32, natural log. Launch with num_warps = 4 (the
-    first consumer warpgroup; the second and the loader warp are workers)."""
+    ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``). ``lse_ptr``: (B, Hq, Lq)
+    float32, natural log. Launch with num_warps = 4 (the first consumer warpgroup; the second
+    and the loader warp are workers)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -332,20 +237,16 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_
         mbarrier.init(v_ready.index(slot), count=1)
         mbarrier.init(k_free.index(slot), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_free.index(slot), count=2)
+    kv = KeyValueRing(k_ring, v_ring, k_ready, k_free, v_ready, v_free, STAGES)
+    work = WorkTiles(seqlen_q, seqlen_k, heads_q, group, row_tiles, num_tiles, 2 * ROWS,
+                     BLOCK_N, CAUSAL)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
-    # constexprs into runtime values (Triton 3.6), so that CAUSAL and STAGES were tested and
-    # divided by at run time.
+    # constexprs into runtime values (Triton 3.6). The aggregates keep theirs as fields.
     gl.warp_specialize(
-        [(_first_consumer, (q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free,
-                            v_ready, v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k,
-                            heads_q, group, qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL,
-                            STAGES)),
-         (_second_consumer, (q_tiles, o_tiles, k_ring, v_ring, q_ready, q_free, k_ready, k_free,
-                             v_ready, v_free, turns, o_desc, lse_ptr, seqlen_q, seqlen_k,
-                             heads_q, group, qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL,
-                             STAGES)),
-         (_loader, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, q_free, k_ready,
-                    k_free, v_ready, v_free, seqlen_q, seqlen_k, heads_q, group, row_tiles,
-                    batch_heads, num_tiles, STAGES, CAUSAL))],
+        [(_first_consumer, (q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr,
+                            qk_scale)),
+         (_second_consumer, (q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc,
+                             lse_ptr, qk_scale)),
+         (_loader, (q_desc, k_desc, v_desc, q_tiles, q_ready, q_free, kv, work))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

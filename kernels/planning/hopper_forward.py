@@ -62,7 +62,7 @@ def hopper_gap(problem: Problem) -> str | None:
 
 def mean_key_blocks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FORWARD) -> float:
     """The mean number of key blocks a work tile of the Hopper forward walks (as the kernel's
-    ``_key_block_counts`` counts them)."""
+    ``tiles.WorkTiles.key_blocks`` counts them)."""
     shape = problem.shape
     if not problem.is_causal:
         return float(ceil_div(shape.seqlen_k, tile.block_n))

@@ -1,0 +1,95 @@
+"""The key/value ring: STAGES shared slots for K blocks and as many for V blocks, each with a
+``ready`` barrier (its copy landed: the copy's byte count completes it) and a ``free`` barrier
+(both consumer warpgroups have read it: two arrivals). Ring position p (the key blocks a program
+has loaded so far, counted over all its tiles) lives in slot p % STAGES, on lap p // STAGES; a
+barrier's phase parity on lap n is n & 1. The loader waits for a slot's ``free`` barrier one
+lap behind (a barrier that has completed no phase passes a wait for the parity of the phase
+before phase 0, so the ring's first lap does not wait), the consumers for its ``ready``
+barrier on the lap itself."""
+
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from .gluon_compat import aggregate, tma_load
+
+
+@gluon.jit
+def copy_view(tile):
+    """A rank-2 [rows, cols] shared tile as the [1, rows, 1, cols] box its descriptor copies
+    (an NVMMA layout's bytes depend only on the rows and the contiguous dim, which the two
+    views share)."""
+    return tile.reshape([1, tile.shape[0], 1, tile.shape[1]])
+
+
+@aggregate
+class KeyValueRing:
+    keys: gl.shared_memory_descriptor
+    values: gl.shared_memory_descriptor
+    keys_ready: gl.shared_memory_descriptor
+    keys_free: gl.shared_memory_descriptor
+    values_ready: gl.shared_memory_descriptor
+    values_free: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, keys, values, keys_ready, keys_free, values_ready, values_free, STAGES):
+        self.keys = keys
+        self.values = values
+        self.keys_ready = keys_ready
+        self.keys_free = keys_free
+        self.values_ready = values_ready
+        self.values_free = values_free
+        self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def fill(self, position, k_desc, v_desc, batch, first_key, kv_head):
+        """Loader: copy key block rows [first_key, first_key + BLOCK_N) of K and V into the slot
+        of ``position`` once both consumers have freed it."""
+        slot = position % self.STAGES
+        parity = ((position // self.STAGES) & 1) ^ 1
+        mbarrier.wait(self.keys_free.index(slot), parity)
+        mbarrier.expect(self.keys_ready.index(slot), k_desc.block_type.nbytes)
+        tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
+                 copy_view(self.keys.index(slot)))
+        mbarrier.wait(self.values_free.index(slot), parity)
+        mbarrier.expect(self.values_ready.index(slot), v_desc.block_type.nbytes)
+        tma_load(v_desc, [batch, first_key, kv_head, 0], self.values_ready.index(slot),
+                 copy_view(self.values.index(slot)))
+
+    @gluon.jit
+    def wait_step(self, position):
+        """Consumer: wait for the K block at ``position`` and the V block at ``position - 1`` (a
+        step's PV product trails its score product by one block); returns their slots. The
+        slots are indexed where the products are issued (``keys.index(slot)``), after the
+        warpgroups' turn: the address arithmetic stays out of the wait."""
+        slot = position % self.STAGES
+        prev_slot = (position - 1) % self.STAGES
+        mbarrier.wait(self.keys_ready.index(slot), (position // self.STAGES) & 1)
+        mbarrier.wait(self.values_ready.index(prev_slot), ((position - 1) // self.STAGES) & 1)
+        return slot, prev_slot
+
+    @gluon.jit
+    def wait_keys(self, position):
+        """Consumer: wait for the K block at ``position``; returns its slot."""
+        slot = position % self.STAGES
+        mbarrier.wait(self.keys_ready.index(slot), (position // self.STAGES) & 1)
+        return slot
+
+    @gluon.jit
+    def wait_values(self, position):
+        """Consumer: wait for the V block at ``position``; returns its slot."""
+        slot = position % self.STAGES
+        mbarrier.wait(self.values_ready.index(slot), (position // self.STAGES) & 1)
+        return slot
+
+    @gluon.jit
+    def free_keys(self, slot):
+        """Consumer: this warpgroup is done with the K block in ``slot``."""
+        mbarrier.arrive(self.keys_free.index(slot), count=1)
+
+    @gluon.jit
+    def free_values(self, slot):
+        """Consumer: this warpgroup is done with the V block in ``slot``."""
+        mbarrier.arrive(self.values_free.index(slot), count=1)
