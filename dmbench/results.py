@@ -31,6 +31,8 @@ from .columns import (ENVIRONMENT_COLUMNS, Column, column, environment_columns,
 from .errors import ConfigError
 
 STATUSES = ("ok", "accuracy", "error", "oom", "skipped")
+# How a row's times were taken (``Row.timing``): eager calls, or CUDA graph replays.
+TIMINGS = ("eager", "cuda_graph")
 MODES = ("fwd", "bwd", "fwd+bwd", "equiv")
 TIMED_MODES = ("fwd", "bwd", "fwd+bwd")
 TIME_COLUMNS = ("ms_p20", "ms_p50", "ms_p80")
@@ -225,13 +227,17 @@ class RowWriter:
 
 
 def _check_row(row: Row, where: str) -> None:
-    """A documented status and mode, and times that are times (see the module docstring)."""
+    """A documented status, mode and timing, and times that are times (see the module
+    docstring)."""
     if row.status not in STATUSES:
         raise ConfigError(f"{where}: column status: expected one of {', '.join(STATUSES)}, "
                           f"got {row.status!r}")
     if row.mode not in MODES:
         raise ConfigError(f"{where}: column mode: expected one of {', '.join(MODES)}, "
                           f"got {row.mode!r}")
+    if row.timing not in TIMINGS:
+        raise ConfigError(f"{where}: column timing: expected one of {', '.join(TIMINGS)}, "
+                          f"got {row.timing!r}")
     for name in TIME_COLUMNS:
         value = getattr(row, name)
         if value is None:

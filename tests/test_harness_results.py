@@ -166,6 +166,20 @@ def test_read_rows_bad_value(tmp_path):
         read_rows(path)
 
 
+@pytest.mark.parametrize("timing", ["graphs", "../x", ""])
+def test_read_rows_refuses_an_unknown_timing(tmp_path, timing):
+    """The timing names the plot files a CSV's rows give: only the two documented values."""
+    path = _write_csv(tmp_path / "r.csv", [_row()])
+    values = next(csv.reader([path.read_text().splitlines()[1]]))
+    values[COLUMNS.index("timing")] = timing
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        w.writerow(values)
+    with pytest.raises(ConfigError, match="column timing: expected one of eager, cuda_graph"):
+        read_rows(path)
+
+
 def test_truncated_last_line(tmp_path):
     path = _write_csv(tmp_path / "r.csv", [_row(), _row(backend="reference")])
     text = path.read_text()
@@ -372,7 +386,7 @@ def test_committed_results_without_the_timing_column_read_as_eager():
         with open(path, newline="") as f:
             return next(csv.reader(f))
 
-    paths = sweep_csvs(sorted((Path(__file__).resolve().parents[1] / "results").glob("*/*.csv")))
+    paths = sweep_csvs(sorted((Path(__file__).resolve().parents[1] / "results").glob("**/*.csv")))
     older = [path for path in paths if "timing" not in header(path)]
     assert older  # the H100 results were written before the column
     for path in older:
