@@ -107,7 +107,7 @@ def test_defaults(tmp_path):
         None, False, "bf16", "none", FULL_MASK_SHAPE, "none", 0)
     assert sweep.timing == Timing()
     assert sweep.check is False
-    assert sweep.backends == tuple(b for b in ("triton", "sdpa", "sdpa-dense", "flex", "fdma")
+    assert sweep.backends == tuple(b for b in ("triton", "sdpa", "sdpa-dense", "flex", "fdma", "fa4")
                                    if b in BACKEND_NAMES)
 
 
