@@ -154,30 +154,28 @@ def test_read_rows_missing_file(tmp_path):
         read_rows(tmp_path / "absent.csv")
 
 
-def test_read_rows_bad_value(tmp_path):
+def _csv_with_cell(tmp_path: Path, column: str, value: str) -> Path:
+    """A one-row results CSV whose ``column`` holds ``value`` as written."""
     path = _write_csv(tmp_path / "r.csv", [_row()])
     values = next(csv.reader([path.read_text().splitlines()[1]]))
-    values[COLUMNS.index("batch")] = "many"
+    values[COLUMNS.index(column)] = value
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(COLUMNS)
         w.writerow(values)
+    return path
+
+
+def test_read_rows_bad_value(tmp_path):
     with pytest.raises(ConfigError, match="column batch"):
-        read_rows(path)
+        read_rows(_csv_with_cell(tmp_path, "batch", "many"))
 
 
 @pytest.mark.parametrize("timing", ["graphs", "../x", ""])
 def test_read_rows_refuses_an_unknown_timing(tmp_path, timing):
     """The timing names the plot files a CSV's rows give: only the two documented values."""
-    path = _write_csv(tmp_path / "r.csv", [_row()])
-    values = next(csv.reader([path.read_text().splitlines()[1]]))
-    values[COLUMNS.index("timing")] = timing
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(COLUMNS)
-        w.writerow(values)
     with pytest.raises(ConfigError, match="column timing: expected one of eager, cuda_graph"):
-        read_rows(path)
+        read_rows(_csv_with_cell(tmp_path, "timing", timing))
 
 
 def test_truncated_last_line(tmp_path):
