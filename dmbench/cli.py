@@ -414,6 +414,39 @@ def _run_doge(modes, contexts, batch, steps, warmup, implementations, tiny, dtyp
     _guarded(work)
 
 
+@app.command("battery", epilog=EXIT_CODES_HELP)
+def battery_command(
+        gpus: Annotated[Optional[int], typer.Option("--gpus", help="How many of this host's GPUs to use, one sweep process on each (default: all).")] = None,
+        only: Annotated[Optional[str], typer.Option("--only", help="Comma-separated sweeps of the battery to run (default: all of them).")] = None,
+        out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="Folder for the CSVs (default: results/<gpu>/).")] = None,
+        logs: Annotated[Path, typer.Option("--logs", help="Folder for each job's output.")] = Path("battery-logs"),
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the jobs in the order they start, with their command lines; run nothing.")] = False):
+    """Every GPU sweep (fwd, bwd, and the CUDA-graph files the results publish) on this host's
+    GPUs, one sweep process per GPU, longest first; run it again to finish an interrupted one."""
+    from .battery import battery_code, gpu_list, plan_jobs, run_jobs
+
+    def work():
+        names = tuple(n.strip() for n in only.split(",") if n.strip()) if only else ()
+        jobs = plan_jobs(names)
+        if dry_run:
+            folder = out_dir or Path("results/<gpu>")
+            for job in jobs:
+                _echo(" ".join(job.argv(folder, Path("sweeps"))[1:]))
+            return ExitCode.OK
+        devices = gpu_list(gpus)
+        import torch
+
+        from .envinfo import gpu_slug
+
+        folder = out_dir or Path("results") / gpu_slug(torch.cuda.get_device_name(0))
+        paths.output_dir(folder, "--out-dir" if out_dir else "results folder")
+        paths.output_dir(logs, "--logs")
+        _echo(f"battery: {len(jobs)} jobs on {len(devices)} GPUs -> {folder}/ (logs in {logs}/)")
+        return battery_code(run_jobs(jobs, devices, folder, logs, _echo))
+
+    _guarded(work)
+
+
 @app.command("compile-cost", epilog=EXIT_CODES_HELP)
 def compile_cost_command(
         lengths: Annotated[Optional[str], typer.Option("--lengths", help="Comma-separated sequence lengths, called in this order (default: 20 lengths from 1000 to 8000, multiples of 16 and not).")] = None,
