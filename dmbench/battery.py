@@ -3,8 +3,10 @@ GPU at a time, into one results folder.
 
 The battery is the published set: each GPU sweep's ``fwd`` (and ``bwd`` where it has a
 backward), and the sweeps whose rows under a millisecond are host-bound timed again as CUDA
-graph replays (``BATTERY``). Jobs run longest first (by the sweeps' estimated dense FLOPs,
-``flops.estimated_cost``), each in its own ``python -m dmbench`` process pinned to a free GPU
+graph replays (``BATTERY``). Jobs run longest first: by the minutes their file took last time
+where the results folder has one (the span of its rows' timestamps), the jobs without one
+first, by their sweeps' estimated dense FLOPs (``flops.estimated_cost``). Each runs in its own
+``python -m dmbench`` process pinned to a free GPU
 by ``CUDA_VISIBLE_DEVICES``, writing ``<out_dir>/<sweep>-<command>[-cuda-graph].csv`` and
 ``<logs>/<same stem>.log``. A job whose CSV exists is resumed (``--resume``: its finished
 points are kept, and a file of another commit or setup is refused by that command, exit 2),
@@ -15,6 +17,7 @@ The exit code is the worst of the jobs' (3, then 1, then 2, then 4; 0 when all p
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -58,7 +61,15 @@ class Job:
     sweep: str
     command: str  # fwd or bwd
     cuda_graph: bool
-    cost: float  # relative: the order jobs start in, largest first
+    cost: float  # the estimated dense FLOPs of its points (relative)
+    minutes: float | None = None  # what its file took last time, where known
+
+    @property
+    def order(self) -> tuple:
+        """Sort key, first job first: jobs without a past run (by cost), then by minutes."""
+        if self.minutes is None:
+            return (0, -self.cost, self.stem)
+        return (1, -self.minutes, self.stem)
 
     @property
     def stem(self) -> str:
@@ -77,10 +88,28 @@ class Job:
         return args
 
 
-def plan_jobs(only: tuple[str, ...] = (), sweeps_dir: Path = SWEEPS_DIR) -> list[Job]:
-    """The battery's jobs (``only``: these sweeps alone), longest first. Every sweep file in
-    ``sweeps_dir`` must be a CPU sweep or in ``BATTERY``, so that a new sweep is never left out
-    silently."""
+def past_minutes(path: Path) -> float | None:
+    """The minutes between the first and the last row of a results CSV, or None (no file, fewer
+    than two timestamps, or not a results file)."""
+    from datetime import datetime
+
+    try:
+        with open(path, newline="") as f:
+            stamps = sorted(row["timestamp"] for row in csv.DictReader(f) if row.get("timestamp"))
+        if len(stamps) < 2:
+            return None
+        first, last = (datetime.fromisoformat(s.replace("Z", "+00:00")) for s in (stamps[0],
+                                                                                 stamps[-1]))
+    except (OSError, KeyError, csv.Error, UnicodeDecodeError, ValueError):
+        return None
+    return (last - first).total_seconds() / 60
+
+
+def plan_jobs(only: tuple[str, ...] = (), sweeps_dir: Path = SWEEPS_DIR,
+              history: Path | None = None) -> list[Job]:
+    """The battery's jobs (``only``: these sweeps alone), longest first, timed by the files in
+    ``history`` (a results folder) where it has them. Every sweep file in ``sweeps_dir`` must
+    be a CPU sweep or in ``BATTERY``, so that a new sweep is never left out silently."""
     from .backends import BACKEND_NAMES
     from .sweep import load_sweep
 
@@ -101,10 +130,13 @@ def plan_jobs(only: tuple[str, ...] = (), sweeps_dir: Path = SWEEPS_DIR) -> list
         for command in commands:
             modes = ("fwd",) if command == "fwd" else ("bwd", "fwd+bwd")
             cost = sum(flops.estimated_cost(c, modes, len(sweep.backends)) for c in sweep.cases)
-            jobs.append(Job(name, command, False, cost))
-            if with_graphs and command in GRAPH_COMMANDS.get(name, commands):
-                jobs.append(Job(name, command, True, cost))
-    return sorted(jobs, key=lambda j: (-j.cost, j.stem))
+            graphs = (False, True) if (with_graphs and command in
+                                       GRAPH_COMMANDS.get(name, commands)) else (False,)
+            for graph in graphs:
+                job = Job(name, command, graph, cost)
+                past = past_minutes(history / f"{job.stem}.csv") if history else None
+                jobs.append(Job(name, command, graph, cost, past))
+    return sorted(jobs, key=lambda j: j.order)
 
 
 @dataclass(frozen=True)

@@ -420,6 +420,7 @@ def battery_command(
         only: Annotated[Optional[str], typer.Option("--only", help="Comma-separated sweeps of the battery to run (default: all of them).")] = None,
         out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="Folder for the CSVs (default: results/<gpu>/).")] = None,
         logs: Annotated[Path, typer.Option("--logs", help="Folder for each job's output.")] = Path("battery-logs"),
+        history: Annotated[Optional[Path], typer.Option("--history", help="Results folder whose files' timestamps order the jobs, longest first (default: the --out-dir).")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the jobs in the order they start, with their command lines; run nothing.")] = False):
     """Every GPU sweep (fwd, bwd, and the CUDA-graph files the results publish) on this host's
     GPUs, one sweep process per GPU, longest first; run it again to finish an interrupted one."""
@@ -427,10 +428,9 @@ def battery_command(
 
     def work():
         names = tuple(n.strip() for n in only.split(",") if n.strip()) if only else ()
-        jobs = plan_jobs(names)
         if dry_run:
             folder = out_dir or Path("results/<gpu>")
-            for job in jobs:
+            for job in plan_jobs(names, history=history or out_dir):
                 _echo(" ".join(job.argv(folder, Path("sweeps"))[1:]))
             return ExitCode.OK
         devices = gpu_list(gpus)
@@ -439,6 +439,7 @@ def battery_command(
         from .envinfo import gpu_slug
 
         folder = out_dir or Path("results") / gpu_slug(torch.cuda.get_device_name(0))
+        jobs = plan_jobs(names, history=history or folder)
         paths.output_dir(folder, "--out-dir" if out_dir else "results folder")
         paths.output_dir(logs, "--logs")
         _echo(f"battery: {len(jobs)} jobs on {len(devices)} GPUs -> {folder}/ (logs in {logs}/)")

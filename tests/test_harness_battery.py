@@ -26,7 +26,7 @@ def test_every_sweep_file_is_in_the_battery_or_sized_for_the_cpu():
             graph_commands = battery.GRAPH_COMMANDS.get(sweep, commands)
             assert ((sweep, command, True) in planned) == (graphs and command in graph_commands)
     assert len(jobs) == len(planned)
-    assert [j.cost for j in jobs] == sorted((j.cost for j in jobs), reverse=True)
+    assert [j.cost for j in jobs] == sorted((j.cost for j in jobs), reverse=True)  # no history
 
 
 def test_a_sweep_file_outside_the_battery_is_named(tmp_path):
@@ -40,6 +40,28 @@ def test_only_takes_sweeps_of_the_battery():
     assert {j.sweep for j in battery.plan_jobs(("dense",))} == {"dense"}
     with pytest.raises(ConfigError, match="--only: .*got smoke"):
         battery.plan_jobs(("smoke",))
+
+
+def _timed_csv(path: Path, first: str, last: str) -> None:
+    path.write_text(f"sweep,timestamp\nx,{first}\nx,{last}\n")
+
+
+def test_past_runs_order_the_jobs_and_unknown_ones_go_first(tmp_path):
+    _timed_csv(tmp_path / "dense-fwd.csv", "2026-11-28T20:00:00Z", "2026-11-28T20:09:00Z")
+    _timed_csv(tmp_path / "dense-bwd.csv", "2026-11-28T20:00:00Z", "2026-11-28T20:03:30Z")
+    jobs = battery.plan_jobs(("dense", "gqa"), history=tmp_path)
+    assert [j.stem for j in jobs][-2:] == ["dense-fwd", "dense-bwd"]
+    assert [j.minutes for j in jobs][-2:] == [9.0, 3.5]
+    assert {j.stem for j in jobs[:2]} == {"gqa-fwd", "gqa-bwd"}
+    assert all(j.minutes is None for j in jobs[:2])
+
+
+@pytest.mark.parametrize("text", ["", "sweep,timestamp\nx,2026-11-28T20:00:00Z\n",
+                                  "not,a\nresults,file\n", "sweep,timestamp\nx,yesterday\nx,now\n"])
+def test_a_file_without_two_timestamps_tells_no_minutes(tmp_path, text):
+    (tmp_path / "f.csv").write_text(text)
+    assert battery.past_minutes(tmp_path / "f.csv") is None
+    assert battery.past_minutes(tmp_path / "missing.csv") is None
 
 
 def test_a_job_resumes_its_csv_where_one_exists(tmp_path):

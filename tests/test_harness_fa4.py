@@ -22,7 +22,8 @@ BASE = Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=256, seqlen_k=256, head_dim
 @pytest.mark.parametrize("changes", [
     {}, {"causal": False}, {"heads_kv": 1}, {"head_dim": 40}, {"head_dim": 256},
     {"dtype": "fp16"}, {"seqlen_q": 1, "seqlen_k": 4095},
-    {"mask": "sliding", "window": 64}, {"mask": "sliding", "window": 64, "mask_format": "intervals"},
+    {"mask": "sliding", "window": 64},
+    {"mask": "sliding", "window": 64, "mask_format": "intervals"},
     {"mask": "document", "window": 64}, {"mask": "document", "window": 64, "causal": False,
                                           "mask_format": "varlen"},
 ], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "dense-causal")
