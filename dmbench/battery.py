@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -134,8 +134,9 @@ def plan_jobs(only: tuple[str, ...] = (), sweeps_dir: Path = SWEEPS_DIR,
                                        GRAPH_COMMANDS.get(name, commands)) else (False,)
             for graph in graphs:
                 job = Job(name, command, graph, cost)
-                past = past_minutes(history / f"{job.stem}.csv") if history else None
-                jobs.append(Job(name, command, graph, cost, past))
+                if history is not None:
+                    job = replace(job, minutes=past_minutes(history / f"{job.stem}.csv"))
+                jobs.append(job)
     return sorted(jobs, key=lambda j: j.order)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..runtime.arith import LOG2E, ceil_div, contiguous_strides
 from ..runtime.launch import PlannedLaunch, dot_options
-from ..runtime.routes import note_route, recording
+from ..runtime.routes import note_route
 from ..runtime.scratch import Scratch, graph_capturing
 from ..triton_device.backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from ..triton_device.backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
@@ -255,7 +255,6 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
         plan_class = PackedBackwardPlan if bwd.route is BackwardRoute.PACKED else BackwardPlan
         plan = plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
         fwd.backward_plans[signature] = plan
-    if recording():
-        note_route("backward", plan.route)
+    note_route("backward", plan.route)
     dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv, activity)
     return dq, dk, dv, dbias

@@ -11,7 +11,7 @@ import torch
 from ..runtime.arith import LOG2E, ceil_div, contiguous_strides
 from ..runtime.launch import (PlannedLaunch, capability, dot_options, is_interpreted,
                               multiprocessors)
-from ..runtime.routes import note_route, recording
+from ..runtime.routes import note_route
 from ..runtime.scratch import Scratch
 from ..triton_device.forward_kernels import _attn_fwd_kernel
 from . import tuning
@@ -182,8 +182,7 @@ class ForwardPlan:
         plan with ``lists_per_call``. With ``scan_keys``, ``mask_operand`` is the intervals' (start,
         end) as given, of the plan's layout."""
         if self.gather is not None:
-            if recording():
-                note_route("forward", "gather")
+            note_route("forward", "gather")
             return self.gather.run(query, key, value, mask_operand, bias, keep_lse)
         table = self.list_table
         mask, mask_end = mask_operand, None
@@ -198,12 +197,10 @@ class ForwardPlan:
         lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
                if keep_lse else kept[0])
         if self.hopper is not None and self.hopper.takes(query, key, value):
-            if recording():
-                note_route("forward", "hopper")
+            note_route("forward", "hopper")
             self.hopper(query, key, value, out, lse)
             return out, (lse if keep_lse else None)
-        if recording():
-            note_route("forward", "triton")
+        note_route("forward", "triton")
         parts = self._scratch.buffers() if keep_lse else kept[1:]
         out_part, lse_part, counts = parts if parts else (lse, lse, lse)
         self.main(query, key, value, out, lse, operand_pointer(mask, out),

@@ -45,11 +45,7 @@ def record_routes() -> RouteLog:
 
 
 def note_route(part: str, route: str) -> None:
-    """Record that ``part`` (``"forward"`` or ``"backward"``) ran ``route``, in every open log."""
+    """Record that ``part`` (``"forward"`` or ``"backward"``) ran ``route``, in every open log
+    (none outside a ``record_routes`` block: a loop over an empty list)."""
     for log in _open:
         getattr(log, part).append(route)
-
-
-def recording() -> bool:
-    """Whether any log is open (launchers test this before naming their route)."""
-    return bool(_open)
