@@ -11,6 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cli_helpers import assert_refused_in_one_line
 from dmbench.cli import app
 from dmbench.errors import ExitCode
 
@@ -37,15 +38,7 @@ def _listing(root: Path) -> list[str]:
 
 def _refused_in_one_line(root: Path, args: list[str], *named: str) -> None:
     before = _listing(root)
-    result = runner.invoke(app, args)
-    assert result.exit_code == ExitCode.USAGE, result.output
-    assert "Traceback" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1, result.output
-    assert lines[0].startswith("error: "), lines[0]
-    for text in named:
-        assert text in lines[0], lines[0]
+    assert_refused_in_one_line(runner.invoke(app, args), *named)
     assert _listing(root) == before  # nothing written, in results/ or anywhere else
 
 
