@@ -23,6 +23,7 @@ from .planning.backward import prepare_backward_lists
 from .planning.forward import call_problem, mask_activity
 from .planning import tuning
 from .planning.forward_schedule import forward_list_tiles
+from .planning.hopper_forward import list_tile as hopper_list_tile, may_take_masks
 from .planning.gather_decode import count_kept_keys
 from .planning.inputs import AttnShape, check_flags, check_inputs
 from .planning.schedule import schedule
@@ -131,6 +132,9 @@ def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMa
         activity.lists(*list_tile, transposed=False)
     if count_shares:  # otherwise the backward builds its lists from the map on first use
         prepare_backward_lists(activity, problem)
+        if may_take_masks(problem) and not graph_capturing(query.device):
+            # The masked Hopper forward's default reads it (``few_partial_tiles``); a sync.
+            activity.count_partial_share(*hopper_list_tile(), transposed=False)
     kernel_mask = checked.mask.view if checked.mask.interval_pairs is not None else attn_mask
     kept_keys = None
     shape = checked.shape

@@ -7,6 +7,12 @@ machine. Gluon has no interpreter; what runs on the device is tested on a Hopper
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -37,12 +43,13 @@ class _Sm90:
         return torch.device("cpu")
 
 
-def _compile(dtype, head_dim: int, causal: bool):
+def _compile(dtype, head_dim: int, causal: bool, masked: bool = False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
 
     from kernels.hopper_device.attention_forward import attention_forward
+    from kernels.planning.hopper_forward import list_tile
 
     tile = tuning.HOPPER_FORWARD
     element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
@@ -55,23 +62,53 @@ def _compile(dtype, head_dim: int, causal: bool):
 
     q, kv = describe(tile.rows), describe(tile.block_n)
     lse = torch.empty(8, dtype=torch.float32)
+    # (mask descriptor, list table, list strides, list and mask head divisors, mask batches)
+    unmasked = (kv, lse, 0, 0, 0, 1, 1, 0)
+    if masked:
+        mask = torch.empty(1, 2, 256, 256, dtype=torch.uint8)
+        box = [1, 1, *list_tile(tile)]
+        mask_desc = TensorDescriptor(mask, list(mask.shape), list(mask.stride()), box,
+                                     gl.NVMMASharedLayout.get_default_for(box, gl.uint8))
+        unmasked = (mask_desc, torch.empty(8, dtype=torch.int32), 0, 40, 10, 2, 2, 0)
     saved = driver._active
     driver.set_active(_Sm90())
     try:
         return attention_forward.warmup(
-            q, kv, kv, q, lse, 1000, 1000, 4, 2, 0.1, 3, 8, 24, grid=(132,), num_warps=4,
-            CAUSAL=causal, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
-            LOADER_REGS=tile.loader_regs)
+            q, kv, kv, q, lse, *unmasked, 1000, 1000, 4, 2, 0.1, 3, 8, 24, grid=(132,),
+            num_warps=4, CAUSAL=causal, MASKED=masked, STAGES=tile.stages,
+            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved
 
 
-@pytest.mark.parametrize("dtype, head_dim, causal", [
-    (torch.bfloat16, 128, True), (torch.float16, 64, False)], ids=["bf16-d128-causal",
-                                                                     "fp16-d64-full"])
-def test_the_hopper_forward_compiles_for_sm90(dtype, head_dim, causal):
-    compiled = _compile(dtype, head_dim, causal)
-    ptx = compiled.asm["ptx"]
-    assert ".target sm_90a" in ptx
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert compiled.metadata.shared <= SM90_SHARED_BYTES
+def _compile_apart(dtype: str, head_dim: int, causal: bool, masked: bool) -> dict:
+    """``_compile`` in a fresh process without TRITON_INTERPRET: under the interpreter the
+    ``triton.jit`` functions of ``triton.language`` that Gluon code calls (``gl.max``) are
+    interpreter objects its compiler cannot call."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, __file__, dtype, str(head_dim), str(int(causal)),
+                           str(int(masked))], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype, head_dim, causal, masked", [
+    ("bfloat16", 128, True, False), ("float16", 64, False, False),
+    ("bfloat16", 128, True, True)], ids=["bf16-d128-causal", "fp16-d64-full",
+                                          "bf16-d128-causal-bool-mask"])
+def test_the_hopper_forward_compiles_for_sm90(dtype, head_dim, causal, masked):
+    compiled = _compile_apart(dtype, head_dim, causal, masked)
+    assert compiled["target"]
+    assert compiled["wgmma"] and compiled["tma"]
+    assert compiled["shared"] <= SM90_SHARED_BYTES
+
+
+if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child process
+    name, dim, is_causal, with_mask = sys.argv[1:5]
+    kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), bool(int(with_mask)))
+    ptx = kernel.asm["ptx"]
+    print(json.dumps({"target": ".target sm_90a" in ptx, "wgmma": "wgmma.mma_async" in ptx,
+                      "tma": "cp.async.bulk.tensor" in ptx, "shared": kernel.metadata.shared}))

@@ -16,11 +16,14 @@ import pytest
 import torch
 
 from attn_helpers import (Dims, forcing, random_mask, random_qkv, run_backward, run_forward)
-from kernels import dmattn_func, record_routes, schedule_for
+from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
-from kernels.planning.hopper_forward import hopper_gap
+from kernels.planning.activity import ActivityMap
+from kernels.planning.forward_schedule import forward_list_tiles
+from kernels.planning.hopper_forward import _mask_geometry, hopper_gap, list_tile, may_take_masks
+from kernels.planning.inputs import check_inputs
 from kernels.planning.inputs import AttnShape
-from kernels.planning.problem import OperandLayout, Problem, tma_strides
+from kernels.planning.problem import OperandLayout, Problem, tma_mask, tma_strides
 from kernels.planning.schedule import normalize_options, schedule
 
 
@@ -62,7 +65,9 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"capability": None}, "CUDA GPU only"),
     ({"interpreted": True, "capability": None}, "interpreter"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
-    ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "no mask"),
+    ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "reads a bool mask through TMA"),
+    ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True, "intervals": True},
+     "no KeyIntervals"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
     ({"shape": sized(head_dim=256)}, "head dims up to 128"),
     ({"shape": sized(head_dim=20)}, "multiples of 8"),
@@ -70,7 +75,8 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"softmax_scale": 0.0}, "positive softmax_scale"),
     ({"softmax_scale": -0.1}, "positive softmax_scale"),
     ({"shape": sized(batch=2**16, heads_q=2**12, heads_kv=2**10)}, "tiles of 128 query rows"),
-], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "bias", "d256", "d20",
+], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "intervals", "bias",
+        "d256", "d20",
         "strides", "zero-scale", "negative-scale", "grid"])
 def test_what_the_hopper_route_does_not_cover_runs_the_triton_route_and_forcing_says_why(
         changes, reason):
@@ -82,6 +88,76 @@ def test_what_the_hopper_route_does_not_cover_runs_the_triton_route_and_forcing_
     with pytest.raises(ValueError, match=r"kernel_options\['forward_route'\]: 'hopper' does "
                                          r"not cover this call: .*" + reason):
         schedule(problem, normalize_options({"forward_route": "hopper"}))
+
+
+BOOL_MASK = {"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}
+
+
+def _counted(partial_share: float | None) -> ActivityMap:
+    """A prepared mask's map whose share of partial Hopper tiles was counted (None: not)."""
+    shares = {} if partial_share is None else {(*list_tile(), False): partial_share}
+    return ActivityMap(torch.zeros(1, 1, 1, 1, dtype=torch.int8), 64, 64,
+                       _partial_shares=shares)
+
+
+@pytest.mark.parametrize("partial_share, route", [
+    (None, "triton"), (0.0, "hopper"), (tuning.HOPPER_FORWARD_MASK_PARTIAL_SHARE, "hopper"),
+    (0.5, "triton"), (1.0, "triton")], ids=["uncounted", "all-full", "at-limit", "half", "all"])
+def test_a_bool_mask_takes_the_hopper_route_where_its_tiles_are_mostly_full(partial_share,
+                                                                            route):
+    problem = hopper_problem(**BOOL_MASK, activity=_counted(partial_share))
+    assert hopper_gap(problem) is None
+    assert schedule(problem).forward.route == route
+    forced = schedule(problem, normalize_options({"forward_route": "hopper"}))
+    assert forced.forward.hopper == tuning.HOPPER_FORWARD
+
+
+def test_the_masked_hopper_forward_lists_are_built_with_the_others():
+    problem = hopper_problem(**BOOL_MASK)
+    forced = schedule(problem, normalize_options({"forward_route": "hopper"})).forward
+    assert list_tile() in forward_list_tiles(problem, forced)
+    assert list_tile() == (2 * tuning.HOPPER_FORWARD.rows, tuning.HOPPER_FORWARD.block_n)
+    # A prepared mask knows no q, k and v (no TMA operands): its map still serves the tile.
+    prepared = replace(problem, tma_operands=False)
+    assert may_take_masks(prepared)
+    assert list_tile() in forward_list_tiles(prepared, schedule(prepared).forward)
+    elsewhere = replace(problem, capability=(8, 0))
+    assert list_tile() not in forward_list_tiles(elsewhere, schedule(elsewhere).forward)
+
+
+def _checked_mask(shape, stride=None, seqlen=64, heads=(4, 2)):
+    dims = Dims(2, seqlen, seqlen, *heads, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, "cpu")
+    mask = torch.ones(shape, dtype=torch.bool)
+    if stride is not None:
+        end = 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+        mask = torch.ones(end, dtype=torch.bool).as_strided(shape, stride)
+    return check_inputs(q, k, v, mask, None, None).mask
+
+
+@pytest.mark.parametrize("shape, stride, readable", [
+    ((2, 4, 64, 64), None, True),
+    ((1, 1, 64, 64), None, True),
+    ((2, 2, 64, 64), (0, 4096, 64, 1), True),       # batch expanded: read at index 0
+    ((2, 4, 64, 64), (64 * 65, 64 * 65 * 2, 65, 1), False),  # 65-byte rows
+    ((2, 4, 1, 64), None, False),                    # one row for every query row
+    ((2, 4, 64, 1), None, False),                    # one key for every key
+    ((2, 4, 64, 64), (16384, 4096, 1, 64), False),   # keys not contiguous
+], ids=["full", "shared", "batch-expanded", "odd-rows", "row-broadcast", "key-broadcast",
+        "transposed"])
+def test_tma_reads_a_bool_mask_with_one_row_per_query_and_16_byte_strides(shape, stride,
+                                                                           readable):
+    assert tma_mask(_checked_mask(shape, stride)) is readable
+
+
+def test_the_mask_descriptor_reads_a_stride_0_axis_at_index_0():
+    view = torch.ones(1, 1, 64, 64, dtype=torch.bool).expand(3, 4, 64, 64)
+    shape, strides, head_div, batches = _mask_geometry(view, heads_q=8)
+    assert shape == [1, 1, 64, 64] and strides[2:] == [64, 1]
+    assert all(s * 1 % 16 == 0 for s in strides[:-1])
+    assert head_div == 8 and batches == 0
+    own = torch.ones(3, 4, 64, 64, dtype=torch.bool)
+    assert _mask_geometry(own, heads_q=8) == ([3, 4, 64, 64], list(own.stride()), 2, 1)
 
 
 def test_short_query_lengths_keep_the_triton_route_unless_forced():
@@ -270,14 +346,122 @@ def test_the_backward_after_the_hopper_forward_matches_the_reference(device, cau
 
 
 @pytest.mark.hopper
-def test_a_mask_keeps_the_triton_route_under_the_default(device):
-    dims = Dims(1, 1024, 1024, 2, 2, 128)
+def test_by_default_a_prepared_band_takes_the_hopper_route_and_a_random_mask_does_not(device):
+    dims = Dims(1, 4096, 4096, 4, 2, 128)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
-    mask = random_mask((1, 1, 1024, 1024), device)
-    assert schedule_for(q, k, v, mask).forward.route == "triton"
+    band = prepare_mask(_band(dims, 2048, device), q, k, is_causal=True)
+    scattered = random_mask((1, 1, 4096, 4096), device)
+    for mask, route in ((band, "hopper"), (scattered, "triton"),
+                        (prepare_mask(scattered, q, k, is_causal=True), "triton")):
+        assert schedule_for(q, k, v, mask, is_causal=True).forward.route == route
+        with record_routes() as routes:
+            run_forward(q, k, v, mask, causal=True)
+        assert set(routes.forward) == {route}
+
+
+MASKED_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D): Lk a multiple of 16 (TMA reads mask rows)
+    (2, 300, 512, 4, 2, 128),
+    (1, 1025, 1040, 4, 1, 80),
+    (2, 17, 64, 2, 2, 64),
+    (1, 700, 4096, 6, 2, 128),
+]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", MASKED_SHAPES,
+                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1"), ("1", "1")],
+                         ids=["B-Hq", "1-Hk", "B-1", "1-1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("keep", [0.02, 0.5, 1.0], ids=["keep2", "keep50", "keep100"])
+def test_masked_hopper_forward_matches_the_reference(device, sizes, batch, heads, causal, keep):
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_mask(dims.operand_shape(batch, heads, "Lq", "Lk"), device, keep)
+    mask[..., 5, :] = False  # an empty row
+    run_forward(q, k, v, mask, causal=causal, func=HOPPER)
+
+
+def _band(dims: Dims, window: int, device) -> torch.Tensor:
+    """A sliding window of ``window`` keys ending at each row's diagonal: mostly full tiles,
+    partial ones on its two edges."""
+    rows = torch.arange(dims.seqlen_q, device=device)[:, None]
+    keys = torch.arange(dims.seqlen_k, device=device)[None, :]
+    last = rows + dims.seqlen_k - dims.seqlen_q
+    return ((keys <= last) & (keys > last - window))[None, None]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("window", [1, 100, 1024], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_masked_hopper_forward_walks_full_tiles_of_a_band(device, window, dtype):
+    dims = Dims(2, 2000, 2048, 8, 2, 128)
+    q, k, v = random_qkv(dims, dtype, device)
+    run_forward(q, k, v, _band(dims, window, device), causal=True, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_masked_hopper_forward_reads_expanded_and_sliced_masks(device):
+    dims = Dims(3, 513, 640, 4, 2, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, device, "bhld")
+    expanded = random_mask((1, 2, 513, 640), device, 0.3).expand(3, 2, 513, 640)
+    run_forward(q, k, v, expanded, causal=True, func=HOPPER)
+    wide = random_mask((3, 4, 513, 768), device, 0.3)
+    run_forward(q, k, v, wide[..., 64:704], func=HOPPER)  # rows of 768 bytes, offset 64
+
+
+@pytest.mark.hopper
+def test_masked_hopper_forward_with_a_prepared_mask_and_a_mask_per_call(device):
+    dims = Dims(2, 1024, 1024, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    for seed in range(3):  # one kept plan, a new mask each call
+        torch.manual_seed(seed)
+        mask = random_mask((2, 2, 1024, 1024), device, 0.1 + 0.4 * seed)
+        run_forward(q, k, v, mask, causal=True, func=HOPPER)
+    prepared = prepare_mask(mask, q, k, is_causal=True)
+    run_forward(q, k, v, prepared, causal=True, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_the_backward_after_the_masked_hopper_forward_matches_the_reference(device):
+    dims = Dims(2, 300, 512, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_mask((2, 2, 300, 512), device, 0.4)
+    run_backward(q, k, v, mask, causal=True, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_a_mask_tma_cannot_read_falls_back_or_is_refused_with_its_reason(device):
+    dims = Dims(1, 600, 600, 2, 2, 64)  # 600-byte mask rows
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_mask((1, 1, 600, 600), device)
+    with pytest.raises(ValueError, match="bool mask through TMA"):
+        FORCED(q, k, v, mask, None, False)
+    dims = Dims(1, 640, 640, 2, 2, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    shifted = torch.zeros(640 * 640 + 1, dtype=torch.bool, device=device)[1:]
+    shifted = shifted.view(1, 1, 640, 640)
+    shifted.copy_(random_mask((1, 1, 640, 640), device))  # 1 byte past a 16-byte boundary
     with record_routes() as routes:
-        run_forward(q, k, v, mask)
+        run_forward(q, k, v, shifted, func=FORCED)
     assert set(routes.forward) == {"triton"}
+
+
+@pytest.mark.hopper
+def test_masked_hopper_forward_on_random_shapes(device):
+    """A seeded fuzz: lengths up to 3000 (keys a multiple of 16), head dims 8-128, GQA/MQA,
+    every mask broadcast over batch and heads, keep 0-100%, causal or not, both dtypes."""
+    rng = random.Random(65)
+    for _ in range(60):
+        heads_kv = rng.choice([1, 2, 3])
+        dims = Dims(rng.randint(1, 3), rng.randint(1, 3000), 16 * rng.randint(1, 190),
+                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        q, k, v = random_qkv(dims, dtype, device)
+        shape = dims.operand_shape(rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"]), "Lq",
+                                   "Lk")
+        mask = random_mask(shape, device, rng.choice([0.0, 0.01, 0.3, 0.9, 1.0]))
+        run_forward(q, k, v, mask, causal=rng.random() < 0.5, func=HOPPER)
 
 
 @pytest.mark.hopper
@@ -310,19 +494,21 @@ def test_torch_compile_fullgraph_runs_the_hopper_forward(device, monkeypatch):
 
 
 @pytest.mark.hopper
-def test_a_cuda_graph_replays_the_hopper_forward_on_new_inputs(device, monkeypatch):
-    dims = Dims(2, 1000, 1000, 4, 2, 128)
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "prepared-band"])
+def test_a_cuda_graph_replays_the_hopper_forward_on_new_inputs(device, monkeypatch, masked):
+    dims = Dims(2, 1000, 1024, 4, 2, 128)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = prepare_mask(_band(dims, 300, device), q, k, is_causal=True) if masked else None
     launched = _count_hopper_launches(monkeypatch)
-    dmattn_func(q, k, v, is_causal=True)  # plans and compiles outside the capture
+    FORCED(q, k, v, mask, None, True)  # plans and compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = dmattn_func(q, k, v, is_causal=True)
+        captured = FORCED(q, k, v, mask, None, True)
     assert len(launched) == 2
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
     graph.replay()
-    assert torch.equal(captured, dmattn_func(q, k, v, is_causal=True))
+    assert torch.equal(captured, FORCED(q, k, v, mask, None, True))
     assert torch.isfinite(captured.float()).all()
 
 

@@ -37,19 +37,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .gluon_compat import tma_load, tma_store
 from .ring import KeyValueRing, copy_view
 from .softmax import finish_rows, fold_scores
-from .tiles import WorkTiles
+from .tiles import BlockLists, WorkTiles
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_tiles, q_ready, q_free, kv, work):
+def _loader(q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, kv, work,
+            lists, MASKED: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     ring = 0  # key blocks loaded so far, over this program's tiles: the ring's position
     visit = 0  # this program's tiles loaded so far
     for tile in range(gl.program_id(0), work.num_tiles, gl.num_programs(0)):
         batch, q_head, kv_head, q_start, _ = work.coordinates(tile)
-        num_blocks, _ = work.key_blocks(q_start)
+        if MASKED:
+            row, mask_batch, mask_head = lists.row(batch, q_head, q_start // work.ROWS2)
+            count, full = lists.counts(row)
+            num_blocks = gl.maximum(count, 1)
+        else:
+            num_blocks, _ = work.key_blocks(q_start)
         # A barrier that has completed no phase passes a wait for the parity of the phase
         # before phase 0: the first tile's Q does not wait.
         for w in gl.static_range(2):
@@ -58,7 +64,13 @@ def _loader(q_desc, k_desc, v_desc, q_tiles, q_ready, q_free, kv, work):
             tma_load(q_desc, [batch, q_start + w * ROWS, q_head, 0], q_ready.index(w),
                      copy_view(q_tiles.index(w)))
         for j in range(num_blocks):
-            kv.fill(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head)
+            if MASKED:
+                block = lists.block(row, j, count)
+                kv.fill_tested(ring + j, k_desc, v_desc, batch, block * work.BLOCK_N, kv_head,
+                               mask_desc, masks, mask_batch, mask_head, q_start,
+                               (j == 0) | (j >= full))
+            else:
+                kv.fill(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head)
         ring += num_blocks
         visit += 1
 
@@ -78,15 +90,21 @@ def _pass_turn(turns, WARPGROUP: gl.constexpr):
 
 @gluon.jit
 def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
-                seqlen_k, diagonal, WARPGROUP: gl.constexpr, MASKED: gl.constexpr,
-                CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                p_layout: gl.constexpr):
+                seqlen_k, diagonal, masks, lists, row, count, WARPGROUP: gl.constexpr,
+                MASKED: gl.constexpr, TESTED: gl.constexpr, CAUSAL: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [first, stop) of a tile whose block 0 sits at ring position ``ring``: per
     block j, issue S_j and block j - 1's PV product, fold S_j while PV runs, then rescale.
-    ``p`` enters as block first - 1's and leaves as block stop - 1's."""
+    ``p`` enters as block first - 1's and leaves as block stop - 1's. With MASKED the blocks
+    are positions of the tile's list ``row`` (``lists``); TESTED blocks are tested per pair
+    (with MASKED, by their mask bytes in ``masks`` too)."""
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = kv.keys.shape[1]
     for j in range(first, stop):
+        if MASKED and TESTED:
+            first_col = lists.block(row, j, count) * BLOCK_N
+        else:
+            first_col = j * BLOCK_N
         slot, prev_slot = kv.wait_step(ring + j)
         _take_turn(turns, WARPGROUP, turn)
         s_token = warpgroup_mma(q_tile, kv.keys.index(slot).permute((1, 0)),
@@ -97,9 +115,14 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
         turn += 1
         # wgmma groups retire in issue order: one left outstanding is the PV product.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
+        # The mask bytes are read after the wait: read before it (beside the score product)
+        # they cost as much or more (H200: 1556-1767 against 1569-1683 us on three masks).
+        keep = None
+        if MASKED and TESTED:
+            keep = _mask_bytes(masks, slot, WARPGROUP, ROWS, s_layout)
         kv.free_keys(slot)
         p_next, m_i, l_i, alpha = fold_scores(
-            s, m_i, l_i, qk_scale, rows, j * BLOCK_N, seqlen_k, diagonal, MASKED, CAUSAL,
+            s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, TESTED, CAUSAL,
             s_layout, o_layout, p_layout, q_tile.dtype)
         # P's registers are the PV product's operand until it retires. Passing the softmax's
         # results through the wait as well keeps LLVM from sinking the softmax below it, which
@@ -113,8 +136,15 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
 
 
 @gluon.jit
-def _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr, qk_scale,
-              WARPGROUP: gl.constexpr):
+def _mask_bytes(masks, slot, WARPGROUP: gl.constexpr, ROWS: gl.constexpr,
+                s_layout: gl.constexpr):
+    """This warpgroup's rows of the mask tile in ``slot``, in the score layout."""
+    return masks.index(slot).slice(WARPGROUP * ROWS, ROWS, dim=0).load(s_layout)
+
+
+@gluon.jit
+def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
+              lse_ptr, qk_scale, WARPGROUP: gl.constexpr, MASKED: gl.constexpr):
     ROWS: gl.constexpr = q_tiles.shape[1]
     BLOCK_D: gl.constexpr = q_tiles.shape[2]
     BLOCK_N: gl.constexpr = work.BLOCK_N
@@ -136,14 +166,23 @@ def _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_pt
     turn = 0  # products issued so far: the turn barriers' phase
     for tile in range(gl.program_id(0), work.num_tiles, gl.num_programs(0)):
         batch, q_head, kv_head, q_start, bh = work.coordinates(tile)
-        num_blocks, unmasked_blocks = work.key_blocks(q_start)
+        if MASKED:
+            row, _, _ = lists.row(batch, q_head, q_start // work.ROWS2)
+            count, unmasked_blocks = lists.counts(row)
+            num_blocks = gl.maximum(count, 1)
+            first_col = lists.block(row, 0, count) * BLOCK_N
+        else:
+            row = 0
+            count = 0
+            num_blocks, unmasked_blocks = work.key_blocks(q_start)
+            first_col = 0
         first_row = q_start + WARPGROUP * ROWS
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
 
-        # Key block 0: its scores alone (no PV product yet), always masked.
+        # Key block 0: its scores alone (no PV product yet), always tested per pair.
         mbarrier.wait(q_ready.index(WARPGROUP), visit & 1)
         slot = kv.wait_keys(ring)
         _take_turn(turns, WARPGROUP, turn)
@@ -153,17 +192,22 @@ def _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_pt
         _pass_turn(turns, WARPGROUP)
         turn += 1
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
+        keep = None
+        if MASKED:
+            keep = _mask_bytes(masks, slot, WARPGROUP, ROWS, s_layout)
         kv.free_keys(slot)
-        p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, 0, seqlen_k, diagonal,
-                                         True, CAUSAL, s_layout, o_layout, p_layout, dtype)
+        p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k,
+                                         diagonal, keep, True, CAUSAL, s_layout, o_layout,
+                                         p_layout, dtype)
 
         turn, acc, p, m_i, l_i = _key_blocks(
             1, unmasked_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
-            seqlen_k, diagonal, WARPGROUP, False, CAUSAL, s_layout, o_layout, p_layout)
+            seqlen_k, diagonal, masks, lists, row, count, WARPGROUP, MASKED, False, CAUSAL,
+            s_layout, o_layout, p_layout)
         turn, acc, p, m_i, l_i = _key_blocks(
             gl.maximum(unmasked_blocks, 1), num_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv,
-            turns, qk_scale, rows, seqlen_k, diagonal, WARPGROUP, True, CAUSAL, s_layout,
-            o_layout, p_layout)
+            turns, qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, WARPGROUP,
+            MASKED, True, CAUSAL, s_layout, o_layout, p_layout)
         # Every score product has retired: the loader may bring the next tile's Q while the
         # last PV product and the epilogue run.
         mbarrier.arrive(q_free.index(WARPGROUP), count=1)
@@ -189,27 +233,38 @@ def _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_pt
 
 
 @gluon.jit
-def _first_consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr,
-                    qk_scale):
-    _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr, qk_scale, 0)
+def _first_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
+                    lse_ptr, qk_scale, MASKED: gl.constexpr):
+    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc, lse_ptr,
+              qk_scale, 0, MASKED)
 
 
 @gluon.jit
-def _second_consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr,
-                     qk_scale):
-    _consumer(q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr, qk_scale, 1)
+def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
+                     lse_ptr, qk_scale, MASKED: gl.constexpr):
+    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc, lse_ptr,
+              qk_scale, 1, MASKED)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_q", "group", "row_tiles",
-                              "batch_heads", "num_tiles"])
-def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_k, heads_q,
-                      group, qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr,
+@gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
+                              "list_head_div", "mask_head_div", "mask_batches", "seqlen_q",
+                              "seqlen_k", "heads_q", "group", "row_tiles", "batch_heads",
+                              "num_tiles"])
+def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_table,
+                      list_batch_stride, list_head_stride, list_row_stride, list_head_div,
+                      mask_head_div, mask_batches, seqlen_q, seqlen_k, heads_q, group, qk_scale,
+                      row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
     ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``). ``lse_ptr``: (B, Hq, Lq)
-    float32, natural log. Launch with num_warps = 4 (the first consumer warpgroup; the second
-    and the loader warp are workers)."""
+    float32, natural log. With MASKED, each tile walks its row of the activity lists
+    ``list_table`` (``tiles.BlockLists``) and ``mask_desc`` reads the bool mask's bytes as a
+    (Bm, Hm, Lq, Lk) uint8 tensor (a batch-shared mask has Bm = 1 and ``mask_batches`` 0; query
+    head h reads list head h // ``list_head_div`` and mask head h // ``mask_head_div``);
+    without, both are unused stand-ins. Launch
+    with num_warps = 4 (the first consumer warpgroup; the second and the loader warp are
+    workers)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -221,6 +276,12 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_
     o_tiles = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_D], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    if MASKED:  # one [2 x ROWS, BLOCK_N] tile of mask bytes beside each K slot
+        mask_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [2 * ROWS, BLOCK_N], gl.uint8)
+        masks = gl.allocate_shared_memory(gl.uint8, [STAGES, 2 * ROWS, BLOCK_N], mask_layout)
+    else:
+        masks = k_ring
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -240,13 +301,16 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_
     kv = KeyValueRing(k_ring, v_ring, k_ready, k_free, v_ready, v_free, STAGES)
     work = WorkTiles(seqlen_q, seqlen_k, heads_q, group, row_tiles, num_tiles, 2 * ROWS,
                      BLOCK_N, CAUSAL)
+    lists = BlockLists(list_table, list_batch_stride, list_head_stride, list_row_stride,
+                       list_head_div, mask_head_div, mask_batches)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6). The aggregates keep theirs as fields.
     gl.warp_specialize(
-        [(_first_consumer, (q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc, lse_ptr,
-                            qk_scale)),
-         (_second_consumer, (q_tiles, o_tiles, q_ready, q_free, kv, turns, work, o_desc,
-                             lse_ptr, qk_scale)),
-         (_loader, (q_desc, k_desc, v_desc, q_tiles, q_ready, q_free, kv, work))],
+        [(_first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists,
+                            o_desc, lse_ptr, qk_scale, MASKED)),
+         (_second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists,
+                             o_desc, lse_ptr, qk_scale, MASKED)),
+         (_loader, (q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, kv,
+                    work, lists, MASKED))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -5,7 +5,8 @@ has loaded so far, counted over all its tiles) lives in slot p % STAGES, on lap 
 barrier's phase parity on lap n is n & 1. The loader waits for a slot's ``free`` barrier one
 lap behind (a barrier that has completed no phase passes a wait for the parity of the phase
 before phase 0, so the ring's first lap does not wait), the consumers for its ``ready``
-barrier on the lap itself."""
+barrier on the lap itself. A masked forward keeps a tile of mask bytes beside each K slot,
+copied on K's ``ready`` barrier and freed with it (``fill_tested``)."""
 
 
 from triton.experimental import gluon
@@ -21,6 +22,13 @@ def copy_view(tile):
     (an NVMMA layout's bytes depend only on the rows and the contiguous dim, which the two
     views share)."""
     return tile.reshape([1, tile.shape[0], 1, tile.shape[1]])
+
+
+@gluon.jit
+def mask_view(tile):
+    """A rank-2 [rows, keys] shared tile of mask bytes as the [1, 1, rows, keys] box of its
+    descriptor over the (B, H, Lq, Lk) mask."""
+    return tile.reshape([1, 1, tile.shape[0], tile.shape[1]])
 
 
 @aggregate
@@ -47,12 +55,31 @@ class KeyValueRing:
     def fill(self, position, k_desc, v_desc, batch, first_key, kv_head):
         """Loader: copy key block rows [first_key, first_key + BLOCK_N) of K and V into the slot
         of ``position`` once both consumers have freed it."""
+        self.fill_tested(position, k_desc, v_desc, batch, first_key, kv_head, None, None, 0, 0,
+                         0, False)
+
+    @gluon.jit
+    def fill_tested(self, position, k_desc, v_desc, batch, first_key, kv_head, mask_desc,
+                    masks, mask_batch, mask_head, first_row, tested):
+        """Loader: copy key block rows [first_key, first_key + BLOCK_N) of K and V into the slot
+        of ``position`` once both consumers have freed it, and where ``tested`` also the
+        [ROWS2, BLOCK_N] tile of mask bytes of rows [first_row, first_row + ROWS2) by those keys
+        into ``masks``' slot of this position, on K's ready barrier: the consumers read it before
+        they free K's slot."""
         slot = position % self.STAGES
         parity = ((position // self.STAGES) & 1) ^ 1
         mbarrier.wait(self.keys_free.index(slot), parity)
-        mbarrier.expect(self.keys_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
-                 copy_view(self.keys.index(slot)))
+        if tested:
+            mbarrier.expect(self.keys_ready.index(slot),
+                            k_desc.block_type.nbytes + mask_desc.block_type.nbytes)
+            tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
+                     copy_view(self.keys.index(slot)))
+            tma_load(mask_desc, [mask_batch, mask_head, first_row, first_key],
+                     self.keys_ready.index(slot), mask_view(masks.index(slot)))
+        else:
+            mbarrier.expect(self.keys_ready.index(slot), k_desc.block_type.nbytes)
+            tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
+                     copy_view(self.keys.index(slot)))
         mbarrier.wait(self.values_free.index(slot), parity)
         mbarrier.expect(self.values_ready.index(slot), v_desc.block_type.nbytes)
         tma_load(v_desc, [batch, first_key, kv_head, 0], self.values_ready.index(slot),

@@ -12,20 +12,22 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal,
+def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep,
                 MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
                 o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
     """Fold one key block's scores ``s`` into (m_i, l_i). Returns P in the PV product's operand
     layout, the new m_i and l_i, and the factor that rescales the output rows. MASKED blocks
-    hide keys past ``seqlen_k`` and, with CAUSAL, keys past row + ``diagonal``."""
+    hide keys past ``seqlen_k``, with CAUSAL keys past row + ``diagonal``, and where ``keep``
+    is not None (the block's mask bytes in ``s_layout``) the pairs whose byte is 0."""
     BLOCK_N: gl.constexpr = s.shape[1]
     if MASKED:
         cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = cols[None, :] < seqlen_k
         if CAUSAL:
-            s = gl.where((cols[None, :] < seqlen_k) & (cols[None, :] <= rows[:, None] + diagonal),
-                         s, -float("inf"))
-        else:
-            s = gl.where((cols < seqlen_k)[None, :], s, -float("inf"))
+            visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
+        if keep is not None:
+            visible = visible & (keep != 0)
+        s = gl.where(visible, s, -float("inf"))
     # qk_scale > 0, so the max of the scaled scores is the scaled max.
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_shift = gl.where(m_new == -float("inf"), 0.0, m_new)

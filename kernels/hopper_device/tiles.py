@@ -69,3 +69,55 @@ class WorkTiles:
             num_blocks = gl.cdiv(self.seqlen_k, self.BLOCK_N)
             unmasked_blocks = self.seqlen_k // self.BLOCK_N
         return num_blocks, unmasked_blocks
+
+
+@aggregate
+class BlockLists:
+    """A masked call's active key blocks per work tile, from the mask's activity lists
+    (``planning.activity.BlockLists``: per (mask batch, mask head, row tile of ROWS2 rows) a
+    row of int32 (count, full count, block indices...), the full blocks first). A tile walks
+    max(count, 1) blocks: one whose rows see no key walks block 0 with its mask, which hides
+    every pair, so that every row is written. Position 0 and the positions from ``full`` on
+    are tested per pair; the loader brings a mask tile for exactly those."""
+    table: gl.tensor
+    batch_stride: gl.tensor
+    head_stride: gl.tensor
+    row_stride: gl.tensor
+    list_head_div: gl.tensor
+    mask_head_div: gl.tensor
+    mask_batches: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, table, batch_stride, head_stride, row_stride, list_head_div,
+                 mask_head_div, mask_batches):
+        self.table = table
+        self.batch_stride = batch_stride
+        self.head_stride = head_stride
+        self.row_stride = row_stride
+        self.list_head_div = list_head_div
+        self.mask_head_div = mask_head_div
+        self.mask_batches = mask_batches
+
+    @gluon.jit
+    def row(self, batch, q_head, row_tile):
+        """(the tile's list row, its mask batch, its mask head): query head h reads list head
+        h // list_head_div and mask head h // mask_head_div (they differ where the mask's
+        head axis has stride 0); the batch stride is 0 where one table serves the batch, and
+        ``mask_batches`` 0 where the mask does."""
+        mask_head = q_head // self.mask_head_div
+        mask_batch = batch * self.mask_batches
+        row = (self.table + batch.to(gl.int64) * self.batch_stride
+               + (q_head // self.list_head_div).to(gl.int64) * self.head_stride
+               + row_tile.to(gl.int64) * self.row_stride)
+        return row, mask_batch, mask_head
+
+    @gluon.jit
+    def counts(self, row):
+        """(active blocks, full blocks) of a list row; the tile walks max(count, 1)."""
+        return gl.load(row), gl.load(row + 1)
+
+    @gluon.jit
+    def block(self, row, position, count):
+        """The key block at ``position`` of a list row of ``count`` blocks (block 0 for an
+        empty list's one walk)."""
+        return gl.load(row + 2 + position, mask=position < count, other=0)

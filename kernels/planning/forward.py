@@ -18,7 +18,7 @@ from . import tuning
 from .activity import (ActivityMap, ListCompaction, block_list_strides, call_activity,
                        shared_granularity, tile_activity)
 from .gather_decode import GatherDecodePlan, mask_kind
-from .hopper_forward import HopperForwardLaunch
+from .hopper_forward import HopperForwardLaunch, list_tile
 from .inputs import CheckedInputs, operand_args, operand_pointer
 from .operands import ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides, sizes_of
 from .problem import Problem, problem_of, tma_strides
@@ -113,12 +113,20 @@ class ForwardPlan:
         lists = None
         if checked.mask is not None and not self.mask_as_given:
             lists = activity.lists(*fwd.list_tile, transposed=False)
-        self.compaction = None
+        self.compaction = self.hopper_compaction = None
+        self.hopper_table = None
+        masked_hopper = fwd.hopper is not None and checked.mask is not None
+        if masked_hopper and not lists_per_call:
+            self.hopper_table = activity.lists(*list_tile(fwd.hopper), transposed=False).table
         if lists_per_call and not self.mask_as_given:
             # Kept: the compaction of a call's map (of this map's shape and tile) into the
             # forward's list, and the table's strides; not the map or the table.
             self.compaction = ListCompaction(activity.active.shape, activity.sub_rows,
                                              activity.sub_cols, *fwd.list_tile, False)
+            if masked_hopper:
+                self.hopper_compaction = ListCompaction(
+                    activity.active.shape, activity.sub_rows, activity.sub_cols,
+                    *list_tile(fwd.hopper), False)
             activity = None
             sched = replace(sched, problem=replace(problem, activity=None))
         self.schedule, self.activity = sched, activity
@@ -155,7 +163,8 @@ class ForwardPlan:
                  if self.splits > 1 else ())
         self._scratch = Scratch(query.device, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
-        self.hopper = None if fwd.hopper is None else HopperForwardLaunch(problem, fwd.hopper)
+        self.hopper = (None if fwd.hopper is None
+                       else HopperForwardLaunch(problem, fwd.hopper, checked.mask))
         self.gather = None
         if fwd.gather is not None:
             mask = checked.mask
@@ -184,22 +193,26 @@ class ForwardPlan:
         if self.gather is not None:
             note_route("forward", "gather")
             return self.gather.run(query, key, value, mask_operand, bias, keep_lse)
-        table = self.list_table
-        mask, mask_end = mask_operand, None
-        if self.scan_keys:
-            mask, mask_end = mask_operand
-        elif self.lists_per_call:  # compacted from the call's map on first use
-            table = call_activity(activity).compacted(self.compaction).table
         # ``new_empty`` takes dtype and device from ``query`` (the plan's own): 2.9 us of host
         # per call against 3.9 for ``torch.empty`` with both named, on the H100 host.
         out = query.new_empty(self.out_shape)
         kept = None if keep_lse else self._scratch_with_lse.buffers()
         lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
                if keep_lse else kept[0])
-        if self.hopper is not None and self.hopper.takes(query, key, value):
+        if self.hopper is not None and self.hopper.takes(
+                query, key, value, *(() if mask_operand is None else (mask_operand,))):
             note_route("forward", "hopper")
-            self.hopper(query, key, value, out, lse)
+            table = self.hopper_table
+            if self.hopper_compaction is not None:  # compacted from the call's map
+                table = call_activity(activity).compacted(self.hopper_compaction).table
+            self.hopper(query, key, value, out, lse, mask_operand, table)
             return out, (lse if keep_lse else None)
+        table = self.list_table
+        mask, mask_end = mask_operand, None
+        if self.scan_keys:
+            mask, mask_end = mask_operand
+        elif self.lists_per_call:  # compacted from the call's map on first use
+            table = call_activity(activity).compacted(self.compaction).table
         note_route("forward", "triton")
         parts = self._scratch.buffers() if keep_lse else kept[1:]
         out_part, lse_part, counts = parts if parts else (lse, lse, lse)

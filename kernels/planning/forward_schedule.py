@@ -12,7 +12,7 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .grids import edge_slots, grid_chunk_rows, key_splits
 from .gather_decode import GatherTile, gather_gap, gather_tile
-from .hopper_forward import hopper_gap, takes_hopper
+from .hopper_forward import hopper_gap, list_tile, may_take_masks, takes_hopper
 from .problem import Problem
 
 
@@ -199,9 +199,12 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
 
 def forward_list_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:
     """The forward's list tile, and where its tile follows the bias (``interval_tile_possible``)
-    the list tiles of both choices, first the one ``forward`` took."""
+    the list tiles of both choices, first the one ``forward`` took; where the masked Hopper
+    forward may run, its list tile too (``hopper_forward.list_tile``)."""
     tiles = [forward.list_tile]
     if interval_tile_possible(problem):
         for tile in (tuning.FORWARD_D128_INTERVALS, tuning.FORWARD_D128_MASKED):
             tiles.append((tile.block_m // group_pack(problem, tile.block_m), tile.block_n))
+    if (forward.hopper is not None and problem.mask is not None) or may_take_masks(problem):
+        tiles.append(list_tile(forward.hopper or tuning.HOPPER_FORWARD))
     return tuple(dict.fromkeys(tiles))

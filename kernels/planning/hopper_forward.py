@@ -1,12 +1,16 @@
 """The Hopper route's forward: which problems it covers, and its launch. The kernel is
 ``hopper_device.attention_forward`` (Gluon, sm_90a).
 
-It covers a dense forward (no mask, no bias; causal or not, any lengths, GQA/MQA) in fp16 or
-bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out for TMA, on a GPU of
-compute capability 9.0. The schedule takes it there where its tiles are full enough
-(``takes_hopper``), and ``kernel_options['forward_route']`` forces either route. Anything else runs
-the Triton route, which stays whole: a call whose tensors' addresses are not 16-byte aligned
-falls back to it too (``HopperForwardLaunch.takes``).
+It covers a forward with no mask or a bool mask, and no bias (causal or not, any lengths,
+GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
+for TMA, on a GPU of compute capability 9.0. A bool mask must have one row per query row, its
+keys contiguous and its other strides multiples of 16 bytes (``problem.tma_mask``): the kernel
+walks each 128-row tile's activity list (``activity.BlockLists`` of 128 x 128 tiles, full
+blocks first) and reads the mask bytes of the blocks it tests per pair through TMA. The schedule
+takes it where its tiles are full enough (``takes_hopper``; with a mask, a prepared one whose
+tiles are mostly full: ``few_partial_tiles``), and ``kernel_options['forward_route']`` forces either
+route. Anything else runs the Triton route, which stays whole: a call whose tensors' addresses
+are not 16-byte aligned falls back to it too (``HopperForwardLaunch.takes``).
 """
 
 from __future__ import annotations
@@ -45,8 +49,14 @@ def hopper_gap(problem: Problem) -> str | None:
                 f"{problem.capability[0]}.{problem.capability[1]}")
     if problem.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 or bfloat16, not {str(problem.dtype).replace('torch.', '')}"
-    if problem.mask is not None or problem.bias is not None:
-        return "it takes no mask and no bias yet"
+    if problem.bias is not None:
+        return "it takes no bias yet"
+    if problem.mask is not None:
+        if problem.intervals:
+            return "it takes no KeyIntervals yet"
+        if not problem.tma_mask:
+            return ("it reads a bool mask through TMA: one mask row per query row, the keys "
+                    "contiguous and the batch and head strides multiples of 16 bytes")
     if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 8:
         return f"it takes head dims up to {MAX_HEAD_DIM} that are multiples of 8, not {shape.head_dim}"
     if not problem.tma_operands:
@@ -74,9 +84,35 @@ def mean_key_blocks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FO
     return blocks / row_tiles
 
 
+def list_tile(tile: tuning.HopperTile = tuning.HOPPER_FORWARD) -> tuple[int, int]:
+    """(query rows, key cols) of the tiles whose activity lists the masked kernel walks."""
+    return 2 * tile.rows, tile.block_n
+
+
+def may_take_masks(problem: Problem) -> bool:
+    """Whether a call of this problem's mask may take the masked Hopper forward, as far as a
+    prepared mask knows it (no q, k, v yet): its lists' tile is then built with the others."""
+    return (problem.mask is not None and not problem.intervals and GLUON_MISSING is None
+            and problem.capability == HOPPER
+            and problem.dtype in (torch.float16, torch.bfloat16)
+            and problem.shape.head_dim <= MAX_HEAD_DIM)
+
+
+def few_partial_tiles(problem: Problem) -> bool:
+    """Whether the mask's counted share of partial tiles in the masked kernel's lists is at most
+    ``tuning.HOPPER_FORWARD_MASK_PARTIAL_SHARE`` (False where it was not counted: a mask read
+    by the call, or prepared during a CUDA graph capture)."""
+    if problem.activity is None:
+        return False
+    share = problem.activity.partial_share(*list_tile(), transposed=False)
+    return share is not None and share <= tuning.HOPPER_FORWARD_MASK_PARTIAL_SHARE
+
+
 def takes_hopper(problem: Problem) -> bool:
     """The schedule's default: the Hopper forward where it covers the problem, the query rows
     fill its tiles and each tile walks enough key blocks to hide its prologue and epilogue."""
+    if problem.mask is not None and not few_partial_tiles(problem):
+        return False
     return (problem.shape.seqlen_q >= tuning.HOPPER_FORWARD_MIN_QUERIES
             and hopper_gap(problem) is None
             and mean_key_blocks(problem) >= tuning.HOPPER_FORWARD_MIN_KEY_BLOCKS)
@@ -93,9 +129,12 @@ def _gluon_dtype(dtype: torch.dtype):
 
 class HopperForwardLaunch:
     """The Hopper forward of one call signature: its grid, tiles' shared layouts and scalars,
-    fixed once. A call makes the four descriptors from its tensors and launches."""
+    fixed once. A call makes the descriptors from its tensors and launches. With a bool mask
+    (``mask``: its ``BroadcastOperand``) the plan also fixes the mask descriptor's shape and
+    strides and the list table's strides; a call brings the table (``BlockLists.table`` of
+    ``list_tile``) and the mask."""
 
-    def __init__(self, problem: Problem, tile: tuning.HopperTile):
+    def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None):
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
         element = _gluon_dtype(problem.dtype)
@@ -106,12 +145,23 @@ class HopperForwardLaunch:
         row_tiles = ceil_div(shape.seqlen_q, 2 * tile.rows)
         batch_heads = shape.batch * shape.heads_q
         num_tiles = row_tiles * batch_heads
+        self.masked = mask is not None
+        if self.masked:
+            self.mask_shape, self.mask_strides, mask_head_div, mask_batches = _mask_geometry(
+                mask.view, shape.heads_q)
+            self.mask_box = [1, 1, 2 * tile.rows, tile.block_n]
+            self.mask_layout = gl.NVMMASharedLayout.get_default_for(self.mask_box, gl.uint8)
+            # Query head h reads list head h // mask.head_div (the map's heads are the mask's
+            # own) and mask head h // mask_head_div (1 head where its stride is 0).
+            self.mask_scalars = (mask.head_div, mask_head_div, mask_batches)
         self.launch = DescriptorLaunch(
             attention_forward, (min(num_tiles, problem.multiprocessors),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.group_size,
              problem.softmax_scale * LOG2E, row_tiles, batch_heads, num_tiles),
-            num_warps=4, CAUSAL=problem.is_causal, STAGES=tile.stages,
+            num_warps=4, CAUSAL=problem.is_causal, MASKED=self.masked, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+        self.batch = shape.batch
+        self.unmasked_args = (0, 0, 0, 1, 1, 0)  # list strides and divisors, never read
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:
@@ -121,9 +171,33 @@ class HopperForwardLaunch:
     def _describe(self, t: torch.Tensor, box: list, layout) -> TensorDescriptor:
         return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 
-    def __call__(self, query, key, value, out, lse) -> None:
-        """Write ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq) float32."""
-        self.launch(self._describe(query, self.q_box, self.q_layout),
-                    self._describe(key, self.kv_box, self.kv_layout),
+    def __call__(self, query, key, value, out, lse, mask=None, table=None) -> None:
+        """Write ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq) float32; a masked plan's call
+        brings the bool ``mask`` and its lists' ``table``."""
+        k_desc = self._describe(key, self.kv_box, self.kv_layout)
+        if self.masked:
+            mask_desc = TensorDescriptor(mask.view(torch.uint8), self.mask_shape,
+                                         self.mask_strides, self.mask_box, self.mask_layout)
+            shared = table.shape[0] == 1 and self.batch > 1
+            list_args = (table, 0 if shared else table.stride(0), table.stride(1),
+                         table.stride(2), *self.mask_scalars)
+        else:  # stand-ins the kernel never reads
+            mask_desc, list_args = k_desc, (lse, *self.unmasked_args)
+        self.launch(self._describe(query, self.q_box, self.q_layout), k_desc,
                     self._describe(value, self.kv_box, self.kv_layout),
-                    self._describe(out, self.q_box, self.q_layout), lse)
+                    self._describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args)
+
+
+def _mask_geometry(view: torch.Tensor, heads_q: int) -> tuple[list, list, int, int]:
+    """(shape, strides, query heads per mask head, 1 if the batch is read else 0) of the
+    descriptor over a bool mask's (B, H, Lq, Lk) broadcast view: a stride-0 batch or head axis
+    becomes one of size 1, read at index 0 (its stride a stand-in multiple of 16)."""
+    batch, heads, rows, keys = view.shape
+    b_stride, h_stride, r_stride, _ = view.stride()
+    stand_in = r_stride * rows
+    if b_stride == 0:
+        batch, b_stride = 1, stand_in
+    if h_stride == 0:
+        heads, h_stride = 1, stand_in
+    return ([batch, heads, rows, keys], [b_stride, h_stride, r_stride, 1], heads_q // heads,
+            int(batch > 1))

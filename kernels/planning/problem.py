@@ -63,6 +63,8 @@ class Problem:
     # of 16 bytes (``tma_strides``). Both choose between the device code families.
     capability: tuple[int, int] | None = None
     tma_operands: bool = False
+    # A bool mask whose bytes a TMA descriptor can read as (Bm, Hm, Lq, Lk) (``tma_mask``).
+    tma_mask: bool = False
     # ``KeyIntervals.max_kept`` of the mask: at most this many keys kept per query row.
     max_kept: int | None = None
     # The mask is prepared (``prepare_mask``, or intervals a former call prepared): the call
@@ -87,6 +89,18 @@ def tma_strides(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def tma_mask(mask) -> bool:
+    """Whether a TMA descriptor can read a bool mask's broadcast view (``BroadcastOperand``)
+    as (Bm, Hm, Lq, Lk) bytes: one mask row per query row (no stride 0 there), keys
+    contiguous, and the batch and head strides that are not 0 multiples of 16 bytes (a stride-0
+    axis is read at index 0). Its address is each call's to check."""
+    if mask is None or mask.interval_pairs is not None or mask.view.dtype != torch.bool:
+        return False
+    batch, heads, rows, keys = mask.view.stride()
+    return (keys == 1 and rows != 0 and rows % 16 == 0
+            and batch % 16 == 0 and heads % 16 == 0)
+
+
 def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                interpreted: bool, multiprocessors: int, is_causal: bool,
                deterministic: bool = False, bias_grad: bool = False,
@@ -105,6 +119,6 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
-                   intervals, capability, bool(tma_operands),
+                   intervals, capability, bool(tma_operands), tma_mask(checked.mask),
                    checked.mask.max_kept if checked.mask is not None else None,
                    activity is not None, kept_keys)

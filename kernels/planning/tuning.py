@@ -198,6 +198,15 @@ HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
 # against Triton route (SDPA): L512 full (4 blocks) 390 against 302 (451); L512 causal (2.5)
 # 97 against 187 (241); L1024 causal (4.5, B16) 310 against 280 (411).
 HOPPER_FORWARD_MIN_QUERIES = 512
+# A call with a bool mask takes the Hopper forward where its prepared mask's share of partial
+# 128 x 128 tiles (tested per pair; the full ones are not) is at most this; a mask read by the
+# call, whose share is not counted, keeps the Triton route. A partial tile costs the Hopper
+# consumers 32 two-byte shared loads and a select per thread and block; the Triton route
+# amortizes its test over a packed GQA group. H200, bf16 D128 causal, forward, Triton route
+# over Hopper route (one process): sliding windows, share 0.06 (L16384 W4096 H32/8) 1.37-1.43x,
+# ~0.11 (L8192 W2048) 1.23x, ~0.2 (D64 L8192 W1024 H16) 1.02x; top-W masks (every tile
+# partial) 0.76-1.09x, a random 10% (1, Hq) mask at D64 0.55x.
+HOPPER_FORWARD_MASK_PARTIAL_SHARE = 0.15
 HOPPER_FORWARD_MIN_KEY_BLOCKS = 4
 
 
