@@ -55,9 +55,10 @@ class WorkTiles:
     @gluon.jit
     def key_blocks(self, q_start):
         """How many key blocks the tile of rows [q_start, q_start + ROWS2) walks, and how many
-        of the first of them every row sees whole (no test per pair). With CAUSAL the keys end
-        at the last row's diagonal; a tile whose rows see no key still walks block 0, all
-        hidden, so that every row is written."""
+        of the first of them every row sees whole (no test per pair): the host's
+        ``planning.key_walk.tile_key_blocks``, but a tile whose rows see no key still walks
+        block 0, all hidden, so that every row is written. With CAUSAL the keys end at the last
+        row's diagonal."""
         if self.CAUSAL:
             visible_end = gl.minimum(self.seqlen_k,
                                      q_start + self.ROWS2 + self.seqlen_k - self.seqlen_q)

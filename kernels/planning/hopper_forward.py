@@ -20,6 +20,7 @@ import torch
 from ..runtime.arith import LOG2E, ceil_div
 from ..runtime.launch import DescriptorLaunch
 from . import tuning
+from .key_walk import tile_key_blocks
 from .problem import Problem
 
 try:
@@ -71,15 +72,14 @@ def hopper_gap(problem: Problem) -> str | None:
 
 
 def mean_key_blocks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FORWARD) -> float:
-    """The mean number of key blocks a work tile of the Hopper forward walks (as the kernel's
-    ``tiles.WorkTiles.key_blocks`` counts them)."""
+    """The mean number of key blocks a work tile of the Hopper forward walks without a mask:
+    ``key_walk.tile_key_blocks``' active blocks, at least one (as the kernel's
+    ``tiles.WorkTiles.key_blocks`` walks them)."""
     shape = problem.shape
-    if not problem.is_causal:
-        return float(ceil_div(shape.seqlen_k, tile.block_n))
     rows = 2 * tile.rows
     row_tiles = ceil_div(shape.seqlen_q, rows)
-    diagonal = shape.seqlen_k - shape.seqlen_q
-    blocks = sum(ceil_div(max(min(shape.seqlen_k, (i + 1) * rows + diagonal), 1), tile.block_n)
+    blocks = sum(max(tile_key_blocks(i * rows, rows, shape.seqlen_q, shape.seqlen_k,
+                                     tile.block_n, problem.is_causal)[0], 1)
                  for i in range(row_tiles))
     return blocks / row_tiles
 

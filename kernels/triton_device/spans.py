@@ -122,7 +122,8 @@ def causal_block_split(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, se
     """(full, total) key blocks for the query block at ``start_m`` without a mask.
 
     Key blocks [0, full) are visible to every row of the block and need no causal test;
-    [full, total) straddle the diagonal. Without causality every block is full.
+    [full, total) straddle the diagonal. Without causality every block is full (the loop bounds
+    the last one by its loads). The host's definition is ``planning.key_walk.tile_key_blocks``.
     """
     total = tl.cdiv(seqlen_k, BLOCK_N)
     full = total
