@@ -43,6 +43,21 @@ class _Sm90:
         return torch.device("cpu")
 
 
+def _describer(dtype, head_dim: int):
+    """A maker of descriptors over a (2, 256, 4, head_dim) tensor with boxes of ``rows`` rows."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    t = torch.empty(2, 256, 4, head_dim, dtype=dtype)
+
+    def describe(rows):
+        box = [1, rows, 1, head_dim]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                                gl.NVMMASharedLayout.get_default_for(box, element))
+    return describe
+
+
 def _compile(dtype, head_dim: int, causal: bool, masked: bool = False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -52,14 +67,7 @@ def _compile(dtype, head_dim: int, causal: bool, masked: bool = False):
     from kernels.planning.hopper_forward import list_tile
 
     tile = tuning.HOPPER_FORWARD
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    t = torch.empty(2, 256, 4, head_dim, dtype=dtype)
-
-    def describe(rows):
-        box = [1, rows, 1, head_dim]
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
-                                gl.NVMMASharedLayout.get_default_for(box, element))
-
+    describe = _describer(dtype, head_dim)
     q, kv = describe(tile.rows), describe(tile.block_n)
     lse = torch.empty(8, dtype=torch.float32)
     # (mask descriptor, list table, list strides, list and mask head divisors, mask batches)
@@ -81,7 +89,28 @@ def _compile(dtype, head_dim: int, causal: bool, masked: bool = False):
         driver._active = saved
 
 
-def _compile_apart(dtype: str, head_dim: int, causal: bool, masked: bool) -> dict:
+def _compile_backward(dtype, head_dim: int, causal: bool):
+    from triton.runtime import driver
+
+    from kernels.hopper_device.attention_backward import attention_backward
+    from kernels.planning.hopper_backward import HOPPER_BACKWARD as tile
+
+    describe = _describer(dtype, head_dim)
+    rows = torch.empty(8, dtype=torch.float32)
+    saved = driver._active
+    driver.set_active(_Sm90())
+    try:
+        return attention_backward.warmup(
+            describe(tile.block_m), describe(tile.block_n), describe(tile.block_n),
+            describe(tile.block_m), describe(tile.block_n // 2), describe(tile.block_n // 2),
+            rows, rows, rows, 1000, 1000, 8, 4, 2, 0.1, 0.07, grid=(8, 8), num_warps=4,
+            HEAD_DIM=head_dim, CAUSAL=causal, STAGES=tile.stages,
+            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+    finally:
+        driver._active = saved
+
+
+def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     """``_compile`` in a fresh process without TRITON_INTERPRET: under the interpreter the
     ``triton.jit`` functions of ``triton.language`` that Gluon code calls (``gl.max``) are
     interpreter objects its compiler cannot call."""
@@ -89,17 +118,18 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked: bool) -> dic
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, __file__, dtype, str(head_dim), str(int(causal)),
-                           str(int(masked))], env=env, cwd=root, capture_output=True,
+                           str(masked)], env=env, cwd=root, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("dtype, head_dim, causal, masked", [
-    ("bfloat16", 128, True, False), ("float16", 64, False, False),
-    ("bfloat16", 128, True, True)], ids=["bf16-d128-causal", "fp16-d64-full",
-                                          "bf16-d128-causal-bool-mask"])
-def test_the_hopper_forward_compiles_for_sm90(dtype, head_dim, causal, masked):
+    ("bfloat16", 128, True, 0), ("float16", 64, False, 0), ("bfloat16", 128, True, 1),
+    ("bfloat16", 128, True, "backward"), ("float16", 64, False, "backward")],
+    ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
+         "backward-bf16-d128-causal", "backward-fp16-d64-full"])
+def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
     assert compiled["wgmma"] and compiled["tma"]
@@ -107,8 +137,11 @@ def test_the_hopper_forward_compiles_for_sm90(dtype, head_dim, causal, masked):
 
 
 if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child process
-    name, dim, is_causal, with_mask = sys.argv[1:5]
-    kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), bool(int(with_mask)))
+    name, dim, is_causal, form = sys.argv[1:5]
+    if form == "backward":
+        kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)))
+    else:
+        kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), bool(int(form)))
     ptx = kernel.asm["ptx"]
     print(json.dumps({"target": ".target sm_90a" in ptx, "wgmma": "wgmma.mma_async" in ptx,
                       "tma": "cp.async.bulk.tensor" in ptx, "shared": kernel.metadata.shared}))

@@ -28,6 +28,7 @@ from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles,
                                 wide_tile_possible)
 from .dbias import DbiasMode, broadcast_args
 from .grids import edge_slots, grid_chunk_rows
+from .hopper_backward import HopperBackwardPlan
 from .inputs import operand_pointer
 from .operands import (ABSENT, BackwardLayouts, BackwardStrides, DkdvPointers, DqPointers,
                        FusedPointers, SeqStrides, seq_strides, sizes_of)
@@ -200,6 +201,7 @@ class BackwardPlan:
         """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None). ``activity``: the
         call's own map, for a forward plan with lists per call (both kernels' lists are
         compacted from it here)."""
+        note_route("backward", self.route)
         scratch = dict(zip(self._scratch_names, self._scratch.buffers()))
         # Pointer arguments a launch does not read get any tensor (lse).
         dq_part, dq_count = scratch.get("dq_part", lse), scratch.get("dq_count", lse)
@@ -229,6 +231,17 @@ class BackwardPlan:
         return self.dbias.finish(dbias) if self.dbias is not None else None
 
 
+def _triton_fallback(fwd, grad_out, query, key, value, dq, dk, dv, activity):
+    """A maker of the Triton backward that the schedule picks without a forced route, for the
+    Hopper backward's calls whose addresses a descriptor cannot take."""
+    def make():
+        options = {name: value for name, value in fwd.options.items() if name != "backward"}
+        bwd = schedule(fwd.schedule.problem, options).backward
+        plan_class = PackedBackwardPlan if bwd.route is BackwardRoute.PACKED else BackwardPlan
+        return plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
+    return make
+
+
 def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
                        deterministic: bool, bias_needs_grad: bool,
                        activity: ActivityMap | None = None):
@@ -252,9 +265,13 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
             # changed between forward and backward): schedule this one.
             bwd = schedule(replace(problem, deterministic=bool(deterministic),
                                    bias_grad=bool(bias_needs_grad)), fwd.options).backward
-        plan_class = PackedBackwardPlan if bwd.route is BackwardRoute.PACKED else BackwardPlan
-        plan = plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
+        if bwd.route is BackwardRoute.HOPPER:
+            plan = HopperBackwardPlan(fwd, bwd.launches, _triton_fallback(
+                fwd, grad_out, query, key, value, dq, dk, dv, activity))
+        else:
+            plan_class = (PackedBackwardPlan if bwd.route is BackwardRoute.PACKED
+                          else BackwardPlan)
+            plan = plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
         fwd.backward_plans[signature] = plan
-    note_route("backward", plan.route)
     dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv, activity)
     return dq, dk, dv, dbias

@@ -8,6 +8,7 @@ import torch
 
 from ..runtime.arith import LOG2E, contiguous_strides
 from ..runtime.launch import PlannedLaunch, dot_options
+from ..runtime.routes import note_route
 from ..runtime.scratch import Scratch
 from ..triton_device.backward_packed_kernels import attn_bwd_packed_kernel
 from .backward_schedule import BackwardSchedule
@@ -66,6 +67,7 @@ class PackedBackwardPlan:
             activity=None):
         """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None). The packed launch
         walks no lists, so it reads no activity map (``activity`` is unused)."""
+        note_route("backward", self.route)
         dq_part, counts = self._scratch.buffers() or (lse, lse)
         dbias = self.dbias.allocate(self.device) if self.dbias is not None else lse
         self.launch(query, key, value, out, grad_out, lse, dq, dk, dv, dq_part, counts,

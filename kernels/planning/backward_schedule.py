@@ -17,6 +17,7 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .dbias import DbiasMode, DbiasPlan, plan_dbias, plan_packed_dbias
 from .grids import key_splits
+from .hopper_backward import HOPPER_BACKWARD, HopperBackwardTile, hopper_backward_gap
 from .problem import Problem
 
 
@@ -26,6 +27,7 @@ class BackwardRoute(str, Enum):
     SEPARATE = "dq+dkdv"  # a dq launch (which stores delta), then dkdv launch(es)
     FUSED = "fused"  # dq and dkdv programs in one launch (each rebuilds delta)
     PACKED = "packed"  # decode: one launch owns key blocks of whole GQA groups, K and V read once
+    HOPPER = "hopper"  # Gluon (sm_90a): a program per key block, dQ added by atomics
 
     def __str__(self) -> str:
         return self.value
@@ -67,7 +69,7 @@ class BackwardSchedule:
 
     route: BackwardRoute
     dbias: DbiasPlan | None
-    launches: GeneralBackward | PackedBackward
+    launches: GeneralBackward | PackedBackward | HopperBackwardTile
 
     def __post_init__(self):
         if (self.route is BackwardRoute.PACKED) != isinstance(self.launches, PackedBackward):
@@ -310,6 +312,12 @@ def schedule_general(problem: Problem, options: dict) -> BackwardSchedule:
 
 def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
     route = options.get("backward")
+    if route is BackwardRoute.HOPPER:
+        gap = hopper_backward_gap(problem)
+        if gap is not None:
+            raise ValueError(f"kernel_options['backward']: 'hopper' does not cover this call: "
+                             f"{gap}")
+        return BackwardSchedule(BackwardRoute.HOPPER, None, HOPPER_BACKWARD)
     if route in (None, BackwardRoute.PACKED):
         packs, dbias = packed_route(problem)
         if packs:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 
 from .backward_schedule import (BackwardRoute, BackwardSchedule, PackedBackward, backward_tiles,
                                 schedule_backward, wide_tile_possible)
+from .hopper_backward import HopperBackwardTile
 from .forward_schedule import (FORWARD_ROUTES, ForwardSchedule, forward_list_tiles,
                                schedule_forward)
 from .problem import Problem
@@ -45,6 +46,8 @@ def backward_items(backward: BackwardSchedule) -> list[tuple[str, object]]:
     """(name, value) of what ``Schedule.__str__`` prints of the backward: the packed launch's
     tile, key splits and skipping, or the general route, bias-gradient mode and launches."""
     launches = backward.launches
+    if isinstance(launches, HopperBackwardTile):
+        return [("route", backward.route), ("tile", launches)]
     if isinstance(launches, PackedBackward):
         return [("packed", launches.tile), ("packed_key_splits", launches.key_splits),
                 ("packed_skips_dead_blocks", launches.skips_dead_blocks)]
@@ -77,7 +80,7 @@ class Schedule:
 OPTION_NAMES = {
     "forward_route": "the forward's route: 'triton', 'hopper' (Gluon, sm_90a) or 'gather' "
                      "(decode over the kept keys alone)",
-    "backward": "the backward route: 'fused', 'dq+dkdv' or 'packed'",
+    "backward": "the backward route: 'fused', 'dq+dkdv', 'packed' or 'hopper' (Gluon, sm_90a)",
     "forward_key_splits": "the forward's key splits (split-K), an int >= 1",
     "dq_key_splits": "dq's key splits, an int >= 1",
     "dkdv_head_shares": "dkdv's shares of a GQA group's heads, an int dividing the group",
@@ -108,7 +111,7 @@ def normalize_options(options) -> dict:
                 value = BackwardRoute(value)
             except ValueError:
                 raise ValueError(f"kernel_options['backward']: expected one of 'fused', "
-                                 f"'dq+dkdv', 'packed', got {value!r}") from None
+                                 f"'dq+dkdv', 'packed', 'hopper', got {value!r}") from None
         elif name in ("forward_key_scan", "dkdv_wide_tile"):
             if type(value) is not bool:
                 raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "

@@ -198,6 +198,9 @@ HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
 # against Triton route (SDPA): L512 full (4 blocks) 390 against 302 (451); L512 causal (2.5)
 # 97 against 187 (241); L1024 causal (4.5, B16) 310 against 280 (411).
 HOPPER_FORWARD_MIN_QUERIES = 512
+# The Gluon backward (``hopper_backward``) has been compiled for sm_90a offline only: it is
+# refused, with that reason, until its tests (tests/test_hopper_backward.py) pass on a GPU.
+HOPPER_BACKWARD_RAN_ON_GPU = False
 # A call with a bool mask takes the Hopper forward where its prepared mask's share of partial
 # 128 x 128 tiles (tested per pair; the full ones are not) is at most this; a mask read by the
 # call, whose share is not counted, keeps the Triton route. A partial tile costs the Hopper

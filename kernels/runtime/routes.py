@@ -2,10 +2,11 @@
 
 ``with kernels.record_routes() as routes:`` notes, for every attention call that runs inside
 the block, the forward's route (``hopper``: the Gluon kernel; ``triton``: the Triton loop;
-``gather``: decode over the kept keys) and the backward's (``fused``, ``dq+dkdv``, ``packed``),
-as the launchers carry the call out, not as a schedule predicts it. A benchmark row names the
-kernels behind its number this way, and a test of a forced route counts its launches, so a
-silent fallback shows. Outside such a block a launch pays one test of an empty list.
+``gather``: decode over the kept keys) and the backward's (``fused``, ``dq+dkdv``, ``packed``,
+``hopper``), as the launchers carry the call out, not as a schedule predicts it. A benchmark
+row names the kernels behind its number this way, and a test of a forced route counts its
+launches, so a silent fallback shows. Outside such a block a launch pays one test of an empty
+list.
 """
 
 from __future__ import annotations

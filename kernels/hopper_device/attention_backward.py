@@ -1,0 +1,305 @@
+"""The attention backward for Hopper (dense, stage 1): one loader warp and two consumer
+warpgroups per program, in FlashAttention-3's form.
+
+A program owns one key block of ``BLOCK_N`` = 2 x 64 keys of one (batch, key head): its K and V
+tiles arrive once, and consumer warpgroup w owns keys [w * 64, (w + 1) * 64) of them, with
+their dK and dV accumulators in registers for the whole program. The program walks every query
+head of the key head's GQA group and, per head, the query blocks of ``BLOCK_M`` = 64 rows that
+see the key block (with causality, from the first row on or below the block's first key). The
+loader warp brings each query block's Q and dO tiles through TMA into a ring of STAGES slots
+(one ``ready`` barrier for both copies, a ``free`` barrier both warpgroups arrive on). Per query
+block a warpgroup computes, with asynchronous wgmma:
+
+- S^T = K_w Q^T and dP^T = V_w dO^T ([64 keys, 64 queries], both from shared memory);
+- P^T = exp2(S^T * qk_scale - LSE * log2 e) and dS^T = P^T * (dP^T - delta), hidden pairs
+  (keys past Lk, with causality keys past the row's diagonal) set to 0;
+- dV_w += P^T dO and dK_w += dS^T Q, P^T and dS^T as register operands;
+- dQ += dS K_w: dS^T goes to this warpgroup's shared tile, the product reads it transposed, and
+  the [64, D] partial is added to a float32 dQ accumulator in global memory with atomics.
+
+``delta`` (the rows' sum of dO * O) and a zeroed float32 ``dq_acc`` come from the host; the host
+converts ``dq_acc`` to dQ's dtype. dK is scaled by softmax_scale once, at the end; dQ's partials
+are scaled before their atomics. Every operand goes through a rank-4 TMA descriptor over the
+caller's (B, L, H, D) tensor: rows past a length and columns past the head dim arrive as zeros.
+
+Not yet: masks and bias (they go through the activity lists and the loader, as in the forward),
+a deterministic dQ (atomics add in any order), and dQ through shared memory and a bulk reduce.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from .gluon_compat import aggregate, tma_load, tma_store
+from .ring import copy_view
+
+CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@aggregate
+class QueryRing:
+    """STAGES slots of a query block's Q and dO tiles. Ring position p (the query blocks this
+    program has loaded so far) lives in slot p % STAGES on lap p // STAGES; its ``ready``
+    barrier completes when both copies landed, its ``free`` barrier when both consumer
+    warpgroups are done with the slot (two arrivals). The loader waits one lap behind on
+    ``free`` (a fresh barrier passes a wait for the parity before phase 0)."""
+    queries: gl.shared_memory_descriptor
+    grads: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, queries, grads, ready, free, STAGES):
+        self.queries = queries
+        self.grads = grads
+        self.ready = ready
+        self.free = free
+        self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def fill(self, position, q_desc, do_desc, batch, first_row, q_head):
+        """Loader: copy query rows [first_row, first_row + BLOCK_M) of Q and dO into the slot
+        of ``position`` once both consumers have freed it."""
+        slot = position % self.STAGES
+        mbarrier.wait(self.free.index(slot), ((position // self.STAGES) & 1) ^ 1)
+        mbarrier.expect(self.ready.index(slot),
+                        q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
+                 copy_view(self.queries.index(slot)))
+        tma_load(do_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
+                 copy_view(self.grads.index(slot)))
+
+    @gluon.jit
+    def wait(self, position):
+        """Consumer: wait for the slot of ``position``; returns it."""
+        slot = position % self.STAGES
+        mbarrier.wait(self.ready.index(slot), (position // self.STAGES) & 1)
+        return slot
+
+    @gluon.jit
+    def release(self, slot):
+        """Consumer: this warpgroup is done with ``slot``."""
+        mbarrier.arrive(self.free.index(slot), count=1)
+
+
+@aggregate
+class KeyBlockWork:
+    """The program's key block and the query blocks that see it. Grid: (key blocks, batch x
+    key heads)."""
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    heads_q: gl.tensor
+    heads_kv: gl.tensor
+    group: gl.tensor
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL):
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+        self.heads_q = heads_q
+        self.heads_kv = heads_kv
+        self.group = group
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+
+    @gluon.jit
+    def coordinates(self):
+        """(batch, key head, first key) of this program."""
+        bh = gl.program_id(1)
+        return bh // self.heads_kv, bh % self.heads_kv, gl.program_id(0) * self.BLOCK_N
+
+    @gluon.jit
+    def query_blocks(self, first_key):
+        """[first, stop) query blocks with a row that may see a key of the block: with
+        causality (bottom-right) row r sees keys up to r + Lk - Lq."""
+        stop = gl.cdiv(self.seqlen_q, self.BLOCK_M)
+        first = 0
+        if self.CAUSAL:
+            first = gl.maximum(first_key - (self.seqlen_k - self.seqlen_q), 0) // self.BLOCK_M
+            first = gl.minimum(first, stop)
+        return first, stop
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, do_desc, k_tile, v_tile, kv_ready, ring, work):
+    batch, kv_head, first_key = work.coordinates()
+    mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
+    tma_load(v_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(v_tile))
+    first, stop = work.query_blocks(first_key)
+    position = 0
+    for g in range(work.group):
+        q_head = kv_head * work.group + g
+        for m in range(first, stop):
+            ring.fill(position, q_desc, do_desc, batch, m * work.BLOCK_M, q_head)
+            position += 1
+
+
+@gluon.jit
+def _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
+              dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+              WARPGROUP: gl.constexpr):
+    BLOCK_M: gl.constexpr = work.BLOCK_M
+    KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
+    BLOCK_D: gl.constexpr = k_tile.shape[1]
+    dtype: gl.constexpr = k_tile.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, BLOCK_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    batch, kv_head, first_key = work.coordinates()
+    seqlen_q = work.seqlen_q
+    seqlen_k = work.seqlen_k
+    diagonal = seqlen_k - seqlen_q
+    my_first_key = first_key + WARPGROUP * KEYS
+    keys = my_first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    k_mine = k_tile.slice(WARPGROUP * KEYS, KEYS, dim=0)
+    v_mine = v_tile.slice(WARPGROUP * KEYS, KEYS, dim=0)
+    ds_tile = ds_tiles.index(WARPGROUP)
+    dk = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
+    dv = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    dims = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    first, stop = work.query_blocks(first_key)
+    mbarrier.wait(kv_ready.index(0), 0)
+
+    position = 0
+    for g in range(work.group):
+        q_head = kv_head * work.group + g
+        bh = batch * work.heads_q + q_head
+        for m in range(first, stop):
+            first_row = m * BLOCK_M
+            slot = ring.wait(position)
+            q_tile = ring.queries.index(slot)
+            do_tile = ring.grads.index(slot)
+            st_token = warpgroup_mma(k_mine, q_tile.permute((1, 0)),
+                                     gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout),
+                                     use_acc=False, is_async=True)
+            dpt_token = warpgroup_mma(v_mine, do_tile.permute((1, 0)),
+                                      gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout),
+                                      use_acc=False, is_async=True)
+            cols = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            in_rows = cols < seqlen_q
+            # A row past Lq, or one that saw no key (LSE -inf), gives P = 0.
+            lse = gl.load(lse_ptr + bh.to(gl.int64) * seqlen_q + cols, mask=in_rows,
+                          other=float("inf"))
+            lse = gl.where(lse == -float("inf"), float("inf"), lse) * LOG2E
+            delta = gl.load(delta_ptr + bh.to(gl.int64) * seqlen_q + cols, mask=in_rows,
+                            other=0.0)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st_token,))
+            visible = keys[:, None] < seqlen_k
+            if work.CAUSAL:
+                visible = visible & (keys[:, None] <= cols[None, :] + diagonal)
+            p = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_token,))
+            ds = p * (dpt - delta[None, :])
+            p_op = gl.convert_layout(p.to(dtype), op_layout)
+            ds_low = ds.to(dtype)
+            ds_op = gl.convert_layout(ds_low, op_layout)
+            ds_tile.store(ds_low)
+            fence_async_shared()
+            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+            # P^T and dS^T die here, before dQ's accumulator lives: registers (D128: 1.6 KB of
+            # spills with all three products in flight at once, offline).
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+                                                     deps=(dv, dk, p_op, ds_op))
+            dq_token = warpgroup_mma(ds_tile.permute((1, 0)), k_mine,
+                                     gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout),
+                                     use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_token,))
+            ring.release(slot)
+            # dq_acc is (B, Hq, Lq, HEAD_DIM): a thread's elements lie at constant offsets from
+            # one address (the row stride is a constant), not one 64-bit address each.
+            rows = first_row + dq_rows
+            dq_at = dq_ptr + (bh.to(gl.int64) * seqlen_q + first_row) * HEAD_DIM
+            gl.atomic_add(dq_at + dq_rows[:, None] * HEAD_DIM + dims[None, :],
+                          dq * softmax_scale,
+                          mask=(rows < seqlen_q)[:, None] & (dims < HEAD_DIM)[None, :],
+                          sem="relaxed")
+            position += 1
+
+    # dK and dV leave through this warpgroup's staging tile and TMA: rows past Lk and columns
+    # past the head dim are not written.
+    out_tile = out_tiles.index(WARPGROUP)
+    out_tile.store((dk * softmax_scale).to(dtype))
+    fence_async_shared()
+    tma_store(dk_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
+    tma.store_wait(pendings=0)
+    out_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma_store(dv_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _first_consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr,
+                    delta_ptr, dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale,
+                    HEAD_DIM: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
+              dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale, HEAD_DIM, 0)
+
+
+@gluon.jit
+def _second_consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr,
+                     delta_ptr, dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale,
+                     HEAD_DIM: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
+              dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale, HEAD_DIM, 1)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_q", "heads_kv", "group"])
+def attention_backward(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr,
+                       dq_ptr, seqlen_q, seqlen_k, heads_q, heads_kv, group, qk_scale,
+                       softmax_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       LOADER_REGS: gl.constexpr):
+    """Grid (cdiv(Lk, BLOCK_N), B x Hk). ``lse_ptr``, ``delta_ptr``: (B, Hq, Lq) float32 (LSE
+    in natural log); ``dq_ptr``: a zeroed float32 (B, Hq, Lq, HEAD_DIM) accumulator; ``dk_desc``
+    and ``dv_desc`` write (B, Lk, Hk, D) in q's dtype with a box of half a key block.
+    ``qk_scale`` = softmax_scale x log2 e. Launch with num_warps = 4."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_M],
+                                                                    dtype)
+    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_D],
+                                                                     dtype)
+    k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    queries = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], q_layout)
+    grads = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], q_layout)
+    ds_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], ds_layout)
+    out_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_D], out_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(free.index(slot), count=2)  # one arrival per consumer warpgroup
+    ring = QueryRing(queries, grads, ready, free, STAGES)
+    work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL)
+
+    # The argument tuples are written inline: a tuple assigned to a name first turns its
+    # constexprs into runtime values (Triton 3.6).
+    gl.warp_specialize(
+        [(_first_consumer, (k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr,
+                            delta_ptr, dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale,
+                            HEAD_DIM)),
+         (_second_consumer, (k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work,
+                             lse_ptr, delta_ptr, dq_ptr, dk_desc, dv_desc, qk_scale,
+                             softmax_scale, HEAD_DIM)),
+         (_loader, (q_desc, k_desc, v_desc, do_desc, k_tile, v_tile, kv_ready, ring, work))],
+        [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

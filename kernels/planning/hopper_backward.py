@@ -1,0 +1,132 @@
+"""The Hopper route's backward: which problems it covers, and its plan. The kernel is
+``hopper_device.attention_backward`` (Gluon, sm_90a): a program per key block of one (batch,
+key head), dK and dV in registers, dQ added to a float32 accumulator with atomics.
+
+It covers the dense backward (no mask, no bias; causal or not, any lengths, GQA/MQA) in fp16
+or bf16 at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for
+TMA, on a GPU of compute capability 9.0, when its gradients need not be bitwise reproducible.
+It runs only where ``kernel_options['backward'] = 'hopper'`` forces it (the Triton routes stay
+the default until it is measured ahead of them), and only once it has passed its tests on a
+GPU (``tuning.HOPPER_BACKWARD_RAN_ON_GPU``); a call whose addresses a descriptor cannot take
+runs the Triton backward of the same schedule's default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.arith import LOG2E, ceil_div
+from ..runtime.launch import DescriptorLaunch
+from ..runtime.routes import note_route
+from . import tuning
+from .hopper_forward import GLUON_MISSING, block_head_dim, hopper_gap
+from .problem import Problem
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..hopper_device.attention_backward import attention_backward
+except ImportError:  # a Triton without Gluon's Hopper modules (``GLUON_MISSING`` says why)
+    attention_backward = None
+
+
+@dataclass(frozen=True)
+class HopperBackwardTile:
+    """A Hopper backward program: ``block_n`` keys (two consumer warpgroups of half each),
+    query blocks of ``block_m`` rows in a ring of ``stages`` slots, and the registers per
+    thread the consumers and the loader warp take (``setmaxnreg``)."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    consumer_regs: int
+    loader_regs: int
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n} s{self.stages}"
+
+
+HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
+
+
+def hopper_backward_gap(problem: Problem) -> str | None:
+    """Why the Hopper backward does not cover ``problem`` (one line), or None where it does."""
+    if GLUON_MISSING:
+        return GLUON_MISSING
+    if not tuning.HOPPER_BACKWARD_RAN_ON_GPU:
+        return ("it has been compiled offline only; it is taken once its tests pass on a "
+                "Hopper GPU")
+    if problem.mask is not None or problem.bias is not None:
+        return "it takes no mask and no bias yet"
+    if problem.deterministic:
+        return "its dQ is added by atomics in any order: not bitwise reproducible"
+    return hopper_gap(problem)
+
+
+def _gluon_dtype(dtype: torch.dtype):
+    return gl.float16 if dtype == torch.float16 else gl.bfloat16
+
+
+class HopperBackwardPlan:
+    """The Hopper backward for one forward plan and gradient signature: boxes, layouts, grid
+    and scalars fixed once. A call computes delta (the rows' sum of dO * O, in torch), zeroes
+    the float32 dQ accumulator, makes the descriptors and launches, then converts dQ.
+    ``fallback``: the plan of the Triton backward for calls whose addresses a descriptor cannot
+    take (made on first need by ``make_fallback``)."""
+
+    route = "hopper"
+
+    def __init__(self, fwd, tile: HopperBackwardTile, make_fallback):
+        problem = fwd.schedule.problem
+        shape = problem.shape
+        block_d = block_head_dim(shape.head_dim)
+        element = _gluon_dtype(problem.dtype)
+        self.shape = shape
+        self.q_box = [1, tile.block_m, 1, block_d]
+        self.kv_box = [1, tile.block_n, 1, block_d]
+        self.half_box = [1, tile.block_n // 2, 1, block_d]
+        self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
+        self.kv_layout = gl.NVMMASharedLayout.get_default_for(self.kv_box, element)
+        self.half_layout = gl.NVMMASharedLayout.get_default_for(self.half_box, element)
+        self.launch = DescriptorLaunch(
+            attention_backward,
+            (ceil_div(shape.seqlen_k, tile.block_n), shape.batch * shape.heads_kv),
+            (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
+             problem.softmax_scale * LOG2E, problem.softmax_scale),
+            num_warps=4, HEAD_DIM=shape.head_dim, CAUSAL=problem.is_causal, STAGES=tile.stages,
+            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+        self.dq_acc_shape = (shape.batch, shape.heads_q, shape.seqlen_q, shape.head_dim)
+        self._make_fallback = make_fallback
+        self._fallback = None
+
+    def _describe(self, t: torch.Tensor, box: list, layout) -> TensorDescriptor:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+
+    def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
+            activity=None):
+        """Fill ``dq``, ``dk``, ``dv``; no bias gradient (the route takes no bias)."""
+        tensors = (grad_out, query, key, value, dq, dk, dv)
+        if any(t.data_ptr() % 16 for t in tensors) or not _tma_strides(grad_out):
+            if self._fallback is None:
+                self._fallback = self._make_fallback()
+            return self._fallback.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk,
+                                      dv, activity)
+        note_route("backward", self.route)
+        delta = torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float())
+        dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
+        self.launch(self._describe(query, self.q_box, self.q_layout),
+                    self._describe(key, self.kv_box, self.kv_layout),
+                    self._describe(value, self.kv_box, self.kv_layout),
+                    self._describe(grad_out, self.q_box, self.q_layout),
+                    self._describe(dk, self.half_box, self.half_layout),
+                    self._describe(dv, self.half_box, self.half_layout),
+                    lse, delta, dq_acc)
+        dq.copy_(dq_acc.transpose(1, 2))
+        return None
+
+
+def _tma_strides(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])

@@ -1,0 +1,144 @@
+"""The Hopper route of the backward (Gluon, ``kernels.hopper_device.attention_backward``).
+
+Host side, on every machine: forcing it, and what it refuses with the reason. Device side
+(marked ``hopper``; Gluon has no interpreter): dq, dk and dv against the float64 reference on
+awkward shapes, GQA/MQA, both dtypes, causal or not; every test counts the route each backward
+took, so a silent fallback fails it. Its offline compile is in ``test_hopper_offline.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attn_helpers import Dims, forcing, random_qkv, run_backward
+from kernels import record_routes
+from kernels.planning import tuning
+from kernels.planning.backward_schedule import BackwardRoute
+from kernels.planning.hopper_backward import HOPPER_BACKWARD, hopper_backward_gap
+from kernels.planning.inputs import AttnShape
+from kernels.planning.problem import OperandLayout, Problem
+from kernels.planning.schedule import normalize_options, schedule
+
+HOPPER_OPTIONS = normalize_options({"backward": "hopper"})
+
+
+@pytest.fixture(autouse=True)
+def _ran_on_gpu(monkeypatch, request):
+    """The route as it will be once its GPU tests pass (the test of the gate sets it off)."""
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_RAN_ON_GPU",
+                        "gate" not in request.node.name)
+
+
+def dense_problem(**changes) -> Problem:
+    shape = AttnShape(batch=2, seqlen_q=4096, seqlen_k=4096, heads_q=16, heads_kv=4,
+                      head_dim=128)
+    problem = Problem(shape, torch.bfloat16, torch.device("cuda"), interpreted=False,
+                      multiprocessors=132, is_causal=True, softmax_scale=128 ** -0.5,
+                      capability=(9, 0), tma_operands=True)
+    return replace(problem, **changes)
+
+
+def test_forcing_the_hopper_backward_schedules_it():
+    sched = schedule(dense_problem(), HOPPER_OPTIONS)
+    assert sched.backward.route is BackwardRoute.HOPPER
+    assert sched.backward.launches == HOPPER_BACKWARD
+    assert "backward: route=hopper" in str(sched)
+
+
+def test_the_triton_backward_stays_the_default():
+    assert schedule(dense_problem()).backward.route is not BackwardRoute.HOPPER
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "no mask"),
+    ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
+    ({"deterministic": True}, "atomics"),
+    ({"capability": (8, 0)}, "compute capability 9.0"),
+    ({"dtype": torch.float32}, "float16 or bfloat16"),
+    ({"tma_operands": False}, "TMA"),
+], ids=["mask", "bias", "deterministic", "ampere", "fp32", "strides"])
+def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(changes, reason):
+    problem = dense_problem(**changes)
+    assert reason in hopper_backward_gap(problem)
+    with pytest.raises(ValueError, match=f"'hopper' does not cover this call: .*{reason}"):
+        schedule(problem, HOPPER_OPTIONS)
+
+
+def test_the_gate_refuses_the_route_until_it_has_run_on_a_gpu():
+    assert "compiled offline only" in hopper_backward_gap(dense_problem())
+    with pytest.raises(ValueError, match="compiled offline only"):
+        schedule(dense_problem(), HOPPER_OPTIONS)
+
+
+def test_the_backward_option_names_the_hopper_route():
+    with pytest.raises(ValueError, match="'hopper'"):
+        normalize_options({"backward": "gluon"})
+
+
+# -- device side: a Hopper GPU
+FORCED = forcing(backward="hopper")
+
+
+def HOPPER(*args, **kwargs):
+    """``dmattn_func`` with its backward forced onto the Hopper route (counted when the
+    gradients are taken, in ``_backward_on_hopper``)."""
+    return FORCED(*args, **kwargs)
+
+
+def _backward_on_hopper(q, k, v, causal):
+    with record_routes() as routes:
+        run = run_backward(q, k, v, causal=causal, func=HOPPER)
+    assert routes.backward and set(routes.backward) == {"hopper"}, routes.describe()
+    return run
+
+
+SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D)
+    (1, 1, 1, 1, 1, 64),
+    (2, 17, 97, 4, 2, 128),
+    (1, 97, 17, 3, 3, 40),
+    (2, 1025, 1025, 4, 1, 80),
+    (1, 300, 700, 6, 2, 64),
+    (3, 300, 129, 2, 1, 128),
+    (1, 1000, 1000, 8, 8, 16),
+]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", SHAPES, ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hopper_backward_matches_the_reference(device, sizes, causal, dtype):
+    q, k, v = random_qkv(Dims(*sizes), dtype, device)
+    _backward_on_hopper(q, k, v, causal)
+
+
+@pytest.mark.hopper
+def test_hopper_backward_reads_strided_views(device):
+    q, k, v = random_qkv(Dims(2, 333, 333, 4, 2, 64), torch.bfloat16, device, "bhld")
+    _backward_on_hopper(q, k, v, True)
+
+
+@pytest.mark.hopper
+def test_an_unaligned_gradient_runs_the_triton_backward(device):
+    q, k, v = random_qkv(Dims(1, 200, 200, 2, 2, 64), torch.bfloat16, device)
+    grad = torch.randn(q.numel() + 1, device=device).to(q.dtype)[1:].view(q.shape)
+    with record_routes() as routes:
+        run_backward(q, k, v, causal=True, grad_out=grad, func=HOPPER)
+    assert routes.backward and "hopper" not in routes.backward
+
+
+@pytest.mark.hopper
+def test_hopper_backward_on_random_shapes(device):
+    """A seeded fuzz: lengths 1-2000, head dims 8-128 (multiples of 8), GQA/MQA, both dtypes,
+    causal or not."""
+    rng = random.Random(66)
+    for _ in range(30):
+        heads_kv = rng.choice([1, 2, 3])
+        dims = Dims(rng.randint(1, 2), rng.randint(1, 2000), rng.randint(1, 2000),
+                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device)
+        _backward_on_hopper(q, k, v, rng.random() < 0.5)
