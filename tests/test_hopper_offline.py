@@ -90,6 +90,8 @@ def _compile(dtype, head_dim: int, causal: bool, masked: bool = False):
 
 
 def _compile_backward(dtype, head_dim: int, causal: bool):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
 
     from kernels.hopper_device.attention_backward import attention_backward
@@ -97,14 +99,19 @@ def _compile_backward(dtype, head_dim: int, causal: bool):
 
     describe = _describer(dtype, head_dim)
     rows = torch.empty(8, dtype=torch.float32)
+    acc = torch.empty(2, 8, 1000, head_dim, dtype=torch.float32)
+    acc_desc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()),
+                                [1, 1, tile.block_m, head_dim],
+                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                     rank=4))
     saved = driver._active
     driver.set_active(_Sm90())
     try:
         return attention_backward.warmup(
             describe(tile.block_m), describe(tile.block_n), describe(tile.block_n),
-            describe(tile.block_m), describe(tile.block_n // 2), describe(tile.block_n // 2),
-            rows, rows, rows, 1000, 1000, 8, 4, 2, 0.1, 0.07, grid=(8, 8), num_warps=4,
-            HEAD_DIM=head_dim, CAUSAL=causal, STAGES=tile.stages,
+            describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
+            describe(tile.block_n // 2), rows, rows, 1000, 1000, 8, 4, 2, 0.1, 0.07,
+            grid=(8, 8), num_warps=4, CAUSAL=causal, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved

@@ -15,7 +15,10 @@ block a warpgroup computes, with asynchronous wgmma:
   (keys past Lk, with causality keys past the row's diagonal) set to 0;
 - dV_w += P^T dO and dK_w += dS^T Q, P^T and dS^T as register operands;
 - dQ += dS K_w: dS^T goes to this warpgroup's shared tile, the product reads it transposed, and
-  the [64, D] partial is added to a float32 dQ accumulator in global memory with atomics.
+  the [64, D] float32 partial goes to this warpgroup's staging tile, from which a TMA reduce-add
+  adds it to the float32 dQ accumulator in global memory (FA3's path; no atomics from
+  registers, which held one 64-bit address per pair of elements: 0.4-0.5 KB of spills at
+  D128, offline).
 
 ``delta`` (the rows' sum of dO * O) and a zeroed float32 ``dq_acc`` come from the host; the host
 converts ``dq_acc`` to dQ's dtype. dK is scaled by softmax_scale once, at the end; dQ's partials
@@ -23,7 +26,7 @@ are scaled before their atomics. Every operand goes through a rank-4 TMA descrip
 caller's (B, L, H, D) tensor: rows past a length and columns past the head dim arrive as zeros.
 
 Not yet: masks and bias (they go through the activity lists and the loader, as in the forward),
-a deterministic dQ (atomics add in any order), and dQ through shared memory and a bulk reduce.
+and a deterministic dQ (the reduce-adds land in any order).
 """
 
 from triton.experimental import gluon
@@ -31,8 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_compat import aggregate, tma_load, tma_store
-from .ring import copy_view
+from .gluon_compat import aggregate, reinterpret, tma_atomic_add, tma_load, tma_store
+from .ring import copy_view, plane_view
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -143,9 +146,8 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_tile, v_tile, kv_ready, ring, wor
 
 
 @gluon.jit
-def _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
-              dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-              WARPGROUP: gl.constexpr):
+def _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
+              dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr):
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
     BLOCK_D: gl.constexpr = k_tile.shape[1]
@@ -166,8 +168,7 @@ def _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr
     ds_tile = ds_tiles.index(WARPGROUP)
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
-    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    dims = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    stage = stage_tiles.index(WARPGROUP)  # dQ's float32 partials, then dK and dV
     first, stop = work.query_blocks(first_key)
     mbarrier.wait(kv_ready.index(0), 0)
 
@@ -217,19 +218,18 @@ def _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr
                                      use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_token,))
             ring.release(slot)
-            # dq_acc is (B, Hq, Lq, HEAD_DIM): a thread's elements lie at constant offsets from
-            # one address (the row stride is a constant), not one 64-bit address each.
-            rows = first_row + dq_rows
-            dq_at = dq_ptr + (bh.to(gl.int64) * seqlen_q + first_row) * HEAD_DIM
-            gl.atomic_add(dq_at + dq_rows[:, None] * HEAD_DIM + dims[None, :],
-                          dq * softmax_scale,
-                          mask=(rows < seqlen_q)[:, None] & (dims < HEAD_DIM)[None, :],
-                          sem="relaxed")
+            # The previous step's reduce has read the staging tile.
+            tma.store_wait(pendings=0)
+            stage.store(dq * softmax_scale)
+            fence_async_shared()
+            tma_atomic_add(dq_desc, [batch, q_head, first_row, 0], plane_view(stage))
             position += 1
 
     # dK and dV leave through this warpgroup's staging tile and TMA: rows past Lk and columns
     # past the head dim are not written.
-    out_tile = out_tiles.index(WARPGROUP)
+    tma.store_wait(pendings=0)
+    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_D], dtype)
+    out_tile = reinterpret(stage, dtype, [KEYS, BLOCK_D], out_layout)
     out_tile.store((dk * softmax_scale).to(dtype))
     fence_async_shared()
     tma_store(dk_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
@@ -241,31 +241,29 @@ def _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr
 
 
 @gluon.jit
-def _first_consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr,
-                    delta_ptr, dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale,
-                    HEAD_DIM: gl.constexpr):
-    _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
-              dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale, HEAD_DIM, 0)
+def _first_consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr,
+                    delta_ptr, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale):
+    _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
+              dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, 0)
 
 
 @gluon.jit
-def _second_consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr,
-                     delta_ptr, dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale,
-                     HEAD_DIM: gl.constexpr):
-    _consumer(k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
-              dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale, HEAD_DIM, 1)
+def _second_consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr,
+                     delta_ptr, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale):
+    _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
+              dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, 1)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_q", "heads_kv", "group"])
-def attention_backward(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr,
-                       dq_ptr, seqlen_q, seqlen_k, heads_q, heads_kv, group, qk_scale,
-                       softmax_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       LOADER_REGS: gl.constexpr):
+def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
+                       delta_ptr, seqlen_q, seqlen_k, heads_q, heads_kv, group, qk_scale,
+                       softmax_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N), B x Hk). ``lse_ptr``, ``delta_ptr``: (B, Hq, Lq) float32 (LSE
-    in natural log); ``dq_ptr``: a zeroed float32 (B, Hq, Lq, HEAD_DIM) accumulator; ``dk_desc``
-    and ``dv_desc`` write (B, Lk, Hk, D) in q's dtype with a box of half a key block.
-    ``qk_scale`` = softmax_scale x log2 e. Launch with num_warps = 4."""
+    in natural log). ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a
+    [1, 1, BLOCK_M, BLOCK_D] box in an unswizzled layout; ``dk_desc`` and ``dv_desc`` write
+    (B, Lk, Hk, D) in q's dtype with a box of half a key block. ``qk_scale`` = softmax_scale x
+    log2 e. Launch with num_warps = 4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -274,14 +272,15 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_pt
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_M],
                                                                     dtype)
-    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_D],
-                                                                     dtype)
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                      element_bitwidth=32, rank=2)
     k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     queries = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], q_layout)
     grads = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], q_layout)
     ds_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], ds_layout)
-    out_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_D], out_layout)
+    # One float32 [BLOCK_M, BLOCK_D] tile per warpgroup: dQ's partials, then dK and dV.
+    stage_tiles = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_D], stage_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -295,11 +294,11 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_pt
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6).
     gl.warp_specialize(
-        [(_first_consumer, (k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work, lse_ptr,
-                            delta_ptr, dq_ptr, dk_desc, dv_desc, qk_scale, softmax_scale,
-                            HEAD_DIM)),
-         (_second_consumer, (k_tile, v_tile, ds_tiles, out_tiles, kv_ready, ring, work,
-                             lse_ptr, delta_ptr, dq_ptr, dk_desc, dv_desc, qk_scale,
-                             softmax_scale, HEAD_DIM)),
+        [(_first_consumer, (k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work,
+                            lse_ptr, delta_ptr, dq_desc, dk_desc, dv_desc, qk_scale,
+                            softmax_scale)),
+         (_second_consumer, (k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work,
+                             lse_ptr, delta_ptr, dq_desc, dk_desc, dv_desc, qk_scale,
+                             softmax_scale)),
          (_loader, (q_desc, k_desc, v_desc, do_desc, k_tile, v_tile, kv_ready, ring, work))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -25,9 +25,9 @@ def copy_view(tile):
 
 
 @gluon.jit
-def mask_view(tile):
-    """A rank-2 [rows, keys] shared tile of mask bytes as the [1, 1, rows, keys] box of its
-    descriptor over the (B, H, Lq, Lk) mask."""
+def plane_view(tile):
+    """A rank-2 [rows, cols] shared tile as the [1, 1, rows, cols] box of a descriptor over a
+    (B, H, rows, cols) tensor (a mask's bytes, dQ's float32 accumulator)."""
     return tile.reshape([1, 1, tile.shape[0], tile.shape[1]])
 
 
@@ -75,7 +75,7 @@ class KeyValueRing:
             tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
                      copy_view(self.keys.index(slot)))
             tma_load(mask_desc, [mask_batch, mask_head, first_row, first_key],
-                     self.keys_ready.index(slot), mask_view(masks.index(slot)))
+                     self.keys_ready.index(slot), plane_view(masks.index(slot)))
         else:
             mbarrier.expect(self.keys_ready.index(slot), k_desc.block_type.nbytes)
             tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),

@@ -1,6 +1,6 @@
 """The Hopper route's backward: which problems it covers, and its plan. The kernel is
 ``hopper_device.attention_backward`` (Gluon, sm_90a): a program per key block of one (batch,
-key head), dK and dV in registers, dQ added to a float32 accumulator with atomics.
+key head), dK and dV in registers, dQ added to a float32 accumulator by TMA reduce-adds.
 
 It covers the dense backward (no mask, no bias; causal or not, any lengths, GQA/MQA) in fp16
 or bf16 at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for
@@ -91,12 +91,15 @@ class HopperBackwardPlan:
         self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for(self.kv_box, element)
         self.half_layout = gl.NVMMASharedLayout.get_default_for(self.half_box, element)
+        self.acc_box = [1, 1, tile.block_m, block_d]
+        self.acc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                               rank=4)
         self.launch = DescriptorLaunch(
             attention_backward,
             (ceil_div(shape.seqlen_k, tile.block_n), shape.batch * shape.heads_kv),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              problem.softmax_scale * LOG2E, problem.softmax_scale),
-            num_warps=4, HEAD_DIM=shape.head_dim, CAUSAL=problem.is_causal, STAGES=tile.stages,
+            num_warps=4, CAUSAL=problem.is_causal, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         self.dq_acc_shape = (shape.batch, shape.heads_q, shape.seqlen_q, shape.head_dim)
         self._make_fallback = make_fallback
@@ -121,9 +124,10 @@ class HopperBackwardPlan:
                     self._describe(key, self.kv_box, self.kv_layout),
                     self._describe(value, self.kv_box, self.kv_layout),
                     self._describe(grad_out, self.q_box, self.q_layout),
+                    self._describe(dq_acc, self.acc_box, self.acc_layout),
                     self._describe(dk, self.half_box, self.half_layout),
                     self._describe(dv, self.half_box, self.half_layout),
-                    lse, delta, dq_acc)
+                    lse, delta)
         dq.copy_(dq_acc.transpose(1, 2))
         return None
 
