@@ -213,11 +213,11 @@ def _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_p
             # spills with all three products in flight at once, offline).
             dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
                                                      deps=(dv, dk, p_op, ds_op))
+            ring.release(slot)  # Q and dO are read: the loader may refill the slot
             dq_token = warpgroup_mma(ds_tile.permute((1, 0)), k_mine,
                                      gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout),
                                      use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_token,))
-            ring.release(slot)
             # The previous step's reduce has read the staging tile.
             tma.store_wait(pendings=0)
             stage.store(dq * softmax_scale)

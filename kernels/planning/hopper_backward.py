@@ -118,7 +118,7 @@ class HopperBackwardPlan:
             return self._fallback.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk,
                                       dv, activity)
         note_route("backward", self.route)
-        delta = torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float())
+        delta = torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float()).contiguous()
         dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
         self.launch(self._describe(query, self.q_box, self.q_layout),
                     self._describe(key, self.kv_box, self.kv_layout),
