@@ -449,19 +449,28 @@ def test_a_mask_tma_cannot_read_falls_back_or_is_refused_with_its_reason(device)
 
 @pytest.mark.hopper
 def test_masked_hopper_forward_on_random_shapes(device):
-    """A seeded fuzz: lengths up to 3000 (keys a multiple of 16), head dims 8-128, GQA/MQA,
-    every mask broadcast over batch and heads, keep 0-100%, causal or not, both dtypes."""
+    """A seeded fuzz of 300 calls: lengths up to 1500 (odd key lengths through a mask sliced
+    from rows padded to 16 bytes), head dims 8-128, GQA/MQA, every batch and head broadcast of
+    the mask (a stride-0 expand too), keep 0-100% (empty rows), causal or not, both dtypes,
+    strided q, k and v, and prepared masks. NaN never passes (``run_forward``)."""
     rng = random.Random(65)
-    for _ in range(60):
+    for _ in range(300):
         heads_kv = rng.choice([1, 2, 3])
-        dims = Dims(rng.randint(1, 3), rng.randint(1, 3000), 16 * rng.randint(1, 190),
+        dims = Dims(rng.randint(1, 3), rng.randint(1, 1500), rng.randint(1, 1500),
                     heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
-        dtype = rng.choice([torch.bfloat16, torch.float16])
-        q, k, v = random_qkv(dims, dtype, device)
-        shape = dims.operand_shape(rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"]), "Lq",
-                                   "Lk")
-        mask = random_mask(shape, device, rng.choice([0.0, 0.01, 0.3, 0.9, 1.0]))
-        run_forward(q, k, v, mask, causal=rng.random() < 0.5, func=HOPPER)
+        q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device,
+                             rng.choice(["contiguous", "bhld"]))
+        batch, heads = rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"])
+        shape = dims.operand_shape(batch, heads, "Lq", "Lk")
+        padded = -(-dims.seqlen_k // 16) * 16
+        keep = rng.choice([0.0, 0.01, 0.3, 0.9, 1.0])
+        mask = random_mask((*shape[:3], padded), device, keep)[..., :dims.seqlen_k]
+        if batch == "1" and rng.random() < 0.3:
+            mask = mask.expand(dims.batch, *mask.shape[1:])
+        causal = rng.random() < 0.5
+        if rng.random() < 0.3:
+            mask = prepare_mask(mask, q, k, is_causal=causal)
+        run_forward(q, k, v, mask, causal=causal, func=HOPPER)
 
 
 @pytest.mark.hopper
