@@ -18,7 +18,7 @@ from attn_helpers import Dims, forcing, random_qkv, run_backward
 from kernels import record_routes
 from kernels.planning import tuning
 from kernels.planning.backward_schedule import BackwardRoute
-from kernels.planning.hopper_backward import HOPPER_BACKWARD, hopper_backward_gap
+from kernels.planning.hopper_backward import hopper_backward_gap
 from kernels.planning.inputs import AttnShape
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import normalize_options, schedule
@@ -45,7 +45,7 @@ def dense_problem(**changes) -> Problem:
 def test_forcing_the_hopper_backward_schedules_it():
     sched = schedule(dense_problem(), HOPPER_OPTIONS)
     assert sched.backward.route is BackwardRoute.HOPPER
-    assert sched.backward.launches == HOPPER_BACKWARD
+    assert sched.backward.launches == tuning.HOPPER_BACKWARD
     assert "backward: route=hopper" in str(sched)
 
 

@@ -95,7 +95,7 @@ def _compile_backward(dtype, head_dim: int, causal: bool):
     from triton.runtime import driver
 
     from kernels.hopper_device.attention_backward import attention_backward
-    from kernels.planning.hopper_backward import HOPPER_BACKWARD as tile
+    tile = tuning.HOPPER_BACKWARD
 
     describe = _describer(dtype, head_dim)
     rows = torch.empty(8, dtype=torch.float32)

@@ -17,7 +17,7 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .dbias import DbiasMode, DbiasPlan, plan_dbias, plan_packed_dbias
 from .grids import key_splits
-from .hopper_backward import HOPPER_BACKWARD, HopperBackwardTile, hopper_backward_gap
+from .hopper_backward import hopper_backward_gap
 from .problem import Problem
 
 
@@ -69,7 +69,7 @@ class BackwardSchedule:
 
     route: BackwardRoute
     dbias: DbiasPlan | None
-    launches: GeneralBackward | PackedBackward | HopperBackwardTile
+    launches: GeneralBackward | PackedBackward | tuning.HopperBackwardTile
 
     def __post_init__(self):
         if (self.route is BackwardRoute.PACKED) != isinstance(self.launches, PackedBackward):
@@ -317,7 +317,7 @@ def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
         if gap is not None:
             raise ValueError(f"kernel_options['backward']: 'hopper' does not cover this call: "
                              f"{gap}")
-        return BackwardSchedule(BackwardRoute.HOPPER, None, HOPPER_BACKWARD)
+        return BackwardSchedule(BackwardRoute.HOPPER, None, tuning.HOPPER_BACKWARD)
     if route in (None, BackwardRoute.PACKED):
         packs, dbias = packed_route(problem)
         if packs:

@@ -13,8 +13,6 @@ runs the Triton backward of the same schedule's default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..runtime.arith import LOG2E, ceil_div
@@ -31,25 +29,6 @@ try:
     from ..hopper_device.attention_backward import attention_backward
 except ImportError:  # a Triton without Gluon's Hopper modules (``GLUON_MISSING`` says why)
     attention_backward = None
-
-
-@dataclass(frozen=True)
-class HopperBackwardTile:
-    """A Hopper backward program: ``block_n`` keys (two consumer warpgroups of half each),
-    query blocks of ``block_m`` rows in a ring of ``stages`` slots, and the registers per
-    thread the consumers and the loader warp take (``setmaxnreg``)."""
-
-    block_m: int
-    block_n: int
-    stages: int
-    consumer_regs: int
-    loader_regs: int
-
-    def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n} s{self.stages}"
-
-
-HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
 
 
 def hopper_backward_gap(problem: Problem) -> str | None:
@@ -79,7 +58,7 @@ class HopperBackwardPlan:
 
     route = "hopper"
 
-    def __init__(self, fwd, tile: HopperBackwardTile, make_fallback):
+    def __init__(self, fwd, tile: tuning.HopperBackwardTile, make_fallback):
         problem = fwd.schedule.problem
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from . import tuning
 from .backward_schedule import (BackwardRoute, BackwardSchedule, PackedBackward, backward_tiles,
                                 schedule_backward, wide_tile_possible)
-from .hopper_backward import HopperBackwardTile
 from .forward_schedule import (FORWARD_ROUTES, ForwardSchedule, forward_list_tiles,
                                schedule_forward)
 from .problem import Problem
@@ -46,7 +46,7 @@ def backward_items(backward: BackwardSchedule) -> list[tuple[str, object]]:
     """(name, value) of what ``Schedule.__str__`` prints of the backward: the packed launch's
     tile, key splits and skipping, or the general route, bias-gradient mode and launches."""
     launches = backward.launches
-    if isinstance(launches, HopperBackwardTile):
+    if isinstance(launches, tuning.HopperBackwardTile):
         return [("route", backward.route), ("tile", launches)]
     if isinstance(launches, PackedBackward):
         return [("packed", launches.tile), ("packed_key_splits", launches.key_splits),

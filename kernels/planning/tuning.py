@@ -198,8 +198,31 @@ HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
 # against Triton route (SDPA): L512 full (4 blocks) 390 against 302 (451); L512 causal (2.5)
 # 97 against 187 (241); L1024 causal (4.5, B16) 310 against 280 (411).
 HOPPER_FORWARD_MIN_QUERIES = 512
-# The Gluon backward (``hopper_backward``) has been compiled for sm_90a offline only: it is
-# refused, with that reason, until its tests (tests/test_hopper_backward.py) pass on a GPU.
+
+
+# -- the Hopper route's backward (``hopper_device.attention_backward``)
+@dataclass(frozen=True)
+class HopperBackwardTile:
+    """A Hopper backward program: ``block_n`` keys (two consumer warpgroups of half each),
+    query blocks of ``block_m`` rows in a ring of ``stages`` slots, and the registers per
+    thread the consumers and the loader warp take (``setmaxnreg``)."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    consumer_regs: int
+    loader_regs: int
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n} s{self.stages}"
+
+
+# 208 KB of shared memory at head dim 128 (K, V 32 KB each; two Q and dO slots 64 KB; dS 16 KB;
+# dQ's float32 staging 64 KB); ptxas (sm_90a, offline) spills 316-384 bytes at D128, none at
+# D64.
+HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
+# The Gluon backward has been compiled for sm_90a offline only: it is refused, with that
+# reason, until its tests (tests/test_hopper_backward.py) pass on a GPU.
 HOPPER_BACKWARD_RAN_ON_GPU = False
 # A call with a bool mask takes the Hopper forward where its prepared mask's share of partial
 # 128 x 128 tiles (tested per pair; the full ones are not) is at most this; a mask read by the
