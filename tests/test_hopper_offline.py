@@ -58,32 +58,40 @@ def _describer(dtype, head_dim: int):
     return describe
 
 
-def _compile(dtype, head_dim: int, causal: bool, masked: bool = False):
+def _compile(dtype, head_dim: int, causal: bool, kind: int = 0):
+    """The forward of MASK_KIND ``kind`` (``hopper_forward``'s constants)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
 
     from kernels.hopper_device.attention_forward import attention_forward
-    from kernels.planning.hopper_forward import list_tile
+    from kernels.planning import hopper_forward as host
 
     tile = tuning.HOPPER_FORWARD
     describe = _describer(dtype, head_dim)
     q, kv = describe(tile.rows), describe(tile.block_n)
     lse = torch.empty(8, dtype=torch.float32)
     # (mask descriptor, list table, list strides, list and mask head divisors, mask batches)
-    unmasked = (kv, lse, 0, 0, 0, 1, 1, 0)
-    if masked:
-        mask = torch.empty(1, 2, 256, 256, dtype=torch.uint8)
-        box = [1, 1, *list_tile(tile)]
-        mask_desc = TensorDescriptor(mask, list(mask.shape), list(mask.stride()), box,
-                                     gl.NVMMASharedLayout.get_default_for(box, gl.uint8))
-        unmasked = (mask_desc, torch.empty(8, dtype=torch.int32), 0, 40, 10, 2, 2, 0)
+    mask_args = (kv, lse, 0, 0, 0, 1, 1, 0)
+    if kind != host.NO_MASK:
+        rows, block_n = host.list_tile(tile)
+        if kind == host.INTERVAL_WORDS:
+            mask, box = torch.empty(1, 2, 512, dtype=torch.int32), [1, 1, 2 * block_n]
+        else:
+            rows = rows if kind == host.MASK_TILE else 1
+            mask, box = torch.empty(1, 2, rows, 256, dtype=torch.uint8), [1, 1, rows, block_n]
+        layout = (gl.NVMMASharedLayout.get_default_for(box, gl.uint8) if kind == host.MASK_TILE
+                  else gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                            element_bitwidth=8 * mask.element_size(),
+                                            rank=len(box)))
+        mask_desc = TensorDescriptor(mask, list(mask.shape), list(mask.stride()), box, layout)
+        mask_args = (mask_desc, torch.empty(8, dtype=torch.int32), 0, 40, 10, 2, 2, 0)
     saved = driver._active
     driver.set_active(_Sm90())
     try:
         return attention_forward.warmup(
-            q, kv, kv, q, lse, *unmasked, 1000, 1000, 4, 2, 0.1, 3, 8, 24, grid=(132,),
-            num_warps=4, CAUSAL=causal, MASKED=masked, STAGES=tile.stages,
+            q, kv, kv, q, lse, *mask_args, 1000, 1000, 4, 2, 0.1, 3, 8, 24, grid=(132,),
+            num_warps=4, CAUSAL=causal, MASK_KIND=kind, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved
@@ -133,8 +141,10 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
 
 @pytest.mark.parametrize("dtype, head_dim, causal, masked", [
     ("bfloat16", 128, True, 0), ("float16", 64, False, 0), ("bfloat16", 128, True, 1),
+    ("bfloat16", 128, False, 2), ("bfloat16", 128, True, 3),
     ("bfloat16", 128, True, "backward"), ("float16", 64, False, "backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
+         "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
@@ -148,7 +158,7 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     if form == "backward":
         kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)))
     else:
-        kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), bool(int(form)))
+        kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))
     ptx = kernel.asm["ptx"]
     print(json.dumps({"target": ".target sm_90a" in ptx, "wgmma": "wgmma.mma_async" in ptx,
                       "tma": "cp.async.bulk.tensor" in ptx, "shared": kernel.metadata.shared}))

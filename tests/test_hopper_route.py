@@ -15,7 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attn_helpers import (Dims, forcing, random_mask, random_qkv, run_backward, run_forward)
+from attn_helpers import (Dims, forcing, random_intervals, random_mask, random_qkv, run_backward,
+                          run_forward)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.activity import ActivityMap
@@ -65,9 +66,9 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"capability": None}, "CUDA GPU only"),
     ({"interpreted": True, "capability": None}, "interpreter"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
-    ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "reads a bool mask through TMA"),
-    ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True, "intervals": True},
-     "no KeyIntervals"),
+    ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "reads the mask through TMA"),
+    ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
+     "compiled offline only"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
     ({"shape": sized(head_dim=256)}, "head dims up to 128"),
     ({"shape": sized(head_dim=20)}, "multiples of 8"),
@@ -140,7 +141,7 @@ def _checked_mask(shape, stride=None, seqlen=64, heads=(4, 2)):
     ((1, 1, 64, 64), None, True),
     ((2, 2, 64, 64), (0, 4096, 64, 1), True),       # batch expanded: read at index 0
     ((2, 4, 64, 64), (64 * 65, 64 * 65 * 2, 65, 1), False),  # 65-byte rows
-    ((2, 4, 1, 64), None, False),                    # one row for every query row
+    ((2, 4, 1, 64), None, True),                     # one row for every query row
     ((2, 4, 64, 1), None, False),                    # one key for every key
     ((2, 4, 64, 64), (16384, 4096, 1, 64), False),   # keys not contiguous
 ], ids=["full", "shared", "batch-expanded", "odd-rows", "row-broadcast", "key-broadcast",
@@ -158,6 +159,44 @@ def test_the_mask_descriptor_reads_a_stride_0_axis_at_index_0():
     assert head_div == 8 and batches == 0
     own = torch.ones(3, 4, 64, 64, dtype=torch.bool)
     assert _mask_geometry(own, heads_q=8) == ([3, 4, 64, 64], list(own.stride()), 2, 1)
+
+
+def test_key_row_masks_are_gated_until_they_run_on_a_gpu(monkeypatch):
+    for mask in (OperandLayout((2, 4, 1, 4096), 4), OperandLayout((1, 4, 4096, 4096), 4)):
+        changes = {"mask": mask, "tma_mask": True, "intervals": mask.shape[2] == 4096}
+        problem = hopper_problem(**changes)
+        assert "compiled offline only" in hopper_gap(problem)
+        assert not may_take_masks(problem)
+        monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+        assert hopper_gap(problem) is None and may_take_masks(problem)
+        monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", False)
+
+
+def test_the_mask_kind_follows_the_mask():
+    from kernels.hopper_device import attention_forward as device
+    from kernels.planning import hopper_forward as host
+
+    for name in ("NO_MASK", "MASK_TILE", "MASK_ROW", "INTERVAL_WORDS"):
+        assert getattr(device, name).value == getattr(host, name)
+    assert host.mask_kind(hopper_problem()) == host.NO_MASK
+    assert host.mask_kind(hopper_problem(**BOOL_MASK)) == host.MASK_TILE
+    row = OperandLayout((2, 4, 1, 4096), 4)
+    assert host.mask_kind(hopper_problem(mask=row)) == host.MASK_ROW
+    assert host.mask_kind(hopper_problem(mask=row, intervals=True)) == host.INTERVAL_WORDS
+
+
+def test_tma_reads_interval_words_with_16_byte_strides():
+    dims = Dims(2, 64, 64, 4, 2, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, "cpu")
+    for seqlen_k, readable in ((64, True), (63, False)):
+        k2, v2 = k[:, :seqlen_k], v[:, :seqlen_k]
+        dims_k = Dims(2, 64, seqlen_k, 4, 2, 64)
+        mask = check_inputs(q, k2, v2, random_intervals(dims_k, "Hk", "B", "cpu"), None,
+                            None).mask
+        assert tma_mask(mask) is readable  # an odd Lk gives 8 x Lk-byte head strides
+    view = mask.view.view(torch.int32)  # the kernel reads (start, end) int32 pairs
+    shape, strides, head_div, batches = _mask_geometry(view, heads_q=4, words=True)
+    assert shape == [2, 2, 126] and strides[-1] == 1 and head_div == 2 and batches == 1
 
 
 def test_short_query_lengths_keep_the_triton_route_unless_forced():
@@ -435,7 +474,7 @@ def test_a_mask_tma_cannot_read_falls_back_or_is_refused_with_its_reason(device)
     dims = Dims(1, 600, 600, 2, 2, 64)  # 600-byte mask rows
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     mask = random_mask((1, 1, 600, 600), device)
-    with pytest.raises(ValueError, match="bool mask through TMA"):
+    with pytest.raises(ValueError, match="reads the mask through TMA"):
         FORCED(q, k, v, mask, None, False)
     dims = Dims(1, 640, 640, 2, 2, 64)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
@@ -445,6 +484,38 @@ def test_a_mask_tma_cannot_read_falls_back_or_is_refused_with_its_reason(device)
     with record_routes() as routes:
         run_forward(q, k, v, shifted, func=FORCED)
     assert set(routes.forward) == {"triton"}
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", MASKED_SHAPES,
+                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1")],
+                         ids=["B-Hq", "1-Hk", "B-1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("form", ["row", "intervals", "prepared-intervals"])
+def test_masked_hopper_forward_reads_key_rows(device, monkeypatch, sizes, batch, heads, causal,
+                                              form):
+    """A bool mask of one row for every query row, and KeyIntervals (as the call gives them,
+    and prepared), read as one [1, 128] row of a key block per slot."""
+    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    if form == "row":
+        mask = random_mask(dims.operand_shape(batch, heads, "1", "Lk"), device, 0.4)
+    else:
+        mask = random_intervals(dims, heads, batch, device, seed=sizes[1])
+        if form == "prepared-intervals":
+            mask = prepare_mask(mask, q, k, is_causal=causal)
+    run_forward(q, k, v, mask, causal=causal, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_the_backward_after_the_hopper_forward_of_intervals_matches_the_reference(
+        device, monkeypatch):
+    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+    dims = Dims(2, 300, 512, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    run_backward(q, k, v, random_intervals(dims, "Hk", "B", device), causal=True, func=HOPPER)
 
 
 @pytest.mark.hopper

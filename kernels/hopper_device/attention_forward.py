@@ -34,18 +34,26 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_compat import tma_load, tma_store
+from .gluon_compat import reinterpret, tma_load, tma_store
 from .ring import KeyValueRing, copy_view
 from .softmax import finish_rows, fold_scores
 from .tiles import BlockLists, WorkTiles
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
+# What a masked tile tests per pair (MASK_KIND), each read through TMA into a slot beside K:
+NO_MASK = gl.constexpr(0)
+MASK_TILE = gl.constexpr(1)  # bool bytes, one row per query row: [2 x ROWS, BLOCK_N] a slot
+MASK_ROW = gl.constexpr(2)  # bool bytes, one row for every query row: [1, BLOCK_N] a slot
+# KeyIntervals, an int32 (start, end) pair per key, copied as [1, 2 x BLOCK_N] int32 (newer
+# Triton refuses 64-bit descriptors) and read as [1, BLOCK_N] int64 words.
+INTERVAL_WORDS = gl.constexpr(3)
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, kv, work,
-            lists, MASKED: gl.constexpr):
+            lists, MASK_KIND: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    MASKED: gl.constexpr = MASK_KIND != NO_MASK
     ring = 0  # key blocks loaded so far, over this program's tiles: the ring's position
     visit = 0  # this program's tiles loaded so far
     for tile in range(gl.program_id(0), work.num_tiles, gl.num_programs(0)):
@@ -66,9 +74,15 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, 
         for j in range(num_blocks):
             if MASKED:
                 block = lists.block(row, j, count)
-                kv.fill_tested(ring + j, k_desc, v_desc, batch, block * work.BLOCK_N, kv_head,
-                               mask_desc, masks, mask_batch, mask_head, q_start,
-                               (j == 0) | (j >= full))
+                first_key = block * work.BLOCK_N
+                if MASK_KIND == MASK_TILE:
+                    mask_at = (mask_batch, mask_head, q_start, first_key)
+                elif MASK_KIND == MASK_ROW:
+                    mask_at = (mask_batch, mask_head, 0, first_key)
+                else:
+                    mask_at = (mask_batch, mask_head, 2 * first_key)
+                kv.fill_tested(ring + j, k_desc, v_desc, batch, first_key, kv_head, mask_desc,
+                               masks, mask_at, (j == 0) | (j >= full))
             else:
                 kv.fill(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head)
         ring += num_blocks
@@ -91,15 +105,16 @@ def _pass_turn(turns, WARPGROUP: gl.constexpr):
 @gluon.jit
 def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
                 seqlen_k, diagonal, masks, lists, row, count, WARPGROUP: gl.constexpr,
-                MASKED: gl.constexpr, TESTED: gl.constexpr, CAUSAL: gl.constexpr,
+                MASK_KIND: gl.constexpr, TESTED: gl.constexpr, CAUSAL: gl.constexpr,
                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [first, stop) of a tile whose block 0 sits at ring position ``ring``: per
     block j, issue S_j and block j - 1's PV product, fold S_j while PV runs, then rescale.
-    ``p`` enters as block first - 1's and leaves as block stop - 1's. With MASKED the blocks
-    are positions of the tile's list ``row`` (``lists``); TESTED blocks are tested per pair
-    (with MASKED, by their mask bytes in ``masks`` too)."""
+    ``p`` enters as block first - 1's and leaves as block stop - 1's. With a MASK_KIND the
+    blocks are positions of the tile's list ``row`` (``lists``); TESTED blocks are tested per
+    pair (with a MASK_KIND, by what ``masks`` holds for them too)."""
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = kv.keys.shape[1]
+    MASKED: gl.constexpr = MASK_KIND != NO_MASK
     for j in range(first, stop):
         if MASKED and TESTED:
             first_col = lists.block(row, j, count) * BLOCK_N
@@ -119,7 +134,7 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
         # they cost as much or more (H200: 1556-1767 against 1569-1683 us on three masks).
         keep = None
         if MASKED and TESTED:
-            keep = _mask_bytes(masks, slot, WARPGROUP, ROWS, s_layout)
+            keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
         kv.free_keys(slot)
         p_next, m_i, l_i, alpha = fold_scores(
             s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, TESTED, CAUSAL,
@@ -136,16 +151,32 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
 
 
 @gluon.jit
-def _mask_bytes(masks, slot, WARPGROUP: gl.constexpr, ROWS: gl.constexpr,
-                s_layout: gl.constexpr):
-    """This warpgroup's rows of the mask tile in ``slot``, in the score layout."""
-    return masks.index(slot).slice(WARPGROUP * ROWS, ROWS, dim=0).load(s_layout)
+def _keeps(masks, slot, rows, WARPGROUP: gl.constexpr, ROWS: gl.constexpr,
+           s_layout: gl.constexpr, MASK_KIND: gl.constexpr):
+    """Which pairs of this warpgroup's rows by the key block in ``slot`` the mask keeps, in
+    the score layout: [ROWS, BLOCK_N], or [1, BLOCK_N] for a row shared by every query row.
+    A [1, BLOCK_N] row of shared memory reads 16 two-byte (mask bytes) or 16-byte (interval
+    words) loads per thread, against 32 two-byte loads for a tile's rows (offline, sm_90a)."""
+    if MASK_KIND == MASK_TILE:
+        keep = masks.index(slot).slice(WARPGROUP * ROWS, ROWS, dim=0).load(s_layout) != 0
+    elif MASK_KIND == MASK_ROW:
+        keep = masks.index(slot).load(s_layout) != 0
+    else:  # the low half of a word is the key's first row, the high half one past its last
+        BLOCK_N: gl.constexpr = masks.shape[2] // 2
+        words = reinterpret(masks.index(slot), gl.int64, [1, BLOCK_N],
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64,
+                                                 rank=2)).load(s_layout)
+        start = (words & 0xFFFFFFFF).to(gl.int32)
+        end = (words >> 32).to(gl.int32)
+        keep = (start <= rows[:, None]) & (rows[:, None] < end)
+    return keep
 
 
 @gluon.jit
 def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
-              lse_ptr, qk_scale, WARPGROUP: gl.constexpr, MASKED: gl.constexpr):
+              lse_ptr, qk_scale, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr):
     ROWS: gl.constexpr = q_tiles.shape[1]
+    MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_D: gl.constexpr = q_tiles.shape[2]
     BLOCK_N: gl.constexpr = work.BLOCK_N
     CAUSAL: gl.constexpr = work.CAUSAL
@@ -194,7 +225,7 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
         keep = None
         if MASKED:
-            keep = _mask_bytes(masks, slot, WARPGROUP, ROWS, s_layout)
+            keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
         kv.free_keys(slot)
         p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k,
                                          diagonal, keep, True, CAUSAL, s_layout, o_layout,
@@ -202,12 +233,12 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
 
         turn, acc, p, m_i, l_i = _key_blocks(
             1, unmasked_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
-            seqlen_k, diagonal, masks, lists, row, count, WARPGROUP, MASKED, False, CAUSAL,
+            seqlen_k, diagonal, masks, lists, row, count, WARPGROUP, MASK_KIND, False, CAUSAL,
             s_layout, o_layout, p_layout)
         turn, acc, p, m_i, l_i = _key_blocks(
             gl.maximum(unmasked_blocks, 1), num_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv,
             turns, qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, WARPGROUP,
-            MASKED, True, CAUSAL, s_layout, o_layout, p_layout)
+            MASK_KIND, True, CAUSAL, s_layout, o_layout, p_layout)
         # Every score product has retired: the loader may bring the next tile's Q while the
         # last PV product and the epilogue run.
         mbarrier.arrive(q_free.index(WARPGROUP), count=1)
@@ -234,16 +265,16 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
 
 @gluon.jit
 def _first_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
-                    lse_ptr, qk_scale, MASKED: gl.constexpr):
+                    lse_ptr, qk_scale, MASK_KIND: gl.constexpr):
     _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc, lse_ptr,
-              qk_scale, 0, MASKED)
+              qk_scale, 0, MASK_KIND)
 
 
 @gluon.jit
 def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
-                     lse_ptr, qk_scale, MASKED: gl.constexpr):
+                     lse_ptr, qk_scale, MASK_KIND: gl.constexpr):
     _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc, lse_ptr,
-              qk_scale, 1, MASKED)
+              qk_scale, 1, MASK_KIND)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
@@ -253,17 +284,18 @@ def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, 
 def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_table,
                       list_batch_stride, list_head_stride, list_row_stride, list_head_div,
                       mask_head_div, mask_batches, seqlen_q, seqlen_k, heads_q, group, qk_scale,
-                      row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                      row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr,
+                      MASK_KIND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
     ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``). ``lse_ptr``: (B, Hq, Lq)
-    float32, natural log. With MASKED, each tile walks its row of the activity lists
-    ``list_table`` (``tiles.BlockLists``) and ``mask_desc`` reads the bool mask's bytes as a
-    (Bm, Hm, Lq, Lk) uint8 tensor (a batch-shared mask has Bm = 1 and ``mask_batches`` 0; query
-    head h reads list head h // ``list_head_div`` and mask head h // ``mask_head_div``);
-    without, both are unused stand-ins. Launch
-    with num_warps = 4 (the first consumer warpgroup; the second and the loader warp are
+    float32, natural log. With a MASK_KIND, each tile walks its row of the activity lists
+    ``list_table`` (``tiles.BlockLists``) and ``mask_desc`` reads what its tested blocks test:
+    a bool mask's bytes as a (Bm, Hm, Lq, Lk) uint8 tensor (MASK_TILE; MASK_ROW: (Bm, Hm, 1,
+    Lk)) or KeyIntervals' (start, end) pairs as (Bm, Hm, 2 x Lk) int32 (INTERVAL_WORDS). A
+    batch-shared mask has Bm = 1 and ``mask_batches`` 0; query head h reads list head h // ``list_head_div`` and mask
+    head h // ``mask_head_div``. Without a mask both are unused stand-ins. Launch with
+    num_warps = 4 (the first consumer warpgroup; the second and the loader warp are
     workers)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -276,10 +308,19 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     o_tiles = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_D], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
-    if MASKED:  # one [2 x ROWS, BLOCK_N] tile of mask bytes beside each K slot
-        mask_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+    # Beside each K slot, what a tested block's pairs read (MASK_KIND).
+    if MASK_KIND == MASK_TILE:
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [2 * ROWS, BLOCK_N], gl.uint8)
-        masks = gl.allocate_shared_memory(gl.uint8, [STAGES, 2 * ROWS, BLOCK_N], mask_layout)
+        masks = gl.allocate_shared_memory(gl.uint8, [STAGES, 2 * ROWS, BLOCK_N], tile_layout)
+    elif MASK_KIND == MASK_ROW:
+        masks = gl.allocate_shared_memory(
+            gl.uint8, [STAGES, 1, BLOCK_N],
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+    elif MASK_KIND == INTERVAL_WORDS:
+        masks = gl.allocate_shared_memory(
+            gl.int32, [STAGES, 1, 2 * BLOCK_N],
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     else:
         masks = k_ring
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -308,9 +349,9 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     # constexprs into runtime values (Triton 3.6). The aggregates keep theirs as fields.
     gl.warp_specialize(
         [(_first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists,
-                            o_desc, lse_ptr, qk_scale, MASKED)),
+                            o_desc, lse_ptr, qk_scale, MASK_KIND)),
          (_second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists,
-                             o_desc, lse_ptr, qk_scale, MASKED)),
+                             o_desc, lse_ptr, qk_scale, MASK_KIND)),
          (_loader, (q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, kv,
-                    work, lists, MASKED))],
+                    work, lists, MASK_KIND))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -31,6 +31,17 @@ def plane_view(tile):
     return tile.reshape([1, 1, tile.shape[0], tile.shape[1]])
 
 
+@gluon.jit
+def box_view(tile, RANK: gl.constexpr):
+    """A rank-2 [rows, cols] shared tile as the box of a rank-RANK descriptor over (B, H,
+    rows, cols) (RANK 4) or (B, H, cols) (RANK 3, one row: KeyIntervals' words)."""
+    if RANK == 4:
+        view = plane_view(tile)
+    else:
+        view = tile.reshape([1, 1, tile.shape[1]])
+    return view
+
+
 @aggregate
 class KeyValueRing:
     keys: gl.shared_memory_descriptor
@@ -55,17 +66,17 @@ class KeyValueRing:
     def fill(self, position, k_desc, v_desc, batch, first_key, kv_head):
         """Loader: copy key block rows [first_key, first_key + BLOCK_N) of K and V into the slot
         of ``position`` once both consumers have freed it."""
-        self.fill_tested(position, k_desc, v_desc, batch, first_key, kv_head, None, None, 0, 0,
-                         0, False)
+        self.fill_tested(position, k_desc, v_desc, batch, first_key, kv_head, None, None, None,
+                         False)
 
     @gluon.jit
     def fill_tested(self, position, k_desc, v_desc, batch, first_key, kv_head, mask_desc,
-                    masks, mask_batch, mask_head, first_row, tested):
+                    masks, mask_at, tested):
         """Loader: copy key block rows [first_key, first_key + BLOCK_N) of K and V into the slot
-        of ``position`` once both consumers have freed it, and where ``tested`` also the
-        [ROWS2, BLOCK_N] tile of mask bytes of rows [first_row, first_row + ROWS2) by those keys
-        into ``masks``' slot of this position, on K's ready barrier: the consumers read it before
-        they free K's slot."""
+        of ``position`` once both consumers have freed it, and where ``tested`` also the box of
+        ``mask_desc`` at ``mask_at`` (the block's mask bytes or interval words) into ``masks``'
+        slot of this position, on K's ready barrier: the consumers read it before they free
+        K's slot."""
         slot = position % self.STAGES
         parity = ((position // self.STAGES) & 1) ^ 1
         mbarrier.wait(self.keys_free.index(slot), parity)
@@ -74,8 +85,8 @@ class KeyValueRing:
                             k_desc.block_type.nbytes + mask_desc.block_type.nbytes)
             tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
                      copy_view(self.keys.index(slot)))
-            tma_load(mask_desc, [mask_batch, mask_head, first_row, first_key],
-                     self.keys_ready.index(slot), plane_view(masks.index(slot)))
+            tma_load(mask_desc, mask_at, self.keys_ready.index(slot),
+                     box_view(masks.index(slot), len(mask_desc.block_type.shape)))
         else:
             mbarrier.expect(self.keys_ready.index(slot), k_desc.block_type.nbytes)
             tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),

@@ -187,14 +187,20 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
         row_blocks * rows, ceil_div(shape.seqlen_k, tile.block_n), sms,
         tuning.MIN_BLOCKS_PER_SPLIT)
     bias = problem.bias
+    hopper = forward_route(problem, options)
+    scan = scan_keys(problem, options, splits)
+    if hopper is not None and scan:
+        if options.get("forward_key_scan"):
+            raise ValueError("kernel_options: 'forward_key_scan' True and 'forward_route' "
+                             "'hopper' conflict (the Hopper forward walks lists; choose one)")
+        scan = False
     return ForwardSchedule(
         tile=tile, block_m=block_m, group_pack=pack, key_splits=splits,
         chunk_rows=grid_chunk_rows(rows, row_blocks, 1 if pack > 1 else shape.group_size,
                                    problem.is_causal, sms),
         edge_slots=edge_slots(query_rows, tile.block_n),
         bias_row=bias is not None and bias.one_row and bias.shared_by(pack),
-        scan_keys=scan_keys(problem, options, splits),
-        hopper=forward_route(problem, options), gather=gather_route(problem, options))
+        scan_keys=scan, hopper=hopper, gather=gather_route(problem, options))
 
 
 def forward_list_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:

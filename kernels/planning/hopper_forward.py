@@ -3,16 +3,19 @@
 
 It covers a forward with no mask or a bool mask, and no bias (causal or not, any lengths,
 GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
-for TMA, on a GPU of compute capability 9.0. A bool mask must have one row per query row, its
-keys contiguous and its other strides multiples of 16 bytes (``problem.tma_mask``): the kernel
-walks each 128-row tile's activity list (``activity.BlockLists`` of 128 x 128 tiles, full
-blocks first) and reads the mask bytes of the blocks it tests per pair through TMA. The schedule
-takes it where its tiles are full enough (``takes_hopper``; with a mask, a prepared one whose
-tiles are mostly full: ``few_partial_tiles``), and ``kernel_options['forward_route']`` forces either
-route. Anything else runs the Triton route, which stays whole: a call whose tensors' addresses
-are not 16-byte aligned falls back to it too (``HopperForwardLaunch.takes``).
+for TMA, on a GPU of compute capability 9.0. A mask's keys must be contiguous and its other
+strides multiples of 16 bytes (``problem.tma_mask``): the kernel walks each 128-row tile's
+activity list (``activity.BlockLists`` of 128 x 128 tiles, full blocks first) and reads what
+the blocks it tests per pair test through TMA (``mask_kind``): a bool mask's bytes, a row of
+them for a mask shared by every query row, or KeyIntervals' (start, end) pairs. The last two
+are refused with the reason until their GPU tests pass
+(``tuning.HOPPER_KEY_ROW_MASKS_RAN_ON_GPU``).
+The schedule takes the route where its tiles are full enough (``takes_hopper``; with a mask, a
+prepared one whose tiles are mostly full: ``few_partial_tiles``), and
+``kernel_options['forward_route']`` forces either route. Anything else runs the Triton route,
+which stays whole: a call whose tensors' addresses are not 16-byte aligned falls back to it
+too (``HopperForwardLaunch.takes``).
 """
-
 from __future__ import annotations
 
 import torch
@@ -34,6 +37,8 @@ except ImportError as exc:  # a Triton without Gluon's Hopper modules
     GLUON_MISSING = f"this Triton has no Gluon Hopper support ({exc})"
 
 HOPPER = (9, 0)
+# The kernel's MASK_KIND values (``attention_forward``'s constants of the same names).
+NO_MASK, MASK_TILE, MASK_ROW, INTERVAL_WORDS = 0, 1, 2, 3
 MAX_HEAD_DIM = 128
 MAX_TILES = 2**31 - 1  # work tiles are counted in int32
 
@@ -53,11 +58,13 @@ def hopper_gap(problem: Problem) -> str | None:
     if problem.bias is not None:
         return "it takes no bias yet"
     if problem.mask is not None:
-        if problem.intervals:
-            return "it takes no KeyIntervals yet"
+        if key_row_mask(problem) and not tuning.HOPPER_KEY_ROW_MASKS_RAN_ON_GPU:
+            return ("its reading of KeyIntervals and of a bool mask shared by every query row "
+                    "has been compiled offline only; it is taken once its tests pass on a "
+                    "Hopper GPU")
         if not problem.tma_mask:
-            return ("it reads a bool mask through TMA: one mask row per query row, the keys "
-                    "contiguous and the batch and head strides multiples of 16 bytes")
+            return ("it reads the mask through TMA: the keys contiguous, and the strides of "
+                    "its other axes multiples of 16 bytes")
     if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 8:
         return f"it takes head dims up to {MAX_HEAD_DIM} that are multiples of 8, not {shape.head_dim}"
     if not problem.tma_operands:
@@ -89,10 +96,26 @@ def list_tile(tile: tuning.HopperTile = tuning.HOPPER_FORWARD) -> tuple[int, int
     return 2 * tile.rows, tile.block_n
 
 
+def key_row_mask(problem: Problem) -> bool:
+    """The mask is read as one row of keys for every query row: KeyIntervals (their words), or
+    a bool mask of one row (MASK_ROW)."""
+    return problem.mask is not None and (problem.intervals or problem.mask.one_row)
+
+
+def mask_kind(problem: Problem) -> int:
+    """The kernel's MASK_KIND for the problem's mask (``attention_forward``)."""
+    if problem.mask is None:
+        return NO_MASK
+    if problem.intervals:
+        return INTERVAL_WORDS
+    return MASK_ROW if problem.mask.one_row else MASK_TILE
+
+
 def may_take_masks(problem: Problem) -> bool:
     """Whether a call of this problem's mask may take the masked Hopper forward, as far as a
     prepared mask knows it (no q, k, v yet): its lists' tile is then built with the others."""
-    return (problem.mask is not None and not problem.intervals and GLUON_MISSING is None
+    return (problem.mask is not None and GLUON_MISSING is None
+            and (not key_row_mask(problem) or tuning.HOPPER_KEY_ROW_MASKS_RAN_ON_GPU)
             and problem.capability == HOPPER
             and problem.dtype in (torch.float16, torch.bfloat16)
             and problem.shape.head_dim <= MAX_HEAD_DIM)
@@ -145,12 +168,23 @@ class HopperForwardLaunch:
         row_tiles = ceil_div(shape.seqlen_q, 2 * tile.rows)
         batch_heads = shape.batch * shape.heads_q
         num_tiles = row_tiles * batch_heads
+        self.kind = mask_kind(problem)
         self.masked = mask is not None
         if self.masked:
+            words = self.kind == INTERVAL_WORDS
+            # KeyIntervals' int64 words are read as int32 pairs: newer Triton refuses 64-bit
+            # descriptors.
+            view = mask.view.view(torch.int32) if words else mask.view
             self.mask_shape, self.mask_strides, mask_head_div, mask_batches = _mask_geometry(
-                mask.view, shape.heads_q)
-            self.mask_box = [1, 1, 2 * tile.rows, tile.block_n]
-            self.mask_layout = gl.NVMMASharedLayout.get_default_for(self.mask_box, gl.uint8)
+                view, shape.heads_q, words)
+            box = {MASK_TILE: [2 * tile.rows, tile.block_n], MASK_ROW: [1, tile.block_n],
+                   INTERVAL_WORDS: [2 * tile.block_n]}[self.kind]
+            self.mask_box = [1, 1, *box]
+            self.mask_layout = (
+                gl.NVMMASharedLayout.get_default_for(self.mask_box, gl.uint8)
+                if self.kind == MASK_TILE else
+                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32 if words else 8,
+                                     rank=len(self.mask_box)))
             # Query head h reads list head h // mask.head_div (the map's heads are the mask's
             # own) and mask head h // mask_head_div (1 head where its stride is 0).
             self.mask_scalars = (mask.head_div, mask_head_div, mask_batches)
@@ -158,7 +192,7 @@ class HopperForwardLaunch:
             attention_forward, (min(num_tiles, problem.multiprocessors),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.group_size,
              problem.softmax_scale * LOG2E, row_tiles, batch_heads, num_tiles),
-            num_warps=4, CAUSAL=problem.is_causal, MASKED=self.masked, STAGES=tile.stages,
+            num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         self.batch = shape.batch
         self.unmasked_args = (0, 0, 0, 1, 1, 0)  # list strides and divisors, never read
@@ -176,8 +210,9 @@ class HopperForwardLaunch:
         brings the bool ``mask`` and its lists' ``table``."""
         k_desc = self._describe(key, self.kv_box, self.kv_layout)
         if self.masked:
-            mask_desc = TensorDescriptor(mask.view(torch.uint8), self.mask_shape,
-                                         self.mask_strides, self.mask_box, self.mask_layout)
+            base = mask.view(torch.int32 if self.kind == INTERVAL_WORDS else torch.uint8)
+            mask_desc = TensorDescriptor(base, self.mask_shape, self.mask_strides,
+                                         self.mask_box, self.mask_layout)
             shared = table.shape[0] == 1 and self.batch > 1
             list_args = (table, 0 if shared else table.stride(0), table.stride(1),
                          table.stride(2), *self.mask_scalars)
@@ -188,16 +223,20 @@ class HopperForwardLaunch:
                     self._describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args)
 
 
-def _mask_geometry(view: torch.Tensor, heads_q: int) -> tuple[list, list, int, int]:
+def _mask_geometry(view: torch.Tensor, heads_q: int,
+                   words: bool = False) -> tuple[list, list, int, int]:
     """(shape, strides, query heads per mask head, 1 if the batch is read else 0) of the
-    descriptor over a bool mask's (B, H, Lq, Lk) broadcast view: a stride-0 batch or head axis
-    becomes one of size 1, read at index 0 (its stride a stand-in multiple of 16)."""
-    batch, heads, rows, keys = view.shape
-    b_stride, h_stride, r_stride, _ = view.stride()
-    stand_in = r_stride * rows
-    if b_stride == 0:
-        batch, b_stride = 1, stand_in
-    if h_stride == 0:
-        heads, h_stride = 1, stand_in
-    return ([batch, heads, rows, keys], [b_stride, h_stride, r_stride, 1], heads_q // heads,
-            int(batch > 1))
+    descriptor over a mask's (B, H, Lq, Lk) broadcast view: (Bm, Hm, Lq or 1, Lk) for a bool
+    mask, (Bm, Hm, 2 x Lk) for KeyIntervals' words viewed as int32 pairs (``words``; their
+    query stride is 0). An axis
+    of stride 0 or length 1 becomes one of length 1, read at index 0, its stride a stand-in
+    multiple of 16 bytes."""
+    sizes, strides = list(view.shape), list(view.stride())
+    if words:
+        sizes, strides = sizes[:2] + sizes[3:], strides[:2] + strides[3:]
+    stand_in = 16 * max(1, sizes[-1])  # 16 elements of any dtype: a multiple of 16 bytes
+    for axis in range(len(sizes) - 1):
+        if strides[axis] == 0 or sizes[axis] == 1:
+            sizes[axis], strides[axis] = 1, stand_in
+    strides[-1] = 1
+    return sizes, strides, heads_q // sizes[1], int(sizes[0] > 1)

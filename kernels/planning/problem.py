@@ -63,7 +63,7 @@ class Problem:
     # of 16 bytes (``tma_strides``). Both choose between the device code families.
     capability: tuple[int, int] | None = None
     tma_operands: bool = False
-    # A bool mask whose bytes a TMA descriptor can read as (Bm, Hm, Lq, Lk) (``tma_mask``).
+    # The mask's bytes or interval words can be read by a TMA descriptor (``tma_mask``).
     tma_mask: bool = False
     # ``KeyIntervals.max_kept`` of the mask: at most this many keys kept per query row.
     max_kept: int | None = None
@@ -90,15 +90,21 @@ def tma_strides(*tensors: torch.Tensor) -> bool:
 
 
 def tma_mask(mask) -> bool:
-    """Whether a TMA descriptor can read a bool mask's broadcast view (``BroadcastOperand``)
-    as (Bm, Hm, Lq, Lk) bytes: one mask row per query row (no stride 0 there), keys
-    contiguous, and the batch and head strides that are not 0 multiples of 16 bytes (a stride-0
-    axis is read at index 0). Its address is each call's to check."""
-    if mask is None or mask.interval_pairs is not None or mask.view.dtype != torch.bool:
+    """Whether a TMA descriptor can read what the masked Hopper forward reads of a mask's
+    broadcast view (``BroadcastOperand``): a bool mask's bytes as (Bm, Hm, Lq or 1, Lk), or
+    KeyIntervals' words as (Bm, Hm, Lk) int64. The keys must be contiguous, and every stride
+    of an axis longer than 1 that is not 0 a multiple of 16 bytes (a stride-0 or length-1 axis
+    is read at index 0). Its address is each call's to check."""
+    if mask is None:
         return False
-    batch, heads, rows, keys = mask.view.stride()
-    return (keys == 1 and rows != 0 and rows % 16 == 0
-            and batch % 16 == 0 and heads % 16 == 0)
+    view = mask.view
+    if mask.interval_pairs is None and view.dtype != torch.bool:
+        return False
+    if view.stride(3) != 1 and view.shape[3] != 1:
+        return False
+    axes = (0, 1) if mask.interval_pairs is not None else (0, 1, 2)
+    return all(view.stride(a) * view.element_size() % 16 == 0 for a in axes
+               if view.shape[a] > 1)
 
 
 def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
