@@ -172,6 +172,19 @@ def test_key_row_masks_are_gated_until_they_run_on_a_gpu(monkeypatch):
         monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", False)
 
 
+def test_a_forced_hopper_forward_walks_lists_and_refuses_a_forced_key_scan(monkeypatch):
+    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+    intervals = OperandLayout((1, 4, 1, 4096), 4)
+    problem = hopper_problem(mask=intervals, tma_mask=True, intervals=True,
+                             interval_pair=True, forward_only=True,
+                             shape=sized(seqlen_k=2048))
+    forced = schedule(problem, normalize_options({"forward_route": "hopper"})).forward
+    assert forced.hopper is not None and not forced.scan_keys
+    with pytest.raises(ValueError, match="forward_key_scan.*conflict"):
+        schedule(problem, normalize_options({"forward_route": "hopper",
+                                             "forward_key_scan": True}))
+
+
 def test_the_mask_kind_follows_the_mask():
     from kernels.hopper_device import attention_forward as device
     from kernels.planning import hopper_forward as host
