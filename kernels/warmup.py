@@ -7,7 +7,8 @@ few length thresholds (key splits where a short grid underfills the GPU, group p
 decode-sized query lengths). ``warmup`` runs one forward and backward of the described form at
 an aligned and an unaligned length next to each length given, which compiles both variants of
 the schedule each length takes, so that later calls at other lengths of the same ranges
-compile nothing.
+compile nothing. With a bool mask on a Hopper GPU it also calls with the every-pair mask
+prepared (``prepare_mask``), the form that takes the Hopper forward's masked kernel.
 
 A model whose mask is ``topk_intervals`` of a per-key bias (Doge) calls in one of two forms,
 chosen by the length (``topk.orders_keys``): below the ordering threshold plain
@@ -44,7 +45,8 @@ from .planning.gather_decode import lists_pay
 from .planning.inputs import AttnShape
 from .planning.problem import Problem
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
-from .runtime.launch import compile_only, compiled_forms, multiprocessors
+from .prepared import prepare_mask
+from .runtime.launch import capability, compile_only, compiled_forms, launches_run, multiprocessors
 from .topk_ops import topk_intervals
 
 MASK_FORMS = ("none", "bool", "intervals")
@@ -174,6 +176,13 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
             lengths = list(threshold_lengths(lengths, wide_tile_threshold(
                 batch, heads_q, kv_heads, head_dim, dtype, device, max(lengths))))
     return tuple(lengths)
+
+
+def takes_masked_hopper(query: torch.Tensor) -> bool:
+    """Whether calls with ``query``'s device and dtype may take the Hopper forward's masked form:
+    16-bit on a GPU of compute capability 9.0 (the forms' other conditions are the call's)."""
+    return (query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
+            and capability(query.device, False) == (9, 0))
 
 
 def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
@@ -330,6 +339,16 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
                                       is_causal=is_causal)
                 if backward:
                     out.backward(torch.ones_like(out))
+                if mask == "bool" and not scattered and takes_masked_hopper(q) and launches_run():
+                    # A prepared mask of mostly full tiles takes the Hopper forward's masked
+                    # form (``hopper_forward.few_partial_tiles``), which a mask read by the
+                    # call never reaches; preparing reads the mask, so only where launches run.
+                    prepared = prepare_mask(attn_mask, q, k, is_causal=is_causal)
+                    with torch.set_grad_enabled(backward):
+                        out = dmattn_func(q, k, v, attn_mask=prepared, attn_bias=attn_bias,
+                                          is_causal=is_causal)
+                    if backward:
+                        out.backward(torch.ones_like(out))
                 if backward and mask == "intervals":
                     # Evaluation: without a gradient the forward may read new intervals
                     # itself (``forward_schedule.scan_keys``), a form of its own. New
