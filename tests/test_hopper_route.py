@@ -144,8 +144,9 @@ def _checked_mask(shape, stride=None, seqlen=64, heads=(4, 2)):
     ((2, 4, 1, 64), None, True),                     # one row for every query row
     ((2, 4, 64, 1), None, False),                    # one key for every key
     ((2, 4, 64, 64), (16384, 4096, 1, 64), False),   # keys not contiguous
+    ((2, 4, 64, 64), (256, 64, 0, 1), False),        # one row expanded over every row
 ], ids=["full", "shared", "batch-expanded", "odd-rows", "row-broadcast", "key-broadcast",
-        "transposed"])
+        "transposed", "rows-expanded"])
 def test_tma_reads_a_bool_mask_with_one_row_per_query_and_16_byte_strides(shape, stride,
                                                                            readable):
     assert tma_mask(_checked_mask(shape, stride)) is readable

@@ -102,6 +102,9 @@ def tma_mask(mask) -> bool:
         return False
     if view.stride(3) != 1 and view.shape[3] != 1:
         return False
+    if (mask.interval_pairs is None and mask.original_shape[2] > 1
+            and view.stride(2) == 0):
+        return False  # rows expanded with stride 0: neither one row nor a row per query row
     axes = (0, 1) if mask.interval_pairs is not None else (0, 1, 2)
     return all(view.stride(a) * view.element_size() % 16 == 0 for a in axes
                if view.shape[a] > 1)
