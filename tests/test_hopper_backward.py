@@ -9,17 +9,16 @@ took, so a silent fallback fails it. Its offline compile is in ``test_hopper_off
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
 
 from attn_helpers import Dims, forcing, random_qkv, run_backward
+from hopper_helpers import hopper_problem
 from kernels import record_routes
 from kernels.planning import tuning
 from kernels.planning.backward_schedule import BackwardRoute
 from kernels.planning.hopper_backward import hopper_backward_gap
-from kernels.planning.inputs import AttnShape
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import normalize_options, schedule
 
@@ -34,12 +33,8 @@ def _ran_on_gpu(monkeypatch, request):
 
 
 def dense_problem(**changes) -> Problem:
-    shape = AttnShape(batch=2, seqlen_q=4096, seqlen_k=4096, heads_q=16, heads_kv=4,
-                      head_dim=128)
-    problem = Problem(shape, torch.bfloat16, torch.device("cuda"), interpreted=False,
-                      multiprocessors=132, is_causal=True, softmax_scale=128 ** -0.5,
-                      capability=(9, 0), tma_operands=True)
-    return replace(problem, **changes)
+    """A causal dense problem the Hopper route covers (``hopper_helpers.hopper_problem``)."""
+    return hopper_problem(**{"is_causal": True, **changes})
 
 
 def test_forcing_the_hopper_backward_schedules_it():

@@ -19,12 +19,12 @@ from ..runtime.arith import LOG2E, ceil_div
 from ..runtime.launch import DescriptorLaunch
 from ..runtime.routes import note_route
 from . import tuning
-from .hopper_forward import GLUON_MISSING, block_head_dim, hopper_gap
-from .problem import Problem
+from .hopper_forward import (GLUON_MISSING, HopperForwardLaunch, block_head_dim, describe,
+                             gluon_dtype, hopper_gap)
+from .problem import Problem, tma_strides
 
 try:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..hopper_device.attention_backward import attention_backward
 except ImportError:  # a Triton without Gluon's Hopper modules (``GLUON_MISSING`` says why)
@@ -45,10 +45,6 @@ def hopper_backward_gap(problem: Problem) -> str | None:
     return hopper_gap(problem)
 
 
-def _gluon_dtype(dtype: torch.dtype):
-    return gl.float16 if dtype == torch.float16 else gl.bfloat16
-
-
 class HopperBackwardPlan:
     """The Hopper backward for one forward plan and gradient signature: boxes, layouts, grid
     and scalars fixed once. A call computes delta (the rows' sum of dO * O, in torch), zeroes
@@ -62,7 +58,7 @@ class HopperBackwardPlan:
         problem = fwd.schedule.problem
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
-        element = _gluon_dtype(problem.dtype)
+        element = gluon_dtype(problem.dtype)
         self.shape = shape
         self.q_box = [1, tile.block_m, 1, block_d]
         self.kv_box = [1, tile.block_n, 1, block_d]
@@ -84,14 +80,11 @@ class HopperBackwardPlan:
         self._make_fallback = make_fallback
         self._fallback = None
 
-    def _describe(self, t: torch.Tensor, box: list, layout) -> TensorDescriptor:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
-
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
             activity=None):
         """Fill ``dq``, ``dk``, ``dv``; no bias gradient (the route takes no bias)."""
-        tensors = (grad_out, query, key, value, dq, dk, dv)
-        if any(t.data_ptr() % 16 for t in tensors) or not _tma_strides(grad_out):
+        if (not HopperForwardLaunch.takes(grad_out, query, key, value, dq, dk, dv)
+                or not tma_strides(grad_out)):
             if self._fallback is None:
                 self._fallback = self._make_fallback()
             return self._fallback.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk,
@@ -99,17 +92,14 @@ class HopperBackwardPlan:
         note_route("backward", self.route)
         delta = torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float()).contiguous()
         dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
-        self.launch(self._describe(query, self.q_box, self.q_layout),
-                    self._describe(key, self.kv_box, self.kv_layout),
-                    self._describe(value, self.kv_box, self.kv_layout),
-                    self._describe(grad_out, self.q_box, self.q_layout),
-                    self._describe(dq_acc, self.acc_box, self.acc_layout),
-                    self._describe(dk, self.half_box, self.half_layout),
-                    self._describe(dv, self.half_box, self.half_layout),
+        self.launch(describe(query, self.q_box, self.q_layout),
+                    describe(key, self.kv_box, self.kv_layout),
+                    describe(value, self.kv_box, self.kv_layout),
+                    describe(grad_out, self.q_box, self.q_layout),
+                    describe(dq_acc, self.acc_box, self.acc_layout),
+                    describe(dk, self.half_box, self.half_layout),
+                    describe(dv, self.half_box, self.half_layout),
                     lse, delta)
         dq.copy_(dq_acc.transpose(1, 2))
         return None
 
-
-def _tma_strides(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])

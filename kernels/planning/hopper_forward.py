@@ -146,8 +146,14 @@ def block_head_dim(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128
 
 
-def _gluon_dtype(dtype: torch.dtype):
+def gluon_dtype(dtype: torch.dtype):
+    """The Gluon element type of a 16-bit torch dtype."""
     return gl.float16 if dtype == torch.float16 else gl.bfloat16
+
+
+def describe(t: torch.Tensor, box: list, layout) -> TensorDescriptor:
+    """A TMA descriptor over ``t`` as it is laid out, copying ``box`` tiles in ``layout``."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 
 
 class HopperForwardLaunch:
@@ -160,7 +166,7 @@ class HopperForwardLaunch:
     def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None):
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
-        element = _gluon_dtype(problem.dtype)
+        element = gluon_dtype(problem.dtype)
         self.q_box = [1, tile.rows, 1, block_d]
         self.kv_box = [1, tile.block_n, 1, block_d]
         self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
@@ -202,13 +208,10 @@ class HopperForwardLaunch:
         """Whether every tensor's address suits a descriptor (16-byte aligned)."""
         return all(t.data_ptr() % 16 == 0 for t in tensors)
 
-    def _describe(self, t: torch.Tensor, box: list, layout) -> TensorDescriptor:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
-
     def __call__(self, query, key, value, out, lse, mask=None, table=None) -> None:
         """Write ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq) float32; a masked plan's call
         brings the bool ``mask`` and its lists' ``table``."""
-        k_desc = self._describe(key, self.kv_box, self.kv_layout)
+        k_desc = describe(key, self.kv_box, self.kv_layout)
         if self.masked:
             base = mask.view(torch.int32 if self.kind == INTERVAL_WORDS else torch.uint8)
             mask_desc = TensorDescriptor(base, self.mask_shape, self.mask_strides,
@@ -218,9 +221,9 @@ class HopperForwardLaunch:
                          table.stride(2), *self.mask_scalars)
         else:  # stand-ins the kernel never reads
             mask_desc, list_args = k_desc, (lse, *self.unmasked_args)
-        self.launch(self._describe(query, self.q_box, self.q_layout), k_desc,
-                    self._describe(value, self.kv_box, self.kv_layout),
-                    self._describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args)
+        self.launch(describe(query, self.q_box, self.q_layout), k_desc,
+                    describe(value, self.kv_box, self.kv_layout),
+                    describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args)
 
 
 def _mask_geometry(view: torch.Tensor, heads_q: int,

@@ -236,7 +236,7 @@ HOPPER_FORWARD_MASK_PARTIAL_SHARE = 0.15
 # KeyIntervals (their words) and bool masks of one row for every query row, read by the masked
 # Hopper forward as one [1, 128] row of a key block per slot, have been compiled for sm_90a
 # offline only (spills 8/16 bytes at D128, none at D64): refused with that reason until their
-# tests (tests/test_hopper_route.py) pass on a GPU.
+# tests (tests/test_hopper_masks.py) pass on a GPU.
 HOPPER_KEY_ROW_MASKS_RAN_ON_GPU = False
 HOPPER_FORWARD_MIN_KEY_BLOCKS = 4
 

@@ -1,0 +1,303 @@
+"""Masks on the Hopper forward (``kernels.hopper_device.attention_forward``'s MASK_KIND).
+
+Host side, on every machine: which masks a TMA descriptor reads and how, the default that
+takes a prepared mask of mostly full tiles, the lists built for it, and the gate on the forms
+not yet run on a GPU. Device side (marked ``hopper``): outputs and LSE against the float64
+reference for every broadcast, keep share, band, prepared or per-call mask, the backward after
+it, and a seeded fuzz; every call is forced and counted, so a silent fallback fails.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attn_helpers import (Dims, random_intervals, random_mask, random_qkv, run_backward,
+                          run_forward)
+from hopper_helpers import FORCED, HOPPER, band, hopper_problem, sized
+from kernels import prepare_mask, record_routes, schedule_for
+from kernels.planning import tuning
+from kernels.planning.activity import ActivityMap
+from kernels.planning.forward_schedule import forward_list_tiles
+from kernels.planning.hopper_forward import _mask_geometry, hopper_gap, list_tile, may_take_masks
+from kernels.planning.inputs import check_inputs
+from kernels.planning.problem import OperandLayout, tma_mask
+from kernels.planning.schedule import normalize_options, schedule
+
+
+# -- host side
+BOOL_MASK = {"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}
+
+
+def _counted(partial_share: float | None) -> ActivityMap:
+    """A prepared mask's map whose share of partial Hopper tiles was counted (None: not)."""
+    shares = {} if partial_share is None else {(*list_tile(), False): partial_share}
+    return ActivityMap(torch.zeros(1, 1, 1, 1, dtype=torch.int8), 64, 64,
+                       _partial_shares=shares)
+
+
+@pytest.mark.parametrize("partial_share, route", [
+    (None, "triton"), (0.0, "hopper"), (tuning.HOPPER_FORWARD_MASK_PARTIAL_SHARE, "hopper"),
+    (0.5, "triton"), (1.0, "triton")], ids=["uncounted", "all-full", "at-limit", "half", "all"])
+def test_a_bool_mask_takes_the_hopper_route_where_its_tiles_are_mostly_full(partial_share,
+                                                                            route):
+    problem = hopper_problem(**BOOL_MASK, activity=_counted(partial_share))
+    assert hopper_gap(problem) is None
+    assert schedule(problem).forward.route == route
+    forced = schedule(problem, normalize_options({"forward_route": "hopper"}))
+    assert forced.forward.hopper == tuning.HOPPER_FORWARD
+
+
+def test_the_masked_hopper_forward_lists_are_built_with_the_others():
+    problem = hopper_problem(**BOOL_MASK)
+    forced = schedule(problem, normalize_options({"forward_route": "hopper"})).forward
+    assert list_tile() in forward_list_tiles(problem, forced)
+    assert list_tile() == (2 * tuning.HOPPER_FORWARD.rows, tuning.HOPPER_FORWARD.block_n)
+    # A prepared mask knows no q, k and v (no TMA operands): its map still serves the tile.
+    prepared = replace(problem, tma_operands=False)
+    assert may_take_masks(prepared)
+    assert list_tile() in forward_list_tiles(prepared, schedule(prepared).forward)
+    elsewhere = replace(problem, capability=(8, 0))
+    assert list_tile() not in forward_list_tiles(elsewhere, schedule(elsewhere).forward)
+
+
+def _checked_mask(shape, stride=None, seqlen=64, heads=(4, 2)):
+    dims = Dims(2, seqlen, seqlen, *heads, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, "cpu")
+    mask = torch.ones(shape, dtype=torch.bool)
+    if stride is not None:
+        end = 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+        mask = torch.ones(end, dtype=torch.bool).as_strided(shape, stride)
+    return check_inputs(q, k, v, mask, None, None).mask
+
+
+@pytest.mark.parametrize("shape, stride, readable", [
+    ((2, 4, 64, 64), None, True),
+    ((1, 1, 64, 64), None, True),
+    ((2, 2, 64, 64), (0, 4096, 64, 1), True),       # batch expanded: read at index 0
+    ((2, 4, 64, 64), (64 * 65, 64 * 65 * 2, 65, 1), False),  # 65-byte rows
+    ((2, 4, 1, 64), None, True),                     # one row for every query row
+    ((2, 4, 64, 1), None, False),                    # one key for every key
+    ((2, 4, 64, 64), (16384, 4096, 1, 64), False),   # keys not contiguous
+    ((2, 4, 64, 64), (256, 64, 0, 1), False),        # one row expanded over every row
+], ids=["full", "shared", "batch-expanded", "odd-rows", "row-broadcast", "key-broadcast",
+        "transposed", "rows-expanded"])
+def test_tma_reads_a_bool_mask_with_one_row_per_query_and_16_byte_strides(shape, stride,
+                                                                           readable):
+    assert tma_mask(_checked_mask(shape, stride)) is readable
+
+
+def test_the_mask_descriptor_reads_a_stride_0_axis_at_index_0():
+    view = torch.ones(1, 1, 64, 64, dtype=torch.bool).expand(3, 4, 64, 64)
+    shape, strides, head_div, batches = _mask_geometry(view, heads_q=8)
+    assert shape == [1, 1, 64, 64] and strides[2:] == [64, 1]
+    assert all(s * 1 % 16 == 0 for s in strides[:-1])
+    assert head_div == 8 and batches == 0
+    own = torch.ones(3, 4, 64, 64, dtype=torch.bool)
+    assert _mask_geometry(own, heads_q=8) == ([3, 4, 64, 64], list(own.stride()), 2, 1)
+
+
+def test_key_row_masks_are_gated_until_they_run_on_a_gpu(monkeypatch):
+    for mask in (OperandLayout((2, 4, 1, 4096), 4), OperandLayout((1, 4, 4096, 4096), 4)):
+        changes = {"mask": mask, "tma_mask": True, "intervals": mask.shape[2] == 4096}
+        problem = hopper_problem(**changes)
+        assert "compiled offline only" in hopper_gap(problem)
+        assert not may_take_masks(problem)
+        monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+        assert hopper_gap(problem) is None and may_take_masks(problem)
+        monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", False)
+
+
+def test_a_forced_hopper_forward_walks_lists_and_refuses_a_forced_key_scan(monkeypatch):
+    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+    intervals = OperandLayout((1, 4, 1, 4096), 4)
+    problem = hopper_problem(mask=intervals, tma_mask=True, intervals=True,
+                             interval_pair=True, forward_only=True,
+                             shape=sized(seqlen_k=2048))
+    forced = schedule(problem, normalize_options({"forward_route": "hopper"})).forward
+    assert forced.hopper is not None and not forced.scan_keys
+    with pytest.raises(ValueError, match="forward_key_scan.*conflict"):
+        schedule(problem, normalize_options({"forward_route": "hopper",
+                                             "forward_key_scan": True}))
+
+
+def test_the_mask_kind_follows_the_mask():
+    from kernels.hopper_device import attention_forward as device
+    from kernels.planning import hopper_forward as host
+
+    for name in ("NO_MASK", "MASK_TILE", "MASK_ROW", "INTERVAL_WORDS"):
+        assert getattr(device, name).value == getattr(host, name)
+    assert host.mask_kind(hopper_problem()) == host.NO_MASK
+    assert host.mask_kind(hopper_problem(**BOOL_MASK)) == host.MASK_TILE
+    row = OperandLayout((2, 4, 1, 4096), 4)
+    assert host.mask_kind(hopper_problem(mask=row)) == host.MASK_ROW
+    assert host.mask_kind(hopper_problem(mask=row, intervals=True)) == host.INTERVAL_WORDS
+
+
+def test_tma_reads_interval_words_with_16_byte_strides():
+    dims = Dims(2, 64, 64, 4, 2, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, "cpu")
+    for seqlen_k, readable in ((64, True), (63, False)):
+        k2, v2 = k[:, :seqlen_k], v[:, :seqlen_k]
+        dims_k = Dims(2, 64, seqlen_k, 4, 2, 64)
+        mask = check_inputs(q, k2, v2, random_intervals(dims_k, "Hk", "B", "cpu"), None,
+                            None).mask
+        assert tma_mask(mask) is readable  # an odd Lk gives 8 x Lk-byte head strides
+    view = mask.view.view(torch.int32)  # the kernel reads (start, end) int32 pairs
+    shape, strides, head_div, batches = _mask_geometry(view, heads_q=4, words=True)
+    assert shape == [2, 2, 126] and strides[-1] == 1 and head_div == 2 and batches == 1
+
+
+# -- device side: a Hopper GPU
+@pytest.mark.hopper
+def test_by_default_a_prepared_band_takes_the_hopper_route_and_a_random_mask_does_not(device):
+    dims = Dims(1, 4096, 4096, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    band = prepare_mask(band(dims, 2048, device), q, k, is_causal=True)
+    scattered = random_mask((1, 1, 4096, 4096), device)
+    for mask, route in ((band, "hopper"), (scattered, "triton"),
+                        (prepare_mask(scattered, q, k, is_causal=True), "triton")):
+        assert schedule_for(q, k, v, mask, is_causal=True).forward.route == route
+        with record_routes() as routes:
+            run_forward(q, k, v, mask, causal=True)
+        assert set(routes.forward) == {route}
+
+
+MASKED_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D): Lk a multiple of 16 (TMA reads mask rows)
+    (2, 300, 512, 4, 2, 128),
+    (1, 1025, 1040, 4, 1, 80),
+    (2, 17, 64, 2, 2, 64),
+    (1, 700, 4096, 6, 2, 128),
+]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", MASKED_SHAPES,
+                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1"), ("1", "1")],
+                         ids=["B-Hq", "1-Hk", "B-1", "1-1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("keep", [0.02, 0.5, 1.0], ids=["keep2", "keep50", "keep100"])
+def test_masked_hopper_forward_matches_the_reference(device, sizes, batch, heads, causal, keep):
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_mask(dims.operand_shape(batch, heads, "Lq", "Lk"), device, keep)
+    mask[..., 5, :] = False  # an empty row
+    run_forward(q, k, v, mask, causal=causal, func=HOPPER)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("window", [1, 100, 1024], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_masked_hopper_forward_walks_full_tiles_of_aband(device, window, dtype):
+    dims = Dims(2, 2000, 2048, 8, 2, 128)
+    q, k, v = random_qkv(dims, dtype, device)
+    run_forward(q, k, v, band(dims, window, device), causal=True, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_masked_hopper_forward_reads_expanded_and_sliced_masks(device):
+    dims = Dims(3, 513, 640, 4, 2, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, device, "bhld")
+    expanded = random_mask((1, 2, 513, 640), device, 0.3).expand(3, 2, 513, 640)
+    run_forward(q, k, v, expanded, causal=True, func=HOPPER)
+    wide = random_mask((3, 4, 513, 768), device, 0.3)
+    run_forward(q, k, v, wide[..., 64:704], func=HOPPER)  # rows of 768 bytes, offset 64
+
+
+@pytest.mark.hopper
+def test_masked_hopper_forward_with_a_prepared_mask_and_a_mask_per_call(device):
+    dims = Dims(2, 1024, 1024, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    for seed in range(3):  # one kept plan, a new mask each call
+        torch.manual_seed(seed)
+        mask = random_mask((2, 2, 1024, 1024), device, 0.1 + 0.4 * seed)
+        run_forward(q, k, v, mask, causal=True, func=HOPPER)
+    prepared = prepare_mask(mask, q, k, is_causal=True)
+    run_forward(q, k, v, prepared, causal=True, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_the_backward_after_the_masked_hopper_forward_matches_the_reference(device):
+    dims = Dims(2, 300, 512, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_mask((2, 2, 300, 512), device, 0.4)
+    run_backward(q, k, v, mask, causal=True, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_a_mask_tma_cannot_read_falls_back_or_is_refused_with_its_reason(device):
+    dims = Dims(1, 600, 600, 2, 2, 64)  # 600-byte mask rows
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_mask((1, 1, 600, 600), device)
+    with pytest.raises(ValueError, match="reads the mask through TMA"):
+        FORCED(q, k, v, mask, None, False)
+    dims = Dims(1, 640, 640, 2, 2, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    shifted = torch.zeros(640 * 640 + 1, dtype=torch.bool, device=device)[1:]
+    shifted = shifted.view(1, 1, 640, 640)
+    shifted.copy_(random_mask((1, 1, 640, 640), device))  # 1 byte past a 16-byte boundary
+    with record_routes() as routes:
+        run_forward(q, k, v, shifted, func=FORCED)
+    assert set(routes.forward) == {"triton"}
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", MASKED_SHAPES,
+                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1")],
+                         ids=["B-Hq", "1-Hk", "B-1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("form", ["row", "intervals", "prepared-intervals"])
+def test_masked_hopper_forward_reads_key_rows(device, monkeypatch, sizes, batch, heads, causal,
+                                              form):
+    """A bool mask of one row for every query row, and KeyIntervals (as the call gives them,
+    and prepared), read as one [1, 128] row of a key block per slot."""
+    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    if form == "row":
+        mask = random_mask(dims.operand_shape(batch, heads, "1", "Lk"), device, 0.4)
+    else:
+        mask = random_intervals(dims, heads, batch, device, seed=sizes[1])
+        if form == "prepared-intervals":
+            mask = prepare_mask(mask, q, k, is_causal=causal)
+    run_forward(q, k, v, mask, causal=causal, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_the_backward_after_the_hopper_forward_of_intervals_matches_the_reference(
+        device, monkeypatch):
+    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+    dims = Dims(2, 300, 512, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    run_backward(q, k, v, random_intervals(dims, "Hk", "B", device), causal=True, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_masked_hopper_forward_on_random_shapes(device):
+    """A seeded fuzz of 300 calls: lengths up to 1500 (odd key lengths through a mask sliced
+    from rows padded to 16 bytes), head dims 8-128, GQA/MQA, every batch and head broadcast of
+    the mask (a stride-0 expand too), keep 0-100% (empty rows), causal or not, both dtypes,
+    strided q, k and v, and prepared masks. NaN never passes (``run_forward``)."""
+    rng = random.Random(65)
+    for _ in range(300):
+        heads_kv = rng.choice([1, 2, 3])
+        dims = Dims(rng.randint(1, 3), rng.randint(1, 1500), rng.randint(1, 1500),
+                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device,
+                             rng.choice(["contiguous", "bhld"]))
+        batch, heads = rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"])
+        shape = dims.operand_shape(batch, heads, "Lq", "Lk")
+        padded = -(-dims.seqlen_k // 16) * 16
+        keep = rng.choice([0.0, 0.01, 0.3, 0.9, 1.0])
+        mask = random_mask((*shape[:3], padded), device, keep)[..., :dims.seqlen_k]
+        if batch == "1" and rng.random() < 0.3:
+            mask = mask.expand(dims.batch, *mask.shape[1:])
+        causal = rng.random() < 0.5
+        if rng.random() < 0.3:
+            mask = prepare_mask(mask, q, k, is_causal=causal)
+        run_forward(q, k, v, mask, causal=causal, func=HOPPER)
