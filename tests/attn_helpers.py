@@ -189,7 +189,8 @@ class AllocationWatch(TorchDispatchMode):
         super().__init__()
         self.fresh: list[tuple[str, tuple[int, ...], int]] = []
         self.copies: list[str] = []
-        self._watched = {t.untyped_storage().data_ptr() for t in watched if t is not None}
+        self._watched = {t.untyped_storage().data_ptr() for t in watched
+                         if isinstance(t, torch.Tensor)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -273,8 +274,7 @@ def run_forward(q, k, v, mask=None, bias=None, causal=False, scale=None, func=dm
     """Run ``func`` under an AllocationWatch and check out and LSE against the fp64 reference.
     ``mask``: a bool mask, ``KeyIntervals`` or a ``PreparedMask`` (the reference reads the
     mask it holds); the mask and bias tensors are watched for copies."""
-    watched = tuple(t for t in (mask, bias) if isinstance(t, torch.Tensor))
-    with AllocationWatch(watched=watched) as watch:
+    with AllocationWatch(watched=(mask, bias)) as watch:
         out, lse = func(q, k, v, mask, bias, causal, scale, return_lse=True)
     assert not watch.copies, f"mask or bias copied: {watch.copies}"
     b, lq, hq, _ = q.shape

@@ -25,13 +25,6 @@ from kernels.planning.schedule import normalize_options, schedule
 HOPPER_OPTIONS = normalize_options({"backward": "hopper"})
 
 
-@pytest.fixture(autouse=True)
-def _ran_on_gpu(monkeypatch, request):
-    """The route as it will be once its GPU tests pass (the test of the gate sets it off)."""
-    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_RAN_ON_GPU",
-                        "gate" not in request.node.name)
-
-
 def dense_problem(**changes) -> Problem:
     """A causal dense problem the Hopper route covers (``hopper_helpers.hopper_problem``)."""
     return hopper_problem(**{"is_causal": True, **changes})
@@ -61,12 +54,6 @@ def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(chan
     assert reason in hopper_backward_gap(problem)
     with pytest.raises(ValueError, match=f"'hopper' does not cover this call: .*{reason}"):
         schedule(problem, HOPPER_OPTIONS)
-
-
-def test_the_gate_refuses_the_route_until_it_has_run_on_a_gpu():
-    assert "compiled offline only" in hopper_backward_gap(dense_problem())
-    with pytest.raises(ValueError, match="compiled offline only"):
-        schedule(dense_problem(), HOPPER_OPTIONS)
 
 
 def test_the_backward_option_names_the_hopper_route():

@@ -100,19 +100,14 @@ def test_the_mask_descriptor_reads_a_stride_0_axis_at_index_0():
     assert _mask_geometry(own, heads_q=8) == ([3, 4, 64, 64], list(own.stride()), 2, 1)
 
 
-def test_key_row_masks_are_gated_until_they_run_on_a_gpu(monkeypatch):
+def test_key_row_masks_are_covered():
     for mask in (OperandLayout((2, 4, 1, 4096), 4), OperandLayout((1, 4, 4096, 4096), 4)):
         changes = {"mask": mask, "tma_mask": True, "intervals": mask.shape[2] == 4096}
         problem = hopper_problem(**changes)
-        assert "compiled offline only" in hopper_gap(problem)
-        assert not may_take_masks(problem)
-        monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
         assert hopper_gap(problem) is None and may_take_masks(problem)
-        monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", False)
 
 
-def test_a_forced_hopper_forward_walks_lists_and_refuses_a_forced_key_scan(monkeypatch):
-    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+def test_a_forced_hopper_forward_walks_lists_and_refuses_a_forced_key_scan():
     intervals = OperandLayout((1, 4, 1, 4096), 4)
     problem = hopper_problem(mask=intervals, tma_mask=True, intervals=True,
                              interval_pair=True, forward_only=True,
@@ -252,11 +247,10 @@ def test_a_mask_tma_cannot_read_falls_back_or_is_refused_with_its_reason(device)
                          ids=["B-Hq", "1-Hk", "B-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("form", ["row", "intervals", "prepared-intervals"])
-def test_masked_hopper_forward_reads_key_rows(device, monkeypatch, sizes, batch, heads, causal,
+def test_masked_hopper_forward_reads_key_rows(device, sizes, batch, heads, causal,
                                               form):
     """A bool mask of one row for every query row, and KeyIntervals (as the call gives them,
     and prepared), read as one [1, 128] row of a key block per slot."""
-    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
     dims = Dims(*sizes)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     if form == "row":
@@ -270,8 +264,7 @@ def test_masked_hopper_forward_reads_key_rows(device, monkeypatch, sizes, batch,
 
 @pytest.mark.hopper
 def test_the_backward_after_the_hopper_forward_of_intervals_matches_the_reference(
-        device, monkeypatch):
-    monkeypatch.setattr(tuning, "HOPPER_KEY_ROW_MASKS_RAN_ON_GPU", True)
+        device):
     dims = Dims(2, 300, 512, 4, 2, 128)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     run_backward(q, k, v, random_intervals(dims, "Hk", "B", device), causal=True, func=HOPPER)

@@ -51,8 +51,6 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"interpreted": True, "capability": None}, "interpreter"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "reads the mask through TMA"),
-    ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
-     "compiled offline only"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
     ({"shape": sized(head_dim=256)}, "head dims up to 128"),
     ({"shape": sized(head_dim=20)}, "multiples of 8"),
@@ -60,7 +58,7 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"softmax_scale": 0.0}, "positive softmax_scale"),
     ({"softmax_scale": -0.1}, "positive softmax_scale"),
     ({"shape": sized(batch=2**16, heads_q=2**12, heads_kv=2**10)}, "tiles of 128 query rows"),
-], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "intervals", "bias",
+], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "bias",
         "d256", "d20",
         "strides", "zero-scale", "negative-scale", "grid"])
 def test_what_the_hopper_route_does_not_cover_runs_the_triton_route_and_forcing_says_why(

@@ -6,9 +6,8 @@ It covers the dense backward (no mask, no bias; causal or not, any lengths, GQA/
 or bf16 at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for
 TMA, on a GPU of compute capability 9.0, when its gradients need not be bitwise reproducible.
 It runs only where ``kernel_options['backward'] = 'hopper'`` forces it (the Triton routes stay
-the default until it is measured ahead of them), and only once it has passed its tests on a
-GPU (``tuning.HOPPER_BACKWARD_RAN_ON_GPU``); a call whose addresses a descriptor cannot take
-runs the Triton backward of the same schedule's default.
+the default until it is measured ahead of them); a call whose addresses a descriptor cannot
+take runs the Triton backward of the same schedule's default.
 """
 
 from __future__ import annotations
@@ -35,9 +34,6 @@ def hopper_backward_gap(problem: Problem) -> str | None:
     """Why the Hopper backward does not cover ``problem`` (one line), or None where it does."""
     if GLUON_MISSING:
         return GLUON_MISSING
-    if not tuning.HOPPER_BACKWARD_RAN_ON_GPU:
-        return ("it has been compiled offline only; it is taken once its tests pass on a "
-                "Hopper GPU")
     if problem.mask is not None or problem.bias is not None:
         return "it takes no mask and no bias yet"
     if problem.deterministic:

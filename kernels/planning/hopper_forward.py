@@ -7,9 +7,7 @@ for TMA, on a GPU of compute capability 9.0. A mask's keys must be contiguous an
 strides multiples of 16 bytes (``problem.tma_mask``): the kernel walks each 128-row tile's
 activity list (``activity.BlockLists`` of 128 x 128 tiles, full blocks first) and reads what
 the blocks it tests per pair test through TMA (``mask_kind``): a bool mask's bytes, a row of
-them for a mask shared by every query row, or KeyIntervals' (start, end) pairs. The last two
-are refused with the reason until their GPU tests pass
-(``tuning.HOPPER_KEY_ROW_MASKS_RAN_ON_GPU``).
+them for a mask shared by every query row, or KeyIntervals' (start, end) pairs.
 The schedule takes the route where its tiles are full enough (``takes_hopper``; with a mask, a
 prepared one whose tiles are mostly full: ``few_partial_tiles``), and
 ``kernel_options['forward_route']`` forces either route. Anything else runs the Triton route,
@@ -58,10 +56,6 @@ def hopper_gap(problem: Problem) -> str | None:
     if problem.bias is not None:
         return "it takes no bias yet"
     if problem.mask is not None:
-        if key_row_mask(problem) and not tuning.HOPPER_KEY_ROW_MASKS_RAN_ON_GPU:
-            return ("its reading of KeyIntervals and of a bool mask shared by every query row "
-                    "has been compiled offline only; it is taken once its tests pass on a "
-                    "Hopper GPU")
         if not problem.tma_mask:
             return ("it reads the mask through TMA: the keys contiguous, and the strides of "
                     "its other axes multiples of 16 bytes")
@@ -115,7 +109,6 @@ def may_take_masks(problem: Problem) -> bool:
     """Whether a call of this problem's mask may take the masked Hopper forward, as far as a
     prepared mask knows it (no q, k, v yet): its lists' tile is then built with the others."""
     return (problem.mask is not None and GLUON_MISSING is None
-            and (not key_row_mask(problem) or tuning.HOPPER_KEY_ROW_MASKS_RAN_ON_GPU)
             and problem.capability == HOPPER
             and problem.dtype in (torch.float16, torch.bfloat16)
             and problem.shape.head_dim <= MAX_HEAD_DIM)

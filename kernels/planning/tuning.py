@@ -221,9 +221,6 @@ class HopperBackwardTile:
 # dQ's float32 staging 64 KB); ptxas (sm_90a, offline) spills 316-384 bytes at D128, none at
 # D64.
 HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
-# The Gluon backward has been compiled for sm_90a offline only: it is refused, with that
-# reason, until its tests (tests/test_hopper_backward.py) pass on a GPU.
-HOPPER_BACKWARD_RAN_ON_GPU = False
 # A call with a bool mask takes the Hopper forward where its prepared mask's share of partial
 # 128 x 128 tiles (tested per pair; the full ones are not) is at most this; a mask read by the
 # call, whose share is not counted, keeps the Triton route. A partial tile costs the Hopper
@@ -233,11 +230,6 @@ HOPPER_BACKWARD_RAN_ON_GPU = False
 # ~0.11 (L8192 W2048) 1.23x, ~0.2 (D64 L8192 W1024 H16) 1.02x; top-W masks (every tile
 # partial) 0.76-1.09x, a random 10% (1, Hq) mask at D64 0.55x.
 HOPPER_FORWARD_MASK_PARTIAL_SHARE = 0.15
-# KeyIntervals (their words) and bool masks of one row for every query row, read by the masked
-# Hopper forward as one [1, 128] row of a key block per slot, have been compiled for sm_90a
-# offline only (spills 8/16 bytes at D128, none at D64): refused with that reason until their
-# tests (tests/test_hopper_masks.py) pass on a GPU.
-HOPPER_KEY_ROW_MASKS_RAN_ON_GPU = False
 HOPPER_FORWARD_MIN_KEY_BLOCKS = 4
 
 
