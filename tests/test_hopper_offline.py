@@ -106,10 +106,13 @@ def _compile_backward(dtype, head_dim: int, causal: bool):
     tile = tuning.HOPPER_BACKWARD
 
     describe = _describer(dtype, head_dim)
-    rows = torch.empty(8, dtype=torch.float32)
+    rows = torch.empty(2 * 2 * 8, 1024, dtype=torch.float32)
+    flat = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, tile.block_m],
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                 rank=2))
     acc = torch.empty(2, 8, 1000, head_dim, dtype=torch.float32)
     acc_desc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()),
-                                [1, 1, tile.block_m, head_dim],
+                                [1, 1, tile.block_m, head_dim // 2],
                                 gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                      rank=4))
     saved = driver._active
@@ -118,7 +121,7 @@ def _compile_backward(dtype, head_dim: int, causal: bool):
         return attention_backward.warmup(
             describe(tile.block_m), describe(tile.block_n), describe(tile.block_n),
             describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
-            describe(tile.block_n // 2), rows, rows, 1000, 1000, 8, 4, 2, 0.1, 0.07,
+            describe(tile.block_n // 2), flat, 1000, 1000, 8, 4, 2, 0.1, 0.07,
             grid=(8, 8), num_warps=4, CAUSAL=causal, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:

@@ -34,7 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_compat import aggregate, reinterpret, tma_atomic_add, tma_load, tma_store
+from .gluon_compat import (aggregate, reinterpret, thread_barrier, tma_atomic_add, tma_load,
+                           tma_store)
 from .ring import copy_view, plane_view
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
@@ -43,37 +44,49 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 @aggregate
 class QueryRing:
-    """STAGES slots of a query block's Q and dO tiles. Ring position p (the query blocks this
-    program has loaded so far) lives in slot p % STAGES on lap p // STAGES; its ``ready``
-    barrier completes when both copies landed, its ``free`` barrier when both consumer
-    warpgroups are done with the slot (two arrivals). The loader waits one lap behind on
-    ``free`` (a fresh barrier passes a wait for the parity before phase 0)."""
+    """STAGES slots of a query block's Q and dO tiles and its rows' LSE and delta. Ring
+    position p (the query blocks this program has loaded so far) lives in slot p % STAGES on
+    lap p // STAGES; its ``ready`` barrier completes when the four copies landed, its ``free``
+    barrier when both consumer warpgroups are done with the slot (two arrivals). The loader
+    waits one lap behind on ``free`` (a fresh barrier passes a wait for the parity before
+    phase 0)."""
     queries: gl.shared_memory_descriptor
     grads: gl.shared_memory_descriptor
+    lse: gl.shared_memory_descriptor
+    delta: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     free: gl.shared_memory_descriptor
     STAGES: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, queries, grads, ready, free, STAGES):
+    def __init__(self, queries, grads, lse, delta, ready, free, STAGES):
         self.queries = queries
         self.grads = grads
+        self.lse = lse
+        self.delta = delta
         self.ready = ready
         self.free = free
         self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
-    def fill(self, position, q_desc, do_desc, batch, first_row, q_head):
-        """Loader: copy query rows [first_row, first_row + BLOCK_M) of Q and dO into the slot
-        of ``position`` once both consumers have freed it."""
+    def fill(self, position, q_desc, do_desc, rows_desc, batch, first_row, q_head, lse_row,
+             delta_row):
+        """Loader: copy query rows [first_row, first_row + BLOCK_M) of Q and dO, and their
+        scaled LSE and delta (rows ``lse_row`` and ``delta_row`` of ``rows_desc``), into the
+        slot of ``position`` once both consumers have freed it."""
         slot = position % self.STAGES
         mbarrier.wait(self.free.index(slot), ((position // self.STAGES) & 1) ^ 1)
         mbarrier.expect(self.ready.index(slot),
-                        q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                        q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                        + 2 * rows_desc.block_type.nbytes)
         tma_load(q_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
                  copy_view(self.queries.index(slot)))
         tma_load(do_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
                  copy_view(self.grads.index(slot)))
+        tma_load(rows_desc, [lse_row, first_row], self.ready.index(slot),
+                 self.lse.index(slot).reshape([1, self.lse.shape[1]]))
+        tma_load(rows_desc, [delta_row, first_row], self.ready.index(slot),
+                 self.delta.index(slot).reshape([1, self.delta.shape[1]]))
 
     @gluon.jit
     def wait(self, position):
@@ -131,7 +144,7 @@ class KeyBlockWork:
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, k_tile, v_tile, kv_ready, ring, work):
+def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, k_tile, v_tile, kv_ready, ring, work):
     batch, kv_head, first_key = work.coordinates()
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
@@ -140,13 +153,16 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_tile, v_tile, kv_ready, ring, wor
     position = 0
     for g in range(work.group):
         q_head = kv_head * work.group + g
+        lse_row = batch * work.heads_q + q_head
+        delta_row = lse_row + gl.num_programs(1) * work.group  # past the B x Hq LSE rows
         for m in range(first, stop):
-            ring.fill(position, q_desc, do_desc, batch, m * work.BLOCK_M, q_head)
+            ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
+                      lse_row, delta_row)
             position += 1
 
 
 @gluon.jit
-def _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
+def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage_tiles, kv_ready, ring, work,
               dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr):
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
@@ -157,6 +173,7 @@ def _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_p
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, BLOCK_D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query row
     batch, kv_head, first_key = work.coordinates()
     seqlen_q = work.seqlen_q
     seqlen_k = work.seqlen_k
@@ -165,7 +182,10 @@ def _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_p
     keys = my_first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     k_mine = k_tile.slice(WARPGROUP * KEYS, KEYS, dim=0)
     v_mine = v_tile.slice(WARPGROUP * KEYS, KEYS, dim=0)
-    ds_tile = ds_tiles.index(WARPGROUP)
+    HALF_D: gl.constexpr = BLOCK_D // 2
+    k_half = k_tile.slice(WARPGROUP * HALF_D, HALF_D, dim=1)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, HALF_D, 16])
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
     stage = stage_tiles.index(WARPGROUP)  # dQ's float32 partials, then dK and dV
@@ -175,7 +195,6 @@ def _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_p
     position = 0
     for g in range(work.group):
         q_head = kv_head * work.group + g
-        bh = batch * work.heads_q + q_head
         for m in range(first, stop):
             first_row = m * BLOCK_M
             slot = ring.wait(position)
@@ -187,49 +206,55 @@ def _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_p
             dpt_token = warpgroup_mma(v_mine, do_tile.permute((1, 0)),
                                       gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout),
                                       use_acc=False, is_async=True)
-            cols = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            in_rows = cols < seqlen_q
-            # A row past Lq, or one that saw no key (LSE -inf), gives P = 0.
-            lse = gl.load(lse_ptr + bh.to(gl.int64) * seqlen_q + cols, mask=in_rows,
-                          other=float("inf"))
-            lse = gl.where(lse == -float("inf"), float("inf"), lse) * LOG2E
-            delta = gl.load(delta_ptr + bh.to(gl.int64) * seqlen_q + cols, mask=in_rows,
-                            other=0.0)
+            lse = ring.lse.index(slot).load(row_layout)  # log2 e x LSE, +inf: P = 0
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st_token,))
-            visible = keys[:, None] < seqlen_k
-            if work.CAUSAL:
-                visible = visible & (keys[:, None] <= cols[None, :] + diagonal)
-            p = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+            # Pairs are tested only in blocks with a key past Lk or past a row's diagonal.
+            if (my_first_key + KEYS > seqlen_k) | (work.CAUSAL & (
+                    my_first_key + KEYS - 1 > first_row + diagonal)):
+                cols = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
+                visible = keys[:, None] < seqlen_k
+                if work.CAUSAL:
+                    visible = visible & (keys[:, None] <= cols[None, :] + diagonal)
+                p = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+            else:
+                p = gl.exp2(st * qk_scale - lse[None, :])
+            delta = ring.delta.index(slot).load(row_layout)
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_token,))
             ds = p * (dpt - delta[None, :])
             p_op = gl.convert_layout(p.to(dtype), op_layout)
             ds_low = ds.to(dtype)
             ds_op = gl.convert_layout(ds_low, op_layout)
-            ds_tile.store(ds_low)
+            # dS^T of both warpgroups meets in one [BLOCK_N, BLOCK_M] tile (two alternate, so
+            # a warpgroup a step ahead never writes the tile the other still reads).
+            ds_both = ds_tiles.index(position % 2)
+            ds_both.slice(WARPGROUP * KEYS, KEYS, dim=0).store(ds_low)
             fence_async_shared()
+            thread_barrier()  # every warp's dS^T is written before the one arrival
+            mbarrier.arrive(ds_ready.index(position % 2), count=1)
             dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
             dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-            # P^T and dS^T die here, before dQ's accumulator lives: registers (D128: 1.6 KB of
-            # spills with all three products in flight at once, offline).
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+            # dQ's columns [w * HALF_D, (w + 1) * HALF_D) over all BLOCK_N keys: dS K_half.
+            mbarrier.wait(ds_ready.index(position % 2), (position // 2) & 1)
+            dq_token = warpgroup_mma(ds_both.permute((1, 0)), k_half,
+                                     gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout),
+                                     use_acc=False, is_async=True)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=1,
                                                      deps=(dv, dk, p_op, ds_op))
             ring.release(slot)  # Q and dO are read: the loader may refill the slot
-            dq_token = warpgroup_mma(ds_tile.permute((1, 0)), k_mine,
-                                     gl.zeros([BLOCK_M, BLOCK_D], gl.float32, acc_layout),
-                                     use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_token,))
             # The previous step's reduce has read the staging tile.
             tma.store_wait(pendings=0)
             stage.store(dq * softmax_scale)
             fence_async_shared()
-            tma_atomic_add(dq_desc, [batch, q_head, first_row, 0], plane_view(stage))
+            tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D],
+                           plane_view(stage))
             position += 1
 
     # dK and dV leave through this warpgroup's staging tile and TMA: rows past Lk and columns
     # past the head dim are not written.
     tma.store_wait(pendings=0)
     out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_D], dtype)
-    out_tile = reinterpret(stage, dtype, [KEYS, BLOCK_D], out_layout)
+    out_tile = reinterpret(stage, dtype, [KEYS, BLOCK_D], out_layout)  # BLOCK_M = KEYS
     out_tile.store((dk * softmax_scale).to(dtype))
     fence_async_shared()
     tma_store(dk_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
@@ -241,27 +266,29 @@ def _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_p
 
 
 @gluon.jit
-def _first_consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr,
-                    delta_ptr, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale):
-    _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
-              dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, 0)
+def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage_tiles, kv_ready, ring, work,
+                    dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage_tiles, kv_ready, ring, work, dq_desc,
+              dk_desc, dv_desc, qk_scale, softmax_scale, 0)
 
 
 @gluon.jit
-def _second_consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr,
-                     delta_ptr, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale):
-    _consumer(k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work, lse_ptr, delta_ptr,
-              dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, 1)
+def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage_tiles, kv_ready, ring, work,
+                     dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage_tiles, kv_ready, ring, work, dq_desc,
+              dk_desc, dv_desc, qk_scale, softmax_scale, 1)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_q", "heads_kv", "group"])
-def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, lse_ptr,
-                       delta_ptr, seqlen_q, seqlen_k, heads_q, heads_kv, group, qk_scale,
+def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, rows_desc,
+                       seqlen_q, seqlen_k, heads_q, heads_kv, group, qk_scale,
                        softmax_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Grid (cdiv(Lk, BLOCK_N), B x Hk). ``lse_ptr``, ``delta_ptr``: (B, Hq, Lq) float32 (LSE
-    in natural log). ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a
-    [1, 1, BLOCK_M, BLOCK_D] box in an unswizzled layout; ``dk_desc`` and ``dv_desc`` write
+    """Grid (cdiv(Lk, BLOCK_N), B x Hk). ``rows_desc``: a [1, BLOCK_M] box over float32 rows
+    (2 x B x Hq, Lq rounded up to BLOCK_M): first every (batch, query head)'s LSE times log2 e
+    (+inf where a row saw no key, and past Lq), then its delta (0 past Lq).
+    ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a
+    [1, 1, BLOCK_M, BLOCK_D / 2] box in an unswizzled layout; ``dk_desc`` and ``dv_desc`` write
     (B, Lk, Hk, D) in q's dtype with a box of half a key block. ``qk_scale`` = softmax_scale x
     log2 e. Launch with num_warps = 4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
@@ -270,35 +297,44 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     dtype: gl.constexpr = q_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_M],
-                                                                    dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     stage_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
                                                       element_bitwidth=32, rank=2)
     k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     queries = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], q_layout)
     grads = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], q_layout)
-    ds_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], ds_layout)
-    # One float32 [BLOCK_M, BLOCK_D] tile per warpgroup: dQ's partials, then dK and dV.
-    stage_tiles = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_D], stage_layout)
+    # A slot's rows are rank 1 (the consumers read them as one value per query row); the
+    # copies see them as the descriptor's [1, BLOCK_M] box.
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                    rank=1)
+    lse = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    ds_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    # One float32 [BLOCK_M, BLOCK_D / 2] tile per warpgroup: its half of dQ's partial, then
+    # dK and dV.
+    stage_tiles = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_D // 2],
+                                            stage_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(free.index(slot), count=2)  # one arrival per consumer warpgroup
-    ring = QueryRing(queries, grads, ready, free, STAGES)
+    for slot in gl.static_range(2):
+        mbarrier.init(ds_ready.index(slot), count=2)  # both warpgroups' dS^T are written
+    ring = QueryRing(queries, grads, lse, delta, ready, free, STAGES)
     work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6).
     gl.warp_specialize(
-        [(_first_consumer, (k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work,
-                            lse_ptr, delta_ptr, dq_desc, dk_desc, dv_desc, qk_scale,
-                            softmax_scale)),
-         (_second_consumer, (k_tile, v_tile, ds_tiles, stage_tiles, kv_ready, ring, work,
-                             lse_ptr, delta_ptr, dq_desc, dk_desc, dv_desc, qk_scale,
-                             softmax_scale)),
-         (_loader, (q_desc, k_desc, v_desc, do_desc, k_tile, v_tile, kv_ready, ring, work))],
+        [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, stage_tiles, kv_ready, ring,
+                            work, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale)),
+         (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, stage_tiles, kv_ready, ring,
+                             work, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale)),
+         (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, k_tile, v_tile, kv_ready,
+                    ring, work))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -6,6 +6,8 @@
   3.6 names ``async_copy_global_to_shared`` / ``async_copy_shared_to_global`` (same arguments).
 - ``tma_atomic_add`` (a TMA reduce-add of a shared tile into global memory): newer releases'
   ``tma.async_atomic_add``; 3.6 has the builder's operation but no Python name for it.
+- ``thread_barrier`` (every thread of the partition reaches it before any goes on): 3.6's
+  ``gl.thread_barrier``, ``gl.barrier`` in newer releases.
 - ``reinterpret`` (a shared tile seen with another dtype, shape and layout): the shared
   descriptor's ``reinterpret`` in newer releases, ``_reinterpret`` in 3.6.
 """
@@ -20,6 +22,9 @@ try:
 except ImportError:  # Triton 3.6
     from triton.language.core import _aggregate as aggregate
 
+from triton.experimental.gluon import language as _gl
+
+thread_barrier = getattr(_gl, "thread_barrier", None) or _gl.barrier
 tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
 tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
 
@@ -43,4 +48,5 @@ def reinterpret(tile, dtype, shape, layout, _semantic=None):
                                          _unwrap_if_constexpr(layout))
 
 
-__all__ = ["aggregate", "reinterpret", "tma_atomic_add", "tma_load", "tma_store"]
+__all__ = ["aggregate", "reinterpret", "thread_barrier", "tma_atomic_add", "tma_load",
+           "tma_store"]

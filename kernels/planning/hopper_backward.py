@@ -62,9 +62,14 @@ class HopperBackwardPlan:
         self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for(self.kv_box, element)
         self.half_layout = gl.NVMMASharedLayout.get_default_for(self.half_box, element)
-        self.acc_box = [1, 1, tile.block_m, block_d]
+        self.acc_box = [1, 1, tile.block_m, block_d // 2]  # each consumer's half of D
         self.acc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                rank=4)
+        self.rows_shape = (2, shape.batch * shape.heads_q,
+                           ceil_div(shape.seqlen_q, tile.block_m) * tile.block_m)
+        self.row_box = [1, tile.block_m]
+        self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                               rank=2)
         self.launch = DescriptorLaunch(
             attention_backward,
             (ceil_div(shape.seqlen_k, tile.block_n), shape.batch * shape.heads_kv),
@@ -86,7 +91,7 @@ class HopperBackwardPlan:
             return self._fallback.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk,
                                       dv, activity)
         note_route("backward", self.route)
-        delta = torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float()).contiguous()
+        rows = self._rows(grad_out, out, lse)
         dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
         self.launch(describe(query, self.q_box, self.q_layout),
                     describe(key, self.kv_box, self.kv_layout),
@@ -95,7 +100,23 @@ class HopperBackwardPlan:
                     describe(dq_acc, self.acc_box, self.acc_layout),
                     describe(dk, self.half_box, self.half_layout),
                     describe(dv, self.half_box, self.half_layout),
-                    lse, delta)
+                    describe(rows.view(-1, rows.shape[-1]), self.row_box, self.row_layout))
         dq.copy_(dq_acc.transpose(1, 2))
         return None
 
+
+    def _rows(self, grad_out, out, lse):
+        """The loader's rows: (2, B x Hq, Lq rounded up to BLOCK_M) float32, LSE x log2 e
+        (+inf where a row saw no key, and past Lq: P = 0 there) then delta, the rows' sum of
+        dO * O (0 past Lq). Padded, every query block's rows start 16-byte aligned, as TMA
+        needs."""
+        seqlen_q = self.shape.seqlen_q
+        rows = torch.empty(self.rows_shape, dtype=torch.float32, device=lse.device)
+        scaled = rows[0, :, :seqlen_q].view(self.shape.batch, self.shape.heads_q, seqlen_q)
+        torch.mul(lse, LOG2E, out=scaled)
+        scaled.masked_fill_(lse == float("-inf"), float("inf"))
+        rows[0, :, seqlen_q:] = float("inf")
+        delta = rows[1, :, :seqlen_q].view(self.shape.batch, self.shape.heads_q, seqlen_q)
+        delta.copy_(torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float()))
+        rows[1, :, seqlen_q:] = 0.0
+        return rows
