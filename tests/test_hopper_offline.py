@@ -111,10 +111,9 @@ def _compile_backward(dtype, head_dim: int, causal: bool):
                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                  rank=2))
     acc = torch.empty(2, 8, 1000, head_dim, dtype=torch.float32)
-    acc_desc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()),
-                                [1, 1, tile.block_m, head_dim // 2],
-                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
-                                                     rank=4))
+    acc_box = [1, 1, tile.block_m, head_dim // 4]
+    acc_desc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()), acc_box,
+                                gl.NVMMASharedLayout.get_default_for(acc_box, gl.float32))
     saved = driver._active
     driver.set_active(_Sm90())
     try:
@@ -122,7 +121,7 @@ def _compile_backward(dtype, head_dim: int, causal: bool):
             describe(tile.block_m), describe(tile.block_n), describe(tile.block_n),
             describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
             describe(tile.block_n // 2), flat, 1000, 1000, 8, 4, 2, 0.1, 0.07,
-            grid=(8, 8), num_warps=4, CAUSAL=causal, STAGES=tile.stages,
+            grid=(64,), num_warps=4, CAUSAL=causal, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved

@@ -62,9 +62,8 @@ class HopperBackwardPlan:
         self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for(self.kv_box, element)
         self.half_layout = gl.NVMMASharedLayout.get_default_for(self.half_box, element)
-        self.acc_box = [1, 1, tile.block_m, block_d // 2]  # each consumer's half of D
-        self.acc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
-                                               rank=4)
+        self.acc_box = [1, 1, tile.block_m, block_d // 4]  # a quarter of D per reduce-add
+        self.acc_layout = gl.NVMMASharedLayout.get_default_for(self.acc_box, gl.float32)
         self.rows_shape = (2, shape.batch * shape.heads_q,
                            ceil_div(shape.seqlen_q, tile.block_m) * tile.block_m)
         self.row_box = [1, tile.block_m]
@@ -72,7 +71,7 @@ class HopperBackwardPlan:
                                                rank=2)
         self.launch = DescriptorLaunch(
             attention_backward,
-            (ceil_div(shape.seqlen_k, tile.block_n), shape.batch * shape.heads_kv),
+            (shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k, tile.block_n),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              problem.softmax_scale * LOG2E, problem.softmax_scale),
             num_warps=4, CAUSAL=problem.is_causal, STAGES=tile.stages,
