@@ -17,8 +17,9 @@ from attn_helpers import Dims, forcing, random_qkv, run_backward
 from hopper_helpers import hopper_problem
 from kernels import record_routes
 from kernels.planning import tuning
+from kernels.runtime.arith import LOG2E
 from kernels.planning.backward_schedule import BackwardRoute
-from kernels.planning.hopper_backward import hopper_backward_gap
+from kernels.planning.hopper_backward import hopper_backward_gap, loader_rows
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import normalize_options, schedule
 
@@ -44,7 +45,7 @@ def test_the_triton_backward_stays_the_default():
 @pytest.mark.parametrize("changes, reason", [
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "no mask"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
-    ({"deterministic": True}, "atomics"),
+    ({"deterministic": True}, "in any order"),
     ({"capability": (8, 0)}, "compute capability 9.0"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"tma_operands": False}, "TMA"),
@@ -54,6 +55,20 @@ def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(chan
     assert reason in hopper_backward_gap(problem)
     with pytest.raises(ValueError, match=f"'hopper' does not cover this call: .*{reason}"):
         schedule(problem, HOPPER_OPTIONS)
+
+
+def test_the_loader_rows_hold_scaled_lse_and_delta_padded_to_whole_query_blocks():
+    batch, seqlen_q, heads, head_dim = 2, 17, 3, 8
+    grad_out, out = (torch.randn(batch, seqlen_q, heads, head_dim) for _ in range(2))
+    lse = torch.randn(batch, heads, seqlen_q)
+    lse[0, 1, 4] = float("-inf")  # a row that saw no key
+    rows = loader_rows(grad_out, out, lse, block_m=64)
+    assert rows.shape == (2, batch * heads, 64) and rows.stride(1) * 4 % 16 == 0
+    scaled = (lse * LOG2E).masked_fill(lse == float("-inf"), float("inf"))
+    assert torch.equal(rows[0, :, :seqlen_q], scaled.reshape(batch * heads, seqlen_q))
+    delta = (grad_out * out).sum(-1).transpose(1, 2).reshape(batch * heads, seqlen_q)
+    torch.testing.assert_close(rows[1, :, :seqlen_q], delta)
+    assert (rows[0, :, seqlen_q:] == float("inf")).all() and (rows[1, :, seqlen_q:] == 0).all()
 
 
 def test_the_backward_option_names_the_hopper_route():

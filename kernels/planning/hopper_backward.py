@@ -37,7 +37,8 @@ def hopper_backward_gap(problem: Problem) -> str | None:
     if problem.mask is not None or problem.bias is not None:
         return "it takes no mask and no bias yet"
     if problem.deterministic:
-        return "its dQ is added by atomics in any order: not bitwise reproducible"
+        return ("its dQ partials are added by TMA reduce-adds in any order: not bitwise "
+                "reproducible")
     return hopper_gap(problem)
 
 
@@ -64,8 +65,7 @@ class HopperBackwardPlan:
         self.half_layout = gl.NVMMASharedLayout.get_default_for(self.half_box, element)
         self.acc_box = [1, 1, tile.block_m, block_d // 4]  # a quarter of D per reduce-add
         self.acc_layout = gl.NVMMASharedLayout.get_default_for(self.acc_box, gl.float32)
-        self.rows_shape = (2, shape.batch * shape.heads_q,
-                           ceil_div(shape.seqlen_q, tile.block_m) * tile.block_m)
+        self.block_m = tile.block_m
         self.row_box = [1, tile.block_m]
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                rank=2)
@@ -90,7 +90,7 @@ class HopperBackwardPlan:
             return self._fallback.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk,
                                       dv, activity)
         note_route("backward", self.route)
-        rows = self._rows(grad_out, out, lse)
+        rows = loader_rows(grad_out, out, lse, self.block_m)
         dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
         self.launch(describe(query, self.q_box, self.q_layout),
                     describe(key, self.kv_box, self.kv_layout),
@@ -104,18 +104,21 @@ class HopperBackwardPlan:
         return None
 
 
-    def _rows(self, grad_out, out, lse):
-        """The loader's rows: (2, B x Hq, Lq rounded up to BLOCK_M) float32, LSE x log2 e
-        (+inf where a row saw no key, and past Lq: P = 0 there) then delta, the rows' sum of
-        dO * O (0 past Lq). Padded, every query block's rows start 16-byte aligned, as TMA
-        needs."""
-        seqlen_q = self.shape.seqlen_q
-        rows = torch.empty(self.rows_shape, dtype=torch.float32, device=lse.device)
-        scaled = rows[0, :, :seqlen_q].view(self.shape.batch, self.shape.heads_q, seqlen_q)
-        torch.mul(lse, LOG2E, out=scaled)
-        scaled.masked_fill_(lse == float("-inf"), float("inf"))
-        rows[0, :, seqlen_q:] = float("inf")
-        delta = rows[1, :, :seqlen_q].view(self.shape.batch, self.shape.heads_q, seqlen_q)
-        delta.copy_(torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float()))
-        rows[1, :, seqlen_q:] = 0.0
-        return rows
+def loader_rows(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                block_m: int) -> torch.Tensor:
+    """The rows the backward's loader copies a query block of: (2, B x Hq, Lq rounded up to
+    ``block_m``) float32, first LSE x log2 e (+inf where a row saw no key, and past Lq: P = 0
+    there), then delta, the rows' sum of dO * O (0 past Lq). Padded, every query block's rows
+    start 16-byte aligned, as TMA needs. ``grad_out``, ``out``: (B, Lq, Hq, D); ``lse``:
+    (B, Hq, Lq) natural-log float32."""
+    batch, heads, seqlen_q = lse.shape
+    rows = torch.empty((2, batch * heads, ceil_div(seqlen_q, block_m) * block_m),
+                       dtype=torch.float32, device=lse.device)
+    scaled = rows[0, :, :seqlen_q].view(batch, heads, seqlen_q)
+    torch.mul(lse, LOG2E, out=scaled)
+    scaled.masked_fill_(lse == float("-inf"), float("inf"))
+    rows[0, :, seqlen_q:] = float("inf")
+    delta = rows[1, :, :seqlen_q].view(batch, heads, seqlen_q)
+    delta.copy_(torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float()))
+    rows[1, :, seqlen_q:] = 0.0
+    return rows
