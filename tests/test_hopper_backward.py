@@ -13,15 +13,16 @@ import random
 import pytest
 import torch
 
-from attn_helpers import Dims, forcing, random_qkv, run_backward
-from hopper_helpers import hopper_problem
+from attn_helpers import Dims, forcing, random_mask, random_qkv, run_backward
+from kernels import prepare_mask
+from hopper_helpers import band, hopper_problem
 from kernels import record_routes
 from kernels.planning import tuning
 from kernels.runtime.arith import LOG2E
 from kernels.planning.backward_schedule import BackwardRoute
-from kernels.planning.hopper_backward import hopper_backward_gap, loader_rows
+from kernels.planning.hopper_backward import backward_list_tile, hopper_backward_gap, loader_rows
 from kernels.planning.problem import OperandLayout, Problem
-from kernels.planning.schedule import normalize_options, schedule
+from kernels.planning.schedule import activity_tiles, normalize_options, schedule
 
 HOPPER_OPTIONS = normalize_options({"backward": "hopper"})
 
@@ -43,18 +44,34 @@ def test_the_triton_backward_stays_the_default():
 
 
 @pytest.mark.parametrize("changes, reason", [
-    ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "no mask"),
+    ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
+     "not yet KeyIntervals"),
+    ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}, "compiled offline only"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
     ({"deterministic": True}, "in any order"),
     ({"capability": (8, 0)}, "compute capability 9.0"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"tma_operands": False}, "TMA"),
-], ids=["mask", "bias", "deterministic", "ampere", "fp32", "strides"])
+], ids=["intervals", "gated-mask", "bias", "deterministic", "ampere", "fp32", "strides"])
 def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(changes, reason):
     problem = dense_problem(**changes)
     assert reason in hopper_backward_gap(problem)
     with pytest.raises(ValueError, match=f"'hopper' does not cover this call: .*{reason}"):
         schedule(problem, HOPPER_OPTIONS)
+
+
+def test_a_masked_backward_once_run_on_a_gpu_adds_its_list_tile_to_the_activity_map(
+        monkeypatch):
+    """Gated, the masked form is refused and adds no list tile (the activity map keeps its
+    granularity); open, a prepared mask's map divides the Hopper backward's tile."""
+    problem = dense_problem(mask=OperandLayout((2, 4, 4096, 4096), 4), tma_mask=True)
+    forward = schedule(problem).forward
+    tile = (tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n)
+    assert backward_list_tile(problem) is None
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MASKS_RAN_ON_GPU", True)
+    assert hopper_backward_gap(problem) is None and backward_list_tile(problem) == tile
+    assert tile in activity_tiles(problem, forward)
+    assert schedule(problem, HOPPER_OPTIONS).backward.route is BackwardRoute.HOPPER
 
 
 def test_the_loader_rows_hold_scaled_lse_and_delta_padded_to_whole_query_blocks():
@@ -86,9 +103,9 @@ def HOPPER(*args, **kwargs):
     return FORCED(*args, **kwargs)
 
 
-def _backward_on_hopper(q, k, v, causal):
+def _backward_on_hopper(q, k, v, causal, mask=None):
     with record_routes() as routes:
-        run = run_backward(q, k, v, causal=causal, func=HOPPER)
+        run = run_backward(q, k, v, mask, causal=causal, func=HOPPER)
     assert routes.backward and set(routes.backward) == {"hopper"}, routes.describe()
     return run
 
@@ -139,3 +156,71 @@ def test_hopper_backward_on_random_shapes(device):
                     heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
         q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device)
         _backward_on_hopper(q, k, v, rng.random() < 0.5)
+
+
+# -- the masked form (bool masks through the activity lists), once its gate is open
+@pytest.fixture
+def masks_ran_on_gpu(monkeypatch):
+    """The masked form as it will be once these tests pass on a GPU."""
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MASKS_RAN_ON_GPU", True)
+
+
+MASKED_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D): Lk a multiple of 16 (TMA reads mask rows)
+    (2, 300, 512, 4, 2, 128),
+    (1, 1025, 1040, 4, 1, 80),
+    (2, 17, 64, 2, 2, 64),
+    (1, 700, 4096, 6, 2, 128),
+]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", MASKED_SHAPES,
+                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1"), ("1", "1")],
+                         ids=["B-Hq", "1-Hk", "B-1", "1-1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("keep", [0.02, 0.5, 1.0], ids=["keep2", "keep50", "keep100"])
+def test_masked_hopper_backward_matches_the_reference(device, masks_ran_on_gpu, sizes, batch,
+                                                      heads, causal, keep):
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_mask(dims.operand_shape(batch, heads, "Lq", "Lk"), device, keep)
+    _backward_on_hopper(q, k, v, causal, mask)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("window", [1, 100, 1024], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("prepared", [False, True], ids=["per-call", "prepared"])
+def test_masked_hopper_backward_walks_the_full_blocks_of_a_band(device, masks_ran_on_gpu,
+                                                                window, prepared):
+    dims = Dims(2, 2048, 2048, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = band(dims, window, device)
+    if prepared:
+        mask = prepare_mask(mask, q, k, is_causal=True)
+    _backward_on_hopper(q, k, v, True, mask)
+
+
+@pytest.mark.hopper
+def test_masked_hopper_backward_on_random_shapes(device, masks_ran_on_gpu):
+    """A seeded fuzz of 100 backwards: lengths up to 1500 (odd key lengths through a mask
+    sliced from rows padded to 16 bytes), head dims 8-128, GQA/MQA, every batch and head
+    broadcast of the mask (a stride-0 expand too), keep 0-100% (empty rows and key blocks
+    no row sees), causal or not, both dtypes, prepared masks."""
+    rng = random.Random(166)
+    for _ in range(100):
+        heads_kv = rng.choice([1, 2, 3])
+        dims = Dims(rng.randint(1, 2), rng.randint(1, 1500), rng.randint(1, 1500),
+                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device)
+        batch, heads = rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"])
+        shape = dims.operand_shape(batch, heads, "Lq", "Lk")
+        padded = -(-dims.seqlen_k // 16) * 16
+        keep = rng.choice([0.0, 0.01, 0.3, 0.9, 1.0])
+        mask = random_mask((*shape[:3], padded), device, keep)[..., :dims.seqlen_k]
+        if batch == "1" and rng.random() < 0.3:
+            mask = mask.expand(dims.batch, *mask.shape[1:])
+        causal = rng.random() < 0.5
+        if rng.random() < 0.3:
+            mask = prepare_mask(mask, q, k, is_causal=causal)
+        _backward_on_hopper(q, k, v, causal, mask)

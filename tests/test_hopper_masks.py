@@ -22,7 +22,7 @@ from kernels import prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.activity import ActivityMap
 from kernels.planning.forward_schedule import forward_list_tiles
-from kernels.planning.hopper_forward import _mask_geometry, hopper_gap, list_tile, may_take_masks
+from kernels.planning.hopper_forward import mask_geometry, hopper_gap, list_tile, may_take_masks
 from kernels.planning.inputs import check_inputs
 from kernels.planning.problem import OperandLayout, tma_mask
 from kernels.planning.schedule import normalize_options, schedule
@@ -92,12 +92,12 @@ def test_tma_reads_a_bool_mask_with_one_row_per_query_and_16_byte_strides(shape,
 
 def test_the_mask_descriptor_reads_a_stride_0_axis_at_index_0():
     view = torch.ones(1, 1, 64, 64, dtype=torch.bool).expand(3, 4, 64, 64)
-    shape, strides, head_div, batches = _mask_geometry(view, heads_q=8)
+    shape, strides, head_div, batches = mask_geometry(view, heads_q=8)
     assert shape == [1, 1, 64, 64] and strides[2:] == [64, 1]
     assert all(s * 1 % 16 == 0 for s in strides[:-1])
     assert head_div == 8 and batches == 0
     own = torch.ones(3, 4, 64, 64, dtype=torch.bool)
-    assert _mask_geometry(own, heads_q=8) == ([3, 4, 64, 64], list(own.stride()), 2, 1)
+    assert mask_geometry(own, heads_q=8) == ([3, 4, 64, 64], list(own.stride()), 2, 1)
 
 
 def test_key_row_masks_are_covered():
@@ -142,7 +142,7 @@ def test_tma_reads_interval_words_with_16_byte_strides():
                             None).mask
         assert tma_mask(mask) is readable  # an odd Lk gives 8 x Lk-byte head strides
     view = mask.view.view(torch.int32)  # the kernel reads (start, end) int32 pairs
-    shape, strides, head_div, batches = _mask_geometry(view, heads_q=4, words=True)
+    shape, strides, head_div, batches = mask_geometry(view, heads_q=4, words=True)
     assert shape == [2, 2, 126] and strides[-1] == 1 and head_div == 2 and batches == 1
 
 

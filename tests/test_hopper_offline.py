@@ -97,7 +97,8 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0):
         driver._active = saved
 
 
-def _compile_backward(dtype, head_dim: int, causal: bool):
+def _compile_backward(dtype, head_dim: int, causal: bool, masked: bool = False):
+    """The backward, dense or with a bool mask (``masked``: mask bytes and lists)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
@@ -114,14 +115,24 @@ def _compile_backward(dtype, head_dim: int, causal: bool):
     acc_box = [1, 1, tile.block_m, head_dim // 4]
     acc_desc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()), acc_box,
                                 gl.NVMMASharedLayout.get_default_for(acc_box, gl.float32))
+    if masked:
+        mask = torch.empty(2, 1, 1024, 1024, dtype=torch.uint8)
+        mask_box = [1, 1, tile.block_m, tile.block_n]
+        mask_desc = TensorDescriptor(mask, list(mask.shape), list(mask.stride()), mask_box,
+                                     gl.NVMMASharedLayout.get_default_for(mask_box, gl.uint8))
+        table = torch.empty(2, 1, 8, 2 + 16, dtype=torch.int32)  # (Bm, Hm, key blocks, ...)
+        list_args = (table, *table.stride()[:3], 8, 8, 1)
+    else:  # stand-ins the kernel never reads
+        mask_desc, list_args = flat, (rows, 0, 0, 0, 1, 1, 0)
     saved = driver._active
     driver.set_active(_Sm90())
     try:
         return attention_backward.warmup(
             describe(tile.block_m), describe(tile.block_n), describe(tile.block_n),
             describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
-            describe(tile.block_n // 2), flat, 1000, 1000, 8, 4, 2, 0.1, 0.07,
-            grid=(64,), num_warps=4, CAUSAL=causal, STAGES=tile.stages,
+            describe(tile.block_n // 2), flat, mask_desc, *list_args, 1000, 1000, 8, 4, 2,
+            0.1, 0.07, grid=(64,), num_warps=4, CAUSAL=causal, MASKED=masked,
+            STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved
@@ -144,10 +155,12 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
 @pytest.mark.parametrize("dtype, head_dim, causal, masked", [
     ("bfloat16", 128, True, 0), ("float16", 64, False, 0), ("bfloat16", 128, True, 1),
     ("bfloat16", 128, False, 2), ("bfloat16", 128, True, 3),
-    ("bfloat16", 128, True, "backward"), ("float16", 64, False, "backward")],
+    ("bfloat16", 128, True, "backward"), ("float16", 64, False, "backward"),
+    ("bfloat16", 128, True, "masked-backward"), ("float16", 64, False, "masked-backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
-         "backward-bf16-d128-causal", "backward-fp16-d64-full"])
+         "backward-bf16-d128-causal", "backward-fp16-d64-full",
+         "masked-backward-bf16-d128-causal", "masked-backward-fp16-d64-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -157,8 +170,9 @@ def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
 
 if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child process
     name, dim, is_causal, form = sys.argv[1:5]
-    if form == "backward":
-        kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)))
+    if form.endswith("backward"):
+        kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)),
+                                   masked=form == "masked-backward")
     else:
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))
     ptx = kernel.asm["ptx"]

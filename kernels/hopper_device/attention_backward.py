@@ -31,8 +31,15 @@ partials before their reduce-adds. Q, K, V, dO, dK and dV go through rank-4 TMA 
 over the caller's (B, L, H, D) tensors: rows past a length and columns past the head dim
 arrive as zeros and are not written.
 
-Not yet: masks and bias (they go through the activity lists and the loader, as in the forward),
-and a deterministic dQ (the reduce-adds land in any order).
+With MASKED (a bool mask of a row per query row), a key block walks, per query head, the
+query blocks of its activity list (``tiles.BlockLists`` of [BLOCK_N keys, BLOCK_M rows]
+tiles: the full ones first, untested, then the partial ones); for a partial one the loader
+copies the mask's [BLOCK_M, BLOCK_N] bytes beside Q, and the consumers read their 64 keys of
+it transposed, in the score layout. Compiled offline; not yet run on a GPU
+(``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``).
+
+Not yet: KeyIntervals, a mask of one row for every query row, the bias and its gradient, and a
+deterministic dQ (the reduce-adds land in any order).
 """
 
 from triton.experimental import gluon
@@ -43,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .gluon_compat import (aggregate, reinterpret, thread_barrier, tma_atomic_add, tma_load,
                            tma_store)
 from .ring import copy_view, plane_view
+from .tiles import BlockLists
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -60,31 +68,43 @@ class QueryRing:
     grads: gl.shared_memory_descriptor
     lse: gl.shared_memory_descriptor
     delta: gl.shared_memory_descriptor
+    masks: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     free: gl.shared_memory_descriptor
     STAGES: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, queries, grads, lse, delta, ready, free, STAGES):
+    def __init__(self, queries, grads, lse, delta, masks, ready, free, STAGES):
         self.queries = queries
         self.grads = grads
         self.lse = lse
         self.delta = delta
+        self.masks = masks
         self.ready = ready
         self.free = free
         self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
     def fill(self, position, q_desc, do_desc, rows_desc, batch, first_row, q_head, lse_row,
-             delta_row):
+             delta_row, mask_desc, mask_at, tested):
         """Loader: copy query rows [first_row, first_row + BLOCK_M) of Q and dO, and their
         scaled LSE and delta (rows ``lse_row`` and ``delta_row`` of ``rows_desc``), into the
-        slot of ``position`` once both consumers have freed it."""
+        slot of ``position`` once both consumers have freed it; where ``tested``, also the
+        mask bytes of those rows by the program's key block (``mask_desc``'s box at
+        ``mask_at``)."""
         slot = position % self.STAGES
         mbarrier.wait(self.free.index(slot), ((position // self.STAGES) & 1) ^ 1)
-        mbarrier.expect(self.ready.index(slot),
-                        q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                        + 2 * rows_desc.block_type.nbytes)
+        # (The byte counts are written out: a sum assigned to a name is no longer constant.)
+        if tested:
+            mbarrier.expect(self.ready.index(slot),
+                            q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + 2 * rows_desc.block_type.nbytes + mask_desc.block_type.nbytes)
+            tma_load(mask_desc, mask_at, self.ready.index(slot),
+                     plane_view(self.masks.index(slot)))
+        else:
+            mbarrier.expect(self.ready.index(slot),
+                            q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + 2 * rows_desc.block_type.nbytes)
         tma_load(q_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
                  copy_view(self.queries.index(slot)))
         tma_load(do_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
@@ -165,7 +185,8 @@ class KeyBlockWork:
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, k_tile, v_tile, kv_ready, ring, work):
+def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile, kv_ready,
+            ring, work, lists, MASKED: gl.constexpr):
     batch, kv_head, first_key = work.coordinates()
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
@@ -176,15 +197,26 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, k_tile, v_tile, kv_ready
         q_head = kv_head * work.group + g
         lse_row = batch * work.heads_q + q_head
         delta_row = lse_row + work.batch_heads() * work.group  # past the B x Hq LSE rows
-        for m in range(first, stop):
-            ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
-                      lse_row, delta_row)
-            position += 1
+        if MASKED:  # the query blocks of the head's list: the full ones, then those tested
+            row, mask_batch, mask_head = lists.row(batch, q_head, first_key // work.BLOCK_N)
+            count, full = lists.counts(row)
+            for j in range(count):
+                m = lists.block(row, j, count)
+                ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
+                          lse_row, delta_row, mask_desc,
+                          (mask_batch, mask_head, m * work.BLOCK_M, first_key), j >= full)
+                position += 1
+        else:
+            for m in range(first, stop):
+                ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
+                          lse_row, delta_row, None, None, False)
+                position += 1
 
 
 @gluon.jit
-def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work,
-              dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr):
+def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
+              dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
+              MASKED: gl.constexpr):
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
     BLOCK_D: gl.constexpr = k_tile.shape[1]
@@ -217,7 +249,20 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work,
     position = 0
     for g in range(work.group):
         q_head = kv_head * work.group + g
-        for m in range(first, stop):
+        if MASKED:  # the loader's walk: the head's list, full query blocks first
+            row, _, _ = lists.row(batch, q_head, first_key // work.BLOCK_N)
+            count, full = lists.counts(row)
+            walk_start = 0
+            walk_stop = count
+        else:
+            walk_start = first
+            walk_stop = stop
+        for j in range(walk_start, walk_stop):
+            if MASKED:
+                m = lists.block(row, j, walk_stop)
+                tested = j >= full
+            else:
+                m = j
             first_row = m * BLOCK_M
             slot = ring.wait(position)
             q_tile = ring.queries.index(slot)
@@ -230,13 +275,21 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work,
                                       use_acc=False, is_async=True)
             lse = ring.lse.index(slot).load(row_layout)  # log2 e x LSE, +inf: P = 0
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st_token,))
-            # Pairs are tested only in blocks with a key past Lk or past a row's diagonal.
-            if (my_first_key + KEYS > seqlen_k) | (work.CAUSAL & (
-                    my_first_key + KEYS - 1 > first_row + diagonal)):
+            # Pairs are tested only in blocks with a key past Lk or past a row's diagonal, and
+            # in a mask's partial blocks (their bytes came with Q: zeros past either length).
+            edge = (my_first_key + KEYS > seqlen_k) | (work.CAUSAL & (
+                my_first_key + KEYS - 1 > first_row + diagonal))
+            if MASKED:
+                edge = edge | tested
+            if edge:
                 cols = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
                 visible = keys[:, None] < seqlen_k
                 if work.CAUSAL:
                     visible = visible & (keys[:, None] <= cols[None, :] + diagonal)
+                if MASKED:  # the slot's [BLOCK_M rows, BLOCK_N keys] bytes, read transposed
+                    keep = ring.masks.index(slot).slice(WARPGROUP * KEYS, KEYS, dim=1).permute(
+                        (1, 0)).load(s_layout) != 0
+                    visible = visible & (keep | (j < full))
                 p = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
             else:
                 p = gl.exp2(st * qk_scale - lse[None, :])
@@ -295,23 +348,27 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work,
 
 
 @gluon.jit
-def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work,
-                    dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale):
-    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, dq_desc,
-              dk_desc, dv_desc, qk_scale, softmax_scale, 0)
+def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
+                    dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, MASKED: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, dq_desc,
+              dk_desc, dv_desc, qk_scale, softmax_scale, 0, MASKED)
 
 
 @gluon.jit
-def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work,
-                     dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale):
-    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, dq_desc,
-              dk_desc, dv_desc, qk_scale, softmax_scale, 1)
+def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
+                     dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, MASKED: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, dq_desc,
+              dk_desc, dv_desc, qk_scale, softmax_scale, 1, MASKED)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_q", "heads_kv", "group"])
+@gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
+                              "list_head_div", "mask_head_div", "mask_batches", "seqlen_q",
+                              "seqlen_k", "heads_q", "heads_kv", "group"])
 def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, rows_desc,
-                       seqlen_q, seqlen_k, heads_q, heads_kv, group, qk_scale,
-                       softmax_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                       mask_desc, list_table, list_batch_stride, list_head_stride,
+                       list_row_stride, list_head_div, mask_head_div, mask_batches, seqlen_q,
+                       seqlen_k, heads_q, heads_kv, group, qk_scale, softmax_scale,
+                       CAUSAL: gl.constexpr, MASKED: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,). ``rows_desc``: a [1, BLOCK_M] box over float32 rows
     (2 x B x Hq, Lq rounded up to BLOCK_M): first every (batch, query head)'s LSE times log2 e
@@ -319,7 +376,11 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a
     [1, 1, BLOCK_M, BLOCK_D / 2] box in an unswizzled layout; ``dk_desc`` and ``dv_desc`` write
     (B, Lk, Hk, D) in q's dtype with a box of half a key block. ``qk_scale`` = softmax_scale x
-    log2 e. Launch with num_warps = 4."""
+    log2 e. With MASKED, ``mask_desc`` reads a bool mask's bytes ([1, 1, BLOCK_M, BLOCK_N]
+    boxes over (Bm, Hm, Lq, Lk), axes of length 1 read at index 0) and each key block walks
+    its query blocks from the activity lists' table (``tiles.BlockLists``: per (mask batch,
+    mask head, key block) a row of (count, full count, query blocks...)); without it, the
+    mask and list arguments are stand-ins never read. Launch with num_warps = 4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -355,16 +416,26 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
         mbarrier.init(free.index(slot), count=2)  # one arrival per consumer warpgroup
     for slot in gl.static_range(2):
         mbarrier.init(ds_ready.index(slot), count=2)  # both warpgroups' dS^T are written
-    ring = QueryRing(queries, grads, lse, delta, ready, free, STAGES)
+    if MASKED:
+        masks = gl.allocate_shared_memory(
+            gl.uint8, [STAGES, BLOCK_M, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.uint8))
+    else:
+        masks = lse  # never read
+    ring = QueryRing(queries, grads, lse, delta, masks, ready, free, STAGES)
+    lists = BlockLists(list_table, list_batch_stride, list_head_stride, list_row_stride,
+                       list_head_div, mask_head_div, mask_batches)
     work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6).
     gl.warp_specialize(
         [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
-                            work, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale)),
+                            work, lists, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale,
+                            MASKED)),
          (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
-                             work, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale)),
-         (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, k_tile, v_tile, kv_ready,
-                    ring, work))],
+                             work, lists, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale,
+                             MASKED)),
+         (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
+                    kv_ready, ring, work, lists, MASKED))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -2,9 +2,12 @@
 ``hopper_device.attention_backward`` (Gluon, sm_90a): a program per key block of one (batch,
 key head), dK and dV in registers, dQ added to a float32 accumulator by TMA reduce-adds.
 
-It covers the dense backward (no mask, no bias; causal or not, any lengths, GQA/MQA) in fp16
-or bf16 at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for
-TMA, on a GPU of compute capability 9.0, when its gradients need not be bitwise reproducible.
+It covers the dense backward (no bias; causal or not, any lengths, GQA/MQA) in fp16 or bf16
+at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for TMA, on
+a GPU of compute capability 9.0, when its gradients need not be bitwise reproducible; and,
+once its GPU tests pass (``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``), a bool mask of a row
+per query row that TMA can read, each key block walking the activity lists of the forward's
+map (``backward_list_tile`` puts its tile among the map's).
 It runs only where ``kernel_options['backward'] = 'hopper'`` forces it (the Triton routes stay
 the default until it is measured ahead of them); a call whose addresses a descriptor cannot
 take runs the Triton backward of the same schedule's default.
@@ -19,11 +22,12 @@ from ..runtime.launch import DescriptorLaunch
 from ..runtime.routes import note_route
 from . import tuning
 from .hopper_forward import (GLUON_MISSING, HopperForwardLaunch, block_head_dim, describe,
-                             gluon_dtype, hopper_gap)
+                             gluon_dtype, hopper_gap, mask_geometry)
 from .problem import Problem, tma_strides
 
 try:
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..hopper_device.attention_backward import attention_backward
 except ImportError:  # a Triton without Gluon's Hopper modules (``GLUON_MISSING`` says why)
@@ -34,12 +38,27 @@ def hopper_backward_gap(problem: Problem) -> str | None:
     """Why the Hopper backward does not cover ``problem`` (one line), or None where it does."""
     if GLUON_MISSING:
         return GLUON_MISSING
-    if problem.mask is not None or problem.bias is not None:
-        return "it takes no mask and no bias yet"
+    if problem.bias is not None:
+        return "it takes no bias yet"
+    if problem.mask is not None:
+        if problem.intervals or problem.mask.one_row:
+            return ("it takes bool masks with a row per query row; not yet KeyIntervals or a "
+                    "mask of one row for every query row")
+        if not tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU:
+            return ("its masked form has been compiled offline only; it is taken once its "
+                    "tests pass on a Hopper GPU")
     if problem.deterministic:
         return ("its dQ partials are added by TMA reduce-adds in any order: not bitwise "
                 "reproducible")
     return hopper_gap(problem)
+
+
+def backward_list_tile(problem: Problem) -> tuple[int, int] | None:
+    """The (query rows, keys) tile of the masked Hopper backward's lists where it may walk this
+    problem's mask, else None: the activity map a prepared mask builds must divide it."""
+    if problem.mask is None or hopper_backward_gap(problem) is not None:
+        return None
+    return tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n
 
 
 class HopperBackwardPlan:
@@ -69,12 +88,18 @@ class HopperBackwardPlan:
         self.row_box = [1, tile.block_m]
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                rank=2)
+        self.masked = problem.mask is not None
+        if self.masked:  # a [BLOCK_M rows, BLOCK_N keys] box of the mask's bytes
+            self.mask_box = [1, 1, tile.block_m, tile.block_n]
+            self.mask_layout = gl.NVMMASharedLayout.get_default_for(self.mask_box, gl.uint8)
+            self.list_tile = (tile.block_n, tile.block_m)  # keys on rows (transposed)
+            self.activity = fwd.activity  # the plan's map; a plan with lists per call has none
         self.launch = DescriptorLaunch(
             attention_backward,
             (shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k, tile.block_n),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              problem.softmax_scale * LOG2E, problem.softmax_scale),
-            num_warps=4, CAUSAL=problem.is_causal, STAGES=tile.stages,
+            num_warps=4, CAUSAL=problem.is_causal, MASKED=self.masked, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         self.dq_acc_shape = (shape.batch, shape.heads_q, shape.seqlen_q, shape.head_dim)
         self._make_fallback = make_fallback
@@ -82,7 +107,10 @@ class HopperBackwardPlan:
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
             activity=None):
-        """Fill ``dq``, ``dk``, ``dv``; no bias gradient (the route takes no bias)."""
+        """Fill ``dq``, ``dk``, ``dv``; no bias gradient (the route takes no bias). A masked
+        call reads ``mask`` (the bool mask's (B, H, Lq, Lk) broadcast view) and the lists of
+        the forward's activity map (``activity``: the call's own, for a plan with lists per
+        call)."""
         if (not HopperForwardLaunch.takes(grad_out, query, key, value, dq, dk, dv)
                 or not tma_strides(grad_out)):
             if self._fallback is None:
@@ -92,6 +120,11 @@ class HopperBackwardPlan:
         note_route("backward", self.route)
         rows = loader_rows(grad_out, out, lse, self.block_m)
         dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
+        rows_desc = describe(rows.view(-1, rows.shape[-1]), self.row_box, self.row_layout)
+        if self.masked:
+            mask_args = self._mask_args(mask, activity)
+        else:  # stand-ins the kernel never reads
+            mask_args = (rows_desc, rows, 0, 0, 0, 1, 1, 0)
         self.launch(describe(query, self.q_box, self.q_layout),
                     describe(key, self.kv_box, self.kv_layout),
                     describe(value, self.kv_box, self.kv_layout),
@@ -99,9 +132,24 @@ class HopperBackwardPlan:
                     describe(dq_acc, self.acc_box, self.acc_layout),
                     describe(dk, self.half_box, self.half_layout),
                     describe(dv, self.half_box, self.half_layout),
-                    describe(rows.view(-1, rows.shape[-1]), self.row_box, self.row_layout))
+                    rows_desc, *mask_args)
         dq.copy_(dq_acc.transpose(1, 2))
         return None
+
+    def _mask_args(self, mask: torch.Tensor, activity) -> tuple:
+        """(mask descriptor, list table, its batch, head and key-block strides, query heads per
+        list head, query heads per mask head, 1 if the mask's batch is read else 0): the
+        kernel's mask and list arguments for a call's bool mask."""
+        lists = (activity if activity is not None else self.activity).lists(
+            *self.list_tile, transposed=True)
+        table = lists.table
+        shape, strides, mask_head_div, mask_batches = mask_geometry(mask, self.shape.heads_q)
+        mask_desc = TensorDescriptor(mask.view(torch.uint8), shape, strides, self.mask_box,
+                                     self.mask_layout)
+        shared = table.shape[0] == 1 and self.shape.batch > 1
+        return (mask_desc, table, 0 if shared else table.stride(0), table.stride(1),
+                table.stride(2), self.shape.heads_q // table.shape[1], mask_head_div,
+                mask_batches)
 
 
 def loader_rows(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

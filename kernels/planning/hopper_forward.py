@@ -174,7 +174,7 @@ class HopperForwardLaunch:
             # KeyIntervals' int64 words are read as int32 pairs: newer Triton refuses 64-bit
             # descriptors.
             view = mask.view.view(torch.int32) if words else mask.view
-            self.mask_shape, self.mask_strides, mask_head_div, mask_batches = _mask_geometry(
+            self.mask_shape, self.mask_strides, mask_head_div, mask_batches = mask_geometry(
                 view, shape.heads_q, words)
             box = {MASK_TILE: [2 * tile.rows, tile.block_n], MASK_ROW: [1, tile.block_n],
                    INTERVAL_WORDS: [2 * tile.block_n]}[self.kind]
@@ -219,7 +219,7 @@ class HopperForwardLaunch:
                     describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args)
 
 
-def _mask_geometry(view: torch.Tensor, heads_q: int,
+def mask_geometry(view: torch.Tensor, heads_q: int,
                    words: bool = False) -> tuple[list, list, int, int]:
     """(shape, strides, query heads per mask head, 1 if the batch is read else 0) of the
     descriptor over a mask's (B, H, Lq, Lk) broadcast view: (Bm, Hm, Lq or 1, Lk) for a bool

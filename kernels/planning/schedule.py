@@ -24,6 +24,7 @@ from .backward_schedule import (BackwardRoute, BackwardSchedule, PackedBackward,
                                 schedule_backward, wide_tile_possible)
 from .forward_schedule import (FORWARD_ROUTES, ForwardSchedule, forward_list_tiles,
                                schedule_forward)
+from .hopper_backward import backward_list_tile
 from .problem import Problem
 
 
@@ -39,6 +40,9 @@ def activity_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[in
     for options in choices:
         dkdv, dq = backward_tiles(problem, options)
         tiles += [(dkdv.block_m, dkdv.block_n), (dq.block_m, dq.block_n)]
+    hopper_tile = backward_list_tile(problem)
+    if hopper_tile is not None:
+        tiles.append(hopper_tile)
     return tuple(dict.fromkeys(tiles))
 
 

@@ -222,6 +222,11 @@ class HopperBackwardTile:
 # spills none at D128 non-causal and D64, 108 bytes at D128 causal. Three slots fit (231 KB)
 # and ran no faster on the H200 (B2 H16 L8192 D128: 6.22 / 6.25 ms; D64 alike).
 HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
+# The Hopper backward with a bool mask (each key block walking its activity lists, the mask's
+# bytes of its tested query blocks copied beside Q) has been compiled for sm_90a offline only
+# (214 KB of shared memory, 240 bytes of spills at D128 causal): refused with that reason until
+# its tests (tests/test_hopper_backward.py) pass on a GPU.
+HOPPER_BACKWARD_MASKS_RAN_ON_GPU = False
 # A call with a bool mask takes the Hopper forward where its prepared mask's share of partial
 # 128 x 128 tiles (tested per pair; the full ones are not) is at most this; a mask read by the
 # call, whose share is not counted, keeps the Triton route. A partial tile costs the Hopper
