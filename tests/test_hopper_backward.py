@@ -48,11 +48,14 @@ def test_the_triton_backward_stays_the_default():
      "not yet KeyIntervals"),
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}, "compiled offline only"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
-    ({"deterministic": True}, "in any order"),
+    ({"deterministic": True}, "compiled offline only"),
+    ({"deterministic": True, "mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
+     "in any order"),
     ({"capability": (8, 0)}, "compute capability 9.0"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"tma_operands": False}, "TMA"),
-], ids=["intervals", "gated-mask", "bias", "deterministic", "ampere", "fp32", "strides"])
+], ids=["intervals", "gated-mask", "bias", "gated-deterministic", "masked-deterministic",
+        "ampere", "fp32", "strides"])
 def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(changes, reason):
     problem = dense_problem(**changes)
     assert reason in hopper_backward_gap(problem)
@@ -224,3 +227,27 @@ def test_masked_hopper_backward_on_random_shapes(device, masks_ran_on_gpu):
         if rng.random() < 0.3:
             mask = prepare_mask(mask, q, k, is_causal=causal)
         _backward_on_hopper(q, k, v, causal, mask)
+
+
+# -- the ordered dQ (deterministic=True), once its gate is open
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", [(2, 1025, 1025, 4, 1, 80), (1, 300, 700, 6, 2, 64),
+                                   (2, 2048, 2048, 4, 2, 128)],
+                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_hopper_backward_is_bitwise_repeatable(device, monkeypatch, sizes,
+                                                             causal):
+    """Five backwards of one call give bitwise equal dq, dk and dv, which match the reference
+    (``run_backward``)."""
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU", True)
+    q, k, v = random_qkv(Dims(*sizes), torch.bfloat16, device)
+    with record_routes() as routes:
+        run_backward(q, k, v, causal=causal, deterministic=True, func=FORCED)
+    assert set(routes.backward) == {"hopper"}, routes.describe()
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = FORCED(q, k, v, None, None, causal, deterministic=True)
+    grad = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    for _ in range(4):
+        again = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))

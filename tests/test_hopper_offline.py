@@ -97,8 +97,10 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0):
         driver._active = saved
 
 
-def _compile_backward(dtype, head_dim: int, causal: bool, masked: bool = False):
-    """The backward, dense or with a bool mask (``masked``: mask bytes and lists)."""
+def _compile_backward(dtype, head_dim: int, causal: bool, masked: bool = False,
+                      deterministic: bool = False):
+    """The backward, dense or with a bool mask (``masked``: mask bytes and lists), its dQ
+    ordered where ``deterministic``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
@@ -130,8 +132,9 @@ def _compile_backward(dtype, head_dim: int, causal: bool, masked: bool = False):
         return attention_backward.warmup(
             describe(tile.block_m), describe(tile.block_n), describe(tile.block_n),
             describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
-            describe(tile.block_n // 2), flat, mask_desc, *list_args, 1000, 1000, 8, 4, 2,
-            0.1, 0.07, grid=(64,), num_warps=4, CAUSAL=causal, MASKED=masked,
+            describe(tile.block_n // 2), flat, mask_desc, *list_args,
+            torch.empty(64, dtype=torch.int32), 1000, 1000, 8, 4, 2, 0.1, 0.07, grid=(64,),
+            num_warps=4, CAUSAL=causal, MASKED=masked, DETERMINISTIC=deterministic,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
@@ -156,11 +159,13 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, 0), ("float16", 64, False, 0), ("bfloat16", 128, True, 1),
     ("bfloat16", 128, False, 2), ("bfloat16", 128, True, 3),
     ("bfloat16", 128, True, "backward"), ("float16", 64, False, "backward"),
-    ("bfloat16", 128, True, "masked-backward"), ("float16", 64, False, "masked-backward")],
+    ("bfloat16", 128, True, "masked-backward"), ("float16", 64, False, "masked-backward"),
+    ("bfloat16", 128, True, "deterministic-backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
-         "masked-backward-bf16-d128-causal", "masked-backward-fp16-d64-full"])
+         "masked-backward-bf16-d128-causal", "masked-backward-fp16-d64-full",
+         "deterministic-backward-bf16-d128-causal"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -172,7 +177,8 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     name, dim, is_causal, form = sys.argv[1:5]
     if form.endswith("backward"):
         kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)),
-                                   masked=form == "masked-backward")
+                                   masked=form == "masked-backward",
+                                   deterministic=form == "deterministic-backward")
     else:
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))
     ptx = kernel.asm["ptx"]

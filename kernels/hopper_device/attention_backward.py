@@ -38,8 +38,14 @@ copies the mask's [BLOCK_M, BLOCK_N] bytes beside Q, and the consumers read thei
 it transposed, in the score layout. Compiled offline; not yet run on a GPU
 (``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``).
 
-Not yet: KeyIntervals, a mask of one row for every query row, the bias and its gradient, and a
-deterministic dQ (the reduce-adds land in any order).
+With DETERMINISTIC (no mask), key block kb adds its partial of a query block after blocks
+0..kb-1 have (a lock per query block: both warpgroups' adds written, then a release
+increment), so dQ's sums run in one order. Compiled offline; not yet run on a GPU
+(``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``).
+
+Not yet: KeyIntervals, a mask of one row for every query row, the bias and its gradient, and an
+ordered dQ with a mask (a key block's rank among those walking a query block is not known to
+its program).
 """
 
 from triton.experimental import gluon
@@ -47,8 +53,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_compat import (aggregate, reinterpret, thread_barrier, tma_atomic_add, tma_load,
-                           tma_store)
+from .gluon_compat import (aggregate, reinterpret, store_wait_written, thread_barrier,
+                           tma_atomic_add, tma_load, tma_store)
 from .ring import copy_view, plane_view
 from .tiles import BlockLists
 
@@ -215,8 +221,8 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
 
 @gluon.jit
 def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-              dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
-              MASKED: gl.constexpr):
+              dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+              WARPGROUP: gl.constexpr, MASKED: gl.constexpr, DETERMINISTIC: gl.constexpr):
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
     BLOCK_D: gl.constexpr = k_tile.shape[1]
@@ -326,10 +332,21 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             stage.index(0).store(low)
             stage.index(1).store(high)
             fence_async_shared()
+            if DETERMINISTIC:  # key block kb adds after every warpgroup of blocks 0..kb-1
+                lock = dq_locks + ((batch * work.heads_q + q_head) * gl.cdiv(seqlen_q, BLOCK_M)
+                                   + m)
+                turn = 2 * (first_key // work.BLOCK_N)
+                seen = gl.load(lock, volatile=True)
+                while seen < turn:
+                    seen = gl.load(lock, volatile=True)
             tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D],
                            plane_view(stage.index(0)))
             tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D + QUARTER_D],
                            plane_view(stage.index(1)))
+            if DETERMINISTIC:  # the adds are written before the next block's turn
+                store_wait_written()
+                thread_barrier()
+                gl.atomic_add(lock, 1, sem="release", scope="gpu")
             position += 1
 
     # dK and dV leave through this warpgroup's staging tile and TMA: rows past Lk and columns
@@ -349,16 +366,18 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
 
 @gluon.jit
 def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-                    dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, MASKED: gl.constexpr):
+                    dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+                    MASKED: gl.constexpr, DETERMINISTIC: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, dq_desc,
-              dk_desc, dv_desc, qk_scale, softmax_scale, 0, MASKED)
+              dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale, 0, MASKED, DETERMINISTIC)
 
 
 @gluon.jit
 def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-                     dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale, MASKED: gl.constexpr):
+                     dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+                     MASKED: gl.constexpr, DETERMINISTIC: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, dq_desc,
-              dk_desc, dv_desc, qk_scale, softmax_scale, 1, MASKED)
+              dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale, 1, MASKED, DETERMINISTIC)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
@@ -366,9 +385,10 @@ def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, 
                               "seqlen_k", "heads_q", "heads_kv", "group"])
 def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, rows_desc,
                        mask_desc, list_table, list_batch_stride, list_head_stride,
-                       list_row_stride, list_head_div, mask_head_div, mask_batches, seqlen_q,
-                       seqlen_k, heads_q, heads_kv, group, qk_scale, softmax_scale,
-                       CAUSAL: gl.constexpr, MASKED: gl.constexpr, STAGES: gl.constexpr,
+                       list_row_stride, list_head_div, mask_head_div, mask_batches, dq_locks,
+                       seqlen_q, seqlen_k, heads_q, heads_kv, group, qk_scale, softmax_scale,
+                       CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                       DETERMINISTIC: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,). ``rows_desc``: a [1, BLOCK_M] box over float32 rows
     (2 x B x Hq, Lq rounded up to BLOCK_M): first every (batch, query head)'s LSE times log2 e
@@ -380,7 +400,11 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     boxes over (Bm, Hm, Lq, Lk), axes of length 1 read at index 0) and each key block walks
     its query blocks from the activity lists' table (``tiles.BlockLists``: per (mask batch,
     mask head, key block) a row of (count, full count, query blocks...)); without it, the
-    mask and list arguments are stand-ins never read. Launch with num_warps = 4."""
+    mask and list arguments are stand-ins never read. With DETERMINISTIC, ``dq_locks`` (zeroed
+    int32, one per (batch x query head, query block)) orders dQ's reduce-adds: key block kb
+    adds a query block's partial once both warpgroups of blocks 0..kb-1 have (each of them
+    walks that query block: none is masked), so dQ is bitwise reproducible; without it,
+    ``dq_locks`` is a stand-in never read. Launch with num_warps = 4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -431,11 +455,11 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     # constexprs into runtime values (Triton 3.6).
     gl.warp_specialize(
         [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
-                            work, lists, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale,
-                            MASKED)),
+                            work, lists, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
+                            softmax_scale, MASKED, DETERMINISTIC)),
          (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
-                             work, lists, dq_desc, dk_desc, dv_desc, qk_scale, softmax_scale,
-                             MASKED)),
+                             work, lists, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
+                             softmax_scale, MASKED, DETERMINISTIC)),
          (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
                     kv_ready, ring, work, lists, MASKED))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -8,11 +8,19 @@
   ``tma.async_atomic_add``; 3.6 has the builder's operation but no Python name for it.
 - ``thread_barrier`` (every thread of the partition reaches it before any goes on): 3.6's
   ``gl.thread_barrier``, ``gl.barrier`` in newer releases.
+- ``store_wait_written`` (every TMA store and reduce this thread issued has been written to
+  global memory, not only read from shared memory: before a release that another program
+  acquires): newer releases' ``tma.store_wait(0, read_only=False)``; 3.6 waits only for the
+  reads, so the wait is written in PTX.
 - ``reinterpret`` (a shared tile seen with another dtype, shape and layout): the shared
   descriptor's ``reinterpret`` in newer releases, ``_reinterpret`` in 3.6.
 """
 
+import inspect
+
 from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _unwrap_if_constexpr
 from triton.experimental.gluon.language.nvidia.hopper import tma
@@ -22,9 +30,21 @@ try:
 except ImportError:  # Triton 3.6
     from triton.language.core import _aggregate as aggregate
 
-from triton.experimental.gluon import language as _gl
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+STORE_WAIT_READ_ONLY = gl.constexpr(
+    "read_only" in inspect.signature(tma.store_wait).parameters)
 
-thread_barrier = getattr(_gl, "thread_barrier", None) or _gl.barrier
+
+@gluon.jit
+def store_wait_written():
+    """Wait until this thread's TMA stores and reduce-adds are written to global memory."""
+    if STORE_WAIT_READ_ONLY:
+        tma.store_wait(0, read_only=False)
+    else:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tmov.u32 $0, 0;", "=r", [],
+                                   dtype=gl.int32, is_pure=False, pack=1)
+
+
 tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
 tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
 
@@ -48,5 +68,5 @@ def reinterpret(tile, dtype, shape, layout, _semantic=None):
                                          _unwrap_if_constexpr(layout))
 
 
-__all__ = ["aggregate", "reinterpret", "thread_barrier", "tma_atomic_add", "tma_load",
-           "tma_store"]
+__all__ = ["aggregate", "reinterpret", "store_wait_written", "thread_barrier",
+           "tma_atomic_add", "tma_load", "tma_store"]

@@ -4,10 +4,11 @@ key head), dK and dV in registers, dQ added to a float32 accumulator by TMA redu
 
 It covers the dense backward (no bias; causal or not, any lengths, GQA/MQA) in fp16 or bf16
 at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for TMA, on
-a GPU of compute capability 9.0, when its gradients need not be bitwise reproducible; and,
-once its GPU tests pass (``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``), a bool mask of a row
-per query row that TMA can read, each key block walking the activity lists of the forward's
-map (``backward_list_tile`` puts its tile among the map's).
+a GPU of compute capability 9.0. Once their GPU tests pass, also a bool mask of a row per
+query row that TMA can read, each key block walking the activity lists of the forward's map
+(``backward_list_tile`` puts its tile among the map's;
+``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``), and ``deterministic=True`` without a mask, dQ's
+adds ordered by key block (``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``).
 It runs only where ``kernel_options['backward'] = 'hopper'`` forces it (the Triton routes stay
 the default until it is measured ahead of them); a call whose addresses a descriptor cannot
 take runs the Triton backward of the same schedule's default.
@@ -44,12 +45,15 @@ def hopper_backward_gap(problem: Problem) -> str | None:
         if problem.intervals or problem.mask.one_row:
             return ("it takes bool masks with a row per query row; not yet KeyIntervals or a "
                     "mask of one row for every query row")
+        if problem.deterministic:
+            return ("with a mask its dQ partials are added in any order: not bitwise "
+                    "reproducible")
         if not tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU:
             return ("its masked form has been compiled offline only; it is taken once its "
                     "tests pass on a Hopper GPU")
-    if problem.deterministic:
-        return ("its dQ partials are added by TMA reduce-adds in any order: not bitwise "
-                "reproducible")
+    if problem.deterministic and not tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU:
+        return ("its ordered dQ (deterministic) has been compiled offline only; it is taken "
+                "once its tests pass on a Hopper GPU")
     return hopper_gap(problem)
 
 
@@ -99,8 +103,12 @@ class HopperBackwardPlan:
             (shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k, tile.block_n),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              problem.softmax_scale * LOG2E, problem.softmax_scale),
-            num_warps=4, CAUSAL=problem.is_causal, MASKED=self.masked, STAGES=tile.stages,
+            num_warps=4, CAUSAL=problem.is_causal, MASKED=self.masked,
+            DETERMINISTIC=problem.deterministic, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+        # Deterministic: a zeroed lock per (batch x query head, query block) orders dQ's adds.
+        self.lock_count = (shape.batch * shape.heads_q * ceil_div(shape.seqlen_q, tile.block_m)
+                           if problem.deterministic else 0)
         self.dq_acc_shape = (shape.batch, shape.heads_q, shape.seqlen_q, shape.head_dim)
         self._make_fallback = make_fallback
         self._fallback = None
@@ -125,6 +133,8 @@ class HopperBackwardPlan:
             mask_args = self._mask_args(mask, activity)
         else:  # stand-ins the kernel never reads
             mask_args = (rows_desc, rows, 0, 0, 0, 1, 1, 0)
+        locks = (torch.zeros(self.lock_count, dtype=torch.int32, device=query.device)
+                 if self.lock_count else rows)  # rows: a stand-in never read
         self.launch(describe(query, self.q_box, self.q_layout),
                     describe(key, self.kv_box, self.kv_layout),
                     describe(value, self.kv_box, self.kv_layout),
@@ -132,7 +142,7 @@ class HopperBackwardPlan:
                     describe(dq_acc, self.acc_box, self.acc_layout),
                     describe(dk, self.half_box, self.half_layout),
                     describe(dv, self.half_box, self.half_layout),
-                    rows_desc, *mask_args)
+                    rows_desc, *mask_args, locks)
         dq.copy_(dq_acc.transpose(1, 2))
         return None
 

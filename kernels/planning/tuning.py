@@ -227,6 +227,10 @@ HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
 # (214 KB of shared memory, 240 bytes of spills at D128 causal): refused with that reason until
 # its tests (tests/test_hopper_backward.py) pass on a GPU.
 HOPPER_BACKWARD_MASKS_RAN_ON_GPU = False
+# The Hopper backward's ordered dQ (``deterministic=True``: key block kb adds a query block's
+# partial after blocks 0..kb-1, by a lock per query block) has been compiled for sm_90a offline
+# only: refused with that reason until its tests pass on a GPU.
+HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU = False
 # A call with a bool mask takes the Hopper forward where its prepared mask's share of partial
 # 128 x 128 tiles (tested per pair; the full ones are not) is at most this; a mask read by the
 # call, whose share is not counted, keeps the Triton route. A partial tile costs the Hopper
