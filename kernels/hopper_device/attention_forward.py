@@ -294,9 +294,9 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     a bool mask's bytes as a (Bm, Hm, Lq, Lk) uint8 tensor (MASK_TILE; MASK_ROW: (Bm, Hm, 1,
     Lk)) or KeyIntervals' (start, end) pairs as (Bm, Hm, 2 x Lk) int32 (INTERVAL_WORDS). A
     batch-shared mask has Bm = 1 and ``mask_batches`` 0; query head h reads list head
-    h // ``list_head_div`` and mask head h // ``mask_head_div``. Without a mask both are unused stand-ins. Launch with
-    num_warps = 4 (the first consumer warpgroup; the second and the loader warp are
-    workers)."""
+    h // ``list_head_div`` and mask head h // ``mask_head_div``. Without a mask both are unused
+    stand-ins. Launch with num_warps = 4 (the first consumer warpgroup; the second and the
+    loader warp are workers)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
