@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from attn_helpers import Dims, forcing, random_mask, random_qkv, run_backward
+from attn_helpers import (Dims, forcing, random_intervals, random_mask, random_qkv,
+                          run_backward)
 from kernels import prepare_mask
 from hopper_helpers import band, hopper_problem
 from kernels import record_routes
@@ -44,8 +45,10 @@ def test_the_triton_backward_stays_the_default():
 
 
 @pytest.mark.parametrize("changes, reason", [
+    ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True},
+     "not yet a mask of one row"),
     ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
-     "not yet KeyIntervals"),
+     "compiled offline only"),
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}, "compiled offline only"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
     ({"deterministic": True}, "compiled offline only"),
@@ -54,7 +57,7 @@ def test_the_triton_backward_stays_the_default():
     ({"capability": (8, 0)}, "compute capability 9.0"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"tma_operands": False}, "TMA"),
-], ids=["intervals", "gated-mask", "bias", "gated-deterministic", "masked-deterministic",
+], ids=["one-row", "gated-intervals", "gated-mask", "bias", "gated-deterministic", "masked-deterministic",
         "ampere", "fp32", "strides"])
 def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(changes, reason):
     problem = dense_problem(**changes)
@@ -202,6 +205,32 @@ def test_masked_hopper_backward_walks_the_full_blocks_of_a_band(device, masks_ra
     if prepared:
         mask = prepare_mask(mask, q, k, is_causal=True)
     _backward_on_hopper(q, k, v, True, mask)
+
+
+# Both passes forced: the Hopper forward builds lists for KeyIntervals a call gives (the Triton
+# forward may read them itself, leaving the backward no lists: it then runs the Triton one).
+BOTH = forcing(forward_route="hopper", backward="hopper")
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", MASKED_SHAPES,
+                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1")],
+                         ids=["B-Hq", "1-Hk", "B-1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["per-call", "prepared"])
+def test_hopper_backward_of_intervals_matches_the_reference(device, masks_ran_on_gpu, sizes,
+                                                            batch, heads, causal, prepared):
+    """KeyIntervals: each warpgroup loads its keys' (start, end) words once per query head
+    and tests the list's partial blocks with them."""
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = random_intervals(dims, heads, batch, device, seed=sizes[1])
+    if prepared:
+        mask = prepare_mask(mask, q, k, is_causal=causal)
+    with record_routes() as routes:
+        run_backward(q, k, v, mask, causal=causal, func=BOTH)
+    assert set(routes.backward) == {"hopper"}, routes.describe()
 
 
 @pytest.mark.hopper

@@ -97,10 +97,11 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0):
         driver._active = saved
 
 
-def _compile_backward(dtype, head_dim: int, causal: bool, masked: bool = False,
+def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
                       deterministic: bool = False):
-    """The backward, dense or with a bool mask (``masked``: mask bytes and lists), its dQ
-    ordered where ``deterministic``."""
+    """The backward of MASK_KIND ``kind`` (none, a bool mask's bytes or KeyIntervals' words,
+    with lists), its dQ ordered where ``deterministic``."""
+    from kernels.planning import hopper_forward as host
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
@@ -117,15 +118,18 @@ def _compile_backward(dtype, head_dim: int, causal: bool, masked: bool = False,
     acc_box = [1, 1, tile.block_m, head_dim // 4]
     acc_desc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()), acc_box,
                                 gl.NVMMASharedLayout.get_default_for(acc_box, gl.float32))
-    if masked:
+    table = torch.empty(2, 1, 8, 2 + 16, dtype=torch.int32)  # (Bm, Hm, key blocks, ...)
+    if kind == host.MASK_TILE:
         mask = torch.empty(2, 1, 1024, 1024, dtype=torch.uint8)
         mask_box = [1, 1, tile.block_m, tile.block_n]
         mask_desc = TensorDescriptor(mask, list(mask.shape), list(mask.stride()), mask_box,
                                      gl.NVMMASharedLayout.get_default_for(mask_box, gl.uint8))
-        table = torch.empty(2, 1, 8, 2 + 16, dtype=torch.int32)  # (Bm, Hm, key blocks, ...)
-        list_args = (table, *table.stride()[:3], 8, 8, 1)
+        list_args = (table, *table.stride()[:3], 8, 8, 1, 0, 0)
+    elif kind == host.INTERVAL_WORDS:
+        mask_desc = torch.empty(2, 1, 1, 1024, dtype=torch.int64)
+        list_args = (table, *table.stride()[:3], 8, 8, 1, 1024, 1024)
     else:  # stand-ins the kernel never reads
-        mask_desc, list_args = flat, (rows, 0, 0, 0, 1, 1, 0)
+        mask_desc, list_args = flat, (rows, 0, 0, 0, 1, 1, 0, 0, 0)
     saved = driver._active
     driver.set_active(_Sm90())
     try:
@@ -134,7 +138,7 @@ def _compile_backward(dtype, head_dim: int, causal: bool, masked: bool = False,
             describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
             describe(tile.block_n // 2), flat, mask_desc, *list_args,
             torch.empty(64, dtype=torch.int32), 1000, 1000, 8, 4, 2, 0.1, 0.07, grid=(64,),
-            num_warps=4, CAUSAL=causal, MASKED=masked, DETERMINISTIC=deterministic,
+            num_warps=4, CAUSAL=causal, MASK_KIND=kind, DETERMINISTIC=deterministic,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
@@ -160,12 +164,13 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, False, 2), ("bfloat16", 128, True, 3),
     ("bfloat16", 128, True, "backward"), ("float16", 64, False, "backward"),
     ("bfloat16", 128, True, "masked-backward"), ("float16", 64, False, "masked-backward"),
+    ("bfloat16", 128, True, "intervals-backward"),
     ("bfloat16", 128, True, "deterministic-backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
          "masked-backward-bf16-d128-causal", "masked-backward-fp16-d64-full",
-         "deterministic-backward-bf16-d128-causal"])
+         "intervals-backward-bf16-d128-causal", "deterministic-backward-bf16-d128-causal"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -176,8 +181,10 @@ def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
 if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child process
     name, dim, is_causal, form = sys.argv[1:5]
     if form.endswith("backward"):
-        kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)),
-                                   masked=form == "masked-backward",
+        from kernels.planning import hopper_forward as host
+        kind = {"masked-backward": host.MASK_TILE,
+                "intervals-backward": host.INTERVAL_WORDS}.get(form, host.NO_MASK)
+        kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
                                    deterministic=form == "deterministic-backward")
     else:
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))

@@ -31,11 +31,13 @@ partials before their reduce-adds. Q, K, V, dO, dK and dV go through rank-4 TMA 
 over the caller's (B, L, H, D) tensors: rows past a length and columns past the head dim
 arrive as zeros and are not written.
 
-With MASKED (a bool mask of a row per query row), a key block walks, per query head, the
-query blocks of its activity list (``tiles.BlockLists`` of [BLOCK_N keys, BLOCK_M rows]
-tiles: the full ones first, untested, then the partial ones); for a partial one the loader
-copies the mask's [BLOCK_M, BLOCK_N] bytes beside Q, and the consumers read their 64 keys of
-it transposed, in the score layout. Compiled offline; not yet run on a GPU
+With a mask (MASK_KIND: a bool mask of a row per query row, or KeyIntervals' words), a key
+block walks, per query head, the query blocks of its activity list (``tiles.BlockLists`` of
+[BLOCK_N keys, BLOCK_M rows] tiles: the full ones first, untested, then the partial ones). For
+a bool mask's partial block the loader copies the mask's [BLOCK_M, BLOCK_N] bytes beside Q,
+and the consumers read their 64 keys of it transposed, in the score layout; KeyIntervals
+depend on the key alone, so each warpgroup loads its 64 keys' (start, end) once per query
+head and tests start <= row < end. Compiled offline; not yet run on a GPU
 (``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``).
 
 With DETERMINISTIC (no mask), key block kb adds its partial of a query block after blocks
@@ -43,7 +45,7 @@ With DETERMINISTIC (no mask), key block kb adds its partial of a query block aft
 increment), so dQ's sums run in one order. Compiled offline; not yet run on a GPU
 (``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``).
 
-Not yet: KeyIntervals, a mask of one row for every query row, the bias and its gradient, and an
+Not yet: a bool mask of one row for every query row, the bias and its gradient, and an
 ordered dQ with a mask (a key block's rank among those walking a query block is not known to
 its program).
 """
@@ -56,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .gluon_compat import (aggregate, reinterpret, store_wait_written, thread_barrier,
                            tma_atomic_add, tma_load, tma_store)
 from .ring import copy_view, plane_view
+from .attention_forward import INTERVAL_WORDS, MASK_TILE, NO_MASK
 from .tiles import BlockLists
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
@@ -192,7 +195,7 @@ class KeyBlockWork:
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile, kv_ready,
-            ring, work, lists, MASKED: gl.constexpr):
+            ring, work, lists, MASK_KIND: gl.constexpr):
     batch, kv_head, first_key = work.coordinates()
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
@@ -203,7 +206,7 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
         q_head = kv_head * work.group + g
         lse_row = batch * work.heads_q + q_head
         delta_row = lse_row + work.batch_heads() * work.group  # past the B x Hq LSE rows
-        if MASKED:  # the query blocks of the head's list: the full ones, then those tested
+        if MASK_KIND == MASK_TILE:  # the head's list: full query blocks, then tested ones
             row, mask_batch, mask_head = lists.row(batch, q_head, first_key // work.BLOCK_N)
             count, full = lists.counts(row)
             for j in range(count):
@@ -211,6 +214,14 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
                 ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
                           lse_row, delta_row, mask_desc,
                           (mask_batch, mask_head, m * work.BLOCK_M, first_key), j >= full)
+                position += 1
+        elif MASK_KIND == INTERVAL_WORDS:  # the consumers read the keys' words themselves
+            row, _, _ = lists.row(batch, q_head, first_key // work.BLOCK_N)
+            count, _ = lists.counts(row)
+            for j in range(count):
+                m = lists.block(row, j, count)
+                ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
+                          lse_row, delta_row, None, None, False)
                 position += 1
         else:
             for m in range(first, stop):
@@ -221,8 +232,9 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
 
 @gluon.jit
 def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-              dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-              WARPGROUP: gl.constexpr, MASKED: gl.constexpr, DETERMINISTIC: gl.constexpr):
+              mask_desc, mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+              WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
     BLOCK_D: gl.constexpr = k_tile.shape[1]
@@ -256,10 +268,16 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
     for g in range(work.group):
         q_head = kv_head * work.group + g
         if MASKED:  # the loader's walk: the head's list, full query blocks first
-            row, _, _ = lists.row(batch, q_head, first_key // work.BLOCK_N)
+            row, mask_batch, mask_head = lists.row(batch, q_head, first_key // work.BLOCK_N)
             count, full = lists.counts(row)
             walk_start = 0
             walk_stop = count
+            if MASK_KIND == INTERVAL_WORDS:  # this warpgroup's keys' (start, end), per head
+                words = gl.load(mask_desc + mask_batch.to(gl.int64) * mask_batch_stride
+                                + mask_head.to(gl.int64) * mask_head_stride + keys,
+                                mask=keys < seqlen_k, other=0)
+                starts = (words & 0xFFFFFFFF).to(gl.int32)
+                ends = (words >> 32).to(gl.int32)
         else:
             walk_start = first
             walk_stop = stop
@@ -292,9 +310,12 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                 visible = keys[:, None] < seqlen_k
                 if work.CAUSAL:
                     visible = visible & (keys[:, None] <= cols[None, :] + diagonal)
-                if MASKED:  # the slot's [BLOCK_M rows, BLOCK_N keys] bytes, read transposed
+                if MASK_KIND == MASK_TILE:  # the slot's [BLOCK_M, BLOCK_N] bytes, transposed
                     keep = ring.masks.index(slot).slice(WARPGROUP * KEYS, KEYS, dim=1).permute(
                         (1, 0)).load(s_layout) != 0
+                    visible = visible & (keep | (j < full))
+                elif MASK_KIND == INTERVAL_WORDS:  # key k is seen by rows [start, end)
+                    keep = (starts[:, None] <= cols[None, :]) & (cols[None, :] < ends[:, None])
                     visible = visible & (keep | (j < full))
                 p = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
             else:
@@ -366,28 +387,34 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
 
 @gluon.jit
 def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-                    dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                    MASKED: gl.constexpr, DETERMINISTIC: gl.constexpr):
-    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, dq_desc,
-              dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale, 0, MASKED, DETERMINISTIC)
+                    mask_desc, mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc,
+                    dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
+                    DETERMINISTIC: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
+              mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
+              softmax_scale, 0, MASK_KIND, DETERMINISTIC)
 
 
 @gluon.jit
 def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-                     dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                     MASKED: gl.constexpr, DETERMINISTIC: gl.constexpr):
-    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, dq_desc,
-              dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale, 1, MASKED, DETERMINISTIC)
+                     mask_desc, mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc,
+                     dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
+                     DETERMINISTIC: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
+              mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
+              softmax_scale, 1, MASK_KIND, DETERMINISTIC)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
-                              "list_head_div", "mask_head_div", "mask_batches", "seqlen_q",
+                              "list_head_div", "mask_head_div", "mask_batches",
+                              "mask_batch_stride", "mask_head_stride", "seqlen_q",
                               "seqlen_k", "heads_q", "heads_kv", "group"])
 def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, rows_desc,
                        mask_desc, list_table, list_batch_stride, list_head_stride,
-                       list_row_stride, list_head_div, mask_head_div, mask_batches, dq_locks,
-                       seqlen_q, seqlen_k, heads_q, heads_kv, group, qk_scale, softmax_scale,
-                       CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                       list_row_stride, list_head_div, mask_head_div, mask_batches,
+                       mask_batch_stride, mask_head_stride, dq_locks, seqlen_q, seqlen_k,
+                       heads_q, heads_kv, group, qk_scale, softmax_scale,
+                       CAUSAL: gl.constexpr, MASK_KIND: gl.constexpr,
                        DETERMINISTIC: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,). ``rows_desc``: a [1, BLOCK_M] box over float32 rows
@@ -396,11 +423,13 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a
     [1, 1, BLOCK_M, BLOCK_D / 2] box in an unswizzled layout; ``dk_desc`` and ``dv_desc`` write
     (B, Lk, Hk, D) in q's dtype with a box of half a key block. ``qk_scale`` = softmax_scale x
-    log2 e. With MASKED, ``mask_desc`` reads a bool mask's bytes ([1, 1, BLOCK_M, BLOCK_N]
-    boxes over (Bm, Hm, Lq, Lk), axes of length 1 read at index 0) and each key block walks
-    its query blocks from the activity lists' table (``tiles.BlockLists``: per (mask batch,
-    mask head, key block) a row of (count, full count, query blocks...)); without it, the
-    mask and list arguments are stand-ins never read. With DETERMINISTIC, ``dq_locks`` (zeroed
+    log2 e. With a mask, each key block walks its query blocks from the activity lists'
+    table (``tiles.BlockLists``: per (mask batch, mask head, key block) a row of (count, full
+    count, query blocks...)), and ``mask_desc`` is, for MASK_TILE, a descriptor of a bool
+    mask's bytes ([1, 1, BLOCK_M, BLOCK_N] boxes over (Bm, Hm, Lq, Lk), axes of length 1 read
+    at index 0), for INTERVAL_WORDS KeyIntervals' int64 words (start in the low half, end in
+    the high; keys contiguous, ``mask_batch_stride`` and ``mask_head_stride`` in words);
+    without one, the mask and list arguments are stand-ins never read. With DETERMINISTIC, ``dq_locks`` (zeroed
     int32, one per (batch x query head, query block)) orders dQ's reduce-adds: key block kb
     adds a query block's partial once both warpgroups of blocks 0..kb-1 have (each of them
     walks that query block: none is masked), so dQ is bitwise reproducible; without it,
@@ -440,7 +469,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
         mbarrier.init(free.index(slot), count=2)  # one arrival per consumer warpgroup
     for slot in gl.static_range(2):
         mbarrier.init(ds_ready.index(slot), count=2)  # both warpgroups' dS^T are written
-    if MASKED:
+    if MASK_KIND == MASK_TILE:
         masks = gl.allocate_shared_memory(
             gl.uint8, [STAGES, BLOCK_M, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.uint8))
@@ -455,11 +484,13 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     # constexprs into runtime values (Triton 3.6).
     gl.warp_specialize(
         [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
-                            work, lists, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
-                            softmax_scale, MASKED, DETERMINISTIC)),
+                            work, lists, mask_desc, mask_batch_stride, mask_head_stride,
+                            dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+                            MASK_KIND, DETERMINISTIC)),
          (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
-                             work, lists, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
-                             softmax_scale, MASKED, DETERMINISTIC)),
+                             work, lists, mask_desc, mask_batch_stride, mask_head_stride,
+                             dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+                             MASK_KIND, DETERMINISTIC)),
          (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
-                    kv_ready, ring, work, lists, MASKED))],
+                    kv_ready, ring, work, lists, MASK_KIND))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -5,7 +5,9 @@ key head), dK and dV in registers, dQ added to a float32 accumulator by TMA redu
 It covers the dense backward (no bias; causal or not, any lengths, GQA/MQA) in fp16 or bf16
 at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for TMA, on
 a GPU of compute capability 9.0. Once their GPU tests pass, also a bool mask of a row per
-query row that TMA can read, each key block walking the activity lists of the forward's map
+query row that TMA can read, or KeyIntervals (their words, as prepared or as the forward's
+lists read them; intervals the forward read as given run the Triton backward), each key block
+walking the activity lists of the forward's map
 (``backward_list_tile`` puts its tile among the map's;
 ``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``), and ``deterministic=True`` without a mask, dQ's
 adds ordered by key block (``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``).
@@ -22,8 +24,9 @@ from ..runtime.arith import LOG2E, ceil_div
 from ..runtime.launch import DescriptorLaunch
 from ..runtime.routes import note_route
 from . import tuning
-from .hopper_forward import (GLUON_MISSING, HopperForwardLaunch, block_head_dim, describe,
-                             gluon_dtype, hopper_gap, mask_geometry)
+from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
+                             block_head_dim, describe, gluon_dtype, hopper_gap, mask_geometry,
+                             mask_kind)
 from .problem import Problem, tma_strides
 
 try:
@@ -42,8 +45,8 @@ def hopper_backward_gap(problem: Problem) -> str | None:
     if problem.bias is not None:
         return "it takes no bias yet"
     if problem.mask is not None:
-        if problem.intervals or problem.mask.one_row:
-            return ("it takes bool masks with a row per query row; not yet KeyIntervals or a "
+        if problem.mask.one_row and not problem.intervals:
+            return ("it takes bool masks with a row per query row and KeyIntervals; not yet a "
                     "mask of one row for every query row")
         if problem.deterministic:
             return ("with a mask its dQ partials are added in any order: not bitwise "
@@ -92,8 +95,10 @@ class HopperBackwardPlan:
         self.row_box = [1, tile.block_m]
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                rank=2)
-        self.masked = problem.mask is not None
-        if self.masked:  # a [BLOCK_M rows, BLOCK_N keys] box of the mask's bytes
+        self.kind = mask_kind(problem)  # NO_MASK, MASK_TILE or INTERVAL_WORDS
+        if self.kind != NO_MASK:
+            # A [BLOCK_M rows, BLOCK_N keys] box of a bool mask's bytes; KeyIntervals' words
+            # the consumers load themselves.
             self.mask_box = [1, 1, tile.block_m, tile.block_n]
             self.mask_layout = gl.NVMMASharedLayout.get_default_for(self.mask_box, gl.uint8)
             self.list_tile = (tile.block_n, tile.block_m)  # keys on rows (transposed)
@@ -103,7 +108,7 @@ class HopperBackwardPlan:
             (shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k, tile.block_n),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              problem.softmax_scale * LOG2E, problem.softmax_scale),
-            num_warps=4, CAUSAL=problem.is_causal, MASKED=self.masked,
+            num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind,
             DETERMINISTIC=problem.deterministic, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         # Deterministic: a zeroed lock per (batch x query head, query block) orders dQ's adds.
@@ -119,8 +124,9 @@ class HopperBackwardPlan:
         call reads ``mask`` (the bool mask's (B, H, Lq, Lk) broadcast view) and the lists of
         the forward's activity map (``activity``: the call's own, for a plan with lists per
         call)."""
+        # KeyIntervals the forward read as given (start and end, no lists) go to the fallback.
         if (not HopperForwardLaunch.takes(grad_out, query, key, value, dq, dk, dv)
-                or not tma_strides(grad_out)):
+                or not tma_strides(grad_out) or isinstance(mask, tuple)):
             if self._fallback is None:
                 self._fallback = self._make_fallback()
             return self._fallback.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk,
@@ -129,10 +135,10 @@ class HopperBackwardPlan:
         rows = loader_rows(grad_out, out, lse, self.block_m)
         dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
         rows_desc = describe(rows.view(-1, rows.shape[-1]), self.row_box, self.row_layout)
-        if self.masked:
+        if self.kind != NO_MASK:
             mask_args = self._mask_args(mask, activity)
         else:  # stand-ins the kernel never reads
-            mask_args = (rows_desc, rows, 0, 0, 0, 1, 1, 0)
+            mask_args = (rows_desc, rows, 0, 0, 0, 1, 1, 0, 0, 0)
         locks = (torch.zeros(self.lock_count, dtype=torch.int32, device=query.device)
                  if self.lock_count else rows)  # rows: a stand-in never read
         self.launch(describe(query, self.q_box, self.q_layout),
@@ -147,19 +153,28 @@ class HopperBackwardPlan:
         return None
 
     def _mask_args(self, mask: torch.Tensor, activity) -> tuple:
-        """(mask descriptor, list table, its batch, head and key-block strides, query heads per
-        list head, query heads per mask head, 1 if the mask's batch is read else 0): the
-        kernel's mask and list arguments for a call's bool mask."""
+        """(the mask's descriptor, or KeyIntervals' words; the list table, its batch, head and
+        key-block strides; query heads per list head and per mask head; 1 if the mask's batch
+        is read else 0; the words' batch and head strides): the kernel's mask and list
+        arguments for a call's mask (its (B, H, Lq, Lk) broadcast view; KeyIntervals' int64
+        words with a query stride of 0)."""
         lists = (activity if activity is not None else self.activity).lists(
             *self.list_tile, transposed=True)
         table = lists.table
-        shape, strides, mask_head_div, mask_batches = mask_geometry(mask, self.shape.heads_q)
-        mask_desc = TensorDescriptor(mask.view(torch.uint8), shape, strides, self.mask_box,
-                                     self.mask_layout)
+        heads_q = self.shape.heads_q
+        if self.kind == INTERVAL_WORDS:
+            mask_head_div = heads_q // mask.shape[1]
+            mask_batches = int(mask.shape[0] > 1)
+            mask_arg, word_strides = mask, (mask.stride(0), mask.stride(1))
+        else:
+            shape, strides, mask_head_div, mask_batches = mask_geometry(mask, heads_q)
+            mask_arg = TensorDescriptor(mask.view(torch.uint8), shape, strides, self.mask_box,
+                                        self.mask_layout)
+            word_strides = (0, 0)
         shared = table.shape[0] == 1 and self.shape.batch > 1
-        return (mask_desc, table, 0 if shared else table.stride(0), table.stride(1),
-                table.stride(2), self.shape.heads_q // table.shape[1], mask_head_div,
-                mask_batches)
+        return (mask_arg, table, 0 if shared else table.stride(0), table.stride(1),
+                table.stride(2), heads_q // table.shape[1], mask_head_div, mask_batches,
+                *word_strides)
 
 
 def loader_rows(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -223,9 +223,10 @@ class HopperBackwardTile:
 # and ran no faster on the H200 (B2 H16 L8192 D128: 6.22 / 6.25 ms; D64 alike).
 HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
 # The Hopper backward with a bool mask (each key block walking its activity lists, the mask's
-# bytes of its tested query blocks copied beside Q) has been compiled for sm_90a offline only
-# (214 KB of shared memory, 240 bytes of spills at D128 causal): refused with that reason until
-# its tests (tests/test_hopper_backward.py) pass on a GPU.
+# bytes of its tested query blocks copied beside Q) or KeyIntervals (each warpgroup's keys'
+# words loaded once per query head) has been compiled for sm_90a offline only (D128 causal:
+# 214 KB of shared memory and 240 bytes of spills; intervals 198 KB, 348 bytes): refused with
+# that reason until its tests (tests/test_hopper_backward.py) pass on a GPU.
 HOPPER_BACKWARD_MASKS_RAN_ON_GPU = False
 # The Hopper backward's ordered dQ (``deterministic=True``: key block kb adds a query block's
 # partial after blocks 0..kb-1, by a lock per query block) has been compiled for sm_90a offline
