@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from attn_helpers import (Dims, forcing, random_intervals, random_mask, random_qkv,
-                          run_backward)
+from attn_helpers import (Dims, forcing, random_bias, random_intervals, random_mask,
+                          random_qkv, run_backward)
 from kernels import prepare_mask
 from hopper_helpers import band, hopper_problem
 from kernels import record_routes
@@ -50,14 +50,15 @@ def test_the_triton_backward_stays_the_default():
     ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
      "compiled offline only"),
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}, "compiled offline only"),
-    ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "no bias"),
+    ({"bias": OperandLayout((2, 4, 4096, 4096), 4)}, "not yet a bias with a row per query"),
+    ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "compiled offline only"),
     ({"deterministic": True}, "compiled offline only"),
     ({"deterministic": True, "mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
      "in any order"),
     ({"capability": (8, 0)}, "compute capability 9.0"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"tma_operands": False}, "TMA"),
-], ids=["one-row", "gated-intervals", "gated-mask", "bias", "gated-deterministic", "masked-deterministic",
+], ids=["one-row", "gated-intervals", "gated-mask", "full-bias", "gated-bias-row", "gated-deterministic", "masked-deterministic",
         "ampere", "fp32", "strides"])
 def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(changes, reason):
     problem = dense_problem(**changes)
@@ -280,3 +281,30 @@ def test_deterministic_hopper_backward_is_bitwise_repeatable(device, monkeypatch
     for _ in range(4):
         again = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+# -- a bias row and its gradient, once its gate is open
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", [(2, 300, 512, 4, 2, 128), (1, 1025, 1040, 4, 1, 80),
+                                   (2, 17, 64, 2, 2, 64)],
+                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("batch, heads", [("B", "Hk"), ("1", "Hq"), ("B", "1")],
+                         ids=["B-Hk", "1-Hq", "B-1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_hopper_backward_of_a_bias_row_matches_the_reference(device, monkeypatch, sizes, batch,
+                                                             heads, causal, masked):
+    """flash-dmattn's (B, Hk, 1, Lk) bias and its broadcasts, with its gradient (summed over
+    the rows, and over the group where the bias has fewer heads than the queries), with and
+    without a bool mask."""
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_BIAS_RAN_ON_GPU", True)
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MASKS_RAN_ON_GPU", True)
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = random_bias(dims.operand_shape(batch, heads, "1", "Lk"), torch.bfloat16,
+                       device).requires_grad_()
+    mask = (random_mask(dims.operand_shape("B", "Hk", "Lq", "Lk"), device, 0.5) if masked
+            else None)
+    with record_routes() as routes:
+        run_backward(q, k, v, mask, bias, causal=causal, func=FORCED)
+    assert set(routes.backward) == {"hopper"}, routes.describe()

@@ -98,9 +98,10 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0):
 
 
 def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
-                      deterministic: bool = False):
+                      deterministic: bool = False, bias: bool = False):
     """The backward of MASK_KIND ``kind`` (none, a bool mask's bytes or KeyIntervals' words,
-    with lists), its dQ ordered where ``deterministic``."""
+    with lists), its dQ ordered where ``deterministic``, with a bias row and its gradient
+    summed over the group where ``bias``."""
     from kernels.planning import hopper_forward as host
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -130,6 +131,8 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
         list_args = (table, *table.stride()[:3], 8, 8, 1, 1024, 1024)
     else:  # stand-ins the kernel never reads
         mask_desc, list_args = flat, (rows, 0, 0, 0, 1, 1, 0, 0, 0)
+    bias_row = torch.empty(2, 4, 1, 1000, dtype=dtype)
+    bias_grad = torch.empty(2, 2, 1, 1000, dtype=torch.float32)
     saved = driver._active
     driver.set_active(_Sm90())
     try:
@@ -137,8 +140,10 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
             describe(tile.block_m), describe(tile.block_n), describe(tile.block_n),
             describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
             describe(tile.block_n // 2), flat, mask_desc, *list_args,
+            bias_row, 4 * 1000, 1000, 1, 2, bias_grad, 2 * 1000, 1000,
             torch.empty(64, dtype=torch.int32), 1000, 1000, 8, 4, 2, 0.1, 0.07, grid=(64,),
             num_warps=4, CAUSAL=causal, MASK_KIND=kind, DETERMINISTIC=deterministic,
+            HAS_BIAS=bias, BIAS_GRAD=bias, BIAS_GROUP_SUM=True,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
@@ -165,12 +170,14 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "backward"), ("float16", 64, False, "backward"),
     ("bfloat16", 128, True, "masked-backward"), ("float16", 64, False, "masked-backward"),
     ("bfloat16", 128, True, "intervals-backward"),
-    ("bfloat16", 128, True, "deterministic-backward")],
+    ("bfloat16", 128, True, "deterministic-backward"),
+    ("bfloat16", 128, True, "biased-backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
          "masked-backward-bf16-d128-causal", "masked-backward-fp16-d64-full",
-         "intervals-backward-bf16-d128-causal", "deterministic-backward-bf16-d128-causal"])
+         "intervals-backward-bf16-d128-causal", "deterministic-backward-bf16-d128-causal",
+         "biased-backward-bf16-d128-causal"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -185,7 +192,8 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
         kind = {"masked-backward": host.MASK_TILE,
                 "intervals-backward": host.INTERVAL_WORDS}.get(form, host.NO_MASK)
         kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
-                                   deterministic=form == "deterministic-backward")
+                                   deterministic=form == "deterministic-backward",
+                                   bias=form == "biased-backward")
     else:
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))
     ptx = kernel.asm["ptx"]

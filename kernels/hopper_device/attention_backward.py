@@ -45,7 +45,13 @@ With DETERMINISTIC (no mask), key block kb adds its partial of a query block aft
 increment), so dQ's sums run in one order. Compiled offline; not yet run on a GPU
 (``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``).
 
-Not yet: a bool mask of one row for every query row, the bias and its gradient, and an
+With a bias row (``BiasRow``: (.., .., 1, Lk), one value per key and head), each warpgroup
+loads its keys' bias once per query head and adds it to the scores, and with BIAS_GRAD sums
+dS^T over the rows it walks (and, with GROUP_SUM, over the group's heads) in registers,
+writing each gradient row once: no atomics, the same sums whatever the schedule. Compiled
+offline; not yet run on a GPU (``tuning.HOPPER_BACKWARD_BIAS_RAN_ON_GPU``).
+
+Not yet: a bool mask of one row for every query row, a bias with a row per query, and an
 ordered dQ with a mask (a key block's rank among those walking a query block is not known to
 its program).
 """
@@ -134,6 +140,54 @@ class QueryRing:
     def release(self, slot):
         """Consumer: this warpgroup is done with ``slot``."""
         mbarrier.arrive(self.free.index(slot), count=1)
+
+
+@aggregate
+class BiasRow:
+    """A bias of one row per (batch, head), added to the scores of every query row (flash-
+    dmattn's (B, Hk, 1, Lk) form; its head and batch axes may broadcast), and the float32 or
+    bias-dtype rows its gradient goes to: per (batch, key head) summed over the GQA group
+    (``GROUP_SUM``), or per (batch, query head). Strides in elements; the gradient's keys are
+    contiguous."""
+    ptr: gl.tensor
+    stride_b: gl.tensor
+    stride_h: gl.tensor
+    stride_k: gl.tensor
+    head_div: gl.tensor
+    grad_ptr: gl.tensor
+    grad_stride_b: gl.tensor
+    grad_stride_h: gl.tensor
+    GROUP_SUM: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ptr, stride_b, stride_h, stride_k, head_div, grad_ptr, grad_stride_b,
+                 grad_stride_h, GROUP_SUM):
+        self.ptr = ptr
+        self.stride_b = stride_b
+        self.stride_h = stride_h
+        self.stride_k = stride_k
+        self.head_div = head_div
+        self.grad_ptr = grad_ptr
+        self.grad_stride_b = grad_stride_b
+        self.grad_stride_h = grad_stride_h
+        self.GROUP_SUM = gl.constexpr(GROUP_SUM)
+
+    @gluon.jit
+    def load(self, batch, q_head, keys, seqlen_k):
+        """The bias of ``keys`` for query head ``q_head``, times log2 e, in float32 (0 past
+        Lk)."""
+        row = (self.ptr + batch.to(gl.int64) * self.stride_b
+               + (q_head // self.head_div).to(gl.int64) * self.stride_h)
+        values = gl.load(row + keys.to(gl.int64) * self.stride_k, mask=keys < seqlen_k,
+                         other=0.0)
+        return values.to(gl.float32) * LOG2E
+
+    @gluon.jit
+    def store_grad(self, batch, head, keys, seqlen_k, grad):
+        """Write ``grad`` (float32, one per key) as row (batch, head) of the gradient."""
+        row = (self.grad_ptr + batch.to(gl.int64) * self.grad_stride_b
+               + head.to(gl.int64) * self.grad_stride_h)
+        gl.store(row + keys, grad.to(self.grad_ptr.dtype.element_ty), mask=keys < seqlen_k)
 
 
 @aggregate
@@ -232,8 +286,10 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
 
 @gluon.jit
 def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-              mask_desc, mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-              WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr):
+              mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc,
+              dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
+              MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
+              BIAS_GRAD: gl.constexpr):
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
@@ -264,9 +320,17 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
     first, stop = work.query_blocks(first_key)
     mbarrier.wait(kv_ready.index(0), 0)
 
+    key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per key
+    if BIAS_GRAD:  # dS summed over the rows (and, with GROUP_SUM, the group's heads)
+        bias_grad = gl.zeros([KEYS], gl.float32, key_layout)
     position = 0
     for g in range(work.group):
         q_head = kv_head * work.group + g
+        if HAS_BIAS:
+            bias_row = bias.load(batch, q_head, keys, seqlen_k)
+        if BIAS_GRAD:
+            if not bias.GROUP_SUM:
+                bias_grad = gl.zeros([KEYS], gl.float32, key_layout)
         if MASKED:  # the loader's walk: the head's list, full query blocks first
             row, mask_batch, mask_head = lists.row(batch, q_head, first_key // work.BLOCK_N)
             count, full = lists.counts(row)
@@ -299,6 +363,9 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                                       use_acc=False, is_async=True)
             lse = ring.lse.index(slot).load(row_layout)  # log2 e x LSE, +inf: P = 0
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st_token,))
+            scores = st * qk_scale  # in log2 units, as LSE
+            if HAS_BIAS:
+                scores = scores + bias_row[:, None]
             # Pairs are tested only in blocks with a key past Lk or past a row's diagonal, and
             # in a mask's partial blocks (their bytes came with Q: zeros past either length).
             edge = (my_first_key + KEYS > seqlen_k) | (work.CAUSAL & (
@@ -317,12 +384,14 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                 elif MASK_KIND == INTERVAL_WORDS:  # key k is seen by rows [start, end)
                     keep = (starts[:, None] <= cols[None, :]) & (cols[None, :] < ends[:, None])
                     visible = visible & (keep | (j < full))
-                p = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+                p = gl.where(visible, gl.exp2(scores - lse[None, :]), 0.0)
             else:
-                p = gl.exp2(st * qk_scale - lse[None, :])
+                p = gl.exp2(scores - lse[None, :])
             delta = ring.delta.index(slot).load(row_layout)
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_token,))
             ds = p * (dpt - delta[None, :])
+            if BIAS_GRAD:
+                bias_grad += gl.sum(ds, axis=1)
             p_op = gl.convert_layout(p.to(dtype), op_layout)
             ds_low = ds.to(dtype)
             ds_op = gl.convert_layout(ds_low, op_layout)
@@ -369,6 +438,12 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                 thread_barrier()
                 gl.atomic_add(lock, 1, sem="release", scope="gpu")
             position += 1
+        if BIAS_GRAD:
+            if not bias.GROUP_SUM:
+                bias.store_grad(batch, q_head, keys, seqlen_k, bias_grad)
+    if BIAS_GRAD:
+        if bias.GROUP_SUM:
+            bias.store_grad(batch, kv_head, keys, seqlen_k, bias_grad)
 
     # dK and dV leave through this warpgroup's staging tile and TMA: rows past Lk and columns
     # past the head dim are not written.
@@ -387,35 +462,41 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
 
 @gluon.jit
 def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-                    mask_desc, mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc,
-                    dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
-                    DETERMINISTIC: gl.constexpr):
+                    mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+                    dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
+                    DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
-              mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
-              softmax_scale, 0, MASK_KIND, DETERMINISTIC)
+              mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
+              qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
 
 
 @gluon.jit
 def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-                     mask_desc, mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc,
-                     dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr):
+                     mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+                     dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
+                     DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
-              mask_batch_stride, mask_head_stride, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
-              softmax_scale, 1, MASK_KIND, DETERMINISTIC)
+              mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
+              qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
                               "list_head_div", "mask_head_div", "mask_batches",
-                              "mask_batch_stride", "mask_head_stride", "seqlen_q",
+                              "mask_batch_stride", "mask_head_stride", "bias_stride_b",
+                              "bias_stride_h", "bias_stride_k", "bias_head_div",
+                              "bias_grad_stride_b", "bias_grad_stride_h", "seqlen_q",
                               "seqlen_k", "heads_q", "heads_kv", "group"])
 def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, rows_desc,
                        mask_desc, list_table, list_batch_stride, list_head_stride,
                        list_row_stride, list_head_div, mask_head_div, mask_batches,
-                       mask_batch_stride, mask_head_stride, dq_locks, seqlen_q, seqlen_k,
+                       mask_batch_stride, mask_head_stride, bias_ptr, bias_stride_b,
+                       bias_stride_h, bias_stride_k, bias_head_div, bias_grad_ptr,
+                       bias_grad_stride_b, bias_grad_stride_h, dq_locks, seqlen_q, seqlen_k,
                        heads_q, heads_kv, group, qk_scale, softmax_scale,
                        CAUSAL: gl.constexpr, MASK_KIND: gl.constexpr,
-                       DETERMINISTIC: gl.constexpr, STAGES: gl.constexpr,
+                       DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       BIAS_GRAD: gl.constexpr, BIAS_GROUP_SUM: gl.constexpr,
+                       STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,). ``rows_desc``: a [1, BLOCK_M] box over float32 rows
     (2 x B x Hq, Lq rounded up to BLOCK_M): first every (batch, query head)'s LSE times log2 e
@@ -478,19 +559,21 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     ring = QueryRing(queries, grads, lse, delta, masks, ready, free, STAGES)
     lists = BlockLists(list_table, list_batch_stride, list_head_stride, list_row_stride,
                        list_head_div, mask_head_div, mask_batches)
+    bias = BiasRow(bias_ptr, bias_stride_b, bias_stride_h, bias_stride_k, bias_head_div,
+                   bias_grad_ptr, bias_grad_stride_b, bias_grad_stride_h, BIAS_GROUP_SUM)
     work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6).
     gl.warp_specialize(
         [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
-                            work, lists, mask_desc, mask_batch_stride, mask_head_stride,
+                            work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
                             dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                            MASK_KIND, DETERMINISTIC)),
+                            MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
          (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
                              work, lists, mask_desc, mask_batch_stride, mask_head_stride,
-                             dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                             MASK_KIND, DETERMINISTIC)),
+                             bias, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
+                             softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
          (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
                     kv_ready, ring, work, lists, MASK_KIND))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

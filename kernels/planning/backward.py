@@ -267,7 +267,7 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
                                    bias_grad=bool(bias_needs_grad)), fwd.options).backward
         if bwd.route is BackwardRoute.HOPPER:
             plan = HopperBackwardPlan(fwd, bwd.launches, _triton_fallback(
-                fwd, grad_out, query, key, value, dq, dk, dv, activity))
+                fwd, grad_out, query, key, value, dq, dk, dv, activity), bwd.dbias)
         else:
             plan_class = (PackedBackwardPlan if bwd.route is BackwardRoute.PACKED
                           else BackwardPlan)

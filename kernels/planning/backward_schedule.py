@@ -317,7 +317,11 @@ def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
         if gap is not None:
             raise ValueError(f"kernel_options['backward']: 'hopper' does not cover this call: "
                              f"{gap}")
-        return BackwardSchedule(BackwardRoute.HOPPER, None, tuning.HOPPER_BACKWARD)
+        dbias = None
+        if problem.bias_grad:  # one row per (batch, head): rows summed in the program
+            dbias = plan_dbias(problem.bias.shape, problem.bias.head_div, problem.shape,
+                               problem.dtype, problem.deterministic, problem.interpreted)
+        return BackwardSchedule(BackwardRoute.HOPPER, dbias, tuning.HOPPER_BACKWARD)
     if route in (None, BackwardRoute.PACKED):
         packs, dbias = packed_route(problem)
         if packs:

@@ -2,7 +2,7 @@
 ``hopper_device.attention_backward`` (Gluon, sm_90a): a program per key block of one (batch,
 key head), dK and dV in registers, dQ added to a float32 accumulator by TMA reduce-adds.
 
-It covers the dense backward (no bias; causal or not, any lengths, GQA/MQA) in fp16 or bf16
+It covers the dense backward (causal or not, any lengths, GQA/MQA) in fp16 or bf16
 at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for TMA, on
 a GPU of compute capability 9.0. Once their GPU tests pass, also a bool mask of a row per
 query row that TMA can read, or KeyIntervals (their words, as prepared or as the forward's
@@ -10,7 +10,9 @@ lists read them; intervals the forward read as given run the Triton backward), e
 walking the activity lists of the forward's map
 (``backward_list_tile`` puts its tile among the map's;
 ``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``), and ``deterministic=True`` without a mask, dQ's
-adds ordered by key block (``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``).
+adds ordered by key block (``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``), and a bias of
+one row per (batch, head) with its gradient (``tuning.HOPPER_BACKWARD_BIAS_RAN_ON_GPU``;
+the gradient's rows as ``dbias.plan_dbias`` plans them, finished by its plan).
 It runs only where ``kernel_options['backward'] = 'hopper'`` forces it (the Triton routes stay
 the default until it is measured ahead of them); a call whose addresses a descriptor cannot
 take runs the Triton backward of the same schedule's default.
@@ -42,8 +44,16 @@ def hopper_backward_gap(problem: Problem) -> str | None:
     """Why the Hopper backward does not cover ``problem`` (one line), or None where it does."""
     if GLUON_MISSING:
         return GLUON_MISSING
-    if problem.bias is not None:
-        return "it takes no bias yet"
+    bias = problem.bias
+    if bias is not None:
+        if not bias.one_row or bias.shape[3] == 1:
+            return ("it takes a bias of one row per (batch, head), (.., .., 1, Lk); not yet a "
+                    "bias with a row per query or one broadcast along the keys")
+        if problem.bias_grad and problem.shape.seqlen_q == 1:
+            return "its bias gradient sums a key's rows: not yet one query row"
+        if not tuning.HOPPER_BACKWARD_BIAS_RAN_ON_GPU:
+            return ("its bias row has been compiled offline only; it is taken once its tests "
+                    "pass on a Hopper GPU")
     if problem.mask is not None:
         if problem.mask.one_row and not problem.intervals:
             return ("it takes bool masks with a row per query row and KeyIntervals; not yet a "
@@ -77,7 +87,7 @@ class HopperBackwardPlan:
 
     route = "hopper"
 
-    def __init__(self, fwd, tile: tuning.HopperBackwardTile, make_fallback):
+    def __init__(self, fwd, tile: tuning.HopperBackwardTile, make_fallback, dbias=None):
         problem = fwd.schedule.problem
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
@@ -96,6 +106,9 @@ class HopperBackwardPlan:
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                rank=2)
         self.kind = mask_kind(problem)  # NO_MASK, MASK_TILE or INTERVAL_WORDS
+        # A bias row (the forward plan's layout of its broadcast view) and the plan of its
+        # gradient's rows (``dbias.DbiasPlan``: summed over the group, or per query head).
+        self.bias_layout, self.dbias = fwd.bias_layout, dbias
         if self.kind != NO_MASK:
             # A [BLOCK_M rows, BLOCK_N keys] box of a bool mask's bytes; KeyIntervals' words
             # the consumers load themselves.
@@ -109,7 +122,9 @@ class HopperBackwardPlan:
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              problem.softmax_scale * LOG2E, problem.softmax_scale),
             num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind,
-            DETERMINISTIC=problem.deterministic, STAGES=tile.stages,
+            DETERMINISTIC=problem.deterministic, HAS_BIAS=self.bias_layout is not None,
+            BIAS_GRAD=dbias is not None, BIAS_GROUP_SUM=bool(dbias and dbias.sum_group),
+            STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         # Deterministic: a zeroed lock per (batch x query head, query block) orders dQ's adds.
         self.lock_count = (shape.batch * shape.heads_q * ceil_div(shape.seqlen_q, tile.block_m)
@@ -120,7 +135,7 @@ class HopperBackwardPlan:
 
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
             activity=None):
-        """Fill ``dq``, ``dk``, ``dv``; no bias gradient (the route takes no bias). A masked
+        """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None). A masked
         call reads ``mask`` (the bool mask's (B, H, Lq, Lk) broadcast view) and the lists of
         the forward's activity map (``activity``: the call's own, for a plan with lists per
         call)."""
@@ -141,6 +156,8 @@ class HopperBackwardPlan:
             mask_args = (rows_desc, rows, 0, 0, 0, 1, 1, 0, 0, 0)
         locks = (torch.zeros(self.lock_count, dtype=torch.int32, device=query.device)
                  if self.lock_count else rows)  # rows: a stand-in never read
+        bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
+        bias_args = self._bias_args(bias, bias_grad, rows)
         self.launch(describe(query, self.q_box, self.q_layout),
                     describe(key, self.kv_box, self.kv_layout),
                     describe(value, self.kv_box, self.kv_layout),
@@ -148,9 +165,21 @@ class HopperBackwardPlan:
                     describe(dq_acc, self.acc_box, self.acc_layout),
                     describe(dk, self.half_box, self.half_layout),
                     describe(dv, self.half_box, self.half_layout),
-                    rows_desc, *mask_args, locks)
+                    rows_desc, *mask_args, *bias_args, locks)
         dq.copy_(dq_acc.transpose(1, 2))
-        return None
+        return self.dbias.finish(bias_grad) if bias_grad is not None else None
+
+    def _bias_args(self, bias, bias_grad, stand_in) -> tuple:
+        """(bias, its batch, head and key strides, query heads per bias head; the gradient's
+        rows (B, heads, 1, Lk), their batch and head strides): the kernel's bias arguments,
+        ``stand_in`` for what the call does not have."""
+        if self.bias_layout is None:
+            return (stand_in, 0, 0, 0, 1, stand_in, 0, 0)
+        layout = self.bias_layout
+        grad = (stand_in, 0, 0) if bias_grad is None else (
+            bias_grad, bias_grad.stride(0), bias_grad.stride(1))
+        return (bias, layout.stride_b, layout.stride_h, layout.stride_n, layout.head_div,
+                *grad)
 
     def _mask_args(self, mask: torch.Tensor, activity) -> tuple:
         """(the mask's descriptor, or KeyIntervals' words; the list table, its batch, head and

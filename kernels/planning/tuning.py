@@ -232,6 +232,11 @@ HOPPER_BACKWARD_MASKS_RAN_ON_GPU = False
 # partial after blocks 0..kb-1, by a lock per query block) has been compiled for sm_90a offline
 # only: refused with that reason until its tests pass on a GPU.
 HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU = False
+# The Hopper backward with a bias row ((.., .., 1, Lk): added to every query row's scores, its
+# gradient summed over the rows, and the GQA group where the bias has fewer heads, in
+# registers) has been compiled for sm_90a offline only (288-376 bytes of spills at D128):
+# refused with that reason until its tests pass on a GPU.
+HOPPER_BACKWARD_BIAS_RAN_ON_GPU = False
 # A call with a bool mask takes the Hopper forward where its prepared mask's share of partial
 # 128 x 128 tiles (tested per pair; the full ones are not) is at most this; a mask read by the
 # call, whose share is not counted, keeps the Triton route. A partial tile costs the Hopper
