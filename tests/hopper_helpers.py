@@ -1,5 +1,6 @@
-"""Helpers of the Hopper route's tests (``test_hopper_route``, ``test_hopper_masks``): a problem
-the route covers, the forced call that fails on a silent fallback, and a band mask."""
+"""Helpers of the Hopper route's tests (``test_hopper_route``, ``test_hopper_masks``,
+``test_hopper_backward``): a problem the route covers, the forced call that fails on a silent
+fallback, a band mask, the masked tests' shapes and a fuzz case's mask."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from attn_helpers import Dims, forcing
+from attn_helpers import Dims, forcing, random_mask
 from kernels import record_routes
 from kernels.planning.inputs import AttnShape
 from kernels.planning.problem import Problem
@@ -61,3 +62,30 @@ def band(dims: Dims, window: int, device) -> torch.Tensor:
     last = rows + dims.seqlen_k - dims.seqlen_q
     return ((keys <= last) & (keys > last - window))[None, None]
 
+
+
+MASKED_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D): Lk a multiple of 16 (TMA reads mask rows)
+    (2, 300, 512, 4, 2, 128),
+    (1, 1025, 1040, 4, 1, 80),
+    (2, 17, 64, 2, 2, 64),
+    (1, 700, 4096, 6, 2, 128),
+]
+
+
+def shape_id(sizes) -> str:
+    """A test id of (batch, Lq, Lk, Hq, Hk, D)."""
+    return "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*sizes)
+
+
+def fuzzed_mask(rng, dims: Dims, device) -> torch.Tensor:
+    """A random bool mask for a fuzz case: any batch and head broadcast (a stride-0 expand of
+    a batch of one too), keep 0-100% (empty rows and key blocks no row sees), and odd key
+    lengths as a slice of rows padded to 16 bytes, which TMA can read."""
+    batch, heads = rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"])
+    shape = dims.operand_shape(batch, heads, "Lq", "Lk")
+    padded = -(-dims.seqlen_k // 16) * 16
+    keep = rng.choice([0.0, 0.01, 0.3, 0.9, 1.0])
+    mask = random_mask((*shape[:3], padded), device, keep)[..., :dims.seqlen_k]
+    if batch == "1" and rng.random() < 0.3:
+        mask = mask.expand(dims.batch, *mask.shape[1:])
+    return mask

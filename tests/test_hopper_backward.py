@@ -16,7 +16,7 @@ import torch
 from attn_helpers import (Dims, forcing, random_bias, random_intervals, random_mask,
                           random_qkv, run_backward)
 from kernels import prepare_mask
-from hopper_helpers import band, hopper_problem
+from hopper_helpers import MASKED_SHAPES, band, fuzzed_mask, hopper_problem, shape_id
 from kernels import record_routes
 from kernels.planning import tuning
 from kernels.runtime.arith import LOG2E
@@ -129,7 +129,7 @@ SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D)
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("sizes", SHAPES, ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("sizes", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_hopper_backward_matches_the_reference(device, sizes, causal, dtype):
@@ -172,17 +172,8 @@ def masks_ran_on_gpu(monkeypatch):
     monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MASKS_RAN_ON_GPU", True)
 
 
-MASKED_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D): Lk a multiple of 16 (TMA reads mask rows)
-    (2, 300, 512, 4, 2, 128),
-    (1, 1025, 1040, 4, 1, 80),
-    (2, 17, 64, 2, 2, 64),
-    (1, 700, 4096, 6, 2, 128),
-]
-
-
 @pytest.mark.hopper
-@pytest.mark.parametrize("sizes", MASKED_SHAPES,
-                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("sizes", MASKED_SHAPES, ids=shape_id)
 @pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1"), ("1", "1")],
                          ids=["B-Hq", "1-Hk", "B-1", "1-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -214,8 +205,7 @@ BOTH = forcing(forward_route="hopper", backward="hopper")
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("sizes", MASKED_SHAPES,
-                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("sizes", MASKED_SHAPES, ids=shape_id)
 @pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1")],
                          ids=["B-Hq", "1-Hk", "B-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -246,13 +236,7 @@ def test_masked_hopper_backward_on_random_shapes(device, masks_ran_on_gpu):
         dims = Dims(rng.randint(1, 2), rng.randint(1, 1500), rng.randint(1, 1500),
                     heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
         q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device)
-        batch, heads = rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"])
-        shape = dims.operand_shape(batch, heads, "Lq", "Lk")
-        padded = -(-dims.seqlen_k // 16) * 16
-        keep = rng.choice([0.0, 0.01, 0.3, 0.9, 1.0])
-        mask = random_mask((*shape[:3], padded), device, keep)[..., :dims.seqlen_k]
-        if batch == "1" and rng.random() < 0.3:
-            mask = mask.expand(dims.batch, *mask.shape[1:])
+        mask = fuzzed_mask(rng, dims, device)
         causal = rng.random() < 0.5
         if rng.random() < 0.3:
             mask = prepare_mask(mask, q, k, is_causal=causal)
@@ -263,7 +247,7 @@ def test_masked_hopper_backward_on_random_shapes(device, masks_ran_on_gpu):
 @pytest.mark.hopper
 @pytest.mark.parametrize("sizes", [(2, 1025, 1025, 4, 1, 80), (1, 300, 700, 6, 2, 64),
                                    (2, 2048, 2048, 4, 2, 128)],
-                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+                         ids=shape_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_hopper_backward_is_bitwise_repeatable(device, monkeypatch, sizes,
                                                              causal):
@@ -287,7 +271,7 @@ def test_deterministic_hopper_backward_is_bitwise_repeatable(device, monkeypatch
 @pytest.mark.hopper
 @pytest.mark.parametrize("sizes", [(2, 300, 512, 4, 2, 128), (1, 1025, 1040, 4, 1, 80),
                                    (2, 17, 64, 2, 2, 64)],
-                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+                         ids=shape_id)
 @pytest.mark.parametrize("batch, heads", [("B", "Hk"), ("1", "Hq"), ("B", "1")],
                          ids=["B-Hk", "1-Hq", "B-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -17,7 +17,8 @@ import torch
 
 from attn_helpers import (Dims, random_intervals, random_mask, random_qkv, run_backward,
                           run_forward)
-from hopper_helpers import FORCED, HOPPER, band, hopper_problem, sized
+from hopper_helpers import (FORCED, HOPPER, MASKED_SHAPES, band, fuzzed_mask, hopper_problem,
+                            shape_id, sized)
 from kernels import prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.activity import ActivityMap
@@ -161,17 +162,8 @@ def test_by_default_a_prepared_band_takes_the_hopper_route_and_a_random_mask_doe
         assert set(routes.forward) == {route}
 
 
-MASKED_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D): Lk a multiple of 16 (TMA reads mask rows)
-    (2, 300, 512, 4, 2, 128),
-    (1, 1025, 1040, 4, 1, 80),
-    (2, 17, 64, 2, 2, 64),
-    (1, 700, 4096, 6, 2, 128),
-]
-
-
 @pytest.mark.hopper
-@pytest.mark.parametrize("sizes", MASKED_SHAPES,
-                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("sizes", MASKED_SHAPES, ids=shape_id)
 @pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1"), ("1", "1")],
                          ids=["B-Hq", "1-Hk", "B-1", "1-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -241,8 +233,7 @@ def test_a_mask_tma_cannot_read_falls_back_or_is_refused_with_its_reason(device)
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("sizes", MASKED_SHAPES,
-                         ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("sizes", MASKED_SHAPES, ids=shape_id)
 @pytest.mark.parametrize("batch, heads", [("B", "Hq"), ("1", "Hk"), ("B", "1")],
                          ids=["B-Hq", "1-Hk", "B-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -283,13 +274,7 @@ def test_masked_hopper_forward_on_random_shapes(device):
                     heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
         q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device,
                              rng.choice(["contiguous", "bhld"]))
-        batch, heads = rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"])
-        shape = dims.operand_shape(batch, heads, "Lq", "Lk")
-        padded = -(-dims.seqlen_k // 16) * 16
-        keep = rng.choice([0.0, 0.01, 0.3, 0.9, 1.0])
-        mask = random_mask((*shape[:3], padded), device, keep)[..., :dims.seqlen_k]
-        if batch == "1" and rng.random() < 0.3:
-            mask = mask.expand(dims.batch, *mask.shape[1:])
+        mask = fuzzed_mask(rng, dims, device)
         causal = rng.random() < 0.5
         if rng.random() < 0.3:
             mask = prepare_mask(mask, q, k, is_causal=causal)

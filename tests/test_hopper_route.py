@@ -18,7 +18,7 @@ import torch
 
 from attn_helpers import Dims, random_qkv, run_backward, run_forward
 from hopper_helpers import (FORCED, HOPPER, band, count_hopper_launches, hopper_problem,
-                            sized)
+                            shape_id, sized)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.hopper_forward import hopper_gap
@@ -184,7 +184,7 @@ SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D)
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("sizes", SHAPES, ids=lambda s: "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*s))
+@pytest.mark.parametrize("sizes", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_hopper_forward_matches_the_reference(device, sizes, causal, dtype):
