@@ -231,12 +231,13 @@ class BackwardPlan:
         return self.dbias.finish(dbias) if self.dbias is not None else None
 
 
-def _triton_fallback(fwd, grad_out, query, key, value, dq, dk, dv, activity):
-    """A maker of the Triton backward that the schedule picks without a forced route, for the
-    Hopper backward's calls whose addresses a descriptor cannot take."""
+def _triton_fallback(fwd, problem, grad_out, query, key, value, dq, dk, dv, activity):
+    """A maker of the Triton backward that the schedule picks for ``problem`` (the backward's:
+    its gradient signature) without a forced route, for the Hopper backward's calls whose
+    addresses a descriptor cannot take."""
     def make():
         options = {name: value for name, value in fwd.options.items() if name != "backward"}
-        bwd = schedule(fwd.schedule.problem, options).backward
+        bwd = schedule(problem, options).backward
         plan_class = PackedBackwardPlan if bwd.route is BackwardRoute.PACKED else BackwardPlan
         return plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
     return make
@@ -263,11 +264,12 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
         if (problem.deterministic, problem.bias_grad) != signature[2:]:
             # The forward was planned for another backward (e.g. a bias whose requires_grad
             # changed between forward and backward): schedule this one.
-            bwd = schedule(replace(problem, deterministic=bool(deterministic),
-                                   bias_grad=bool(bias_needs_grad)), fwd.options).backward
+            problem = replace(problem, deterministic=bool(deterministic),
+                              bias_grad=bool(bias_needs_grad))
+            bwd = schedule(problem, fwd.options).backward
         if bwd.route is BackwardRoute.HOPPER:
-            plan = HopperBackwardPlan(fwd, bwd.launches, _triton_fallback(
-                fwd, grad_out, query, key, value, dq, dk, dv, activity), bwd.dbias)
+            plan = HopperBackwardPlan(fwd, problem, bwd, _triton_fallback(
+                fwd, problem, grad_out, query, key, value, dq, dk, dv, activity))
         else:
             plan_class = (PackedBackwardPlan if bwd.route is BackwardRoute.PACKED
                           else BackwardPlan)

@@ -79,16 +79,17 @@ def backward_list_tile(problem: Problem) -> tuple[int, int] | None:
 
 
 class HopperBackwardPlan:
-    """The Hopper backward for one forward plan and gradient signature: boxes, layouts, grid
-    and scalars fixed once. A call computes delta (the rows' sum of dO * O, in torch), zeroes
+    """The Hopper backward for one forward plan and gradient signature (``problem``, the
+    backward's, and ``bwd``, its schedule: the tile and the bias gradient's plan): boxes,
+    layouts, grid and scalars fixed once. A call builds the loader's LSE and delta rows, zeroes
     the float32 dQ accumulator, makes the descriptors and launches, then converts dQ.
     ``fallback``: the plan of the Triton backward for calls whose addresses a descriptor cannot
     take (made on first need by ``make_fallback``)."""
 
     route = "hopper"
 
-    def __init__(self, fwd, tile: tuning.HopperBackwardTile, make_fallback, dbias=None):
-        problem = fwd.schedule.problem
+    def __init__(self, fwd, problem: Problem, bwd, make_fallback):
+        tile, dbias = bwd.launches, bwd.dbias
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
         element = gluon_dtype(problem.dtype)
