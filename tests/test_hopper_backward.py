@@ -81,17 +81,26 @@ def test_a_masked_backward_once_run_on_a_gpu_adds_its_list_tile_to_the_activity_
     assert schedule(problem, HOPPER_OPTIONS).backward.route is BackwardRoute.HOPPER
 
 
-def test_the_loader_rows_hold_scaled_lse_and_delta_padded_to_whole_query_blocks():
-    batch, seqlen_q, heads, head_dim = 2, 17, 3, 8
-    grad_out, out = (torch.randn(batch, seqlen_q, heads, head_dim) for _ in range(2))
+@pytest.mark.parametrize("sizes", [(2, 17, 3, 8), (1, 130, 2, 80), (2, 1, 1, 128)],
+                         ids=["Lq17-D8", "Lq130-D80", "Lq1-D128"])
+@pytest.mark.parametrize("layout", ["contiguous", "bhld"])
+def test_the_loader_rows_hold_scaled_lse_and_delta_padded_to_whole_query_blocks(sizes, layout):
+    """``loader_rows`` (one Triton launch, here interpreted) against torch: LSE x log2 e, +inf
+    where it is -inf and past Lq; delta = sum over D of dO * O in float32, 0 past Lq."""
+    batch, seqlen_q, heads, head_dim = sizes
+    grad_out, out = (torch.randn(batch, seqlen_q, heads, head_dim).to(torch.bfloat16)
+                     for _ in range(2))
+    if layout == "bhld":  # dO as a (B, H, L, D) tensor's transposed view
+        grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
     lse = torch.randn(batch, heads, seqlen_q)
-    lse[0, 1, 4] = float("-inf")  # a row that saw no key
+    lse[0, 0, seqlen_q // 2] = float("-inf")  # a row that saw no key
     rows = loader_rows(grad_out, out, lse, block_m=64)
-    assert rows.shape == (2, batch * heads, 64) and rows.stride(1) * 4 % 16 == 0
+    padded = -(-seqlen_q // 64) * 64
+    assert rows.shape == (2, batch * heads, padded) and rows.stride(1) * 4 % 16 == 0
     scaled = (lse * LOG2E).masked_fill(lse == float("-inf"), float("inf"))
-    assert torch.equal(rows[0, :, :seqlen_q], scaled.reshape(batch * heads, seqlen_q))
-    delta = (grad_out * out).sum(-1).transpose(1, 2).reshape(batch * heads, seqlen_q)
-    torch.testing.assert_close(rows[1, :, :seqlen_q], delta)
+    torch.testing.assert_close(rows[0, :, :seqlen_q], scaled.reshape(batch * heads, seqlen_q))
+    delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2)
+    torch.testing.assert_close(rows[1, :, :seqlen_q], delta.reshape(batch * heads, seqlen_q))
     assert (rows[0, :, seqlen_q:] == float("inf")).all() and (rows[1, :, seqlen_q:] == 0).all()
 
 

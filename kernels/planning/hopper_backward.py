@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.arith import LOG2E, ceil_div
-from ..runtime.launch import DescriptorLaunch
+from ..runtime.arith import LOG2E, ceil_div, next_power_of_2
+from ..runtime.launch import DescriptorLaunch, launch
 from ..runtime.routes import note_route
+from ..triton_device.backward_rows import _loader_rows_kernel
 from . import tuning
 from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
                              block_head_dim, describe, gluon_dtype, hopper_gap, mask_geometry,
                              mask_kind)
 from .problem import Problem, tma_strides
+
+LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
 
 try:
     from triton.experimental.gluon import language as gl
@@ -212,16 +215,17 @@ def loader_rows(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     """The rows the backward's loader copies a query block of: (2, B x Hq, Lq rounded up to
     ``block_m``) float32, first LSE x log2 e (+inf where a row saw no key, and past Lq: P = 0
     there), then delta, the rows' sum of dO * O (0 past Lq). Padded, every query block's rows
-    start 16-byte aligned, as TMA needs. ``grad_out``, ``out``: (B, Lq, Hq, D); ``lse``:
-    (B, Hq, Lq) natural-log float32."""
+    start 16-byte aligned, as TMA needs. ``grad_out``, ``out``: (B, Lq, Hq, D), last dim
+    contiguous; ``lse``: (B, Hq, Lq) natural-log float32, contiguous. One launch
+    (``_loader_rows_kernel``), reading dO and O in their dtype: torch's einsum over float32
+    copies of both read and wrote about three times their bytes."""
     batch, heads, seqlen_q = lse.shape
-    rows = torch.empty((2, batch * heads, ceil_div(seqlen_q, block_m) * block_m),
-                       dtype=torch.float32, device=lse.device)
-    scaled = rows[0, :, :seqlen_q].view(batch, heads, seqlen_q)
-    torch.mul(lse, LOG2E, out=scaled)
-    scaled.masked_fill_(lse == float("-inf"), float("inf"))
-    rows[0, :, seqlen_q:] = float("inf")
-    delta = rows[1, :, :seqlen_q].view(batch, heads, seqlen_q)
-    delta.copy_(torch.einsum("blhd,blhd->bhl", grad_out.float(), out.float()))
-    rows[1, :, seqlen_q:] = 0.0
+    padded = ceil_div(seqlen_q, block_m) * block_m
+    rows = torch.empty((2, batch * heads, padded), dtype=torch.float32, device=lse.device)
+    head_dim = grad_out.shape[-1]
+    launch(_loader_rows_kernel, (batch * heads, ceil_div(padded, LOADER_ROWS_BLOCK)),
+           grad_out, out, lse, rows, *grad_out.stride()[:3], *out.stride()[:3], heads,
+           seqlen_q, padded, batch * heads, HEAD_DIM=head_dim,
+           BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_M=LOADER_ROWS_BLOCK, num_warps=4,
+           num_stages=1)
     return rows
