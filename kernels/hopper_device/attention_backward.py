@@ -1,7 +1,9 @@
 """The attention backward for Hopper (dense, stage 1): one loader warp and two consumer
 warpgroups per program, in FlashAttention-3's form.
 
-A program owns one key block of ``BLOCK_N`` = 2 x 64 keys of one (batch, key head): its K and V
+The role pieces live beside the forward's: ``ring.QueryRing`` (the loader's Q, dO, LSE and
+delta slots), ``tiles.KeyBlockWork`` (a program's key block and the query blocks it walks),
+``bias.BiasRow``. A program owns one key block of ``BLOCK_N`` = 2 x 64 keys of one (batch, key head): its K and V
 tiles arrive once, and consumer warpgroup w owns keys [w * 64, (w + 1) * 64) of them, with
 their dK and dV accumulators in registers for the whole program. The program walks every query
 head of the key head's GQA group and, per head, the query blocks of ``BLOCK_M`` = 64 rows that
@@ -61,190 +63,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_compat import (aggregate, reinterpret, store_wait_written, thread_barrier,
-                           tma_atomic_add, tma_load, tma_store)
-from .ring import copy_view, plane_view
 from .attention_forward import INTERVAL_WORDS, MASK_TILE, NO_MASK
-from .tiles import BlockLists
+from .bias import BiasRow
+from .gluon_compat import (reinterpret, store_wait_written, thread_barrier, tma_atomic_add,
+                           tma_load, tma_store)
+from .ring import QueryRing, copy_view, plane_view
+from .tiles import BlockLists, KeyBlockWork
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
-LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@aggregate
-class QueryRing:
-    """STAGES slots of a query block's Q and dO tiles and its rows' LSE and delta. Ring
-    position p (the query blocks this program has loaded so far) lives in slot p % STAGES on
-    lap p // STAGES; its ``ready`` barrier completes when the four copies landed, its ``free``
-    barrier when both consumer warpgroups are done with the slot (two arrivals). The loader
-    waits one lap behind on ``free`` (a fresh barrier passes a wait for the parity before
-    phase 0)."""
-    queries: gl.shared_memory_descriptor
-    grads: gl.shared_memory_descriptor
-    lse: gl.shared_memory_descriptor
-    delta: gl.shared_memory_descriptor
-    masks: gl.shared_memory_descriptor
-    ready: gl.shared_memory_descriptor
-    free: gl.shared_memory_descriptor
-    STAGES: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, queries, grads, lse, delta, masks, ready, free, STAGES):
-        self.queries = queries
-        self.grads = grads
-        self.lse = lse
-        self.delta = delta
-        self.masks = masks
-        self.ready = ready
-        self.free = free
-        self.STAGES = gl.constexpr(STAGES)
-
-    @gluon.jit
-    def fill(self, position, q_desc, do_desc, rows_desc, batch, first_row, q_head, lse_row,
-             delta_row, mask_desc, mask_at, tested):
-        """Loader: copy query rows [first_row, first_row + BLOCK_M) of Q and dO, and their
-        scaled LSE and delta (rows ``lse_row`` and ``delta_row`` of ``rows_desc``), into the
-        slot of ``position`` once both consumers have freed it; where ``tested``, also the
-        mask bytes of those rows by the program's key block (``mask_desc``'s box at
-        ``mask_at``)."""
-        slot = position % self.STAGES
-        mbarrier.wait(self.free.index(slot), ((position // self.STAGES) & 1) ^ 1)
-        # (The byte counts are written out: a sum assigned to a name is no longer constant.)
-        if tested:
-            mbarrier.expect(self.ready.index(slot),
-                            q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + 2 * rows_desc.block_type.nbytes + mask_desc.block_type.nbytes)
-            tma_load(mask_desc, mask_at, self.ready.index(slot),
-                     plane_view(self.masks.index(slot)))
-        else:
-            mbarrier.expect(self.ready.index(slot),
-                            q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + 2 * rows_desc.block_type.nbytes)
-        tma_load(q_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
-                 copy_view(self.queries.index(slot)))
-        tma_load(do_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
-                 copy_view(self.grads.index(slot)))
-        tma_load(rows_desc, [lse_row, first_row], self.ready.index(slot),
-                 self.lse.index(slot).reshape([1, self.lse.shape[1]]))
-        tma_load(rows_desc, [delta_row, first_row], self.ready.index(slot),
-                 self.delta.index(slot).reshape([1, self.delta.shape[1]]))
-
-    @gluon.jit
-    def wait(self, position):
-        """Consumer: wait for the slot of ``position``; returns it."""
-        slot = position % self.STAGES
-        mbarrier.wait(self.ready.index(slot), (position // self.STAGES) & 1)
-        return slot
-
-    @gluon.jit
-    def release(self, slot):
-        """Consumer: this warpgroup is done with ``slot``."""
-        mbarrier.arrive(self.free.index(slot), count=1)
-
-
-@aggregate
-class BiasRow:
-    """A bias of one row per (batch, head), added to the scores of every query row (flash-
-    dmattn's (B, Hk, 1, Lk) form; its head and batch axes may broadcast), and the float32 or
-    bias-dtype rows its gradient goes to: per (batch, key head) summed over the GQA group
-    (``GROUP_SUM``), or per (batch, query head). Strides in elements; the gradient's keys are
-    contiguous."""
-    ptr: gl.tensor
-    stride_b: gl.tensor
-    stride_h: gl.tensor
-    stride_k: gl.tensor
-    head_div: gl.tensor
-    grad_ptr: gl.tensor
-    grad_stride_b: gl.tensor
-    grad_stride_h: gl.tensor
-    GROUP_SUM: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, ptr, stride_b, stride_h, stride_k, head_div, grad_ptr, grad_stride_b,
-                 grad_stride_h, GROUP_SUM):
-        self.ptr = ptr
-        self.stride_b = stride_b
-        self.stride_h = stride_h
-        self.stride_k = stride_k
-        self.head_div = head_div
-        self.grad_ptr = grad_ptr
-        self.grad_stride_b = grad_stride_b
-        self.grad_stride_h = grad_stride_h
-        self.GROUP_SUM = gl.constexpr(GROUP_SUM)
-
-    @gluon.jit
-    def load(self, batch, q_head, keys, seqlen_k):
-        """The bias of ``keys`` for query head ``q_head``, times log2 e, in float32 (0 past
-        Lk)."""
-        row = (self.ptr + batch.to(gl.int64) * self.stride_b
-               + (q_head // self.head_div).to(gl.int64) * self.stride_h)
-        values = gl.load(row + keys.to(gl.int64) * self.stride_k, mask=keys < seqlen_k,
-                         other=0.0)
-        return values.to(gl.float32) * LOG2E
-
-    @gluon.jit
-    def store_grad(self, batch, head, keys, seqlen_k, grad):
-        """Write ``grad`` (float32, one per key) as row (batch, head) of the gradient."""
-        row = (self.grad_ptr + batch.to(gl.int64) * self.grad_stride_b
-               + head.to(gl.int64) * self.grad_stride_h)
-        gl.store(row + keys, grad.to(self.grad_ptr.dtype.element_ty), mask=keys < seqlen_k)
-
-
-@aggregate
-class KeyBlockWork:
-    """The program's key block and the query blocks that see it. A grid of (key blocks) x
-    (batch x key heads) programs: without causality a (batch, key head)'s key blocks start
-    together (its Q and dO rows are read from L2 by all of them); with causality programs
-    start in the order of their key block, those walking the most query blocks first (H200,
-    B2 H16/4 L4096 D64: 1.08 -> 0.82 ms; with it, non-causal D128 L8192 ran 4% slower)."""
-    seqlen_q: gl.tensor
-    seqlen_k: gl.tensor
-    heads_q: gl.tensor
-    heads_kv: gl.tensor
-    group: gl.tensor
-    BLOCK_M: gl.constexpr
-    BLOCK_N: gl.constexpr
-    CAUSAL: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL):
-        self.seqlen_q = seqlen_q
-        self.seqlen_k = seqlen_k
-        self.heads_q = heads_q
-        self.heads_kv = heads_kv
-        self.group = group
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.CAUSAL = gl.constexpr(CAUSAL)
-
-    @gluon.jit
-    def coordinates(self):
-        """(batch, key head, first key) of this program."""
-        key_blocks = gl.cdiv(self.seqlen_k, self.BLOCK_N)
-        pid = gl.program_id(0)
-        if self.CAUSAL:
-            bh = pid % self.batch_heads()
-            key_block = pid // self.batch_heads()
-        else:
-            bh = pid // key_blocks
-            key_block = pid % key_blocks
-        return bh // self.heads_kv, bh % self.heads_kv, key_block * self.BLOCK_N
-
-    @gluon.jit
-    def batch_heads(self):
-        """B x Hk."""
-        return gl.num_programs(0) // gl.cdiv(self.seqlen_k, self.BLOCK_N)
-
-    @gluon.jit
-    def query_blocks(self, first_key):
-        """[first, stop) query blocks with a row that may see a key of the block: with
-        causality (bottom-right) row r sees keys up to r + Lk - Lq."""
-        stop = gl.cdiv(self.seqlen_q, self.BLOCK_M)
-        first = 0
-        if self.CAUSAL:
-            first = gl.maximum(first_key - (self.seqlen_k - self.seqlen_q), 0) // self.BLOCK_M
-            first = gl.minimum(first, stop)
-        return first, stop
 
 
 @gluon.jit

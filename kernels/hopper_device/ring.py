@@ -6,7 +6,10 @@ barrier's phase parity on lap n is n & 1. The loader waits for a slot's ``free``
 lap behind (a barrier that has completed no phase passes a wait for the parity of the phase
 before phase 0, so the ring's first lap does not wait), the consumers for its ``ready``
 barrier on the lap itself. A masked forward keeps a tile of mask bytes beside each K slot,
-copied on K's ``ready`` barrier and freed with it (``fill_tested``)."""
+copied on K's ``ready`` barrier and freed with it (``fill_tested``).
+
+The backward's ring (``QueryRing``) works the same way over query blocks: Q, dO, their rows'
+LSE and delta (and a tested block's mask bytes) per slot, one ``ready`` barrier for all."""
 
 
 from triton.experimental import gluon
@@ -131,3 +134,74 @@ class KeyValueRing:
     def free_values(self, slot):
         """Consumer: this warpgroup is done with the V block in ``slot``."""
         mbarrier.arrive(self.values_free.index(slot), count=1)
+
+
+@aggregate
+class QueryRing:
+    """STAGES slots of a query block's Q and dO tiles and its rows' LSE and delta. Ring
+    position p (the query blocks this program has loaded so far) lives in slot p % STAGES on
+    lap p // STAGES; its ``ready`` barrier completes when the four copies landed, its ``free``
+    barrier when both consumer warpgroups are done with the slot (two arrivals). The loader
+    waits one lap behind on ``free`` (a fresh barrier passes a wait for the parity before
+    phase 0)."""
+    queries: gl.shared_memory_descriptor
+    grads: gl.shared_memory_descriptor
+    lse: gl.shared_memory_descriptor
+    delta: gl.shared_memory_descriptor
+    masks: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, queries, grads, lse, delta, masks, ready, free, STAGES):
+        self.queries = queries
+        self.grads = grads
+        self.lse = lse
+        self.delta = delta
+        self.masks = masks
+        self.ready = ready
+        self.free = free
+        self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def fill(self, position, q_desc, do_desc, rows_desc, batch, first_row, q_head, lse_row,
+             delta_row, mask_desc, mask_at, tested):
+        """Loader: copy query rows [first_row, first_row + BLOCK_M) of Q and dO, and their
+        scaled LSE and delta (rows ``lse_row`` and ``delta_row`` of ``rows_desc``), into the
+        slot of ``position`` once both consumers have freed it; where ``tested``, also the
+        mask bytes of those rows by the program's key block (``mask_desc``'s box at
+        ``mask_at``)."""
+        slot = position % self.STAGES
+        mbarrier.wait(self.free.index(slot), ((position // self.STAGES) & 1) ^ 1)
+        # (The byte counts are written out: a sum assigned to a name is no longer constant.)
+        if tested:
+            mbarrier.expect(self.ready.index(slot),
+                            q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + 2 * rows_desc.block_type.nbytes + mask_desc.block_type.nbytes)
+            tma_load(mask_desc, mask_at, self.ready.index(slot),
+                     plane_view(self.masks.index(slot)))
+        else:
+            mbarrier.expect(self.ready.index(slot),
+                            q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + 2 * rows_desc.block_type.nbytes)
+        tma_load(q_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
+                 copy_view(self.queries.index(slot)))
+        tma_load(do_desc, [batch, first_row, q_head, 0], self.ready.index(slot),
+                 copy_view(self.grads.index(slot)))
+        tma_load(rows_desc, [lse_row, first_row], self.ready.index(slot),
+                 self.lse.index(slot).reshape([1, self.lse.shape[1]]))
+        tma_load(rows_desc, [delta_row, first_row], self.ready.index(slot),
+                 self.delta.index(slot).reshape([1, self.delta.shape[1]]))
+
+    @gluon.jit
+    def wait(self, position):
+        """Consumer: wait for the slot of ``position``; returns it."""
+        slot = position % self.STAGES
+        mbarrier.wait(self.ready.index(slot), (position // self.STAGES) & 1)
+        return slot
+
+    @gluon.jit
+    def release(self, slot):
+        """Consumer: this warpgroup is done with ``slot``."""
+        mbarrier.arrive(self.free.index(slot), count=1)

@@ -1,4 +1,5 @@
-"""The tile scheduler and the key-block walk of the Hopper forward.
+"""The tile scheduler and the key-block walk of the Hopper forward, and the backward's
+programs (``KeyBlockWork``: a key block each, walking the query blocks that see it).
 
 A work tile is ROWS2 = 2 x ROWS query rows of one (batch, query head). A persistent grid of at
 most one program per multiprocessor walks the ``num_tiles`` = ``row_tiles`` x ``batch_heads``
@@ -122,3 +123,60 @@ class BlockLists:
         """The key block at ``position`` of a list row of ``count`` blocks (block 0 for an
         empty list's one walk)."""
         return gl.load(row + 2 + position, mask=position < count, other=0)
+
+
+@aggregate
+class KeyBlockWork:
+    """The program's key block and the query blocks that see it. A grid of (key blocks) x
+    (batch x key heads) programs: without causality a (batch, key head)'s key blocks start
+    together (its Q and dO rows are read from L2 by all of them); with causality programs
+    start in the order of their key block, those walking the most query blocks first (H200,
+    B2 H16/4 L4096 D64: 1.08 -> 0.82 ms; with it, non-causal D128 L8192 ran 4% slower)."""
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    heads_q: gl.tensor
+    heads_kv: gl.tensor
+    group: gl.tensor
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL):
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+        self.heads_q = heads_q
+        self.heads_kv = heads_kv
+        self.group = group
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+
+    @gluon.jit
+    def coordinates(self):
+        """(batch, key head, first key) of this program."""
+        key_blocks = gl.cdiv(self.seqlen_k, self.BLOCK_N)
+        pid = gl.program_id(0)
+        if self.CAUSAL:
+            bh = pid % self.batch_heads()
+            key_block = pid // self.batch_heads()
+        else:
+            bh = pid // key_blocks
+            key_block = pid % key_blocks
+        return bh // self.heads_kv, bh % self.heads_kv, key_block * self.BLOCK_N
+
+    @gluon.jit
+    def batch_heads(self):
+        """B x Hk."""
+        return gl.num_programs(0) // gl.cdiv(self.seqlen_k, self.BLOCK_N)
+
+    @gluon.jit
+    def query_blocks(self, first_key):
+        """[first, stop) query blocks with a row that may see a key of the block: with
+        causality (bottom-right) row r sees keys up to r + Lk - Lq."""
+        stop = gl.cdiv(self.seqlen_q, self.BLOCK_M)
+        first = 0
+        if self.CAUSAL:
+            first = gl.maximum(first_key - (self.seqlen_k - self.seqlen_q), 0) // self.BLOCK_M
+            first = gl.minimum(first, stop)
+        return first, stop
