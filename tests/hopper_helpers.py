@@ -77,6 +77,15 @@ def shape_id(sizes) -> str:
     return "B{}-Lq{}-Lk{}-H{}/{}-D{}".format(*sizes)
 
 
+def fuzzed_dims(rng, max_batch: int, max_length: int) -> Dims:
+    """A fuzz case's sizes: batch and both lengths from 1 up, 1-3 key heads in GQA groups of
+    1, 2 or 4 (MQA too), head dims 8-128 in steps of 8."""
+    heads_kv = rng.choice([1, 2, 3])
+    return Dims(rng.randint(1, max_batch), rng.randint(1, max_length),
+                rng.randint(1, max_length), heads_kv * rng.choice([1, 2, 4]), heads_kv,
+                8 * rng.randint(1, 16))
+
+
 def fuzzed_mask(rng, dims: Dims, device) -> torch.Tensor:
     """A random bool mask for a fuzz case: any batch and head broadcast (a stride-0 expand of
     a batch of one too), keep 0-100% (empty rows and key blocks no row sees), and odd key

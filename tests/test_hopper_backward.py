@@ -16,7 +16,8 @@ import torch
 from attn_helpers import (Dims, forcing, random_bias, random_intervals, random_mask,
                           random_qkv, run_backward)
 from kernels import prepare_mask
-from hopper_helpers import MASKED_SHAPES, band, fuzzed_mask, hopper_problem, shape_id
+from hopper_helpers import (MASKED_SHAPES, band, fuzzed_dims, fuzzed_mask, hopper_problem,
+                            shape_id)
 from kernels import record_routes
 from kernels.planning import tuning
 from kernels.runtime.arith import LOG2E
@@ -167,9 +168,7 @@ def test_hopper_backward_on_random_shapes(device):
     causal or not."""
     rng = random.Random(66)
     for _ in range(30):
-        heads_kv = rng.choice([1, 2, 3])
-        dims = Dims(rng.randint(1, 2), rng.randint(1, 2000), rng.randint(1, 2000),
-                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        dims = fuzzed_dims(rng, max_batch=2, max_length=2000)
         q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device)
         _backward_on_hopper(q, k, v, rng.random() < 0.5)
 
@@ -241,9 +240,7 @@ def test_masked_hopper_backward_on_random_shapes(device, masks_ran_on_gpu):
     no row sees), causal or not, both dtypes, prepared masks."""
     rng = random.Random(166)
     for _ in range(100):
-        heads_kv = rng.choice([1, 2, 3])
-        dims = Dims(rng.randint(1, 2), rng.randint(1, 1500), rng.randint(1, 1500),
-                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        dims = fuzzed_dims(rng, max_batch=2, max_length=1500)
         q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device)
         mask = fuzzed_mask(rng, dims, device)
         causal = rng.random() < 0.5

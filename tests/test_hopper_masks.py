@@ -17,8 +17,8 @@ import torch
 
 from attn_helpers import (Dims, random_intervals, random_mask, random_qkv, run_backward,
                           run_forward)
-from hopper_helpers import (FORCED, HOPPER, MASKED_SHAPES, band, fuzzed_mask, hopper_problem,
-                            shape_id, sized)
+from hopper_helpers import (FORCED, HOPPER, MASKED_SHAPES, band, fuzzed_dims, fuzzed_mask,
+                            hopper_problem, shape_id, sized)
 from kernels import prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.activity import ActivityMap
@@ -269,9 +269,7 @@ def test_masked_hopper_forward_on_random_shapes(device):
     strided q, k and v, and prepared masks. NaN never passes (``run_forward``)."""
     rng = random.Random(65)
     for _ in range(300):
-        heads_kv = rng.choice([1, 2, 3])
-        dims = Dims(rng.randint(1, 3), rng.randint(1, 1500), rng.randint(1, 1500),
-                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        dims = fuzzed_dims(rng, max_batch=3, max_length=1500)
         q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device,
                              rng.choice(["contiguous", "bhld"]))
         mask = fuzzed_mask(rng, dims, device)

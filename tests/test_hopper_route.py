@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from attn_helpers import Dims, random_qkv, run_backward, run_forward
-from hopper_helpers import (FORCED, HOPPER, band, count_hopper_launches, hopper_problem,
-                            shape_id, sized)
+from hopper_helpers import (FORCED, HOPPER, band, count_hopper_launches, fuzzed_dims,
+                            hopper_problem, shape_id, sized)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.hopper_forward import hopper_gap
@@ -241,9 +241,7 @@ def test_hopper_forward_on_random_shapes(device):
     causal or not."""
     rng = random.Random(55)
     for _ in range(40):
-        heads_kv = rng.choice([1, 2, 3])
-        dims = Dims(rng.randint(1, 3), rng.randint(1, 3000), rng.randint(1, 3000),
-                    heads_kv * rng.choice([1, 2, 4]), heads_kv, 8 * rng.randint(1, 16))
+        dims = fuzzed_dims(rng, max_batch=3, max_length=3000)
         dtype = rng.choice([torch.bfloat16, torch.float16])
         q, k, v = random_qkv(dims, dtype, device)
         run_forward(q, k, v, causal=rng.random() < 0.5, func=HOPPER)

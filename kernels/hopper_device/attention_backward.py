@@ -76,6 +76,7 @@ CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile, kv_ready,
             ring, work, lists, MASK_KIND: gl.constexpr):
+    MASKED: gl.constexpr = MASK_KIND != NO_MASK
     batch, kv_head, first_key = work.coordinates()
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
@@ -86,28 +87,28 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
         q_head = kv_head * work.group + g
         lse_row = batch * work.heads_q + q_head
         delta_row = lse_row + work.batch_heads() * work.group  # past the B x Hq LSE rows
-        if MASK_KIND == MASK_TILE:  # the head's list: full query blocks, then tested ones
+        if MASKED:  # the head's list: full query blocks, then tested ones
             row, mask_batch, mask_head = lists.row(batch, q_head, first_key // work.BLOCK_N)
             count, full = lists.counts(row)
-            for j in range(count):
-                m = lists.block(row, j, count)
+            walk_start = 0
+            walk_stop = count
+        else:
+            walk_start = first
+            walk_stop = stop
+        for j in range(walk_start, walk_stop):
+            if MASKED:
+                m = lists.block(row, j, walk_stop)
+            else:
+                m = j
+            if MASK_KIND == MASK_TILE:  # a tested block's bytes come with Q (KeyIntervals'
+                # words the consumers load themselves)
                 ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
                           lse_row, delta_row, mask_desc,
                           (mask_batch, mask_head, m * work.BLOCK_M, first_key), j >= full)
-                position += 1
-        elif MASK_KIND == INTERVAL_WORDS:  # the consumers read the keys' words themselves
-            row, _, _ = lists.row(batch, q_head, first_key // work.BLOCK_N)
-            count, _ = lists.counts(row)
-            for j in range(count):
-                m = lists.block(row, j, count)
+            else:
                 ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
                           lse_row, delta_row, None, None, False)
-                position += 1
-        else:
-            for m in range(first, stop):
-                ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
-                          lse_row, delta_row, None, None, False)
-                position += 1
+            position += 1
 
 
 @gluon.jit

@@ -119,7 +119,7 @@ class HopperBackwardPlan:
             self.mask_box = [1, 1, tile.block_m, tile.block_n]
             self.mask_layout = gl.NVMMASharedLayout.get_default_for(self.mask_box, gl.uint8)
             self.list_tile = (tile.block_n, tile.block_m)  # keys on rows (transposed)
-            self.activity = fwd.activity  # the plan's map; a plan with lists per call has none
+        self.lists_activity = fwd.lists_activity  # the map a call's lists come from
         self.launch = DescriptorLaunch(
             attention_backward,
             (shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k, tile.block_n),),
@@ -191,16 +191,13 @@ class HopperBackwardPlan:
         is read else 0; the words' batch and head strides): the kernel's mask and list
         arguments for a call's mask (its (B, H, Lq, Lk) broadcast view; KeyIntervals' int64
         words with a query stride of 0)."""
-        lists = (activity if activity is not None else self.activity).lists(
-            *self.list_tile, transposed=True)
-        table = lists.table
+        table = self.lists_activity(activity).lists(*self.list_tile, transposed=True).table
         heads_q = self.shape.heads_q
-        if self.kind == INTERVAL_WORDS:
-            mask_head_div = heads_q // mask.shape[1]
-            mask_batches = int(mask.shape[0] > 1)
-            mask_arg, word_strides = mask, (mask.stride(0), mask.stride(1))
+        words = self.kind == INTERVAL_WORDS
+        shape, strides, mask_head_div, mask_batches = mask_geometry(mask, heads_q, words)
+        if words:  # the kernel loads them itself, by the view's batch and head strides
+            mask_arg, word_strides = mask, strides[:2]
         else:
-            shape, strides, mask_head_div, mask_batches = mask_geometry(mask, heads_q)
             mask_arg = TensorDescriptor(mask.view(torch.uint8), shape, strides, self.mask_box,
                                         self.mask_layout)
             word_strides = (0, 0)

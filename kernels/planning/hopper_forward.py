@@ -223,10 +223,10 @@ def mask_geometry(view: torch.Tensor, heads_q: int,
                    words: bool = False) -> tuple[list, list, int, int]:
     """(shape, strides, query heads per mask head, 1 if the batch is read else 0) of the
     descriptor over a mask's (B, H, Lq, Lk) broadcast view: (Bm, Hm, Lq or 1, Lk) for a bool
-    mask, (Bm, Hm, 2 x Lk) for KeyIntervals' words viewed as int32 pairs (``words``; their
-    query stride is 0). An axis
-    of stride 0 or length 1 becomes one of length 1, read at index 0, its stride a stand-in
-    multiple of 16 bytes."""
+    mask; for KeyIntervals' words (``words``: their query stride is 0, dropped) (Bm, Hm, Lk),
+    or (Bm, Hm, 2 x Lk) for the words viewed as int32 pairs, strides in the view's elements.
+    An axis of stride 0 or length 1 becomes one of length 1, read at index 0, its stride a
+    stand-in multiple of 16 bytes."""
     sizes, strides = list(view.shape), list(view.stride())
     if words:
         sizes, strides = sizes[:2] + sizes[3:], strides[:2] + strides[3:]
