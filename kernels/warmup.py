@@ -42,6 +42,7 @@ from .planning.backward_schedule import dkdv_takes_wide_tile
 from .planning.forward import interpreted
 from .planning.forward_schedule import interval_tile_rows
 from .planning.gather_decode import lists_pay
+from .planning.hopper_backward import takes_hopper_backward
 from .planning.inputs import AttnShape
 from .planning.problem import Problem
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
@@ -101,27 +102,50 @@ def window_lengths(lengths, window: int, is_causal: bool, rows: int = 1) -> tupl
     return threshold_lengths(lengths, ordering_threshold(window, is_causal, rows))
 
 
+def first_length(holds, limit: int) -> int | None:
+    """The shortest length L <= ``limit`` at which ``holds(L)`` (a rule that, once true, holds
+    for every longer length), or None where it does not hold at ``limit``."""
+    if not holds(limit):
+        return None
+    low, high = 1, limit
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(middle) else (middle + 1, high)
+    return low
+
+
+def square_problem(seqlen: int, batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
+                   device, is_causal: bool, gpu: tuple[int, int] | None = None) -> Problem:
+    """A dense call of ``seqlen`` query rows and keys on ``device`` (a GPU of compute
+    capability ``gpu``), its operands laid out for TMA: what the schedule's shape rules read."""
+    device = torch.device(device)
+    on_interpreter = interpreted()
+    shape = AttnShape(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen,
+                      seqlen_k=seqlen, head_dim=head_dim)
+    return Problem(shape, dtype, device, on_interpreter,
+                   multiprocessors(device, on_interpreter), is_causal=is_causal,
+                   softmax_scale=1.0, capability=gpu, tma_operands=True)
+
+
 def wide_tile_threshold(batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
                         device, limit: int) -> int | None:
     """The shortest length L <= ``limit`` at which a call with L query rows and L keys takes
     dkdv's wide tile by the shape rule (``backward_schedule.dkdv_takes_wide_tile``; every longer
     length does too), or None."""
-    on_interpreter = interpreted()
-    sms = multiprocessors(torch.device(device), on_interpreter)
+    return first_length(lambda seqlen: dkdv_takes_wide_tile(square_problem(
+        seqlen, batch, heads_q, heads_kv, head_dim, dtype, device, is_causal=False)), limit)
 
-    def wide(seqlen: int) -> bool:
-        shape = AttnShape(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen,
-                          seqlen_k=seqlen, head_dim=head_dim)
-        return dkdv_takes_wide_tile(Problem(shape, dtype, torch.device(device), on_interpreter,
-                                            sms, is_causal=False, softmax_scale=1.0))
 
-    if not wide(limit):
+def hopper_backward_threshold(batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
+                              device, is_causal: bool, limit: int) -> int | None:
+    """The shortest length L <= ``limit`` from which a call with L query rows and L keys takes
+    the Hopper backward by default (``hopper_backward.takes_hopper_backward``: its query blocks
+    walked per key block grow with L), or None (never, or not on this GPU)."""
+    gpu = capability(torch.device(device), interpreted())
+    if gpu is None:
         return None
-    low, high = 1, limit
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if wide(middle) else (middle + 1, high)
-    return low
+    return first_length(lambda seqlen: takes_hopper_backward(square_problem(
+        seqlen, batch, heads_q, heads_kv, head_dim, dtype, device, is_causal, gpu)), limit)
 
 
 def threshold_lengths(lengths, threshold: int | None) -> tuple[int, ...]:
@@ -156,7 +180,8 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
     ``seqlens`` (``warmup_lengths``), and where those lie on both sides of a length at which
     the schedule changes, the two ends of each side (``threshold_lengths``): the ordering
     threshold with a ``window``, the forward's interval tile with interval masks
-    (``forward_schedule.interval_tile_rows``) and dkdv's wide tile with ``backward``. Decode
+    (``forward_schedule.interval_tile_rows``), and dkdv's wide tile and the Hopper backward
+    (on a Hopper GPU) with ``backward``. Decode
     calls (``query_rows``: the lengths are the caches') change form at one cache length only,
     with a ``window``: where they start to take the gather route (``gather_threshold``)."""
     lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
@@ -175,6 +200,9 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
         for kv_heads in {heads_kv, heads_q if selection_heads == heads_q else heads_kv}:
             lengths = list(threshold_lengths(lengths, wide_tile_threshold(
                 batch, heads_q, kv_heads, head_dim, dtype, device, max(lengths))))
+        # and the Hopper backward takes over at one length
+        lengths = list(threshold_lengths(lengths, hopper_backward_threshold(
+            batch, heads_q, heads_kv, head_dim, dtype, device, is_causal, max(lengths))))
     return tuple(lengths)
 
 
@@ -261,7 +289,8 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     shortest and longest length a model uses: each schedule decision that follows the length
     (key splits where a short grid underfills the GPU, dkdv's stages) changes at one
     threshold, so lengths between them take forms the two ends compile; where dkdv's tile
-    (``wide_tile_threshold``) or, with interval masks, the forward's tile
+    (``wide_tile_threshold``), the backward's route (``hopper_backward_threshold``, on a Hopper
+    GPU) or, with interval masks, the forward's tile
     (``forward_schedule.interval_tile_rows``) changes between them, the lengths next to that
     threshold on each side run too (``call_lengths``). On the H100, after a warm-up at 1000
     and 8000, calls at 20 lengths between compiled nothing (``dmbench compile-cost --warmup``)

@@ -383,6 +383,7 @@ def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
                  bias_view=_identity, deterministic=False, grad_out=None,
                  func=dmattn_func) -> BackwardRun:
     """Kernel gradients (under an AllocationWatch) against float64 autograd of the reference.
+    ``mask`` as in ``run_forward`` (a ``PreparedMask``'s reference reads the mask it holds).
 
     The truth is the reference computed in float64 from float32 copies of the inputs (exact for
     every supported dtype); its gradients land in float32, far below every tolerance floor. The
@@ -395,6 +396,8 @@ def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
         grads = grads_of(func, q, k, v, mask, bias, causal, scale, grad_out, bias_view,
                          deterministic=deterministic)
     assert not watch.copies, f"mask or bias copied: {watch.copies}"
+    if isinstance(mask, PreparedMask):
+        mask = mask.mask
     upcast = [None if t is None else t.detach().float() for t in (q, k, v, bias)]
     ref = grads_of(attention_reference, *upcast[:3], mask, upcast[3], causal, scale,
                    grad_out.double(), bias_view)

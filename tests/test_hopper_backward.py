@@ -9,6 +9,7 @@ took, so a silent fallback fails it. Its offline compile is in ``test_hopper_off
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,12 +18,13 @@ from attn_helpers import (Dims, forcing, random_bias, random_intervals, random_m
                           random_qkv, run_backward)
 from kernels import prepare_mask
 from hopper_helpers import (MASKED_SHAPES, band, fuzzed_dims, fuzzed_mask, hopper_problem,
-                            shape_id)
+                            shape_id, sized)
 from kernels import record_routes
 from kernels.planning import tuning
 from kernels.runtime.arith import LOG2E
 from kernels.planning.backward_schedule import BackwardRoute
-from kernels.planning.hopper_backward import backward_list_tile, hopper_backward_gap, loader_rows
+from kernels.planning.hopper_backward import (backward_list_tile, hopper_backward_gap, loader_rows,
+                                              mean_query_blocks)
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import activity_tiles, normalize_options, schedule
 
@@ -41,26 +43,51 @@ def test_forcing_the_hopper_backward_schedules_it():
     assert "backward: route=hopper" in str(sched)
 
 
-def test_the_triton_backward_stays_the_default():
-    assert schedule(dense_problem()).backward.route is not BackwardRoute.HOPPER
+@pytest.mark.parametrize("seqlen, head_dim, causal, extra, hopper", [
+    (512, 128, False, {}, True),  # walks 8 query blocks: 1.17x the Triton backward (H200)
+    (256, 128, False, {}, False),  # 4: not measured
+    (2048, 128, True, {}, False),  # 17, causal: 0.89x
+    (4096, 128, True, {}, True),  # 33: 1.37x
+    (1024, 64, False, {}, False),  # 16: 0.74x
+    (2048, 64, False, {}, True),  # 32: 1.02x
+    (8192, 128, True, {"deterministic": True}, False),  # 0.89x
+    (2048, 128, False, {"deterministic": True}, False),  # 32: 0.96x
+    (8192, 128, False, {"deterministic": True}, True),  # 128: 1.13x
+    (8192, 128, True, {"capability": (8, 0)}, False),  # not covered
+], ids=["D128-L512", "D128-L256", "D128-L2048-causal", "D128-L4096-causal", "D64-L1024",
+        "D64-L2048", "deterministic-causal", "deterministic-L2048", "deterministic-L8192",
+        "ampere"])
+def test_the_default_takes_the_hopper_backward_where_it_was_measured_ahead(seqlen, head_dim,
+                                                                           causal, extra,
+                                                                           hopper):
+    problem = dense_problem(shape=sized(seqlen_q=seqlen, seqlen_k=seqlen, head_dim=head_dim),
+                            is_causal=causal, **extra)
+    assert (schedule(problem).backward.route is BackwardRoute.HOPPER) == hopper
+
+
+def test_the_mean_walk_counts_the_query_blocks_each_key_block_sees():
+    """Causal, bottom-right aligned: key block j of 128 keys is seen from row 128 j - (Lk - Lq)
+    on; key blocks no row sees are not counted."""
+    full = dense_problem(shape=sized(seqlen_q=1000, seqlen_k=300), is_causal=False)
+    assert mean_query_blocks(full) == 16  # ceil(1000 / 64)
+    causal = replace(full, is_causal=True)
+    assert mean_query_blocks(causal) == (6 + 4 + 2) / 3  # key block j from row 700 + 128 j
+    square = dense_problem(shape=sized(seqlen_q=256, seqlen_k=256), is_causal=True)
+    assert mean_query_blocks(square) == (4 + 2) / 2
+    wide = dense_problem(shape=sized(seqlen_q=64, seqlen_k=1024), is_causal=True)
+    assert mean_query_blocks(wide) == 1
 
 
 @pytest.mark.parametrize("changes, reason", [
     ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True},
      "not yet a mask of one row"),
-    ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
-     "compiled offline only"),
-    ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}, "compiled offline only"),
     ({"bias": OperandLayout((2, 4, 4096, 4096), 4)}, "not yet a bias with a row per query"),
-    ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "compiled offline only"),
-    ({"deterministic": True}, "compiled offline only"),
     ({"deterministic": True, "mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
      "in any order"),
     ({"capability": (8, 0)}, "compute capability 9.0"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"tma_operands": False}, "TMA"),
-], ids=["one-row", "gated-intervals", "gated-mask", "full-bias", "gated-bias-row", "gated-deterministic", "masked-deterministic",
-        "ampere", "fp32", "strides"])
+], ids=["one-row", "full-bias", "masked-deterministic", "ampere", "fp32", "strides"])
 def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(changes, reason):
     problem = dense_problem(**changes)
     assert reason in hopper_backward_gap(problem)
@@ -68,32 +95,40 @@ def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(chan
         schedule(problem, HOPPER_OPTIONS)
 
 
-def test_a_masked_backward_once_run_on_a_gpu_adds_its_list_tile_to_the_activity_map(
-        monkeypatch):
-    """Gated, the masked form is refused and adds no list tile (the activity map keeps its
-    granularity); open, a prepared mask's map divides the Hopper backward's tile."""
-    problem = dense_problem(mask=OperandLayout((2, 4, 4096, 4096), 4), tma_mask=True)
-    forward = schedule(problem).forward
-    tile = (tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n)
-    assert backward_list_tile(problem) is None
-    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MASKS_RAN_ON_GPU", True)
-    assert hopper_backward_gap(problem) is None and backward_list_tile(problem) == tile
-    assert tile in activity_tiles(problem, forward)
+@pytest.mark.parametrize("changes", [
+    {"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
+    {"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
+    {"bias": OperandLayout((2, 4, 1, 4096), 4)},
+    {"deterministic": True},
+], ids=["mask", "intervals", "bias-row", "deterministic"])
+def test_masks_intervals_a_bias_row_and_deterministic_take_the_hopper_backward(changes):
+    problem = dense_problem(**changes)
+    assert hopper_backward_gap(problem) is None
     assert schedule(problem, HOPPER_OPTIONS).backward.route is BackwardRoute.HOPPER
+
+
+def test_a_masked_problem_puts_the_hopper_backwards_list_tile_in_the_activity_map():
+    """A prepared mask's map, built before any call's options are known, divides the Hopper
+    backward's tile."""
+    problem = dense_problem(mask=OperandLayout((2, 4, 4096, 4096), 4), tma_mask=True)
+    tile = (tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n)
+    assert backward_list_tile(problem) == tile
+    assert tile in activity_tiles(problem, schedule(problem).forward)
 
 
 @pytest.mark.parametrize("sizes", [(2, 17, 3, 8), (1, 130, 2, 80), (2, 1, 1, 128)],
                          ids=["Lq17-D8", "Lq130-D80", "Lq1-D128"])
 @pytest.mark.parametrize("layout", ["contiguous", "bhld"])
-def test_the_loader_rows_hold_scaled_lse_and_delta_padded_to_whole_query_blocks(sizes, layout):
-    """``loader_rows`` (one Triton launch, here interpreted) against torch: LSE x log2 e, +inf
+def test_the_loader_rows_hold_scaled_lse_and_delta_padded_to_whole_query_blocks(device, sizes,
+                                                                                 layout):
+    """``loader_rows`` (one Triton launch, interpreted on a CPU) against torch: LSE x log2 e, +inf
     where it is -inf and past Lq; delta = sum over D of dO * O in float32, 0 past Lq."""
     batch, seqlen_q, heads, head_dim = sizes
-    grad_out, out = (torch.randn(batch, seqlen_q, heads, head_dim).to(torch.bfloat16)
-                     for _ in range(2))
+    grad_out, out = (torch.randn(batch, seqlen_q, heads, head_dim, device=device)
+                     .to(torch.bfloat16) for _ in range(2))
     if layout == "bhld":  # dO as a (B, H, L, D) tensor's transposed view
         grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
-    lse = torch.randn(batch, heads, seqlen_q)
+    lse = torch.randn(batch, heads, seqlen_q, device=device)
     lse[0, 0, seqlen_q // 2] = float("-inf")  # a row that saw no key
     rows = loader_rows(grad_out, out, lse, block_m=64)
     padded = -(-seqlen_q // 64) * 64
@@ -173,12 +208,7 @@ def test_hopper_backward_on_random_shapes(device):
         _backward_on_hopper(q, k, v, rng.random() < 0.5)
 
 
-# -- the masked form (bool masks through the activity lists), once its gate is open
-@pytest.fixture
-def masks_ran_on_gpu(monkeypatch):
-    """The masked form as it will be once these tests pass on a GPU."""
-    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MASKS_RAN_ON_GPU", True)
-
+# -- the masked form (bool masks and KeyIntervals through the activity lists)
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("sizes", MASKED_SHAPES, ids=shape_id)
@@ -186,7 +216,7 @@ def masks_ran_on_gpu(monkeypatch):
                          ids=["B-Hq", "1-Hk", "B-1", "1-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("keep", [0.02, 0.5, 1.0], ids=["keep2", "keep50", "keep100"])
-def test_masked_hopper_backward_matches_the_reference(device, masks_ran_on_gpu, sizes, batch,
+def test_masked_hopper_backward_matches_the_reference(device, sizes, batch,
                                                       heads, causal, keep):
     dims = Dims(*sizes)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
@@ -197,8 +227,7 @@ def test_masked_hopper_backward_matches_the_reference(device, masks_ran_on_gpu, 
 @pytest.mark.hopper
 @pytest.mark.parametrize("window", [1, 100, 1024], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("prepared", [False, True], ids=["per-call", "prepared"])
-def test_masked_hopper_backward_walks_the_full_blocks_of_a_band(device, masks_ran_on_gpu,
-                                                                window, prepared):
+def test_masked_hopper_backward_walks_the_full_blocks_of_a_band(device, window, prepared):
     dims = Dims(2, 2048, 2048, 4, 2, 128)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     mask = band(dims, window, device)
@@ -218,7 +247,7 @@ BOTH = forcing(forward_route="hopper", backward="hopper")
                          ids=["B-Hq", "1-Hk", "B-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("prepared", [False, True], ids=["per-call", "prepared"])
-def test_hopper_backward_of_intervals_matches_the_reference(device, masks_ran_on_gpu, sizes,
+def test_hopper_backward_of_intervals_matches_the_reference(device, sizes,
                                                             batch, heads, causal, prepared):
     """KeyIntervals: each warpgroup loads its keys' (start, end) words once per query head
     and tests the list's partial blocks with them."""
@@ -233,7 +262,7 @@ def test_hopper_backward_of_intervals_matches_the_reference(device, masks_ran_on
 
 
 @pytest.mark.hopper
-def test_masked_hopper_backward_on_random_shapes(device, masks_ran_on_gpu):
+def test_masked_hopper_backward_on_random_shapes(device):
     """A seeded fuzz of 100 backwards: lengths up to 1500 (odd key lengths through a mask
     sliced from rows padded to 16 bytes), head dims 8-128, GQA/MQA, every batch and head
     broadcast of the mask (a stride-0 expand too), keep 0-100% (empty rows and key blocks
@@ -249,31 +278,34 @@ def test_masked_hopper_backward_on_random_shapes(device, masks_ran_on_gpu):
         _backward_on_hopper(q, k, v, causal, mask)
 
 
-# -- the ordered dQ (deterministic=True), once its gate is open
+# -- the ordered dQ (deterministic=True)
 @pytest.mark.hopper
 @pytest.mark.parametrize("sizes", [(2, 1025, 1025, 4, 1, 80), (1, 300, 700, 6, 2, 64),
                                    (2, 2048, 2048, 4, 2, 128)],
                          ids=shape_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_hopper_backward_is_bitwise_repeatable(device, monkeypatch, sizes,
-                                                             causal):
-    """Five backwards of one call give bitwise equal dq, dk and dv, which match the reference
-    (``run_backward``)."""
-    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU", True)
-    q, k, v = random_qkv(Dims(*sizes), torch.bfloat16, device)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias-row"])
+def test_deterministic_hopper_backward_is_bitwise_repeatable(device, sizes, causal, with_bias):
+    """Five backwards of one call give bitwise equal dq, dk, dv (and a bias row's gradient),
+    which match the reference (``run_backward``)."""
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = (random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.bfloat16, device)
+            if with_bias else None)
     with record_routes() as routes:
-        run_backward(q, k, v, causal=causal, deterministic=True, func=FORCED)
+        run_backward(q, k, v, bias=bias, causal=causal, deterministic=True, func=FORCED)
     assert set(routes.backward) == {"hopper"}, routes.describe()
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = FORCED(q, k, v, None, None, causal, deterministic=True)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
+    out = FORCED(*leaves[:3], None, leaves[3] if with_bias else None, causal,
+                 deterministic=True)
     grad = torch.randn_like(out)
-    first = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    first = torch.autograd.grad(out, leaves, grad, retain_graph=True)
     for _ in range(4):
-        again = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+        again = torch.autograd.grad(out, leaves, grad, retain_graph=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-# -- a bias row and its gradient, once its gate is open
+# -- a bias row and its gradient
 @pytest.mark.hopper
 @pytest.mark.parametrize("sizes", [(2, 300, 512, 4, 2, 128), (1, 1025, 1040, 4, 1, 80),
                                    (2, 17, 64, 2, 2, 64)],
@@ -282,13 +314,11 @@ def test_deterministic_hopper_backward_is_bitwise_repeatable(device, monkeypatch
                          ids=["B-Hk", "1-Hq", "B-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
-def test_hopper_backward_of_a_bias_row_matches_the_reference(device, monkeypatch, sizes, batch,
+def test_hopper_backward_of_a_bias_row_matches_the_reference(device, sizes, batch,
                                                              heads, causal, masked):
     """flash-dmattn's (B, Hk, 1, Lk) bias and its broadcasts, with its gradient (summed over
     the rows, and over the group where the bias has fewer heads than the queries), with and
     without a bool mask."""
-    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_BIAS_RAN_ON_GPU", True)
-    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MASKS_RAN_ON_GPU", True)
     dims = Dims(*sizes)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     bias = random_bias(dims.operand_shape(batch, heads, "1", "Lk"), torch.bfloat16,

@@ -152,9 +152,9 @@ def test_tma_reads_interval_words_with_16_byte_strides():
 def test_by_default_a_prepared_band_takes_the_hopper_route_and_a_random_mask_does_not(device):
     dims = Dims(1, 4096, 4096, 4, 2, 128)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
-    band = prepare_mask(band(dims, 2048, device), q, k, is_causal=True)
+    prepared_band = prepare_mask(band(dims, 2048, device), q, k, is_causal=True)
     scattered = random_mask((1, 1, 4096, 4096), device)
-    for mask, route in ((band, "hopper"), (scattered, "triton"),
+    for mask, route in ((prepared_band, "hopper"), (scattered, "triton"),
                         (prepare_mask(scattered, q, k, is_causal=True), "triton")):
         assert schedule_for(q, k, v, mask, is_causal=True).forward.route == route
         with record_routes() as routes:

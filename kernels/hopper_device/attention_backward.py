@@ -39,19 +39,16 @@ block walks, per query head, the query blocks of its activity list (``tiles.Bloc
 a bool mask's partial block the loader copies the mask's [BLOCK_M, BLOCK_N] bytes beside Q,
 and the consumers read their 64 keys of it transposed, in the score layout; KeyIntervals
 depend on the key alone, so each warpgroup loads its 64 keys' (start, end) once per query
-head and tests start <= row < end. Compiled offline; not yet run on a GPU
-(``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``).
+head and tests start <= row < end.
 
 With DETERMINISTIC (no mask), key block kb adds its partial of a query block after blocks
 0..kb-1 have (a lock per query block: both warpgroups' adds written, then a release
-increment), so dQ's sums run in one order. Compiled offline; not yet run on a GPU
-(``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``).
+increment), so dQ's sums run in one order.
 
 With a bias row (``BiasRow``: (.., .., 1, Lk), one value per key and head), each warpgroup
 loads its keys' bias once per query head and adds it to the scores, and with BIAS_GRAD sums
 dS^T over the rows it walks (and, with GROUP_SUM, over the group's heads) in registers,
-writing each gradient row once: no atomics, the same sums whatever the schedule. Compiled
-offline; not yet run on a GPU (``tuning.HOPPER_BACKWARD_BIAS_RAN_ON_GPU``).
+writing each gradient row once: no atomics, the same sums whatever the schedule.
 
 Not yet: a bool mask of one row for every query row, a bias with a row per query, and an
 ordered dQ with a mask (a key block's rank among those walking a query block is not known to

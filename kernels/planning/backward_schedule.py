@@ -17,7 +17,7 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .dbias import DbiasMode, DbiasPlan, plan_dbias, plan_packed_dbias
 from .grids import key_splits
-from .hopper_backward import hopper_backward_gap
+from .hopper_backward import hopper_backward_gap, takes_hopper_backward
 from .problem import Problem
 
 
@@ -27,7 +27,7 @@ class BackwardRoute(str, Enum):
     SEPARATE = "dq+dkdv"  # a dq launch (which stores delta), then dkdv launch(es)
     FUSED = "fused"  # dq and dkdv programs in one launch (each rebuilds delta)
     PACKED = "packed"  # decode: one launch owns key blocks of whole GQA groups, K and V read once
-    HOPPER = "hopper"  # Gluon (sm_90a): a program per key block, dQ added by atomics
+    HOPPER = "hopper"  # Gluon (sm_90a): a program per key block, dQ by TMA reduce-adds
 
     def __str__(self) -> str:
         return self.value
@@ -317,6 +317,9 @@ def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
         if gap is not None:
             raise ValueError(f"kernel_options['backward']: 'hopper' does not cover this call: "
                              f"{gap}")
+    elif route is None and takes_hopper_backward(problem):
+        route = BackwardRoute.HOPPER
+    if route is BackwardRoute.HOPPER:
         dbias = None
         if problem.bias_grad:  # one row per (batch, head): rows summed in the program
             dbias = plan_dbias(problem.bias.shape, problem.bias.head_div, problem.shape,

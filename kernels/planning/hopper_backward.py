@@ -2,19 +2,16 @@
 ``hopper_device.attention_backward`` (Gluon, sm_90a): a program per key block of one (batch,
 key head), dK and dV in registers, dQ added to a float32 accumulator by TMA reduce-adds.
 
-It covers the dense backward (causal or not, any lengths, GQA/MQA) in fp16 or bf16
-at head dims up to 128 that are multiples of 8, with q, k, v and grad_out laid out for TMA, on
-a GPU of compute capability 9.0. Once their GPU tests pass, also a bool mask of a row per
-query row that TMA can read, or KeyIntervals (their words, as prepared or as the forward's
-lists read them; intervals the forward read as given run the Triton backward), each key block
-walking the activity lists of the forward's map
-(``backward_list_tile`` puts its tile among the map's;
-``tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU``), and ``deterministic=True`` without a mask, dQ's
-adds ordered by key block (``tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU``), and a bias of
-one row per (batch, head) with its gradient (``tuning.HOPPER_BACKWARD_BIAS_RAN_ON_GPU``;
-the gradient's rows as ``dbias.plan_dbias`` plans them, finished by its plan).
-It runs only where ``kernel_options['backward'] = 'hopper'`` forces it (the Triton routes stay
-the default until it is measured ahead of them); a call whose addresses a descriptor cannot
+It covers fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k, v and
+grad_out laid out for TMA, on a GPU of compute capability 9.0: the dense backward (causal or
+not, any lengths, GQA/MQA); a bool mask of a row per query row that TMA can read, or
+KeyIntervals (their words, as prepared or as the forward's lists read them; intervals the
+forward read as given run the Triton backward), each key block walking the activity lists of
+the forward's map (``backward_list_tile`` puts its tile among the map's); ``deterministic=True``
+without a mask, dQ's adds ordered by key block; and a bias of one row per (batch, head) with
+its gradient (the gradient's rows as ``dbias.plan_dbias`` plans them, finished by its plan).
+The schedule's default takes it where it leads the Triton backward (``takes_hopper_backward``);
+``kernel_options['backward'] = 'hopper'`` forces it. A call whose addresses a descriptor cannot
 take runs the Triton backward of the same schedule's default.
 """
 
@@ -28,8 +25,8 @@ from ..runtime.routes import note_route
 from ..triton_device.backward_rows import _loader_rows_kernel
 from . import tuning
 from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
-                             block_head_dim, describe, gluon_dtype, hopper_gap, mask_geometry,
-                             mask_kind)
+                             block_head_dim, describe, gluon_dtype, hopper_operands_gap,
+                             mask_geometry, mask_kind)
 from .problem import Problem, tma_strides
 
 LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
@@ -54,9 +51,6 @@ def hopper_backward_gap(problem: Problem) -> str | None:
                     "bias with a row per query or one broadcast along the keys")
         if problem.bias_grad and problem.shape.seqlen_q == 1:
             return "its bias gradient sums a key's rows: not yet one query row"
-        if not tuning.HOPPER_BACKWARD_BIAS_RAN_ON_GPU:
-            return ("its bias row has been compiled offline only; it is taken once its tests "
-                    "pass on a Hopper GPU")
     if problem.mask is not None:
         if problem.mask.one_row and not problem.intervals:
             return ("it takes bool masks with a row per query row and KeyIntervals; not yet a "
@@ -64,13 +58,40 @@ def hopper_backward_gap(problem: Problem) -> str | None:
         if problem.deterministic:
             return ("with a mask its dQ partials are added in any order: not bitwise "
                     "reproducible")
-        if not tuning.HOPPER_BACKWARD_MASKS_RAN_ON_GPU:
-            return ("its masked form has been compiled offline only; it is taken once its "
-                    "tests pass on a Hopper GPU")
-    if problem.deterministic and not tuning.HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU:
-        return ("its ordered dQ (deterministic) has been compiled offline only; it is taken "
-                "once its tests pass on a Hopper GPU")
-    return hopper_gap(problem)
+    return hopper_operands_gap(problem)
+
+
+def mean_query_blocks(problem: Problem, tile: tuning.HopperBackwardTile = tuning.HOPPER_BACKWARD
+                      ) -> float:
+    """The mean number of query blocks a key block's program walks without a mask (causal:
+    from the first block whose rows see the key block's first key; bottom-right aligned),
+    over the programs that walk any."""
+    shape = problem.shape
+    query_blocks = ceil_div(shape.seqlen_q, tile.block_m)
+    if not problem.is_causal:
+        return float(query_blocks)
+    diagonal = shape.seqlen_k - shape.seqlen_q  # row r sees keys <= r + diagonal
+    walks = [query_blocks - max(first_key - diagonal, 0) // tile.block_m
+             for first_key in range(0, shape.seqlen_k, tile.block_n)
+             if first_key - diagonal < shape.seqlen_q]
+    return sum(walks) / len(walks) if walks else 0.0
+
+
+def takes_hopper_backward(problem: Problem) -> bool:
+    """The schedule's default: the Hopper backward where it covers the problem and each key
+    block's program walks enough query blocks to lead the Triton backward
+    (``tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS`` and the measurements beside it)."""
+    if hopper_backward_gap(problem) is not None:
+        return False
+    if problem.deterministic:
+        if problem.is_causal:
+            return False
+        least = tuning.HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS
+    elif problem.shape.head_dim > 64 and not problem.is_causal:
+        least = tuning.HOPPER_BACKWARD_WIDE_FULL_MIN_QUERY_BLOCKS
+    else:
+        least = tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS
+    return mean_query_blocks(problem) >= least
 
 
 def backward_list_tile(problem: Problem) -> tuple[int, int] | None:

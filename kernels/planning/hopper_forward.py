@@ -43,6 +43,14 @@ MAX_TILES = 2**31 - 1  # work tiles are counted in int32
 
 def hopper_gap(problem: Problem) -> str | None:
     """Why the Hopper forward does not cover ``problem`` (one line), or None where it does."""
+    if problem.bias is not None and hopper_operands_gap(problem) is None:
+        return "it takes no bias yet"
+    return hopper_operands_gap(problem)
+
+
+def hopper_operands_gap(problem: Problem) -> str | None:
+    """What both Hopper kernels need of a call, bias aside (one line), or None: a Hopper GPU,
+    16-bit q, k, v and a mask that TMA reads, a head dim it tiles, and a grid it fits."""
     shape = problem.shape
     if GLUON_MISSING:
         return GLUON_MISSING
@@ -53,8 +61,6 @@ def hopper_gap(problem: Problem) -> str | None:
                 f"{problem.capability[0]}.{problem.capability[1]}")
     if problem.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 or bfloat16, not {str(problem.dtype).replace('torch.', '')}"
-    if problem.bias is not None:
-        return "it takes no bias yet"
     if problem.mask is not None:
         if not problem.tma_mask:
             return ("it reads the mask through TMA: the keys contiguous, and the strides of "

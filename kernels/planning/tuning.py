@@ -219,24 +219,27 @@ class HopperBackwardTile:
 
 # 198,000 bytes of shared memory at head dim 128 (K, V 32 KB each; two slots of Q, dO, LSE and
 # delta 65 KB; two dS^T tiles 32 KB; dQ's float32 staging 32 KB); ptxas (sm_90a, offline)
-# spills none at D128 non-causal and D64, 108 bytes at D128 causal. Three slots fit (231 KB)
-# and ran no faster on the H200 (B2 H16 L8192 D128: 6.22 / 6.25 ms; D64 alike).
+# spills none at D128 non-causal and D64, 68 bytes at D128 causal. Three slots fit (231 KB)
+# and ran no faster on the H200 (B2 H16 L8192 D128: 6.22 / 6.25 ms; D64 alike). A bool mask
+# (its bytes beside Q) takes 214 KB, KeyIntervals 198 KB; with a bias row 288-376 bytes spill.
 HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
-# The Hopper backward with a bool mask (each key block walking its activity lists, the mask's
-# bytes of its tested query blocks copied beside Q) or KeyIntervals (each warpgroup's keys'
-# words loaded once per query head) has been compiled for sm_90a offline only (D128 causal:
-# 214 KB of shared memory and 240 bytes of spills; intervals 198 KB, 348 bytes): refused with
-# that reason until its tests (tests/test_hopper_backward.py) pass on a GPU.
-HOPPER_BACKWARD_MASKS_RAN_ON_GPU = False
-# The Hopper backward's ordered dQ (``deterministic=True``: key block kb adds a query block's
-# partial after blocks 0..kb-1, by a lock per query block) has been compiled for sm_90a offline
-# only: refused with that reason until its tests pass on a GPU.
-HOPPER_BACKWARD_DETERMINISTIC_RAN_ON_GPU = False
-# The Hopper backward with a bias row ((.., .., 1, Lk): added to every query row's scores, its
-# gradient summed over the rows, and the GQA group where the bias has fewer heads, in
-# registers) has been compiled for sm_90a offline only (288-376 bytes of spills at D128):
-# refused with that reason until its tests pass on a GPU.
-HOPPER_BACKWARD_BIAS_RAN_ON_GPU = False
+# Where the schedule's default takes the Hopper backward: the mean number of BLOCK_M query
+# blocks a key block's program walks (``hopper_backward.mean_query_blocks``; a mask's lists
+# not counted) at least this. H200, bf16, backward alone, B x L = 16384, H16, Hopper over the
+# Triton backward in one process (cuDNN in brackets):
+#   D128 non-causal, walk 8-256 (L512-16384): 1.17, 1.27, 1.41, 1.37, 1.44, 1.48x (0.87-1.01x)
+#   D128 causal, walk 17 (L2048): 0.89x; 33-129 (L4096-16384): 1.37, 1.46, 1.33x (0.98-1.06x)
+#   D64 H16/4 non-causal, walk 16 (L1024): 0.74x; 32-256: 1.02, 1.07, 1.09, 1.14x
+#   D64 H16/4 causal, walk 17 (L2048): 0.93x; 33-129: 1.07, 1.10, 1.15x
+# Below a walk of 8 nothing was measured. Causal walks are shorter near the diagonal, where the
+# pairs are tested. A bool mask (random 50%, L8192 causal 1.48x), a band (W1024 L8192 1.28x)
+# and a bias row with its gradient (L8192: D128 causal 1.41x, D64 1.25x) lead alike; at L2048
+# causal they are 1.13x, 1.00x and 0.93x (walk 17, taken by Triton).
+HOPPER_BACKWARD_MIN_QUERY_BLOCKS = 24
+HOPPER_BACKWARD_WIDE_FULL_MIN_QUERY_BLOCKS = 8  # head dims > 64, not causal
+# deterministic=True (dQ's adds ordered by a lock per query block): non-causal walk 32 (L2048)
+# 0.96x, 128 (L8192) 1.13x; causal 0.79x (L2048) and 0.89x (L8192) stay on Triton's.
+HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64
 # A call with a bool mask takes the Hopper forward where its prepared mask's share of partial
 # 128 x 128 tiles (tested per pair; the full ones are not) is at most this; a mask read by the
 # call, whose share is not counted, keeps the Triton route. A partial tile costs the Hopper
