@@ -189,6 +189,21 @@ def test_launch_compiles_once_per_form_and_alignment(direct):
     assert len(kernel.compiles) == 5 and module.compiled_forms() == 5 and len(ran) == 7
 
 
+def test_a_descriptor_launch_compiles_int_operands_as_unknown_ints(direct):
+    """Plans of a Gluon kernel at other lengths pass other ints among a call's operands (a
+    mask's list strides, a bias's strides; the kernel takes them unspecialized): one form,
+    compiled for ``UNKNOWN_INT`` there, the launcher given the real values."""
+    module, ran = direct
+    kernel = _Kernel()
+    kernel.arg_names = ["a", "stride", "n", "BLOCK"]
+    operand = torch.zeros(64)
+    for length, stride in ((4000, 2080), (8000, 8001), (3000, 1)):
+        module.DescriptorLaunch(kernel, (4,), (length,), BLOCK=16)(operand, stride)
+    assert module.compiled_forms() == 1
+    assert {args[1:] for args, _, _ in kernel.compiles} == {(module.UNKNOWN_INT,) * 2}
+    assert [args[1:] for _, _, args in ran] == [(2080, 4000), (8001, 8000), (1, 3000)]
+
+
 def test_planned_and_one_off_launches_take_one_path(direct, monkeypatch):
     """Compile-only hands ``kernel.warmup`` and the form to the executor; with hooks installed
     a launch goes through ``kernel[grid]`` with the real values (a bool tensor as uint8); both

@@ -410,13 +410,18 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
     plan()
 
 
+def _unknown_if_int(value):
+    return UNKNOWN_INT if value.__class__ is int else value
+
+
 class DescriptorLaunch:
     """A launch planned once whose operands reach the kernel as TMA tensor descriptors, made by
     the caller per call (Gluon's Hopper kernels). The grid, the trailing scalars and the
-    constexprs are fixed. The kernel must not specialize on its int scalars (``gluon.jit``'s
+    constexprs are fixed. The kernel must not specialize on its int arguments (``gluon.jit``'s
     ``do_not_specialize``): it is compiled for ``UNKNOWN_INT`` in their place, and a
-    descriptor for its dtype, box and layout only (``specialization``), so one compile serves
-    every call of every plan of one form on a device. Each call takes ``PlannedLaunch``'s
+    descriptor for its dtype, box and layout only (``specialization``); ints among a call's
+    operands (strides of a mask's lists or a bias, which follow the lengths) likewise, so one
+    compile serves every call of every plan of one form on a device. Each call takes ``PlannedLaunch``'s
     paths: compile-only, Triton's JIT dispatch with launch hooks installed, else the compiled
     kernel's launcher (which encodes the descriptors, 128 bytes each, per call)."""
 
@@ -429,7 +434,7 @@ class DescriptorLaunch:
         self._compiled: dict = {}
 
     def __call__(self, *operands) -> None:
-        form = (*operands, *self._form_scalars)
+        form = (*map(_unknown_if_int, operands), *self._form_scalars)
         if _compile_executor is not None:
             _start_compile(self.kernel, self.grid, form, self.options)
             return
