@@ -2,7 +2,8 @@
 
 Host side, on every machine: which masks a TMA descriptor reads and how, the default that
 takes a prepared mask of mostly full tiles, the lists built for it, and the gate on the forms
-not yet run on a GPU. Device side (marked ``hopper``): outputs and LSE against the float64
+not yet run on a GPU. A bias row (the gate of ``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU`` opened
+by its tests) is tested here too, with and without a mask. Device side (marked ``hopper``): outputs and LSE against the float64
 reference for every broadcast, keep share, band, prepared or per-call mask, the backward after
 it, and a seeded fuzz; every call is forced and counted, so a silent fallback fails.
 """
@@ -15,8 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attn_helpers import (Dims, random_intervals, random_mask, random_qkv, run_backward,
-                          run_forward)
+from attn_helpers import (Dims, random_bias, random_intervals, random_mask, random_qkv,
+                          run_backward, run_forward)
 from hopper_helpers import (FORCED, HOPPER, MASKED_SHAPES, band, fuzzed_dims, fuzzed_mask,
                             hopper_problem, shape_id, sized)
 from kernels import prepare_mask, record_routes, schedule_for
@@ -277,3 +278,62 @@ def test_masked_hopper_forward_on_random_shapes(device):
         if rng.random() < 0.3:
             mask = prepare_mask(mask, q, k, is_causal=causal)
         run_forward(q, k, v, mask, causal=causal, func=HOPPER)
+
+
+# -- a bias row on the Hopper forward, once its gate is open
+@pytest.fixture
+def bias_ran_on_gpu(monkeypatch):
+    """The biased form as it will be once these tests pass on a GPU."""
+    monkeypatch.setattr(tuning, "HOPPER_FORWARD_BIAS_RAN_ON_GPU", True)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", MASKED_SHAPES[:3] + [(1, 97, 208, 3, 3, 40)], ids=shape_id)
+@pytest.mark.parametrize("batch, heads", [("B", "Hk"), ("1", "Hq"), ("B", "1")],
+                         ids=["B-Hk", "1-Hq", "B-1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_hopper_forward_with_a_bias_row_matches_the_reference(device, bias_ran_on_gpu, sizes,
+                                                              batch, heads, causal, masked):
+    """flash-dmattn's (B, Hk, 1, Lk) bias and its broadcasts, with and without a bool mask,
+    in both dtypes; -inf entries in the bias hide their keys."""
+    dims = Dims(*sizes)
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = random_qkv(dims, dtype, device)
+        bias = random_bias(dims.operand_shape(batch, heads, "1", "Lk"), dtype, device)
+        bias[..., ::7] = float("-inf")
+        mask = (random_mask(dims.operand_shape("B", "Hk", "Lq", "Lk"), device, 0.5)
+                if masked else None)
+        run_forward(q, k, v, mask, bias, causal=causal, func=HOPPER)
+
+
+@pytest.mark.hopper
+def test_the_backward_after_a_biased_hopper_forward_matches_the_reference(device,
+                                                                          bias_ran_on_gpu):
+    dims = Dims(2, 700, 700, 4, 2, 128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.bfloat16, device)
+    with record_routes() as routes:
+        run_backward(q, k, v, None, bias, causal=True, func=FORCED)
+    assert set(routes.forward) == {"hopper"}, routes.describe()
+
+
+@pytest.mark.hopper
+def test_biased_hopper_forward_on_random_shapes(device, bias_ran_on_gpu):
+    """A seeded fuzz of 100 calls with a bias row in a random broadcast (keys sliced from
+    rows padded to 16 bytes), with or without a bool mask, and some -inf bias entries."""
+    rng = random.Random(82)
+    for _ in range(100):
+        dims = fuzzed_dims(rng, max_batch=3, max_length=1500)
+        if dims.seqlen_k == 1:  # a bias of one key is broadcast along the keys: Triton's
+            continue
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        q, k, v = random_qkv(dims, dtype, device)
+        shape = dims.operand_shape(rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"]), "1",
+                                   "Lk")
+        padded = -(-dims.seqlen_k // 8) * 8
+        bias = random_bias((*shape[:3], padded), dtype, device)[..., :dims.seqlen_k]
+        if rng.random() < 0.2:
+            bias[..., rng.randrange(dims.seqlen_k)] = float("-inf")
+        mask = fuzzed_mask(rng, dims, device) if rng.random() < 0.4 else None
+        run_forward(q, k, v, mask, bias, causal=rng.random() < 0.5, func=HOPPER)

@@ -58,8 +58,9 @@ def _describer(dtype, head_dim: int):
     return describe
 
 
-def _compile(dtype, head_dim: int, causal: bool, kind: int = 0):
-    """The forward of MASK_KIND ``kind`` (``hopper_forward``'s constants)."""
+def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = False):
+    """The forward of MASK_KIND ``kind`` (``hopper_forward``'s constants), with a bias row
+    where ``bias``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
@@ -86,13 +87,16 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0):
                                             rank=len(box)))
         mask_desc = TensorDescriptor(mask, list(mask.shape), list(mask.stride()), box, layout)
         mask_args = (mask_desc, torch.empty(8, dtype=torch.int32), 0, 40, 10, 2, 2, 0)
+    # (bias, its batch, head and key strides, query heads per bias head)
+    bias_args = (torch.empty(2, 2, 1, 1000, dtype=dtype), 2 * 1000, 1000, 1, 2) if bias else (
+        lse, 0, 0, 1, 1)
     saved = driver._active
     driver.set_active(_Sm90())
     try:
         return attention_forward.warmup(
-            q, kv, kv, q, lse, *mask_args, 1000, 1000, 4, 2, 0.1, 3, 8, 24, grid=(132,),
-            num_warps=4, CAUSAL=causal, MASK_KIND=kind, STAGES=tile.stages,
-            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+            q, kv, kv, q, lse, *mask_args, *bias_args, 1000, 1000, 4, 2, 0.1, 3, 8, 24,
+            grid=(132,), num_warps=4, CAUSAL=causal, MASK_KIND=kind, HAS_BIAS=bias,
+            STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved
 
@@ -171,13 +175,15 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "masked-backward"), ("float16", 64, False, "masked-backward"),
     ("bfloat16", 128, True, "intervals-backward"),
     ("bfloat16", 128, True, "deterministic-backward"),
-    ("bfloat16", 128, True, "biased-backward")],
+    ("bfloat16", 128, True, "biased-backward"), ("bfloat16", 128, True, "biased-forward"),
+    ("float16", 64, False, "biased-masked-forward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
          "masked-backward-bf16-d128-causal", "masked-backward-fp16-d64-full",
          "intervals-backward-bf16-d128-causal", "deterministic-backward-bf16-d128-causal",
-         "biased-backward-bf16-d128-causal"])
+         "biased-backward-bf16-d128-causal", "biased-forward-bf16-d128-causal",
+         "biased-masked-forward-fp16-d64-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -194,6 +200,10 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
         kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
                                    deterministic=form == "deterministic-backward",
                                    bias=form == "biased-backward")
+    elif form.startswith("biased"):
+        from kernels.planning import hopper_forward as host
+        kind = host.MASK_TILE if form == "biased-masked-forward" else host.NO_MASK
+        kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), kind, bias=True)
     else:
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))
     ptx = kernel.asm["ptx"]

@@ -21,6 +21,11 @@ dim a descriptor can address, strided views and GQA (key head = query head // gr
 copy and no bounds test on a load. Shared tiles are allocated rank-2 and viewed rank-4 only
 for the copies (``ring.copy_view``).
 
+With HAS_BIAS (a bias of one row per (batch, head), keys contiguous), each consumer loads
+its key block's bias from global memory while the PV product runs and adds it, x log2 e, to
+the scaled scores (``softmax.fold_scores``). Compiled offline; not yet run on a GPU
+(``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``).
+
 The roles live beside this module: ``ring`` (the K/V slots and their barriers, as one value),
 ``tiles`` (the tile scheduler and each tile's key-block walk), ``softmax`` (the online softmax
 and the rows' finish). This module holds the loader, the consumers and the entry point.
@@ -35,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .gluon_compat import reinterpret, tma_load, tma_store
+from .bias import LOG2E, BiasRow
 from .ring import KeyValueRing, copy_view
 from .softmax import finish_rows, fold_scores
 from .tiles import BlockLists, WorkTiles
@@ -104,14 +110,16 @@ def _pass_turn(turns, WARPGROUP: gl.constexpr):
 
 @gluon.jit
 def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
-                seqlen_k, diagonal, masks, lists, row, count, WARPGROUP: gl.constexpr,
-                MASK_KIND: gl.constexpr, TESTED: gl.constexpr, CAUSAL: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                seqlen_k, diagonal, masks, lists, row, count, bias, batch, q_head,
+                WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr, TESTED: gl.constexpr,
+                CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, s_layout: gl.constexpr,
+                o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [first, stop) of a tile whose block 0 sits at ring position ``ring``: per
     block j, issue S_j and block j - 1's PV product, fold S_j while PV runs, then rescale.
     ``p`` enters as block first - 1's and leaves as block stop - 1's. With a MASK_KIND the
     blocks are positions of the tile's list ``row`` (``lists``); TESTED blocks are tested per
-    pair (with a MASK_KIND, by what ``masks`` holds for them too)."""
+    pair (with a MASK_KIND, by what ``masks`` holds for them too). With HAS_BIAS, the block's
+    keys' bias (``bias``, a ``BiasRow`` of query head ``q_head``) joins the scores."""
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = kv.keys.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
@@ -130,6 +138,8 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
         turn += 1
         # wgmma groups retire in issue order: one left outstanding is the PV product.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
+        bias_row = _bias_row(bias, batch, q_head, first_col, seqlen_k, HAS_BIAS, BLOCK_N,
+                             s_layout)  # its loads in flight while the PV product runs
         # The mask bytes are read after the wait: read before it (beside the score product)
         # they cost as much or more (H200: 1556-1767 against 1569-1683 us on three masks).
         keep = None
@@ -137,8 +147,8 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
             keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
         kv.free_keys(slot)
         p_next, m_i, l_i, alpha = fold_scores(
-            s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, TESTED, CAUSAL,
-            s_layout, o_layout, p_layout, q_tile.dtype)
+            s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row, TESTED,
+            CAUSAL, s_layout, o_layout, p_layout, q_tile.dtype)
         # P's registers are the PV product's operand until it retires. Passing the softmax's
         # results through the wait as well keeps LLVM from sinking the softmax below it, which
         # would serialize the two (measured: +1-3% at head dim 128, +6% at 64, H100).
@@ -148,6 +158,25 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
         acc = acc * alpha[:, None]
         p = p_next
     return turn, acc, p, m_i, l_i
+
+
+@gluon.jit
+def _bias_row(bias, batch, q_head, first_col, seqlen_k, HAS_BIAS: gl.constexpr,
+              BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """With HAS_BIAS, the bias x log2 e of the key block from ``first_col`` (one per column of
+    the score layout, 0 past Lk); else None. The row's keys are contiguous (the planner's
+    condition), so the columns are int32 offsets from one 64-bit address per block: at D128
+    about 100 bytes spill (sm_90a, offline), against 2.7 KB through ``BiasRow.load``'s 64-bit
+    offsets per key."""
+    bias_row = None
+    if HAS_BIAS:
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        row = (bias.ptr + batch.to(gl.int64) * bias.stride_b
+               + (q_head // bias.head_div).to(gl.int64) * bias.stride_h
+               + first_col.to(gl.int64) * bias.stride_k)
+        values = gl.load(row + cols, mask=cols < seqlen_k - first_col, other=0.0)
+        bias_row = values.to(gl.float32) * LOG2E
+    return bias_row
 
 
 @gluon.jit
@@ -173,8 +202,9 @@ def _keeps(masks, slot, rows, WARPGROUP: gl.constexpr, ROWS: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
-              lse_ptr, qk_scale, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr):
+def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias, o_desc,
+              lse_ptr, qk_scale, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr,
+              HAS_BIAS: gl.constexpr):
     ROWS: gl.constexpr = q_tiles.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_D: gl.constexpr = q_tiles.shape[2]
@@ -222,23 +252,25 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
                                 use_acc=False, is_async=True)
         _pass_turn(turns, WARPGROUP)
         turn += 1
+        bias_row = _bias_row(bias, batch, q_head, first_col, seqlen_k, HAS_BIAS, BLOCK_N,
+                             s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
         keep = None
         if MASKED:
             keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
         kv.free_keys(slot)
         p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k,
-                                         diagonal, keep, True, CAUSAL, s_layout, o_layout,
-                                         p_layout, dtype)
+                                         diagonal, keep, bias_row, True, CAUSAL, s_layout,
+                                         o_layout, p_layout, dtype)
 
         turn, acc, p, m_i, l_i = _key_blocks(
             1, unmasked_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
-            seqlen_k, diagonal, masks, lists, row, count, WARPGROUP, MASK_KIND, False, CAUSAL,
-            s_layout, o_layout, p_layout)
+            seqlen_k, diagonal, masks, lists, row, count, bias, batch, q_head, WARPGROUP,
+            MASK_KIND, False, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
         turn, acc, p, m_i, l_i = _key_blocks(
             gl.maximum(unmasked_blocks, 1), num_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv,
-            turns, qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, WARPGROUP,
-            MASK_KIND, True, CAUSAL, s_layout, o_layout, p_layout)
+            turns, qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, bias, batch,
+            q_head, WARPGROUP, MASK_KIND, True, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
         # Every score product has retired: the loader may bring the next tile's Q while the
         # last PV product and the epilogue run.
         mbarrier.arrive(q_free.index(WARPGROUP), count=1)
@@ -264,29 +296,32 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
 
 
 @gluon.jit
-def _first_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
-                    lse_ptr, qk_scale, MASK_KIND: gl.constexpr):
-    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc, lse_ptr,
-              qk_scale, 0, MASK_KIND)
+def _first_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias,
+                    o_desc, lse_ptr, qk_scale, MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr):
+    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias, o_desc,
+              lse_ptr, qk_scale, 0, MASK_KIND, HAS_BIAS)
 
 
 @gluon.jit
-def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc,
-                     lse_ptr, qk_scale, MASK_KIND: gl.constexpr):
-    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, o_desc, lse_ptr,
-              qk_scale, 1, MASK_KIND)
+def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias,
+                     o_desc, lse_ptr, qk_scale, MASK_KIND: gl.constexpr,
+                     HAS_BIAS: gl.constexpr):
+    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias, o_desc,
+              lse_ptr, qk_scale, 1, MASK_KIND, HAS_BIAS)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
-                              "list_head_div", "mask_head_div", "mask_batches", "seqlen_q",
+                              "list_head_div", "mask_head_div", "mask_batches", "bias_stride_b",
+                              "bias_stride_h", "bias_stride_k", "bias_head_div", "seqlen_q",
                               "seqlen_k", "heads_q", "group", "row_tiles", "batch_heads",
                               "num_tiles"])
 def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_table,
                       list_batch_stride, list_head_stride, list_row_stride, list_head_div,
-                      mask_head_div, mask_batches, seqlen_q, seqlen_k, heads_q, group, qk_scale,
-                      row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr,
-                      MASK_KIND: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr):
+                      mask_head_div, mask_batches, bias_ptr, bias_stride_b, bias_stride_h,
+                      bias_stride_k, bias_head_div, seqlen_q, seqlen_k, heads_q, group,
+                      qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr,
+                      MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
     ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``). ``lse_ptr``: (B, Hq, Lq)
     float32, natural log. With a MASK_KIND, each tile walks its row of the activity lists
@@ -295,7 +330,9 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     Lk)) or KeyIntervals' (start, end) pairs as (Bm, Hm, 2 x Lk) int32 (INTERVAL_WORDS). A
     batch-shared mask has Bm = 1 and ``mask_batches`` 0; query head h reads list head
     h // ``list_head_div`` and mask head h // ``mask_head_div``. Without a mask both are unused
-    stand-ins. Launch with num_warps = 4 (the first consumer warpgroup; the second and the
+    stand-ins. With HAS_BIAS, ``bias_ptr`` is a bias of one row per (batch, head) (``BiasRow``:
+    strides in elements, query head h reads bias head h // ``bias_head_div``); without it, an
+    unused stand-in. Its keys are contiguous (``bias_stride_k`` 1). Launch with num_warps = 4 (the first consumer warpgroup; the second and the
     loader warp are workers)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -344,14 +381,17 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
                      BLOCK_N, CAUSAL)
     lists = BlockLists(list_table, list_batch_stride, list_head_stride, list_row_stride,
                        list_head_div, mask_head_div, mask_batches)
+    # The forward reads the bias alone: its gradient's fields are stand-ins.
+    bias = BiasRow(bias_ptr, bias_stride_b, bias_stride_h, bias_stride_k, bias_head_div,
+                   bias_ptr, bias_stride_b, bias_stride_h, False)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6). The aggregates keep theirs as fields.
     gl.warp_specialize(
         [(_first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists,
-                            o_desc, lse_ptr, qk_scale, MASK_KIND)),
+                            bias, o_desc, lse_ptr, qk_scale, MASK_KIND, HAS_BIAS)),
          (_second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists,
-                             o_desc, lse_ptr, qk_scale, MASK_KIND)),
+                             bias, o_desc, lse_ptr, qk_scale, MASK_KIND, HAS_BIAS)),
          (_loader, (q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, kv,
                     work, lists, MASK_KIND))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

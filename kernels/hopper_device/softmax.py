@@ -12,14 +12,19 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep,
+def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row,
                 MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
                 o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
     """Fold one key block's scores ``s`` into (m_i, l_i). Returns P in the PV product's operand
     layout, the new m_i and l_i, and the factor that rescales the output rows. MASKED blocks
     hide keys past ``seqlen_k``, with CAUSAL keys past row + ``diagonal``, and where ``keep``
-    is not None (the block's mask bytes in ``s_layout``) the pairs whose byte is 0."""
+    is not None (the block's mask bytes in ``s_layout``) the pairs whose byte is 0. Where
+    ``bias_row`` is not None (the block's keys' bias x log2 e, one per column), it is added to
+    the scaled scores."""
     BLOCK_N: gl.constexpr = s.shape[1]
+    if bias_row is not None:  # scaled here; the folds below multiply by 1.0, which folds away
+        s = s * qk_scale + bias_row[None, :]
+        qk_scale = 1.0
     if MASKED:
         cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = cols[None, :] < seqlen_k

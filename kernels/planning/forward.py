@@ -164,7 +164,8 @@ class ForwardPlan:
         self._scratch = Scratch(query.device, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
         self.hopper = (None if fwd.hopper is None
-                       else HopperForwardLaunch(problem, fwd.hopper, checked.mask))
+                       else HopperForwardLaunch(problem, fwd.hopper, checked.mask,
+                                                self.bias_layout))
         self.gather = None
         if fwd.gather is not None:
             mask = checked.mask
@@ -205,7 +206,7 @@ class ForwardPlan:
             table = self.hopper_table
             if self.hopper_compaction is not None:  # compacted from the call's map
                 table = call_activity(activity).compacted(self.hopper_compaction).table
-            self.hopper(query, key, value, out, lse, mask_operand, table)
+            self.hopper(query, key, value, out, lse, mask_operand, table, bias)
             return out, (lse if keep_lse else None)
         table = self.list_table
         mask, mask_end = mask_operand, None

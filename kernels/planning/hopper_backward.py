@@ -25,8 +25,8 @@ from ..runtime.routes import note_route
 from ..triton_device.backward_rows import _loader_rows_kernel
 from . import tuning
 from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
-                             block_head_dim, describe, gluon_dtype, hopper_operands_gap,
-                             mask_geometry, mask_kind)
+                             bias_row_gap, block_head_dim, describe, gluon_dtype,
+                             hopper_operands_gap, mask_geometry, mask_kind)
 from .problem import Problem, tma_strides
 
 LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
@@ -44,11 +44,10 @@ def hopper_backward_gap(problem: Problem) -> str | None:
     """Why the Hopper backward does not cover ``problem`` (one line), or None where it does."""
     if GLUON_MISSING:
         return GLUON_MISSING
-    bias = problem.bias
-    if bias is not None:
-        if not bias.one_row or bias.shape[3] == 1:
-            return ("it takes a bias of one row per (batch, head), (.., .., 1, Lk); not yet a "
-                    "bias with a row per query or one broadcast along the keys")
+    if problem.bias is not None:
+        gap = bias_row_gap(problem)
+        if gap is not None:
+            return gap
         if problem.bias_grad and problem.shape.seqlen_q == 1:
             return "its bias gradient sums a key's rows: not yet one query row"
     if problem.mask is not None:

@@ -1,8 +1,9 @@
 """The Hopper route's forward: which problems it covers, and its launch. The kernel is
 ``hopper_device.attention_forward`` (Gluon, sm_90a).
 
-It covers a forward with no mask or a bool mask, and no bias (causal or not, any lengths,
-GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
+It covers a forward with no mask or a bool mask, and no bias or (once its GPU tests pass,
+``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``) a bias of one row per (batch, head) (causal or not,
+any lengths, GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
 for TMA, on a GPU of compute capability 9.0. A mask's keys must be contiguous and its other
 strides multiples of 16 bytes (``problem.tma_mask``): the kernel walks each 128-row tile's
 activity list (``activity.BlockLists`` of 128 x 128 tiles, full blocks first) and reads what
@@ -43,9 +44,25 @@ MAX_TILES = 2**31 - 1  # work tiles are counted in int32
 
 def hopper_gap(problem: Problem) -> str | None:
     """Why the Hopper forward does not cover ``problem`` (one line), or None where it does."""
-    if problem.bias is not None and hopper_operands_gap(problem) is None:
-        return "it takes no bias yet"
-    return hopper_operands_gap(problem)
+    gap = hopper_operands_gap(problem)
+    if gap is None and problem.bias is not None:
+        gap = bias_row_gap(problem)
+        if gap is None and not problem.bias_keys_contiguous:
+            gap = "it reads a bias row with its keys contiguous (stride 1)"
+        if gap is None and not tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU:
+            gap = ("its bias row has been compiled offline only; it is taken once its tests "
+                   "pass on a Hopper GPU")
+    return gap
+
+
+def bias_row_gap(problem: Problem) -> str | None:
+    """Why the Hopper kernels do not take ``problem``'s bias (one line), or None: they read a
+    bias of one row per (batch, head), (.., .., 1, Lk)."""
+    bias = problem.bias
+    if not bias.one_row or bias.shape[3] == 1:
+        return ("it takes a bias of one row per (batch, head), (.., .., 1, Lk); not yet a bias "
+                "with a row per query or one broadcast along the keys")
+    return None
 
 
 def hopper_operands_gap(problem: Problem) -> str | None:
@@ -162,7 +179,7 @@ class HopperForwardLaunch:
     strides and the list table's strides; a call brings the table (``BlockLists.table`` of
     ``list_tile``) and the mask."""
 
-    def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None):
+    def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None, bias=None):
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
         element = gluon_dtype(problem.dtype)
@@ -197,19 +214,24 @@ class HopperForwardLaunch:
             attention_forward, (min(num_tiles, problem.multiprocessors),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.group_size,
              problem.softmax_scale * LOG2E, row_tiles, batch_heads, num_tiles),
-            num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind, STAGES=tile.stages,
-            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+            num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind,
+            HAS_BIAS=bias is not None, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
+            LOADER_REGS=tile.loader_regs)
         self.batch = shape.batch
         self.unmasked_args = (0, 0, 0, 1, 1, 0)  # list strides and divisors, never read
+        # A bias row's strides (its (B, H, Lq, Lk) view's ``Layout``; keys
+        # contiguous) and query heads per bias head; stand-ins without one.
+        self.bias_scalars = ((bias.stride_b, bias.stride_h, bias.stride_n, bias.head_div)
+                             if bias is not None else (0, 0, 1, 1))
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:
         """Whether every tensor's address suits a descriptor (16-byte aligned)."""
         return all(t.data_ptr() % 16 == 0 for t in tensors)
 
-    def __call__(self, query, key, value, out, lse, mask=None, table=None) -> None:
+    def __call__(self, query, key, value, out, lse, mask=None, table=None, bias=None) -> None:
         """Write ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq) float32; a masked plan's call
-        brings the bool ``mask`` and its lists' ``table``."""
+        brings the bool ``mask`` and its lists' ``table``, a biased plan's the ``bias``."""
         k_desc = describe(key, self.kv_box, self.kv_layout)
         if self.masked:
             base = mask.view(torch.int32 if self.kind == INTERVAL_WORDS else torch.uint8)
@@ -222,7 +244,8 @@ class HopperForwardLaunch:
             mask_desc, list_args = k_desc, (lse, *self.unmasked_args)
         self.launch(describe(query, self.q_box, self.q_layout), k_desc,
                     describe(value, self.kv_box, self.kv_layout),
-                    describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args)
+                    describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args,
+                    lse if bias is None else bias, *self.bias_scalars)
 
 
 def mask_geometry(view: torch.Tensor, heads_q: int,

@@ -73,6 +73,8 @@ class Problem:
     # The most keys that the query rows together keep in one (batch, mask head), where
     # ``prepare_mask`` counted them (decode-sized calls).
     kept_keys: int | None = None
+    # The bias's keys are contiguous in memory (stride 1), as the Hopper forward reads a row.
+    bias_keys_contiguous: bool = False
 
     @property
     def block_d(self) -> int:
@@ -130,4 +132,5 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
                    intervals, capability, bool(tma_operands), tma_mask(checked.mask),
                    checked.mask.max_kept if checked.mask is not None else None,
-                   activity is not None, kept_keys)
+                   activity is not None, kept_keys,
+                   checked.bias is not None and checked.bias.view.stride(3) == 1)
