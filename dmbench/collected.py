@@ -22,7 +22,7 @@ from .errors import ConfigError
 from .results import TIMED_MODES, Row, read_rows, row_line
 
 # The backends we are compared against; sdpa-dense computes a different (dense) function, and
-# triton-base and triton-select run our own kernels, so none of them is a peer.
+# triton-base, triton-select and triton-per-call run our own kernels, so none of them is a peer.
 PEERS = ("sdpa", "flex", "fdma", "fa4")
 
 

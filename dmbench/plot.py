@@ -69,6 +69,7 @@ BACKEND_STYLE = {
     "reference": ("tab:brown", "x"),
     "triton-base": ("tab:cyan", "P"),
     "triton-select": ("darkblue", "p"),
+    "triton-per-call": ("steelblue", "d"),
 }
 # For a backend not listed above: chosen by a hash of its name, so still stable across charts.
 SPARE_STYLES = (("tab:purple", "<"), ("tab:pink", "*"), ("tab:olive", "h"), ("black", ">"))

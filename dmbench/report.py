@@ -41,7 +41,7 @@ from .collected import (TIMED_MODES, Collected, case_label, collect, other_comma
 from .errors import ConfigError
 from .results import Row
 
-SHOWN = ("triton", "triton-select", "triton-base", "sdpa", "flex", "fdma", "fa4", "sdpa-dense",
+SHOWN = ("triton", "triton-select", "triton-per-call", "triton-base", "sdpa", "flex", "fdma", "fa4", "sdpa-dense",
          "reference")
 # Our kernels from another checkout (an A/B of two kernel versions), not a peer.
 BASELINE = "triton-base"

@@ -229,6 +229,28 @@ def test_the_selection_inside_the_call_skips_other_masks_naming_them(case):
     assert reason and "mask topk, mask_format intervals and bias kv_row only" in reason
 
 
+@pytest.mark.parametrize("case", [
+    _case("topk", "bool", bias="kv_row", dtype="bf16", lq=1, lk=200, window=12),
+    _case("sliding", "bool", lq=33, lk=40),
+], ids=lambda c: c.case_id)
+@pytest.mark.interpreter
+def test_ours_with_the_bool_mask_passed_on_every_call(case):
+    """triton-per-call: the bool mask as the case makes it, unprepared, read by every call;
+    checked against the reference, gradients too, with no build step."""
+    backend = make_backends()["triton-per-call"]
+    assert backend.skip_reason(case) is None
+    problem = make_problem(case, CPU)
+    assert backend.bind(backend.adapt(problem), case, want_lse=False).build is None
+    _checked(backend, problem)
+
+
+@pytest.mark.parametrize("case", [_case("topk", "intervals"), _case("none")],
+                         ids=lambda c: c.case_id)
+def test_the_per_call_mask_skips_cases_without_a_bool_mask_naming_them(case):
+    reason = make_backends()["triton-per-call"].skip_reason(case)
+    assert reason and "mask_format bool only" in reason
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("mask, fmt", [("topk", "intervals"), ("sliding", "intervals"),
                                        ("document", "intervals"), ("document", "varlen"),

@@ -111,6 +111,32 @@ class TritonBackend(Backend):
         return Bound(call)
 
 
+class PerCallBackend(TritonBackend):
+    """Ours as flash-dmattn's API is used: a new bool mask each step, passed as it is, so the
+    call reads it (its activity, lists or kept keys) inside the timed call."""
+
+    name = "triton-per-call"
+    description = ("ours with the bool mask passed as it is on every call (nothing prepared: "
+                   "the call reads the mask inside the timing); bool-mask cases only")
+
+    def skip_reason(self, case: Case) -> str | None:
+        if case.mask == "none" or case.mask_format != "bool":
+            return ("it passes a bool mask unprepared: cases with a mask in mask_format bool "
+                    f"only, got mask {case.mask}, mask_format {case.mask_format}")
+        return None
+
+    def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
+        dmattn_func = self.kernels().dmattn_func
+        q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
+
+        def call():
+            result = dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=case.causal,
+                                 return_lse=want_lse)
+            return result if want_lse else (result, None)
+
+        return Bound(call)
+
+
 class SelectingBackend(TritonBackend):
     """Ours as a top-W model decodes: the case's ``topk_intervals`` made from its kv_row bias
     inside the timed call, then ``dmattn_func``, so a row's time is the whole step's."""
