@@ -23,7 +23,8 @@ from kernels import record_routes
 from kernels.planning import tuning
 from kernels.runtime.arith import LOG2E
 from kernels.planning.backward_schedule import BackwardRoute
-from kernels.planning.hopper_backward import (backward_list_tile, hopper_backward_gap, loader_rows,
+from kernels.planning.hopper_backward import (backward_list_tile, causal_order_group,
+                                              hopper_backward_gap, loader_rows,
                                               mean_query_blocks)
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import activity_tiles, normalize_options, schedule
@@ -76,6 +77,15 @@ def test_the_mean_walk_counts_the_query_blocks_each_key_block_sees():
     assert mean_query_blocks(square) == (4 + 2) / 2
     wide = dense_problem(shape=sized(seqlen_q=64, seqlen_k=1024), is_causal=True)
     assert mean_query_blocks(wide) == 1
+
+
+def test_the_causal_grid_orders_in_groups_only_where_asked(monkeypatch):
+    causal = dense_problem(shape=sized(seqlen_q=2048, seqlen_k=2048))  # 16 key blocks
+    assert causal_order_group(causal, 16) is None
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_CAUSAL_GROUP_WAVES", 2)
+    assert causal_order_group(causal, 16) == 17  # 2 x 132 programs over 16 key blocks
+    assert causal_order_group(causal, 1000) == 1
+    assert causal_order_group(replace(causal, is_causal=False), 16) is None
 
 
 @pytest.mark.parametrize("changes, reason", [
@@ -180,6 +190,22 @@ SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D)
 def test_hopper_backward_matches_the_reference(device, sizes, causal, dtype):
     q, k, v = random_qkv(Dims(*sizes), dtype, device)
     _backward_on_hopper(q, k, v, causal)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", [(2, 1025, 1025, 4, 1, 80), (3, 300, 700, 6, 2, 64),
+                                   (2, 2048, 2048, 4, 2, 128)], ids=shape_id)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+def test_a_causal_grid_ordered_in_groups_matches_the_reference(device, monkeypatch, sizes,
+                                                               deterministic):
+    """``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``: groups of (batch, key head)s, each
+    ordered by key block. 48 programs a group on 132 multiprocessors: at B2 Hk2 L2048 groups of
+    3 and 1 (the last one smaller), the other shapes one group."""
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_CAUSAL_GROUP_WAVES", 0.37)
+    q, k, v = random_qkv(Dims(*sizes), torch.bfloat16, device)
+    with record_routes() as routes:
+        run_backward(q, k, v, causal=True, deterministic=deterministic, func=FORCED)
+    assert set(routes.backward) == {"hopper"}, routes.describe()
 
 
 @pytest.mark.hopper

@@ -309,20 +309,21 @@ def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, 
                               "mask_batch_stride", "mask_head_stride", "bias_stride_b",
                               "bias_stride_h", "bias_stride_k", "bias_head_div",
                               "bias_grad_stride_b", "bias_grad_stride_h", "seqlen_q",
-                              "seqlen_k", "heads_q", "heads_kv", "group"])
+                              "seqlen_k", "heads_q", "heads_kv", "group", "order_group"])
 def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, rows_desc,
                        mask_desc, list_table, list_batch_stride, list_head_stride,
                        list_row_stride, list_head_div, mask_head_div, mask_batches,
                        mask_batch_stride, mask_head_stride, bias_ptr, bias_stride_b,
                        bias_stride_h, bias_stride_k, bias_head_div, bias_grad_ptr,
                        bias_grad_stride_b, bias_grad_stride_h, dq_locks, seqlen_q, seqlen_k,
-                       heads_q, heads_kv, group, qk_scale, softmax_scale,
-                       CAUSAL: gl.constexpr, MASK_KIND: gl.constexpr,
-                       DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       heads_q, heads_kv, group, order_group, qk_scale, softmax_scale,
+                       CAUSAL: gl.constexpr, GROUPED_ORDER: gl.constexpr,
+                       MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
                        BIAS_GRAD: gl.constexpr, BIAS_GROUP_SUM: gl.constexpr,
                        STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Grid (cdiv(Lk, BLOCK_N) x B x Hk,). ``rows_desc``: a [1, BLOCK_M] box over float32 rows
+    """Grid (cdiv(Lk, BLOCK_N) x B x Hk,), ordered as ``tiles.KeyBlockWork`` says
+    (``order_group``: its (batch, key head)s per group with GROUPED_ORDER). ``rows_desc``: a [1, BLOCK_M] box over float32 rows
     (2 x B x Hq, Lq rounded up to BLOCK_M): first every (batch, query head)'s LSE times log2 e
     (+inf where a row saw no key, and past Lq), then its delta (0 past Lq).
     ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a
@@ -385,7 +386,8 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                        list_head_div, mask_head_div, mask_batches)
     bias = BiasRow(bias_ptr, bias_stride_b, bias_stride_h, bias_stride_k, bias_head_div,
                    bias_grad_ptr, bias_grad_stride_b, bias_grad_stride_h, BIAS_GROUP_SUM)
-    work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL)
+    work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, BLOCK_M,
+                        BLOCK_N, CAUSAL, GROUPED_ORDER)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6).

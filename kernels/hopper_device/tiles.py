@@ -131,33 +131,49 @@ class KeyBlockWork:
     (batch x key heads) programs: without causality a (batch, key head)'s key blocks start
     together (its Q and dO rows are read from L2 by all of them); with causality programs
     start in the order of their key block, those walking the most query blocks first (H200,
-    B2 H16/4 L4096 D64: 1.08 -> 0.82 ms; with it, non-causal D128 L8192 ran 4% slower)."""
+    B2 H16/4 L4096 D64: 1.08 -> 0.82 ms; with it, non-causal D128 L8192 ran 4% slower). With
+    GROUPED_ORDER (causal; an experiment, ``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``) the
+    (batch, key head)s go in groups of ``order_group``, each group's programs in the order of
+    their key block: the programs in flight add dQ into fewer heads' rows."""
     seqlen_q: gl.tensor
     seqlen_k: gl.tensor
     heads_q: gl.tensor
     heads_kv: gl.tensor
     group: gl.tensor
+    order_group: gl.tensor
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
+    GROUPED_ORDER: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, seqlen_q, seqlen_k, heads_q, heads_kv, group, BLOCK_M, BLOCK_N, CAUSAL):
+    def __init__(self, seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, BLOCK_M,
+                 BLOCK_N, CAUSAL, GROUPED_ORDER):
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
         self.heads_q = heads_q
         self.heads_kv = heads_kv
         self.group = group
+        self.order_group = order_group
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
+        self.GROUPED_ORDER = gl.constexpr(GROUPED_ORDER)
 
     @gluon.jit
     def coordinates(self):
         """(batch, key head, first key) of this program."""
         key_blocks = gl.cdiv(self.seqlen_k, self.BLOCK_N)
         pid = gl.program_id(0)
-        if self.CAUSAL:
+        if self.CAUSAL and self.GROUPED_ORDER:
+            batch_heads = self.batch_heads()
+            programs = self.order_group * key_blocks  # a full group's
+            first_bh = (pid // programs) * self.order_group
+            heads_here = gl.minimum(batch_heads - first_bh, self.order_group)  # the last: fewer
+            local = pid % programs
+            bh = first_bh + local % heads_here
+            key_block = local // heads_here
+        elif self.CAUSAL:
             bh = pid % self.batch_heads()
             key_block = pid // self.batch_heads()
         else:

@@ -140,12 +140,14 @@ class HopperBackwardPlan:
             self.mask_layout = gl.NVMMASharedLayout.get_default_for(self.mask_box, gl.uint8)
             self.list_tile = (tile.block_n, tile.block_m)  # keys on rows (transposed)
         self.lists_activity = fwd.lists_activity  # the map a call's lists come from
+        key_blocks = ceil_div(shape.seqlen_k, tile.block_n)
+        order_group = causal_order_group(problem, key_blocks)
         self.launch = DescriptorLaunch(
-            attention_backward,
-            (shape.batch * shape.heads_kv * ceil_div(shape.seqlen_k, tile.block_n),),
+            attention_backward, (shape.batch * shape.heads_kv * key_blocks,),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
-             problem.softmax_scale * LOG2E, problem.softmax_scale),
-            num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind,
+             order_group or 1, problem.softmax_scale * LOG2E, problem.softmax_scale),
+            num_warps=4, CAUSAL=problem.is_causal, GROUPED_ORDER=order_group is not None,
+            MASK_KIND=self.kind,
             DETERMINISTIC=problem.deterministic, HAS_BIAS=self.bias_layout is not None,
             BIAS_GRAD=dbias is not None, BIAS_GROUP_SUM=bool(dbias and dbias.sum_group),
             STAGES=tile.stages,
@@ -225,6 +227,17 @@ class HopperBackwardPlan:
         return (mask_arg, table, 0 if shared else table.stride(0), table.stride(1),
                 table.stride(2), heads_q // table.shape[1], mask_head_div, mask_batches,
                 *word_strides)
+
+
+def causal_order_group(problem: Problem, key_blocks: int) -> int | None:
+    """(batch, key head)s per group of the causal grid's order, where
+    ``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES`` asks for groups: enough that a group's
+    programs fill that many waves of one program per multiprocessor. None: one order by key
+    block over all of them (the default, and every non-causal grid)."""
+    waves = tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES
+    if waves is None or not problem.is_causal:
+        return None
+    return max(1, ceil_div(int(waves * problem.multiprocessors), key_blocks))
 
 
 def loader_rows(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -228,6 +228,12 @@ class HopperBackwardTile:
 # and ran no faster on the H200 (B2 H16 L8192 D128: 6.22 / 6.25 ms; D64 alike). A bool mask
 # (its bytes beside Q) takes 214 KB, KeyIntervals 198 KB; with a bias row 288-376 bytes spill.
 HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
+# Causal Hopper backward programs start in the order of their key block over every (batch, key
+# head) (``tiles.KeyBlockWork``). A number here groups the (batch, key head)s so that a group's
+# programs fill about this many waves, each group ordered by key block, so that the programs in
+# flight add dQ into fewer heads' rows. An experiment, not yet measured: short causal walks (L2048,
+# walk 17) ran 1.5x slower than a per-program cost fit of the non-causal ones predicts.
+HOPPER_BACKWARD_CAUSAL_GROUP_WAVES: float | None = None
 # Where the schedule's default takes the Hopper backward: the mean number of BLOCK_M query
 # blocks a key block's program walks (``hopper_backward.mean_query_blocks``; a mask's lists
 # not counted) at least this. H200, bf16, backward alone, B x L = 16384, H16, Hopper over the
