@@ -26,7 +26,7 @@ from kernels.planning.activity import ActivityMap
 from kernels.planning.forward_schedule import forward_list_tiles
 from kernels.planning.hopper_forward import mask_geometry, hopper_gap, list_tile, may_take_masks
 from kernels.planning.inputs import check_inputs
-from kernels.planning.problem import OperandLayout, tma_mask
+from kernels.planning.problem import OperandLayout, tma_bias, tma_mask
 from kernels.planning.schedule import normalize_options, schedule
 
 
@@ -90,6 +90,25 @@ def _checked_mask(shape, stride=None, seqlen=64, heads=(4, 2)):
 def test_tma_reads_a_bool_mask_with_one_row_per_query_and_16_byte_strides(shape, stride,
                                                                            readable):
     assert tma_mask(_checked_mask(shape, stride)) is readable
+
+
+@pytest.mark.parametrize("shape, stride, readable", [
+    ((2, 2, 1, 64), None, True),
+    ((1, 4, 1, 64), None, True),
+    ((2, 1, 1, 64), (0, 64, 64, 1), True),          # batch expanded: read at index 0
+    ((2, 2, 1, 60), None, False),                    # 120-byte rows
+    ((2, 2, 1, 64), (256, 128, 128, 2), False),      # keys not contiguous
+    ((2, 2, 64, 64), None, False),                   # a row per query: not a bias row
+], ids=["per-head", "shared-batch", "batch-expanded", "odd-rows", "strided-keys", "full"])
+def test_tma_reads_a_bias_row_with_contiguous_keys_and_16_byte_strides(shape, stride,
+                                                                       readable):
+    dims = Dims(2, 64, shape[3], 4, 2, 64)
+    q, k, v = random_qkv(dims, torch.bfloat16, "cpu")
+    bias = torch.zeros(shape, dtype=torch.bfloat16)
+    if stride is not None:
+        end = 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+        bias = torch.zeros(end, dtype=torch.bfloat16).as_strided(shape, stride)
+    assert tma_bias(check_inputs(q, k, v, None, bias, None).bias) is readable
 
 
 def test_the_mask_descriptor_reads_a_stride_0_axis_at_index_0():

@@ -87,9 +87,14 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
                                             rank=len(box)))
         mask_desc = TensorDescriptor(mask, list(mask.shape), list(mask.stride()), box, layout)
         mask_args = (mask_desc, torch.empty(8, dtype=torch.int32), 0, 40, 10, 2, 2, 0)
-    # (bias, its batch, head and key strides, query heads per bias head)
-    bias_args = (torch.empty(2, 2, 1, 1000, dtype=dtype), 2 * 1000, 1000, 1, 2) if bias else (
-        lse, 0, 0, 1, 1)
+    # (the bias rows' descriptor, query heads per bias head, 1 if its batch is read)
+    bias_args = (kv, 1, 0)
+    if bias:
+        rows = torch.empty(2, 2, 1, 1024, dtype=dtype)
+        box = [1, 1, 1, tile.block_n]
+        bias_args = (TensorDescriptor(rows, list(rows.shape), list(rows.stride()), box,
+                                      gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                           element_bitwidth=16, rank=4)), 2, 1)
     saved = driver._active
     driver.set_active(_Sm90())
     try:

@@ -52,8 +52,8 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "reads the mask through TMA"),
     ({"bias": OperandLayout((2, 4, 4096, 4096), 4)}, "not yet a bias with a row per query"),
-    ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "keys contiguous"),
-    ({"bias": OperandLayout((2, 4, 1, 4096), 4), "bias_keys_contiguous": True},
+    ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "bias row through TMA"),
+    ({"bias": OperandLayout((2, 4, 1, 4096), 4), "tma_bias": True},
      "compiled offline only"),
     ({"shape": sized(head_dim=256)}, "head dims up to 128"),
     ({"shape": sized(head_dim=20)}, "multiples of 8"),
@@ -62,7 +62,7 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"softmax_scale": -0.1}, "positive softmax_scale"),
     ({"shape": sized(batch=2**16, heads_q=2**12, heads_kv=2**10)}, "tiles of 128 query rows"),
 ], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "full-bias",
-        "strided-bias-row", "gated-bias-row",
+        "untma-bias-row", "gated-bias-row",
         "d256", "d20",
         "strides", "zero-scale", "negative-scale", "grid"])
 def test_what_the_hopper_route_does_not_cover_runs_the_triton_route_and_forcing_says_why(
@@ -168,7 +168,7 @@ def test_a_descriptor_is_compiled_for_its_box_and_layout_not_its_sizes():
 def test_a_bias_row_once_run_on_a_gpu_takes_the_hopper_forward(monkeypatch):
     """Gated, a bias row keeps the Triton route; open, it takes the Hopper forward by the
     dense rules."""
-    problem = hopper_problem(bias=OperandLayout((2, 4, 1, 4096), 4), bias_keys_contiguous=True)
+    problem = hopper_problem(bias=OperandLayout((2, 4, 1, 4096), 4), tma_bias=True)
     assert schedule(problem).forward.route == "triton"
     monkeypatch.setattr(tuning, "HOPPER_FORWARD_BIAS_RAN_ON_GPU", True)
     assert hopper_gap(problem) is None

@@ -21,9 +21,9 @@ dim a descriptor can address, strided views and GQA (key head = query head // gr
 copy and no bounds test on a load. Shared tiles are allocated rank-2 and viewed rank-4 only
 for the copies (``ring.copy_view``).
 
-With HAS_BIAS (a bias of one row per (batch, head), keys contiguous), each consumer loads
-its key block's bias from global memory while the PV product runs and adds it, x log2 e, to
-the scaled scores (``softmax.fold_scores``). Compiled offline; not yet run on a GPU
+With HAS_BIAS (a bias of one row per (batch, head)), the loader copies each key block's bias
+row beside K (``ring.fill_biased``), and the consumers add it, x log2 e, to the scaled scores
+(``softmax.fold_scores``). Compiled offline; not yet run on a GPU
 (``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``).
 
 The roles live beside this module: ``ring`` (the K/V slots and their barriers, as one value),
@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .gluon_compat import reinterpret, tma_load, tma_store
-from .bias import LOG2E, BiasRow
+from .bias import BiasRows
 from .ring import KeyValueRing, copy_view
 from .softmax import finish_rows, fold_scores
 from .tiles import BlockLists, WorkTiles
@@ -56,8 +56,9 @@ INTERVAL_WORDS = gl.constexpr(3)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, kv, work,
-            lists, MASK_KIND: gl.constexpr):
+def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases, q_ready,
+            q_free, kv, work, lists, bias_heads, MASK_KIND: gl.constexpr,
+            HAS_BIAS: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     ring = 0  # key blocks loaded so far, over this program's tiles: the ring's position
@@ -87,8 +88,17 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, 
                     mask_at = (mask_batch, mask_head, 0, first_key)
                 else:
                     mask_at = (mask_batch, mask_head, 2 * first_key)
-                kv.fill_tested(ring + j, k_desc, v_desc, batch, first_key, kv_head, mask_desc,
-                               masks, mask_at, (j == 0) | (j >= full))
+                if HAS_BIAS:
+                    kv.fill_biased(ring + j, k_desc, v_desc, batch, first_key, kv_head,
+                                   mask_desc, masks, mask_at, (j == 0) | (j >= full),
+                                   bias_desc, biases, bias_heads.at(batch, q_head, first_key))
+                else:
+                    kv.fill_tested(ring + j, k_desc, v_desc, batch, first_key, kv_head,
+                                   mask_desc, masks, mask_at, (j == 0) | (j >= full))
+            elif HAS_BIAS:
+                kv.fill_biased(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head, None,
+                               None, None, False, bias_desc, biases,
+                               bias_heads.at(batch, q_head, j * work.BLOCK_N))
             else:
                 kv.fill(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head)
         ring += num_blocks
@@ -110,7 +120,7 @@ def _pass_turn(turns, WARPGROUP: gl.constexpr):
 
 @gluon.jit
 def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
-                seqlen_k, diagonal, masks, lists, row, count, bias, batch, q_head,
+                seqlen_k, diagonal, masks, lists, row, count, biases,
                 WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr, TESTED: gl.constexpr,
                 CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, s_layout: gl.constexpr,
                 o_layout: gl.constexpr, p_layout: gl.constexpr):
@@ -119,7 +129,7 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
     ``p`` enters as block first - 1's and leaves as block stop - 1's. With a MASK_KIND the
     blocks are positions of the tile's list ``row`` (``lists``); TESTED blocks are tested per
     pair (with a MASK_KIND, by what ``masks`` holds for them too). With HAS_BIAS, the block's
-    keys' bias (``bias``, a ``BiasRow`` of query head ``q_head``) joins the scores."""
+    bias row (in ``biases``' slot beside K) joins the scores."""
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = kv.keys.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
@@ -138,13 +148,12 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
         turn += 1
         # wgmma groups retire in issue order: one left outstanding is the PV product.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
-        bias_row = _bias_row(bias, batch, q_head, first_col, seqlen_k, HAS_BIAS, BLOCK_N,
-                             s_layout)  # its loads in flight while the PV product runs
         # The mask bytes are read after the wait: read before it (beside the score product)
         # they cost as much or more (H200: 1556-1767 against 1569-1683 us on three masks).
         keep = None
         if MASKED and TESTED:
             keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
+        bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
         kv.free_keys(slot)
         p_next, m_i, l_i, alpha = fold_scores(
             s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row, TESTED,
@@ -161,21 +170,12 @@ def _key_blocks(first, stop, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk
 
 
 @gluon.jit
-def _bias_row(bias, batch, q_head, first_col, seqlen_k, HAS_BIAS: gl.constexpr,
-              BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """With HAS_BIAS, the bias x log2 e of the key block from ``first_col`` (one per column of
-    the score layout, 0 past Lk); else None. The row's keys are contiguous (the planner's
-    condition), so the columns are int32 offsets from one 64-bit address per block: at D128
-    about 100 bytes spill (sm_90a, offline), against 2.7 KB through ``BiasRow.load``'s 64-bit
-    offsets per key."""
+def _bias_row(biases, slot, HAS_BIAS: gl.constexpr, s_layout: gl.constexpr):
+    """With HAS_BIAS, the [1, BLOCK_N] bias row beside K in ``slot``, in the score layout (16
+    two-byte shared loads per thread, as a mask row); else None."""
     bias_row = None
     if HAS_BIAS:
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        row = (bias.ptr + batch.to(gl.int64) * bias.stride_b
-               + (q_head // bias.head_div).to(gl.int64) * bias.stride_h
-               + first_col.to(gl.int64) * bias.stride_k)
-        values = gl.load(row + cols, mask=cols < seqlen_k - first_col, other=0.0)
-        bias_row = values.to(gl.float32) * LOG2E
+        bias_row = biases.index(slot).load(s_layout)
     return bias_row
 
 
@@ -202,8 +202,8 @@ def _keeps(masks, slot, rows, WARPGROUP: gl.constexpr, ROWS: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias, o_desc,
-              lse_ptr, qk_scale, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr,
+def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, biases,
+              o_desc, lse_ptr, qk_scale, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr,
               HAS_BIAS: gl.constexpr):
     ROWS: gl.constexpr = q_tiles.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
@@ -252,12 +252,11 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
                                 use_acc=False, is_async=True)
         _pass_turn(turns, WARPGROUP)
         turn += 1
-        bias_row = _bias_row(bias, batch, q_head, first_col, seqlen_k, HAS_BIAS, BLOCK_N,
-                             s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
         keep = None
         if MASKED:
             keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
+        bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
         kv.free_keys(slot)
         p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k,
                                          diagonal, keep, bias_row, True, CAUSAL, s_layout,
@@ -265,12 +264,12 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
 
         turn, acc, p, m_i, l_i = _key_blocks(
             1, unmasked_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv, turns, qk_scale, rows,
-            seqlen_k, diagonal, masks, lists, row, count, bias, batch, q_head, WARPGROUP,
-            MASK_KIND, False, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
+            seqlen_k, diagonal, masks, lists, row, count, biases, WARPGROUP, MASK_KIND, False,
+            CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
         turn, acc, p, m_i, l_i = _key_blocks(
             gl.maximum(unmasked_blocks, 1), num_blocks, ring, turn, acc, p, m_i, l_i, q_tile, kv,
-            turns, qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, bias, batch,
-            q_head, WARPGROUP, MASK_KIND, True, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
+            turns, qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, biases,
+            WARPGROUP, MASK_KIND, True, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
         # Every score product has retired: the loader may bring the next tile's Q while the
         # last PV product and the epilogue run.
         mbarrier.arrive(q_free.index(WARPGROUP), count=1)
@@ -296,29 +295,29 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
 
 
 @gluon.jit
-def _first_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias,
+def _first_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, biases,
                     o_desc, lse_ptr, qk_scale, MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr):
-    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias, o_desc,
+    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, biases, o_desc,
               lse_ptr, qk_scale, 0, MASK_KIND, HAS_BIAS)
 
 
 @gluon.jit
-def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias,
+def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, biases,
                      o_desc, lse_ptr, qk_scale, MASK_KIND: gl.constexpr,
                      HAS_BIAS: gl.constexpr):
-    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, bias, o_desc,
+    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, biases, o_desc,
               lse_ptr, qk_scale, 1, MASK_KIND, HAS_BIAS)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
-                              "list_head_div", "mask_head_div", "mask_batches", "bias_stride_b",
-                              "bias_stride_h", "bias_stride_k", "bias_head_div", "seqlen_q",
+                              "list_head_div", "mask_head_div", "mask_batches", "bias_head_div",
+                              "bias_batches", "seqlen_q",
                               "seqlen_k", "heads_q", "group", "row_tiles", "batch_heads",
                               "num_tiles"])
 def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_table,
                       list_batch_stride, list_head_stride, list_row_stride, list_head_div,
-                      mask_head_div, mask_batches, bias_ptr, bias_stride_b, bias_stride_h,
-                      bias_stride_k, bias_head_div, seqlen_q, seqlen_k, heads_q, group,
+                      mask_head_div, mask_batches, bias_desc, bias_head_div, bias_batches,
+                      seqlen_q, seqlen_k, heads_q, group,
                       qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr,
                       MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
@@ -330,9 +329,9 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     Lk)) or KeyIntervals' (start, end) pairs as (Bm, Hm, 2 x Lk) int32 (INTERVAL_WORDS). A
     batch-shared mask has Bm = 1 and ``mask_batches`` 0; query head h reads list head
     h // ``list_head_div`` and mask head h // ``mask_head_div``. Without a mask both are unused
-    stand-ins. With HAS_BIAS, ``bias_ptr`` is a bias of one row per (batch, head) (``BiasRow``:
-    strides in elements, query head h reads bias head h // ``bias_head_div``); without it, an
-    unused stand-in. Its keys are contiguous (``bias_stride_k`` 1). Launch with num_warps = 4 (the first consumer warpgroup; the second and the
+    stand-ins. With HAS_BIAS, ``bias_desc`` reads a bias of one row per (batch, head) as
+    (Bb, Hb, 1, Lk) in [1, 1, 1, BLOCK_N] boxes (``bias.BiasRows``: query head h reads bias head
+    h // ``bias_head_div``, batch b batch b x ``bias_batches``); without it, a stand-in. Launch with num_warps = 4 (the first consumer warpgroup; the second and the
     loader warp are workers)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -360,6 +359,12 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     else:
         masks = k_ring
+    if HAS_BIAS:  # beside each K slot, the block's bias row
+        biases = gl.allocate_shared_memory(
+            dtype, [STAGES, 1, BLOCK_N],
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+    else:
+        biases = k_ring
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -381,17 +386,15 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
                      BLOCK_N, CAUSAL)
     lists = BlockLists(list_table, list_batch_stride, list_head_stride, list_row_stride,
                        list_head_div, mask_head_div, mask_batches)
-    # The forward reads the bias alone: its gradient's fields are stand-ins.
-    bias = BiasRow(bias_ptr, bias_stride_b, bias_stride_h, bias_stride_k, bias_head_div,
-                   bias_ptr, bias_stride_b, bias_stride_h, False)
+    bias_heads = BiasRows(bias_head_div, bias_batches)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6). The aggregates keep theirs as fields.
     gl.warp_specialize(
         [(_first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists,
-                            bias, o_desc, lse_ptr, qk_scale, MASK_KIND, HAS_BIAS)),
+                            biases, o_desc, lse_ptr, qk_scale, MASK_KIND, HAS_BIAS)),
          (_second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists,
-                             bias, o_desc, lse_ptr, qk_scale, MASK_KIND, HAS_BIAS)),
-         (_loader, (q_desc, k_desc, v_desc, mask_desc, q_tiles, masks, q_ready, q_free, kv,
-                    work, lists, MASK_KIND))],
+                             biases, o_desc, lse_ptr, qk_scale, MASK_KIND, HAS_BIAS)),
+         (_loader, (q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases,
+                    q_ready, q_free, kv, work, lists, bias_heads, MASK_KIND, HAS_BIAS))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

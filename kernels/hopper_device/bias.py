@@ -1,4 +1,6 @@
-"""A bias of one row per (batch, head) as the Hopper kernels read it, and its gradient's rows."""
+"""A bias of one row per (batch, head) as the Hopper kernels read it: the backward's consumers
+load it and write its gradient's rows (``BiasRow``); the forward's loader copies it beside K
+(``BiasRows``: where a block's row is)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -54,3 +56,22 @@ class BiasRow:
         row = (self.grad_ptr + batch.to(gl.int64) * self.grad_stride_b
                + head.to(gl.int64) * self.grad_stride_h)
         gl.store(row + keys, grad.to(self.grad_ptr.dtype.element_ty), mask=keys < seqlen_k)
+
+
+@aggregate
+class BiasRows:
+    """Where the forward's loader finds a key block's bias row: a descriptor over the bias as
+    (Bb, Hb, 1, Lk) with [1, 1, 1, BLOCK_N] boxes; query head h reads bias head h //
+    ``head_div``, and batch b reads batch b x ``batches`` (0 where the bias is shared)."""
+    head_div: gl.tensor
+    batches: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, head_div, batches):
+        self.head_div = head_div
+        self.batches = batches
+
+    @gluon.jit
+    def at(self, batch, q_head, first_key):
+        """The box coordinates of the row of ``q_head``'s keys from ``first_key``."""
+        return (batch * self.batches, q_head // self.head_div, 0, first_key)

@@ -6,7 +6,8 @@ barrier's phase parity on lap n is n & 1. The loader waits for a slot's ``free``
 lap behind (a barrier that has completed no phase passes a wait for the parity of the phase
 before phase 0, so the ring's first lap does not wait), the consumers for its ``ready``
 barrier on the lap itself. A masked forward keeps a tile of mask bytes beside each K slot,
-copied on K's ``ready`` barrier and freed with it (``fill_tested``).
+copied on K's ``ready`` barrier and freed with it (``fill_tested``); a biased one the block's
+bias row too (``fill_biased``).
 
 The backward's ring (``QueryRing``) works the same way over query blocks: Q, dO, their rows'
 LSE and delta (and a tested block's mask bytes) per slot, one ``ready`` barrier for all."""
@@ -94,6 +95,35 @@ class KeyValueRing:
             mbarrier.expect(self.keys_ready.index(slot), k_desc.block_type.nbytes)
             tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
                      copy_view(self.keys.index(slot)))
+        self._fill_values(slot, parity, v_desc, batch, first_key, kv_head)
+
+    @gluon.jit
+    def fill_biased(self, position, k_desc, v_desc, batch, first_key, kv_head, mask_desc,
+                    masks, mask_at, tested, bias_desc, biases, bias_at):
+        """``fill_tested``, and the block's [1, BLOCK_N] row of a bias (``bias_desc``'s box at
+        ``bias_at``) into ``biases``' slot of this position, on K's ready barrier whether the
+        block is tested or not."""
+        slot = position % self.STAGES
+        parity = ((position // self.STAGES) & 1) ^ 1
+        mbarrier.wait(self.keys_free.index(slot), parity)
+        if tested:
+            mbarrier.expect(self.keys_ready.index(slot),
+                            k_desc.block_type.nbytes + mask_desc.block_type.nbytes
+                            + bias_desc.block_type.nbytes)
+            tma_load(mask_desc, mask_at, self.keys_ready.index(slot),
+                     box_view(masks.index(slot), len(mask_desc.block_type.shape)))
+        else:
+            mbarrier.expect(self.keys_ready.index(slot),
+                            k_desc.block_type.nbytes + bias_desc.block_type.nbytes)
+        tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
+                 copy_view(self.keys.index(slot)))
+        tma_load(bias_desc, bias_at, self.keys_ready.index(slot),
+                 plane_view(biases.index(slot)))
+        self._fill_values(slot, parity, v_desc, batch, first_key, kv_head)
+
+    @gluon.jit
+    def _fill_values(self, slot, parity, v_desc, batch, first_key, kv_head):
+        """Loader: copy V's rows of the block into ``slot`` once both consumers have freed it."""
         mbarrier.wait(self.values_free.index(slot), parity)
         mbarrier.expect(self.values_ready.index(slot), v_desc.block_type.nbytes)
         tma_load(v_desc, [batch, first_key, kv_head, 0], self.values_ready.index(slot),

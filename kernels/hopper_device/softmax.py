@@ -9,6 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -19,11 +20,11 @@ def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep
     layout, the new m_i and l_i, and the factor that rescales the output rows. MASKED blocks
     hide keys past ``seqlen_k``, with CAUSAL keys past row + ``diagonal``, and where ``keep``
     is not None (the block's mask bytes in ``s_layout``) the pairs whose byte is 0. Where
-    ``bias_row`` is not None (the block's keys' bias x log2 e, one per column), it is added to
-    the scaled scores."""
+    ``bias_row`` is not None (the block's [1, BLOCK_N] bias row, in its dtype), it is added,
+    x log2 e, to the scaled scores."""
     BLOCK_N: gl.constexpr = s.shape[1]
     if bias_row is not None:  # scaled here; the folds below multiply by 1.0, which folds away
-        s = s * qk_scale + bias_row[None, :]
+        s = s * qk_scale + bias_row.to(gl.float32) * LOG2E
         qk_scale = 1.0
     if MASKED:
         cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))

@@ -165,7 +165,7 @@ class ForwardPlan:
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
         self.hopper = (None if fwd.hopper is None
                        else HopperForwardLaunch(problem, fwd.hopper, checked.mask,
-                                                self.bias_layout))
+                                                checked.bias))
         self.gather = None
         if fwd.gather is not None:
             mask = checked.mask
@@ -201,7 +201,8 @@ class ForwardPlan:
         lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
                if keep_lse else kept[0])
         if self.hopper is not None and self.hopper.takes(
-                query, key, value, *(() if mask_operand is None else (mask_operand,))):
+                query, key, value, *(() if mask_operand is None else (mask_operand,)),
+                *(() if bias is None else (bias,))):
             note_route("forward", "hopper")
             table = self.hopper_table
             if self.hopper_compaction is not None:  # compacted from the call's map

@@ -2,8 +2,9 @@
 ``hopper_device.attention_forward`` (Gluon, sm_90a).
 
 It covers a forward with no mask or a bool mask, and no bias or (once its GPU tests pass,
-``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``) a bias of one row per (batch, head) (causal or not,
-any lengths, GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
+``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``) a bias of one row per (batch, head) that TMA can
+read (``problem.tma_bias``; the loader copies each block's row beside K) (causal or not, any
+lengths, GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
 for TMA, on a GPU of compute capability 9.0. A mask's keys must be contiguous and its other
 strides multiples of 16 bytes (``problem.tma_mask``): the kernel walks each 128-row tile's
 activity list (``activity.BlockLists`` of 128 x 128 tiles, full blocks first) and reads what
@@ -47,8 +48,9 @@ def hopper_gap(problem: Problem) -> str | None:
     gap = hopper_operands_gap(problem)
     if gap is None and problem.bias is not None:
         gap = bias_row_gap(problem)
-        if gap is None and not problem.bias_keys_contiguous:
-            gap = "it reads a bias row with its keys contiguous (stride 1)"
+        if gap is None and not problem.tma_bias:
+            gap = ("it reads a bias row through TMA: the keys contiguous, and batch and head "
+                   "strides multiples of 16 bytes")
         if gap is None and not tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU:
             gap = ("its bias row has been compiled offline only; it is taken once its tests "
                    "pass on a Hopper GPU")
@@ -177,7 +179,8 @@ class HopperForwardLaunch:
     fixed once. A call makes the descriptors from its tensors and launches. With a bool mask
     (``mask``: its ``BroadcastOperand``) the plan also fixes the mask descriptor's shape and
     strides and the list table's strides; a call brings the table (``BlockLists.table`` of
-    ``list_tile``) and the mask."""
+    ``list_tile``) and the mask. With a bias row (``bias``: its ``BroadcastOperand``) it fixes
+    the bias descriptor's shape and strides; a call brings the bias."""
 
     def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None, bias=None):
         shape = problem.shape
@@ -219,10 +222,16 @@ class HopperForwardLaunch:
             LOADER_REGS=tile.loader_regs)
         self.batch = shape.batch
         self.unmasked_args = (0, 0, 0, 1, 1, 0)  # list strides and divisors, never read
-        # A bias row's strides (its (B, H, Lq, Lk) view's ``Layout``; keys
-        # contiguous) and query heads per bias head; stand-ins without one.
-        self.bias_scalars = ((bias.stride_b, bias.stride_h, bias.stride_n, bias.head_div)
-                             if bias is not None else (0, 0, 1, 1))
+        # A bias row's descriptor geometry over its (B, H, Lq, Lk) broadcast view: (Bb, Hb, 1,
+        # Lk), its strides, query heads per bias head and 1 if its batch is read.
+        self.biased = bias is not None
+        if self.biased:
+            self.bias_box = [1, 1, 1, tile.block_n]
+            self.bias_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16,
+                                                    rank=4)
+            self.bias_shape, self.bias_strides, bias_head_div, bias_batches = mask_geometry(
+                bias.view, shape.heads_q)
+            self.bias_scalars = (bias_head_div, bias_batches)
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:
@@ -245,7 +254,15 @@ class HopperForwardLaunch:
         self.launch(describe(query, self.q_box, self.q_layout), k_desc,
                     describe(value, self.kv_box, self.kv_layout),
                     describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args,
-                    lse if bias is None else bias, *self.bias_scalars)
+                    *self._bias_args(bias, k_desc))
+
+    def _bias_args(self, bias, stand_in) -> tuple:
+        """(the bias rows' descriptor, query heads per bias head, 1 if its batch is read), or
+        stand-ins never read."""
+        if not self.biased:
+            return (stand_in, 1, 0)
+        return (TensorDescriptor(bias, self.bias_shape, self.bias_strides, self.bias_box,
+                                 self.bias_layout), *self.bias_scalars)
 
 
 def mask_geometry(view: torch.Tensor, heads_q: int,

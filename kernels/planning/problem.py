@@ -73,8 +73,8 @@ class Problem:
     # The most keys that the query rows together keep in one (batch, mask head), where
     # ``prepare_mask`` counted them (decode-sized calls).
     kept_keys: int | None = None
-    # The bias's keys are contiguous in memory (stride 1), as the Hopper forward reads a row.
-    bias_keys_contiguous: bool = False
+    # The bias can be read by a TMA descriptor as (Bb, Hb, 1, Lk) rows (``tma_bias``).
+    tma_bias: bool = False
 
     @property
     def block_d(self) -> int:
@@ -112,6 +112,20 @@ def tma_mask(mask) -> bool:
                if view.shape[a] > 1)
 
 
+def tma_bias(bias) -> bool:
+    """Whether a TMA descriptor can read a bias of one row per (batch, head) (``bias``: its
+    ``BroadcastOperand``) as (Bb, Hb, 1, Lk) rows, as the Hopper forward copies them: the keys
+    contiguous, and the batch and head strides of axes longer than 1 that are not 0 multiples
+    of 16 bytes. Its address is each call's to check."""
+    if bias is None or bias.original_shape[2] != 1:
+        return False
+    view = bias.view
+    if view.stride(3) != 1:
+        return False
+    return all(view.stride(a) * view.element_size() % 16 == 0 for a in (0, 1)
+               if view.shape[a] > 1 and view.stride(a) != 0)
+
+
 def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                interpreted: bool, multiprocessors: int, is_causal: bool,
                deterministic: bool = False, bias_grad: bool = False,
@@ -132,5 +146,4 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
                    intervals, capability, bool(tma_operands), tma_mask(checked.mask),
                    checked.mask.max_kept if checked.mask is not None else None,
-                   activity is not None, kept_keys,
-                   checked.bias is not None and checked.bias.view.stride(3) == 1)
+                   activity is not None, kept_keys, tma_bias(checked.bias))
