@@ -17,6 +17,7 @@ import torch
 from attn_helpers import Dims, forcing, random_bias, random_mask, random_qkv
 from attn_helpers import run_forward as checked_forward
 from kernels import KeyIntervals, dmattn_func, prepare_mask, schedule_for, topk_intervals
+from kernels import call_plan
 from kernels.planning import tuning
 
 GATHER = forcing(forward_route="gather")
@@ -223,6 +224,24 @@ def test_a_prepared_decode_mask_counts_its_kept_keys_and_takes_the_route(device)
     many = random_mask((2, 2, 2, 512), device, keep=0.3)
     assert schedule_for(q, k, v, prepare_mask(many, q, k, False),
                         for_backward=False).forward.route == "triton"
+
+
+@pytest.mark.parametrize("keep", [0.05, 1.0], ids=["keep5", "keep100"])
+def test_a_decode_bool_mask_read_by_the_call_takes_the_route(device, monkeypatch, no_kept_plans,
+                                                             keep):
+    """Unprepared, whatever it keeps: its list pass counts on the device. With gradients, or
+    with the rule off, the tile walk reads it."""
+    dims = Dims(2, 1, 512, 4, 2, 16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = random_mask((2, 2, 1, 512), device, keep=keep)
+    sched = schedule_for(q, k, v, mask, for_backward=False)
+    assert sched.forward.route == "gather" and sched.forward.gather.capacity == 512
+    run_forward(q, k, v, mask, func=dmattn_func)
+    assert schedule_for(q, k, v, mask, for_backward=True).forward.route == "triton"
+    monkeypatch.setattr(tuning, "GATHER_TAKES_MASKS_READ_PER_CALL", False)
+    call_plan._mask_plans.clear()  # plans are kept by the mask's form, made under the rule
+    assert schedule_for(q, k, v, mask, for_backward=False).forward.route == "triton"
+    call_plan._mask_plans.clear()  # none made without the rule outlives the test
 
 
 def test_prepared_intervals_count_their_kept_keys(device):

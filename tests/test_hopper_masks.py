@@ -1,11 +1,11 @@
 """Masks on the Hopper forward (``kernels.hopper_device.attention_forward``'s MASK_KIND).
 
-Host side, on every machine: which masks a TMA descriptor reads and how, the default that
-takes a prepared mask of mostly full tiles, the lists built for it, and the gate on the forms
-not yet run on a GPU. A bias row (the gate of ``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU`` opened
-by its tests) is tested here too, with and without a mask. Device side (marked ``hopper``): outputs and LSE against the float64
-reference for every broadcast, keep share, band, prepared or per-call mask, the backward after
-it, and a seeded fuzz; every call is forced and counted, so a silent fallback fails.
+Host side, on every machine: which masks a TMA descriptor reads and how, the default that takes a
+prepared mask of mostly full tiles, the lists built for it, and the gate on the forms not yet run
+on a GPU. A bias row (the gate of ``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU`` opened by its tests) is
+tested here too, with and without a mask. Device side (marked ``hopper``): outputs and LSE against
+the float64 reference for every broadcast, keep share, band, prepared or per-call mask, the
+backward after it, and a seeded fuzz; every call is forced and counted, so a silent fallback fails.
 """
 
 from __future__ import annotations

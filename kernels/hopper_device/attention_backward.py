@@ -323,23 +323,23 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                        STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,), ordered as ``tiles.KeyBlockWork`` says
-    (``order_group``: its (batch, key head)s per group with GROUPED_ORDER). ``rows_desc``: a [1, BLOCK_M] box over float32 rows
-    (2 x B x Hq, Lq rounded up to BLOCK_M): first every (batch, query head)'s LSE times log2 e
-    (+inf where a row saw no key, and past Lq), then its delta (0 past Lq).
-    ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a
-    [1, 1, BLOCK_M, BLOCK_D / 2] box in an unswizzled layout; ``dk_desc`` and ``dv_desc`` write
-    (B, Lk, Hk, D) in q's dtype with a box of half a key block. ``qk_scale`` = softmax_scale x
-    log2 e. With a mask, each key block walks its query blocks from the activity lists'
-    table (``tiles.BlockLists``: per (mask batch, mask head, key block) a row of (count, full
-    count, query blocks...)), and ``mask_desc`` is, for MASK_TILE, a descriptor of a bool
-    mask's bytes ([1, 1, BLOCK_M, BLOCK_N] boxes over (Bm, Hm, Lq, Lk), axes of length 1 read
-    at index 0), for INTERVAL_WORDS KeyIntervals' int64 words (start in the low half, end in
-    the high; keys contiguous, ``mask_batch_stride`` and ``mask_head_stride`` in words);
-    without one, the mask and list arguments are stand-ins never read. With DETERMINISTIC, ``dq_locks`` (zeroed
-    int32, one per (batch x query head, query block)) orders dQ's reduce-adds: key block kb
-    adds a query block's partial once both warpgroups of blocks 0..kb-1 have (each of them
-    walks that query block: none is masked), so dQ is bitwise reproducible; without it,
-    ``dq_locks`` is a stand-in never read. Launch with num_warps = 4."""
+    (``order_group``: its (batch, key head)s per group with GROUPED_ORDER). ``rows_desc``: a [1,
+    BLOCK_M] box over float32 rows (2 x B x Hq, Lq rounded up to BLOCK_M): first every (batch,
+    query head)'s LSE times log2 e (+inf where a row saw no key, and past Lq), then its delta (0
+    past Lq). ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a [1, 1,
+    BLOCK_M, BLOCK_D / 2] box in an unswizzled layout; ``dk_desc`` and ``dv_desc`` write (B, Lk,
+    Hk, D) in q's dtype with a box of half a key block. ``qk_scale`` = softmax_scale x log2 e.
+    With a mask, each key block walks its query blocks from the activity lists' table
+    (``tiles.BlockLists``: per (mask batch, mask head, key block) a row of (count, full count,
+    query blocks...)), and ``mask_desc`` is, for MASK_TILE, a descriptor of a bool mask's bytes
+    ([1, 1, BLOCK_M, BLOCK_N] boxes over (Bm, Hm, Lq, Lk), axes of length 1 read at index 0),
+    for INTERVAL_WORDS KeyIntervals' int64 words (start in the low half, end in the high; keys
+    contiguous, ``mask_batch_stride`` and ``mask_head_stride`` in words); without one, the mask
+    and list arguments are stand-ins never read. With DETERMINISTIC, ``dq_locks`` (zeroed int32,
+    one per (batch x query head, query block)) orders dQ's reduce-adds: key block kb adds a
+    query block's partial once both warpgroups of blocks 0..kb-1 have (each of them walks that
+    query block: none is masked), so dQ is bitwise reproducible; without it, ``dq_locks`` is a
+    stand-in never read. Launch with num_warps = 4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]

@@ -16,7 +16,8 @@ lists with the plan, and later calls launch the forward alone. Lists made inside
 are not kept: they are written only when the graph replays.
 
 The schedule takes the route for few query rows (``tuning.GATHER_MAX_ROWS``) with a mask that
-keeps a small share of the keys, and no backward (``gather_tile``).
+keeps a small share of the keys, or a bool mask the call reads itself, and no backward
+(``gather_tile``).
 """
 
 from __future__ import annotations
@@ -122,14 +123,23 @@ def lists_pay(capacity: int, seqlen_k: int) -> bool:
     return capacity <= tuning.GATHER_MAX_KEPT_SHARE * seqlen_k
 
 
+def reads_bool_mask_itself(problem: Problem) -> bool:
+    """Whether the call brings a bool mask that was not prepared: nothing on the host counts
+    its kept keys, and whatever route runs reads all of it in the call."""
+    return problem.mask is not None and not problem.intervals and not problem.prepared
+
+
 def gather_tile(problem: Problem, forced: bool = False) -> GatherTile | None:
     """The gather route's launch where the forward takes it, else None. Unforced, it takes it
-    where the lists are bounded (``KeyIntervals.max_kept``) to at most
-    ``tuning.GATHER_MAX_KEPT_SHARE`` of the keys."""
+    where the lists are bounded (``KeyIntervals.max_kept``, or a prepared mask's count) to at
+    most ``tuning.GATHER_MAX_KEPT_SHARE`` of the keys, and for a bool mask the call reads itself
+    (``tuning.GATHER_TAKES_MASKS_READ_PER_CALL``): its list pass counts the kept keys on the
+    device, and each share of the forward sizes itself from the count."""
     if gather_gap(problem) is not None:
         return None
     capacity = kept_bound(problem)
-    if not forced and not lists_pay(capacity, problem.shape.seqlen_k):
+    per_call = tuning.GATHER_TAKES_MASKS_READ_PER_CALL and reads_bool_mask_itself(problem)
+    if not (forced or per_call or lists_pay(capacity, problem.shape.seqlen_k)):
         return None
     shape = problem.shape
     pack = pack_of(problem)

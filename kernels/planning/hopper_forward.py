@@ -2,14 +2,14 @@
 ``hopper_device.attention_forward`` (Gluon, sm_90a).
 
 It covers a forward with no mask or a bool mask, and no bias or (once its GPU tests pass,
-``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``) a bias of one row per (batch, head) that TMA can
-read (``problem.tma_bias``; the loader copies each block's row beside K) (causal or not, any
-lengths, GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
-for TMA, on a GPU of compute capability 9.0. A mask's keys must be contiguous and its other
-strides multiples of 16 bytes (``problem.tma_mask``): the kernel walks each 128-row tile's
-activity list (``activity.BlockLists`` of 128 x 128 tiles, full blocks first) and reads what
-the blocks it tests per pair test through TMA (``mask_kind``): a bool mask's bytes, a row of
-them for a mask shared by every query row, or KeyIntervals' (start, end) pairs.
+``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``) a bias of one row per (batch, head) that TMA can read
+(``problem.tma_bias``; the loader copies each block's row beside K) (causal or not, any lengths,
+GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
+for TMA, on a GPU of compute capability 9.0. A mask's keys must be contiguous and its other strides
+multiples of 16 bytes (``problem.tma_mask``): the kernel walks each 128-row tile's activity list
+(``activity.BlockLists`` of 128 x 128 tiles, full blocks first) and reads what the blocks it tests
+per pair test through TMA (``mask_kind``): a bool mask's bytes, a row of them for a mask shared by
+every query row, or KeyIntervals' (start, end) pairs.
 The schedule takes the route where its tiles are full enough (``takes_hopper``; with a mask, a
 prepared one whose tiles are mostly full: ``few_partial_tiles``), and
 ``kernel_options['forward_route']`` forces either route. Anything else runs the Triton route,
