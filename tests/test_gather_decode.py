@@ -221,24 +221,31 @@ def test_a_prepared_decode_mask_counts_its_kept_keys_and_takes_the_route(device)
     sched = schedule_for(q, k, v, prepared, for_backward=False)
     assert sched.forward.route == "gather" and sched.forward.gather.capacity == 40
     run_forward(q, k, v, prepared, func=dmattn_func)
-    many = random_mask((2, 2, 2, 512), device, keep=0.3)
-    assert schedule_for(q, k, v, prepare_mask(many, q, k, False),
-                        for_backward=False).forward.route == "triton"
+    many = prepare_mask(random_mask((2, 2, 2, 512), device, keep=0.3), q, k, False)
+    sched = schedule_for(q, k, v, many, for_backward=False)
+    assert sched.forward.route == "gather" and sched.forward.gather.capacity == many.kept_keys
 
 
 @pytest.mark.parametrize("keep", [0.05, 1.0], ids=["keep5", "keep100"])
-def test_a_decode_bool_mask_read_by_the_call_takes_the_route(device, monkeypatch, no_kept_plans,
-                                                             keep):
-    """Unprepared, whatever it keeps: its list pass counts on the device. With gradients, or
-    with the rule off, the tile walk reads it."""
+def test_a_decode_bool_mask_takes_the_route_prepared_or_not(device, monkeypatch, no_kept_plans,
+                                                            keep):
+    """Whatever it keeps: read by the call, its list pass counts on the device (lists sized for
+    every key); prepared, the same route with lists of its count, and the same bits. With
+    gradients, or with the rule off, the tile walk reads it."""
     dims = Dims(2, 1, 512, 4, 2, 16)
     q, k, v = random_qkv(dims, torch.float16, device)
     mask = random_mask((2, 2, 1, 512), device, keep=keep)
     sched = schedule_for(q, k, v, mask, for_backward=False)
     assert sched.forward.route == "gather" and sched.forward.gather.capacity == 512
-    run_forward(q, k, v, mask, func=dmattn_func)
+    out, lse = run_forward(q, k, v, mask, func=dmattn_func)
+    prepared = prepare_mask(mask, q, k, False)
+    sched = schedule_for(q, k, v, prepared, for_backward=False)
+    assert sched.forward.route == "gather"
+    assert sched.forward.gather.capacity == prepared.kept_keys
+    prepared_out, prepared_lse = run_forward(q, k, v, prepared, func=dmattn_func)
+    assert torch.equal(out, prepared_out) and torch.equal(lse, prepared_lse)
     assert schedule_for(q, k, v, mask, for_backward=True).forward.route == "triton"
-    monkeypatch.setattr(tuning, "GATHER_TAKES_MASKS_READ_PER_CALL", False)
+    monkeypatch.setattr(tuning, "GATHER_TAKES_BOOL_MASKS", False)
     call_plan._mask_plans.clear()  # plans are kept by the mask's form, made under the rule
     assert schedule_for(q, k, v, mask, for_backward=False).forward.route == "triton"
     call_plan._mask_plans.clear()  # none made without the rule outlives the test

@@ -15,9 +15,8 @@ its list passes outside a CUDA graph capture (and outside ``launch.compile_only`
 lists with the plan, and later calls launch the forward alone. Lists made inside a capture
 are not kept: they are written only when the graph replays.
 
-The schedule takes the route for few query rows (``tuning.GATHER_MAX_ROWS``) with a mask that
-keeps a small share of the keys, or a bool mask the call reads itself, and no backward
-(``gather_tile``).
+The schedule takes the route for few query rows (``tuning.GATHER_MAX_ROWS``) with a bool mask,
+or KeyIntervals that keep a small share of the keys, and no backward (``gather_tile``).
 """
 
 from __future__ import annotations
@@ -123,30 +122,29 @@ def lists_pay(capacity: int, seqlen_k: int) -> bool:
     return capacity <= tuning.GATHER_MAX_KEPT_SHARE * seqlen_k
 
 
-def reads_bool_mask_itself(problem: Problem) -> bool:
-    """Whether the call brings a bool mask that was not prepared: nothing on the host counts
-    its kept keys, and whatever route runs reads all of it in the call."""
-    return problem.mask is not None and not problem.intervals and not problem.prepared
-
-
 def gather_tile(problem: Problem, forced: bool = False) -> GatherTile | None:
-    """The gather route's launch where the forward takes it, else None. Unforced, it takes it
-    where the lists are bounded (``KeyIntervals.max_kept``, or a prepared mask's count) to at
-    most ``tuning.GATHER_MAX_KEPT_SHARE`` of the keys, and for a bool mask the call reads itself
-    (``tuning.GATHER_TAKES_MASKS_READ_PER_CALL``): its list pass counts the kept keys on the
-    device, and each share of the forward sizes itself from the count."""
+    """The gather route's launch where the forward takes it, else None. Unforced, it takes a
+    bool mask (``tuning.GATHER_TAKES_BOOL_MASKS``), whatever it keeps: read by the call, its
+    list pass counts the kept keys on the device and each share of the forward sizes itself
+    from the count; prepared, it takes the same route, so that preparing a mask never changes
+    a call's bits. KeyIntervals it takes where their lists are bounded
+    (``KeyIntervals.max_kept``, or a prepared mask's count) to at most
+    ``tuning.GATHER_MAX_KEPT_SHARE`` of the keys."""
     if gather_gap(problem) is not None:
         return None
     capacity = kept_bound(problem)
-    per_call = tuning.GATHER_TAKES_MASKS_READ_PER_CALL and reads_bool_mask_itself(problem)
-    if not (forced or per_call or lists_pay(capacity, problem.shape.seqlen_k)):
+    bool_mask = tuning.GATHER_TAKES_BOOL_MASKS and not problem.intervals
+    if not (forced or bool_mask or lists_pay(capacity, problem.shape.seqlen_k)):
         return None
     shape = problem.shape
     pack = pack_of(problem)
     block_m = max(16, next_power_of_2(pack * shape.seqlen_q))
     tile = tuning.GATHER_INTERPRETED if problem.interpreted else tuning.GATHER
     programs = shape.batch * shape.heads_q // pack
-    splits = gather_splits(programs, ceil_div(capacity, tile.block_n), problem.multiprocessors)
+    # A bool mask's shares are counted for every key, prepared or not: a list is cut into
+    # shares by its count and the share count, so both cut it alike (the same bits).
+    split_keys = shape.seqlen_k if bool_mask else capacity
+    splits = gather_splits(programs, ceil_div(split_keys, tile.block_n), problem.multiprocessors)
     # 64 tile rows (16 query rows of a group of 4) over 4 warps took 255 registers and
     # spilled (ptxas, sm_90a, D128); 8 warps hold them.
     warps = 8 if block_m >= 64 and not problem.interpreted else tile.num_warps

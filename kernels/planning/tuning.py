@@ -266,19 +266,20 @@ HOPPER_FORWARD_MIN_KEY_BLOCKS = 4
 # -- decode's gather route (``gather_decode``)
 # Query rows it takes at most (decode; speculative or chunked decode).
 GATHER_MAX_ROWS = 16
-# It takes a call by default where its lists are bounded to at most this share of the keys
-# (``KeyIntervals.max_kept``, or the keys ``prepare_mask`` counted): below it the kept rows it
+# It takes KeyIntervals by default where their lists are bounded to at most this share of the
+# keys (``KeyIntervals.max_kept``, or the keys ``prepare_mask`` counted): below it the kept rows it
 # reads cost less than the key blocks the tile walk reads. At 1/16 and 1/32 it ran 3.5-4.5x
 # the tile walk (H200, B8 H32/8 Lq1 D128, before the list pass was spread over chunks).
 GATHER_MAX_KEPT_SHARE = 1 / 8
-# A decode-sized bool mask the call reads itself (not prepared) takes the route whatever it
-# keeps: no count of its kept keys exists on the host, and the tile walk reads the whole mask
-# and every key block any row keeps. H200, B8 H32/8 Lq1 Lk32768 W2048 bool with a kv_row bias:
-# the tile walk read it per call in 0.38 ms (a prepared mask's gather step 0.040, dense SDPA with
-# the mask 0.28); a gather step whose list pass ran in the call took about 0.06 ms (change 64,
-# eager). At every key kept, the gather forward reads what the tile walk reads, through lists:
-# not yet measured (decode.yaml's triton-per-call rows).
-GATHER_TAKES_MASKS_READ_PER_CALL = True
+# A decode-sized bool mask takes the route whatever it keeps. Read by the call, no count of its
+# kept keys exists on the host, and the tile walk reads the whole mask and every key block any
+# row keeps: H200, B8 H32/8 Lq1 Lk32768 W2048 bool with a kv_row bias, the tile walk took 0.38
+# ms per call (a prepared mask's gather step 0.040, dense SDPA with the mask 0.28); a gather
+# step whose list pass ran in the call took about 0.06 ms (change 64, eager). Prepared, it
+# takes the same route, so that preparing never changes a call's bits (the prepared count
+# sizes the lists). Not yet measured: masks keeping more than 1/8 of the keys, which the tile
+# walk took before (decode.yaml's triton-per-call rows, and a prepared dense mask).
+GATHER_TAKES_BOOL_MASKS = True
 GATHER = Tile(0, 64, 4, 2)  # block_m follows the pack and the rows
 GATHER_INTERPRETED = Tile(0, 16, 4, 1)
 # Shares per list (``gather_decode.gather_splits``). CUDA-graph replays of B8 H32/8 Lq1 D128
