@@ -304,6 +304,19 @@ def test_masked_hopper_backward_on_random_shapes(device):
         _backward_on_hopper(q, k, v, causal, mask)
 
 
+def assert_backwards_repeat_bitwise(q, k, v, bias, causal):
+    """Five forced Hopper backwards of one deterministic call give bitwise equal dq, dk, dv
+    (and the bias's gradient)."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
+    out = FORCED(*leaves[:3], None, leaves[3] if bias is not None else None, causal,
+                 deterministic=True)
+    grad = torch.randn_like(out)
+    first = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    for _ in range(4):
+        again = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 # -- the ordered dQ (deterministic=True)
 @pytest.mark.hopper
 @pytest.mark.parametrize("sizes", [(2, 1025, 1025, 4, 1, 80), (1, 300, 700, 6, 2, 64),
@@ -321,14 +334,7 @@ def test_deterministic_hopper_backward_is_bitwise_repeatable(device, sizes, caus
     with record_routes() as routes:
         run_backward(q, k, v, bias=bias, causal=causal, deterministic=True, func=FORCED)
     assert set(routes.backward) == {"hopper"}, routes.describe()
-    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
-    out = FORCED(*leaves[:3], None, leaves[3] if with_bias else None, causal,
-                 deterministic=True)
-    grad = torch.randn_like(out)
-    first = torch.autograd.grad(out, leaves, grad, retain_graph=True)
-    for _ in range(4):
-        again = torch.autograd.grad(out, leaves, grad, retain_graph=True)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert_backwards_repeat_bitwise(q, k, v, bias, causal)
 
 
 # -- a bias row and its gradient
@@ -400,11 +406,4 @@ def test_hopper_backward_fuzz_of_every_form(device, part):
                          func=func)
         assert set(routes.backward) == {"hopper"}, f"{case}: {routes.describe()}"
         if deterministic:
-            leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
-            out = FORCED(*leaves[:3], None, leaves[3] if bias is not None else None, causal,
-                         deterministic=True)
-            grad = torch.randn_like(out)
-            first = torch.autograd.grad(out, leaves, grad, retain_graph=True)
-            for _ in range(4):
-                again = torch.autograd.grad(out, leaves, grad, retain_graph=True)
-                assert all(torch.equal(a, b) for a, b in zip(first, again)), case
+            assert_backwards_repeat_bitwise(q, k, v, bias, causal)
