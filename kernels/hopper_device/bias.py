@@ -6,8 +6,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .gluon_compat import aggregate
-
-LOG2E = gl.constexpr(1.4426950408889634)
+from .softmax import LOG2E
 
 
 @aggregate

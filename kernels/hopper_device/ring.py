@@ -81,49 +81,38 @@ class KeyValueRing:
         ``mask_desc`` at ``mask_at`` (the block's mask bytes or interval words) into ``masks``'
         slot of this position, on K's ready barrier: the consumers read it before they free
         K's slot."""
-        slot = position % self.STAGES
-        parity = ((position // self.STAGES) & 1) ^ 1
-        mbarrier.wait(self.keys_free.index(slot), parity)
-        if tested:
-            mbarrier.expect(self.keys_ready.index(slot),
-                            k_desc.block_type.nbytes + mask_desc.block_type.nbytes)
-            tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
-                     copy_view(self.keys.index(slot)))
-            tma_load(mask_desc, mask_at, self.keys_ready.index(slot),
-                     box_view(masks.index(slot), len(mask_desc.block_type.shape)))
-        else:
-            mbarrier.expect(self.keys_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
-                     copy_view(self.keys.index(slot)))
-        self._fill_values(slot, parity, v_desc, batch, first_key, kv_head)
+        self.fill_biased(position, k_desc, v_desc, batch, first_key, kv_head, mask_desc, masks,
+                         mask_at, tested, None, None, None)
 
     @gluon.jit
     def fill_biased(self, position, k_desc, v_desc, batch, first_key, kv_head, mask_desc,
                     masks, mask_at, tested, bias_desc, biases, bias_at):
-        """``fill_tested``, and the block's [1, BLOCK_N] row of a bias (``bias_desc``'s box at
-        ``bias_at``) into ``biases``' slot of this position, on K's ready barrier whether the
-        block is tested or not."""
+        """``fill_tested``, and where ``bias_desc`` is not None the block's [1, BLOCK_N] row of
+        a bias (its box at ``bias_at``) into ``biases``' slot of this position, on K's ready
+        barrier whether the block is tested or not."""
         slot = position % self.STAGES
         parity = ((position // self.STAGES) & 1) ^ 1
+        ready = self.keys_ready.index(slot)
         mbarrier.wait(self.keys_free.index(slot), parity)
         if tested:
-            mbarrier.expect(self.keys_ready.index(slot),
-                            k_desc.block_type.nbytes + mask_desc.block_type.nbytes
-                            + bias_desc.block_type.nbytes)
-            tma_load(mask_desc, mask_at, self.keys_ready.index(slot),
+            if bias_desc is None:
+                mbarrier.expect(ready, k_desc.block_type.nbytes + mask_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready, k_desc.block_type.nbytes + mask_desc.block_type.nbytes
+                                + bias_desc.block_type.nbytes)
+            tma_load(k_desc, [batch, first_key, kv_head, 0], ready,
+                     copy_view(self.keys.index(slot)))
+            tma_load(mask_desc, mask_at, ready,
                      box_view(masks.index(slot), len(mask_desc.block_type.shape)))
         else:
-            mbarrier.expect(self.keys_ready.index(slot),
-                            k_desc.block_type.nbytes + bias_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, first_key, kv_head, 0], self.keys_ready.index(slot),
-                 copy_view(self.keys.index(slot)))
-        tma_load(bias_desc, bias_at, self.keys_ready.index(slot),
-                 plane_view(biases.index(slot)))
-        self._fill_values(slot, parity, v_desc, batch, first_key, kv_head)
-
-    @gluon.jit
-    def _fill_values(self, slot, parity, v_desc, batch, first_key, kv_head):
-        """Loader: copy V's rows of the block into ``slot`` once both consumers have freed it."""
+            if bias_desc is None:
+                mbarrier.expect(ready, k_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready, k_desc.block_type.nbytes + bias_desc.block_type.nbytes)
+            tma_load(k_desc, [batch, first_key, kv_head, 0], ready,
+                     copy_view(self.keys.index(slot)))
+        if bias_desc is not None:
+            tma_load(bias_desc, bias_at, ready, plane_view(biases.index(slot)))
         mbarrier.wait(self.values_free.index(slot), parity)
         mbarrier.expect(self.values_ready.index(slot), v_desc.block_type.nbytes)
         tma_load(v_desc, [batch, first_key, kv_head, 0], self.values_ready.index(slot),
