@@ -198,10 +198,10 @@ HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
 # against Triton route (SDPA): L512 full (4 blocks) 390 against 302 (451); L512 causal (2.5)
 # 97 against 187 (241); L1024 causal (4.5, B16) 310 against 280 (411).
 HOPPER_FORWARD_MIN_QUERIES = 512
-# The Hopper forward with a bias row ((.., .., 1, Lk): each consumer warpgroup loads its key
-# block's bias while its score product runs and adds it, x log2 e, to the scaled scores) has
-# been compiled for sm_90a offline only: refused with that reason until its tests
-# (tests/test_hopper_masks.py) pass on a GPU.
+# The Hopper forward with a bias row ((.., .., 1, Lk): the loader copies each key block's row
+# beside K, and the consumers add it, x log2 e, to the scaled scores) has been compiled for
+# sm_90a offline only: refused with that reason until its tests (tests/test_hopper_masks.py)
+# pass on a GPU.
 HOPPER_FORWARD_BIAS_RAN_ON_GPU = False
 
 
@@ -230,9 +230,9 @@ class HopperBackwardTile:
 HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
 # Causal Hopper backward programs start in the order of their key block over every (batch, key
 # head) (``tiles.KeyBlockWork``). A number here groups the (batch, key head)s so that a group's
-# programs fill about this many waves, each group ordered by key block, so that the programs in
-# flight add dQ into fewer heads' rows. An experiment, not yet measured: short causal walks (L2048,
-# walk 17) ran 1.5x slower than a per-program cost fit of the non-causal ones predicts.
+# programs fill about this many waves, each group ordered by key block, so that the programs
+# in flight add dQ into fewer heads' rows. An experiment, not yet measured: short causal walks
+# (L2048, walk 17) ran 1.5x slower than a per-program cost fit of the non-causal ones predicts.
 HOPPER_BACKWARD_CAUSAL_GROUP_WAVES: float | None = None
 # Where the schedule's default takes the Hopper backward: the mean number of BLOCK_M query
 # blocks a key block's program walks (``hopper_backward.mean_query_blocks``; a mask's lists

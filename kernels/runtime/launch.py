@@ -421,9 +421,10 @@ class DescriptorLaunch:
     ``do_not_specialize``): it is compiled for ``UNKNOWN_INT`` in their place, and a
     descriptor for its dtype, box and layout only (``specialization``); ints among a call's
     operands (strides of a mask's lists or a bias, which follow the lengths) likewise, so one
-    compile serves every call of every plan of one form on a device. Each call takes ``PlannedLaunch``'s
-    paths: compile-only, Triton's JIT dispatch with launch hooks installed, else the compiled
-    kernel's launcher (which encodes the descriptors, 128 bytes each, per call)."""
+    compile serves every call of every plan of one form on a device. Each call takes
+    ``PlannedLaunch``'s paths: compile-only, Triton's JIT dispatch with launch hooks installed,
+    else the compiled kernel's launcher (which encodes the descriptors, 128 bytes each, per
+    call)."""
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, num_warps: int = 4, **constexprs):
         self.kernel = kernel
