@@ -43,6 +43,8 @@ class TritonBackend(Backend):
                    "KeyIntervals as they are; kernels.dmattn_varlen_func for the varlen format")
     has_lse = True
     interpreted = True
+    # A bool mask is prepared once, outside the timing (``PerCallBackend`` passes it as is).
+    prepares_mask = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return import_error("kernels")
@@ -68,7 +70,8 @@ class TritonBackend(Backend):
         # and their build time is reported. Intervals are read by the call itself. The test is
         # against this package's own class: triton-base's intervals are the baseline's.
         build = None
-        if mask is not None and not isinstance(mask, kernels.KeyIntervals):
+        if (self.prepares_mask and mask is not None
+                and not isinstance(mask, kernels.KeyIntervals)):
             mask, build = timed_build(lambda: prepare_mask(mask, q, k, case.causal), q.device,
                                       "prepare_mask")
 
@@ -118,23 +121,13 @@ class PerCallBackend(TritonBackend):
     name = "triton-per-call"
     description = ("ours with the bool mask passed as it is on every call (nothing prepared: "
                    "the call reads the mask inside the timing); bool-mask cases only")
+    prepares_mask = False
 
     def skip_reason(self, case: Case) -> str | None:
         if case.mask == "none" or case.mask_format != "bool":
             return ("it passes a bool mask unprepared: cases with a mask in mask_format bool "
                     f"only, got mask {case.mask}, mask_format {case.mask_format}")
         return None
-
-    def bind(self, adapted: dict[str, Any], case: Case, want_lse: bool) -> Bound:
-        dmattn_func = self.kernels().dmattn_func
-        q, k, v, mask, bias = (adapted[n] for n in ("q", "k", "v", "mask", "bias"))
-
-        def call():
-            result = dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=case.causal,
-                                 return_lse=want_lse)
-            return result if want_lse else (result, None)
-
-        return Bound(call)
 
 
 class SelectingBackend(TritonBackend):
