@@ -47,7 +47,8 @@ from .planning.inputs import AttnShape
 from .planning.problem import Problem
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
 from .prepared import prepare_mask
-from .runtime.launch import capability, compile_only, compiled_forms, launches_run, multiprocessors
+from .runtime.device import capability, multiprocessors
+from .runtime.launch import compile_only, compiled_forms, launches_run
 from .topk_ops import topk_intervals
 
 MASK_FORMS = ("none", "bool", "intervals")

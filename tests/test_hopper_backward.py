@@ -25,7 +25,7 @@ from kernels.runtime.arith import LOG2E
 from kernels.planning.backward_schedule import BackwardRoute
 from kernels.planning.hopper_backward import (backward_list_tile, causal_order_group,
                                               hopper_backward_gap, loader_rows,
-                                              mean_query_blocks)
+                                              longest_walk_share, mean_query_blocks)
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import activity_tiles, normalize_options, schedule
 
@@ -47,23 +47,50 @@ def test_forcing_the_hopper_backward_schedules_it():
 @pytest.mark.parametrize("seqlen, head_dim, causal, extra, hopper", [
     (512, 128, False, {}, True),  # walks 8 query blocks: 1.17x the Triton backward (H200)
     (256, 128, False, {}, False),  # 4: not measured
-    (2048, 128, True, {}, False),  # 17, causal: 0.89x
+    (1024, 128, True, {}, False),  # 9, causal: about 1.1x in grouped order, not taken
+    (2048, 128, True, {}, True),  # 17, causal: about 1.2x in grouped order
     (4096, 128, True, {}, True),  # 33: 1.37x
     (1024, 64, False, {}, False),  # 16: 0.74x
     (2048, 64, False, {}, True),  # 32: 1.02x
+    (2048, 64, True, {}, False),  # 17: 0.93x
     (8192, 128, True, {"deterministic": True}, False),  # 0.89x
     (2048, 128, False, {"deterministic": True}, False),  # 32: 0.96x
     (8192, 128, False, {"deterministic": True}, True),  # 128: 1.13x
     (8192, 128, True, {"capability": (8, 0)}, False),  # not covered
-], ids=["D128-L512", "D128-L256", "D128-L2048-causal", "D128-L4096-causal", "D64-L1024",
-        "D64-L2048", "deterministic-causal", "deterministic-L2048", "deterministic-L8192",
-        "ampere"])
+], ids=["D128-L512", "D128-L256", "D128-L1024-causal", "D128-L2048-causal",
+        "D128-L4096-causal", "D64-L1024", "D64-L2048", "D64-L2048-causal",
+        "deterministic-causal", "deterministic-L2048", "deterministic-L8192", "ampere"])
 def test_the_default_takes_the_hopper_backward_where_it_was_measured_ahead(seqlen, head_dim,
                                                                            causal, extra,
                                                                            hopper):
-    problem = dense_problem(shape=sized(seqlen_q=seqlen, seqlen_k=seqlen, head_dim=head_dim),
-                            is_causal=causal, **extra)
+    """The measured grids: B x L = 16384, H16 at D128, H16/4 at D64."""
+    heads_kv = 16 if head_dim > 64 else 4
+    shape = sized(batch=16384 // seqlen, seqlen_q=seqlen, seqlen_k=seqlen, head_dim=head_dim,
+                  heads_q=16, heads_kv=heads_kv)
+    problem = dense_problem(shape=shape, is_causal=causal, **extra)
     assert (schedule(problem).backward.route is BackwardRoute.HOPPER) == hopper
+
+
+@pytest.mark.parametrize("batch, heads_kv, seqlen, hopper", [
+    (1, 4, 4096, False),  # headdim.yaml: share 2.0, Hopper 0.81-0.98x Triton's
+    (1, 4, 8192, True),  # models.yaml: about 1.0, 1.25x
+    (2, 4, 4096, True),  # dense.yaml: 1.0
+])
+def test_the_default_leaves_grids_waiting_on_their_longest_program_to_triton(batch, heads_kv,
+                                                                             seqlen, hopper):
+    shape = sized(batch=batch, heads_q=16, heads_kv=heads_kv, seqlen_q=seqlen, seqlen_k=seqlen)
+    problem = dense_problem(shape=shape)
+    assert (schedule(problem).backward.route is BackwardRoute.HOPPER) == hopper
+
+
+def test_the_longest_walk_share_compares_one_program_with_the_even_share():
+    """B1 H16/4 L4096 causal: key block 0 walks 64 query blocks for each of 4 query heads
+    (256), the 128 programs together 4 x 4 x 1056 over 132 multiprocessors (128): share 2."""
+    causal = dense_problem(shape=sized(batch=1, seqlen_q=4096, seqlen_k=4096))
+    assert longest_walk_share(causal) == pytest.approx(256 / (16 * 1056 / 132))
+    few = replace(causal, is_causal=False, shape=sized(batch=1, heads_q=4, heads_kv=4))
+    assert longest_walk_share(few) == pytest.approx(132 / (4 * 32))  # 128 programs, one wave
+    assert longest_walk_share(replace(causal, multiprocessors=4096)) > 30
 
 
 def test_the_mean_walk_counts_the_query_blocks_each_key_block_sees():
@@ -81,6 +108,8 @@ def test_the_mean_walk_counts_the_query_blocks_each_key_block_sees():
 
 def test_the_causal_grid_orders_in_groups_only_where_asked(monkeypatch):
     causal = dense_problem(shape=sized(seqlen_q=2048, seqlen_k=2048))  # 16 key blocks
+    assert causal_order_group(causal, 16) == 33  # 4 waves by default: 4 x 132 / 16
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_CAUSAL_GROUP_WAVES", None)
     assert causal_order_group(causal, 16) is None
     monkeypatch.setattr(tuning, "HOPPER_BACKWARD_CAUSAL_GROUP_WAVES", 2)
     assert causal_order_group(causal, 16) == 17  # 2 x 132 programs over 16 key blocks
@@ -394,8 +423,12 @@ def test_hopper_backward_fuzz_of_every_form(device, part):
             if rng.random() < 0.3:
                 mask = prepare_mask(mask, q, k, is_causal=causal)
         elif kind == "intervals":
-            mask = random_intervals(dims, rng.choice(["1", "Hk", "Hq"]), rng.choice(["1", "B"]),
-                                    device, seed=rng.randrange(1 << 30))
+            # KeyIntervals' words are (Bm, Hm, Lk) int64: TMA reads them with a batch or head
+            # axis only where Lk is even (16-byte strides), so odd key lengths share one row.
+            heads, batch = rng.choice(["1", "Hk", "Hq"]), rng.choice(["1", "B"])
+            if dims.seqlen_k % 2:
+                heads, batch = "1", "1"
+            mask = random_intervals(dims, heads, batch, device, seed=rng.randrange(1 << 30))
             if bias is not None or rng.random() < 0.5:  # the Hopper forward takes no bias
                 mask = prepare_mask(mask, q, k, is_causal=causal)
             else:

@@ -1,9 +1,8 @@
 """Masks on the Hopper forward (``kernels.hopper_device.attention_forward``'s MASK_KIND).
 
 Host side, on every machine: which masks a TMA descriptor reads and how, the default that takes a
-prepared mask of mostly full tiles, the lists built for it, and the gate on the forms not yet run
-on a GPU. A bias row (the gate of ``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU`` opened by its tests) is
-tested here too, with and without a mask. Device side (marked ``hopper``): outputs and LSE against
+prepared mask of mostly full tiles, the lists built for it, and the refusals of the forms it does not
+read. A bias row is tested here too, with and without a mask. Device side (marked ``hopper``): outputs and LSE against
 the float64 reference for every broadcast, keep share, band, prepared or per-call mask, the
 backward after it, and a seeded fuzz; every call is forced and counted, so a silent fallback fails.
 """
@@ -299,21 +298,15 @@ def test_masked_hopper_forward_on_random_shapes(device):
         run_forward(q, k, v, mask, causal=causal, func=HOPPER)
 
 
-# -- a bias row on the Hopper forward, once its gate is open
-@pytest.fixture
-def bias_ran_on_gpu(monkeypatch):
-    """The biased form as it will be once these tests pass on a GPU."""
-    monkeypatch.setattr(tuning, "HOPPER_FORWARD_BIAS_RAN_ON_GPU", True)
-
-
+# -- a bias row on the Hopper forward
 @pytest.mark.hopper
 @pytest.mark.parametrize("sizes", MASKED_SHAPES[:3] + [(1, 97, 208, 3, 3, 40)], ids=shape_id)
 @pytest.mark.parametrize("batch, heads", [("B", "Hk"), ("1", "Hq"), ("B", "1")],
                          ids=["B-Hk", "1-Hq", "B-1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
-def test_hopper_forward_with_a_bias_row_matches_the_reference(device, bias_ran_on_gpu, sizes,
-                                                              batch, heads, causal, masked):
+def test_hopper_forward_with_a_bias_row_matches_the_reference(device, sizes, batch, heads,
+                                                              causal, masked):
     """flash-dmattn's (B, Hk, 1, Lk) bias and its broadcasts, with and without a bool mask,
     in both dtypes; -inf entries in the bias hide their keys."""
     dims = Dims(*sizes)
@@ -327,9 +320,8 @@ def test_hopper_forward_with_a_bias_row_matches_the_reference(device, bias_ran_o
 
 
 @pytest.mark.hopper
-def test_the_backward_after_a_biased_hopper_forward_matches_the_reference(device,
-                                                                          bias_ran_on_gpu):
-    dims = Dims(2, 700, 700, 4, 2, 128)
+def test_the_backward_after_a_biased_hopper_forward_matches_the_reference(device):
+    dims = Dims(2, 700, 712, 4, 2, 128)  # rows of 712 keys: 16-byte strides, as TMA reads
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.bfloat16, device)
     with record_routes() as routes:
@@ -338,7 +330,7 @@ def test_the_backward_after_a_biased_hopper_forward_matches_the_reference(device
 
 
 @pytest.mark.hopper
-def test_biased_hopper_forward_on_random_shapes(device, bias_ran_on_gpu):
+def test_biased_hopper_forward_on_random_shapes(device):
     """A seeded fuzz of 100 calls with a bias row in a random broadcast (keys sliced from
     rows padded to 16 bytes), with or without a bool mask, and some -inf bias entries."""
     rng = random.Random(82)

@@ -53,8 +53,6 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "reads the mask through TMA"),
     ({"bias": OperandLayout((2, 4, 4096, 4096), 4)}, "not yet a bias with a row per query"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "bias row through TMA"),
-    ({"bias": OperandLayout((2, 4, 1, 4096), 4), "tma_bias": True},
-     "compiled offline only"),
     ({"shape": sized(head_dim=256)}, "head dims up to 128"),
     ({"shape": sized(head_dim=20)}, "multiples of 8"),
     ({"tma_operands": False}, "TMA"),
@@ -62,8 +60,7 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"softmax_scale": -0.1}, "positive softmax_scale"),
     ({"shape": sized(batch=2**16, heads_q=2**12, heads_kv=2**10)}, "tiles of 128 query rows"),
 ], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "full-bias",
-        "untma-bias-row", "gated-bias-row",
-        "d256", "d20",
+        "untma-bias-row", "d256", "d20",
         "strides", "zero-scale", "negative-scale", "grid"])
 def test_what_the_hopper_route_does_not_cover_runs_the_triton_route_and_forcing_says_why(
         changes, reason):
@@ -165,14 +162,19 @@ def test_a_descriptor_is_compiled_for_its_box_and_layout_not_its_sizes():
     assert specialization(other) != specialization(long)
 
 
-def test_a_bias_row_once_run_on_a_gpu_takes_the_hopper_forward(monkeypatch):
-    """Gated, a bias row keeps the Triton route; open, it takes the Hopper forward by the
-    dense rules."""
+def test_a_bias_row_takes_the_hopper_forward_at_wide_heads_only():
+    """A bias row TMA reads takes the Hopper forward by the dense rules at head dims of at least
+    ``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM`` and the Triton route below; a row TMA cannot
+    read is a gap, named."""
     problem = hopper_problem(bias=OperandLayout((2, 4, 1, 4096), 4), tma_bias=True)
-    assert schedule(problem).forward.route == "triton"
-    monkeypatch.setattr(tuning, "HOPPER_FORWARD_BIAS_RAN_ON_GPU", True)
     assert hopper_gap(problem) is None
     assert schedule(problem).forward.route == "hopper"
+    narrow = replace(problem, shape=sized(head_dim=64))
+    assert hopper_gap(narrow) is None
+    assert schedule(narrow).forward.route == "triton"
+    unread = replace(problem, tma_bias=False)
+    assert "bias row through TMA" in hopper_gap(unread)
+    assert schedule(unread).forward.route == "triton"
 
 
 def test_the_gluon_kernel_imports_under_this_triton():

@@ -23,8 +23,7 @@ for the copies (``ring.copy_view``).
 
 With HAS_BIAS (a bias of one row per (batch, head)), the loader copies each key block's bias
 row beside K (``ring.fill_biased``), and the consumers add it, x log2 e, to the scaled scores
-(``softmax.fold_scores``). Compiled offline; not yet run on a GPU
-(``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``).
+(``softmax.fold_scores``).
 
 The roles live beside this module: ``ring`` (the K/V slots and their barriers, as one value),
 ``tiles`` (the tile scheduler and each tile's key-block walk), ``softmax`` (the online softmax

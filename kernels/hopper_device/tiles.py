@@ -132,9 +132,10 @@ class KeyBlockWork:
     together (its Q and dO rows are read from L2 by all of them); with causality programs
     start in the order of their key block, those walking the most query blocks first (H200,
     B2 H16/4 L4096 D64: 1.08 -> 0.82 ms; with it, non-causal D128 L8192 ran 4% slower). With
-    GROUPED_ORDER (causal; an experiment, ``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``) the
-    (batch, key head)s go in groups of ``order_group``, each group's programs in the order of
-    their key block: the programs in flight add dQ into fewer heads' rows."""
+    GROUPED_ORDER (causal, ``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``) the (batch, key
+    head)s go in groups of ``order_group``, each group's programs in the order of their key
+    block: the programs in flight add dQ into fewer heads' rows (H200, B8 H16 L2048 D128:
+    1.26 -> 0.92 ms)."""
     seqlen_q: gl.tensor
     seqlen_k: gl.tensor
     heads_q: gl.tensor

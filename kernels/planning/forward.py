@@ -9,8 +9,8 @@ from dataclasses import replace
 import torch
 
 from ..runtime.arith import LOG2E, ceil_div, contiguous_strides
-from ..runtime.launch import (PlannedLaunch, capability, dot_options, is_interpreted,
-                              multiprocessors)
+from ..runtime.device import capability, multiprocessors
+from ..runtime.launch import PlannedLaunch, dot_options, is_interpreted
 from ..runtime.routes import note_route
 from ..runtime.scratch import Scratch
 from ..triton_device.forward_kernels import _attn_fwd_kernel

@@ -60,37 +60,64 @@ def hopper_backward_gap(problem: Problem) -> str | None:
     return hopper_operands_gap(problem)
 
 
-def mean_query_blocks(problem: Problem, tile: tuning.HopperBackwardTile = tuning.HOPPER_BACKWARD
-                      ) -> float:
-    """The mean number of query blocks a key block's program walks without a mask (causal:
-    from the first block whose rows see the key block's first key; bottom-right aligned),
-    over the programs that walk any."""
+def query_walks(problem: Problem, tile: tuning.HopperBackwardTile = tuning.HOPPER_BACKWARD
+                ) -> list[int]:
+    """The query blocks each key block's program walks for one query head without a mask
+    (causal: from the first block whose rows see the key block's first key; bottom-right
+    aligned), for the key blocks that some row sees."""
     shape = problem.shape
     query_blocks = ceil_div(shape.seqlen_q, tile.block_m)
     if not problem.is_causal:
-        return float(query_blocks)
+        return [query_blocks] * ceil_div(shape.seqlen_k, tile.block_n)
     diagonal = shape.seqlen_k - shape.seqlen_q  # row r sees keys <= r + diagonal
-    walks = [query_blocks - max(first_key - diagonal, 0) // tile.block_m
-             for first_key in range(0, shape.seqlen_k, tile.block_n)
-             if first_key - diagonal < shape.seqlen_q]
+    return [query_blocks - max(first_key - diagonal, 0) // tile.block_m
+            for first_key in range(0, shape.seqlen_k, tile.block_n)
+            if first_key - diagonal < shape.seqlen_q]
+
+
+def mean_query_blocks(problem: Problem, tile: tuning.HopperBackwardTile = tuning.HOPPER_BACKWARD
+                      ) -> float:
+    """The mean number of query blocks a key block's program walks without a mask, over the
+    programs that walk any (``query_walks``)."""
+    walks = query_walks(problem, tile)
     return sum(walks) / len(walks) if walks else 0.0
 
 
+def longest_walk_share(problem: Problem,
+                       tile: tuning.HopperBackwardTile = tuning.HOPPER_BACKWARD) -> float:
+    """The longest program's walk over the mean work of a multiprocessor: a program walks its
+    key block's query blocks for every query head of its GQA group, one after another, so the
+    backward takes at least the longest walk, and at least the total over the multiprocessors.
+    Above 1 the longest program outlasts the even share (a grid of fewer programs than
+    multiprocessors, or a causal grid of long diagonal walks and few heads)."""
+    walks = query_walks(problem, tile)
+    if not walks:
+        return 0.0
+    shape = problem.shape
+    group = shape.heads_q // shape.heads_kv
+    per_multiprocessor = sum(walks) * group * shape.batch * shape.heads_kv / problem.multiprocessors
+    return max(walks) * group / per_multiprocessor
+
+
 def takes_hopper_backward(problem: Problem) -> bool:
-    """The schedule's default: the Hopper backward where it covers the problem and each key
+    """The schedule's default: the Hopper backward where it covers the problem, each key
     block's program walks enough query blocks to lead the Triton backward
-    (``tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS`` and the measurements beside it)."""
+    (``tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS`` and the measurements beside it), and no
+    program's walk outlasts the grid's even share by much
+    (``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE``)."""
     if hopper_backward_gap(problem) is not None:
         return False
     if problem.deterministic:
         if problem.is_causal:
             return False
         least = tuning.HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS
-    elif problem.shape.head_dim > 64 and not problem.is_causal:
-        least = tuning.HOPPER_BACKWARD_WIDE_FULL_MIN_QUERY_BLOCKS
+    elif problem.shape.head_dim > 64:
+        least = (tuning.HOPPER_BACKWARD_WIDE_CAUSAL_MIN_QUERY_BLOCKS if problem.is_causal
+                 else tuning.HOPPER_BACKWARD_WIDE_FULL_MIN_QUERY_BLOCKS)
     else:
         least = tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS
-    return mean_query_blocks(problem) >= least
+    return (mean_query_blocks(problem) >= least
+            and longest_walk_share(problem) <= tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE)
 
 
 def backward_list_tile(problem: Problem) -> tuple[int, int] | None:
@@ -230,10 +257,10 @@ class HopperBackwardPlan:
 
 
 def causal_order_group(problem: Problem, key_blocks: int) -> int | None:
-    """(batch, key head)s per group of the causal grid's order, where
-    ``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES`` asks for groups: enough that a group's
-    programs fill that many waves of one program per multiprocessor. None: one order by key
-    block over all of them (the default, and every non-causal grid)."""
+    """(batch, key head)s per group of the causal grid's order
+    (``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``): enough that a group's programs fill that
+    many waves of one program per multiprocessor. None: one order by key block over all of
+    them (every non-causal grid, or where the tuning asks for none)."""
     waves = tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES
     if waves is None or not problem.is_causal:
         return None

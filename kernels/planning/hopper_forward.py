@@ -1,9 +1,9 @@
 """The Hopper route's forward: which problems it covers, and its launch. The kernel is
 ``hopper_device.attention_forward`` (Gluon, sm_90a).
 
-It covers a forward with no mask or a bool mask, and no bias or (once its GPU tests pass,
-``tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU``) a bias of one row per (batch, head) that TMA can read
-(``problem.tma_bias``; the loader copies each block's row beside K) (causal or not, any lengths,
+It covers a forward with no mask or a bool mask, and no bias or a bias of one row per (batch,
+head) that TMA can read (``problem.tma_bias``; the loader copies each block's row beside K)
+(causal or not, any lengths,
 GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
 for TMA, on a GPU of compute capability 9.0. A mask's keys must be contiguous and its other strides
 multiples of 16 bytes (``problem.tma_mask``): the kernel walks each 128-row tile's activity list
@@ -51,9 +51,6 @@ def hopper_gap(problem: Problem) -> str | None:
         if gap is None and not problem.tma_bias:
             gap = ("it reads a bias row through TMA: the keys contiguous, and batch and head "
                    "strides multiples of 16 bytes")
-        if gap is None and not tuning.HOPPER_FORWARD_BIAS_RAN_ON_GPU:
-            gap = ("its bias row has been compiled offline only; it is taken once its tests "
-                   "pass on a Hopper GPU")
     return gap
 
 
@@ -151,8 +148,12 @@ def few_partial_tiles(problem: Problem) -> bool:
 
 def takes_hopper(problem: Problem) -> bool:
     """The schedule's default: the Hopper forward where it covers the problem, the query rows
-    fill its tiles and each tile walks enough key blocks to hide its prologue and epilogue."""
+    fill its tiles and each tile walks enough key blocks to hide its prologue and epilogue; a
+    bias row at head dims where it leads (``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``)."""
     if problem.mask is not None and not few_partial_tiles(problem):
+        return False
+    if (problem.bias is not None
+            and problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM):
         return False
     return (problem.shape.seqlen_q >= tuning.HOPPER_FORWARD_MIN_QUERIES
             and hopper_gap(problem) is None

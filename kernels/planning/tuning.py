@@ -198,11 +198,12 @@ HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
 # against Triton route (SDPA): L512 full (4 blocks) 390 against 302 (451); L512 causal (2.5)
 # 97 against 187 (241); L1024 causal (4.5, B16) 310 against 280 (411).
 HOPPER_FORWARD_MIN_QUERIES = 512
-# The Hopper forward with a bias row ((.., .., 1, Lk): the loader copies each key block's row
-# beside K, and the consumers add it, x log2 e, to the scaled scores) has been compiled for
-# sm_90a offline only: refused with that reason until its tests (tests/test_hopper_masks.py)
-# pass on a GPU.
-HOPPER_FORWARD_BIAS_RAN_ON_GPU = False
+# A bias row ((.., .., 1, Lk): the loader copies each key block's row beside K, and the
+# consumers add it, x log2 e, to the scaled scores) takes the Hopper forward by default at head
+# dims of at least this (the kernel's 128-wide tiles). H200, bf16, forward alone, Triton route
+# over Hopper route in one process: D128 B2 H16/4 L8192 causal 1.23x, non-causal 1.30x; with a
+# prepared band, B1 H32/8 L8192 W2048 1.20x, L16384 W4096 1.37x; D64 B1 H16/4 L4096 causal 0.72x.
+HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
 
 
 # -- the Hopper route's backward (``hopper_device.attention_backward``)
@@ -228,12 +229,16 @@ class HopperBackwardTile:
 # and ran no faster on the H200 (B2 H16 L8192 D128: 6.22 / 6.25 ms; D64 alike). A bool mask
 # (its bytes beside Q) takes 214 KB, KeyIntervals 198 KB; with a bias row 288-376 bytes spill.
 HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
-# Causal Hopper backward programs start in the order of their key block over every (batch, key
-# head) (``tiles.KeyBlockWork``). A number here groups the (batch, key head)s so that a group's
-# programs fill about this many waves, each group ordered by key block, so that the programs
-# in flight add dQ into fewer heads' rows. An experiment, not yet measured: short causal walks
-# (L2048, walk 17) ran 1.5x slower than a per-program cost fit of the non-causal ones predicts.
-HOPPER_BACKWARD_CAUSAL_GROUP_WAVES: float | None = None
+# Causal Hopper backward programs start in the order of their key block, longest walk first
+# (``tiles.KeyBlockWork``), in groups of (batch, key head)s whose programs fill about this many
+# waves, so that the programs in flight add dQ into fewer heads' rows (None: one order over
+# all). H200, bf16, B x L = 16384 causal, backward alone, one process, None / 1 / 2 / 4 waves:
+#   D128 H16: L1024 0.801 / 0.628 / 0.609 / 0.635 ms; L2048 1.263 / 0.945 / 0.917 / 0.922;
+#             L4096 1.688 / 1.767 / 1.675 / 1.527; L8192 2.869 / 3.021 / 2.876 / 2.749
+#   D64 H16/4: L1024 0.363 / 0.382 / 0.359 / 0.360; L2048 0.558 / 0.622 / 0.559 / 0.558
+# Without groups the programs in flight at L2048 spread their reduce-adds over all 128 heads'
+# dQ rows (134 MB of float32, more than the L2 holds).
+HOPPER_BACKWARD_CAUSAL_GROUP_WAVES: float | None = 4
 # Where the schedule's default takes the Hopper backward: the mean number of BLOCK_M query
 # blocks a key block's program walks (``hopper_backward.mean_query_blocks``; a mask's lists
 # not counted) at least this. H200, bf16, backward alone, B x L = 16384, H16, Hopper over the
@@ -245,9 +250,21 @@ HOPPER_BACKWARD_CAUSAL_GROUP_WAVES: float | None = None
 # Below a walk of 8 nothing was measured. Causal walks are shorter near the diagonal, where the
 # pairs are tested. A bool mask (random 50%, L8192 causal 1.48x), a band (W1024 L8192 1.28x)
 # and a bias row with its gradient (L8192: D128 causal 1.41x, D64 1.25x) lead alike; at L2048
-# causal they are 1.13x, 1.00x and 0.93x (walk 17, taken by Triton).
+# causal they are 1.13x, 1.00x and 0.93x (walk 17, measured before the grouped order).
+# The grouped causal order (4 waves, above) ran D128 causal L2048 at 0.922 ms and L1024 at
+# 0.635 where the same GPU's Triton backward ran about 1.12 and 0.70 ms (the ratios above, in
+# another process): about 1.2x and 1.1x. Head dims > 64 causal take walks of 16 and more.
 HOPPER_BACKWARD_MIN_QUERY_BLOCKS = 24
 HOPPER_BACKWARD_WIDE_FULL_MIN_QUERY_BLOCKS = 8  # head dims > 64, not causal
+HOPPER_BACKWARD_WIDE_CAUSAL_MIN_QUERY_BLOCKS = 16  # head dims > 64, causal
+# A program walks its key block for each query head of its GQA group in turn, so a grid of few
+# programs, or of long causal walks over few heads, waits on its longest program
+# (``hopper_backward.longest_walk_share``: the longest walk over the even share of a
+# multiprocessor). The default takes the Hopper backward up to this share. H200, headdim.yaml
+# (B1 H16/4 L4096 causal, top-W1024 mask and kv_row bias; share 2.0), Triton's backward over
+# Hopper's in one run: D32 0.81x, D64 0.88x, D80 0.98x, D96 0.98x, D128 0.93x; models.yaml at
+# shares of about 1.0 (B1 H16/4, H28/4, H32/8, H64/8 at L8192, D128 causal): 1.25-1.41x.
+HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE = 1.5
 # deterministic=True (dQ's adds ordered by a lock per query block): non-causal walk 32 (L2048)
 # 0.96x, 128 (L8192) 1.13x; causal 0.79x (L2048) and 0.89x (L8192) stay on Triton's.
 HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64

@@ -74,39 +74,6 @@ def _kernel_arg(a):
     return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype == torch.bool else a
 
 
-# The interpreter pretends to have this many multiprocessors, so that small CPU test shapes
-# (decode rows over a few hundred keys) take the split paths too.
-INTERPRETED_MULTIPROCESSORS = 16
-
-
-def _properties(device: torch.device):
-    """The GPU's properties, looked up once per device (a lookup costs microseconds, and
-    planning asks per call)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _device_properties:
-        _device_properties[index] = torch.cuda.get_device_properties(index)
-    return _device_properties[index]
-
-
-_device_properties: dict = {}
-
-
-def multiprocessors(device: torch.device, interpreted: bool) -> int:
-    """Multiprocessor count, which sizes grids and key splits (see ``tuning`` for the
-    interpreter's)."""
-    if interpreted:
-        return INTERPRETED_MULTIPROCESSORS
-    return _properties(device).multi_processor_count
-
-
-def capability(device: torch.device, interpreted: bool) -> tuple[int, int] | None:
-    """The GPU's compute capability, (9, 0) on Hopper; None under the interpreter."""
-    if interpreted or device.type != "cuda":
-        return None
-    properties = _properties(device)
-    return (properties.major, properties.minor)
-
-
 # -- what a launch is compiled for
 # Triton specializes each int argument on == 1 and on divisibility by 16, and caches one
 # compiled kernel per pattern. Lengths and the strides that follow them change pattern from one
