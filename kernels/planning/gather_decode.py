@@ -27,7 +27,7 @@ import torch
 
 from ..runtime.arith import LOG2E, ceil_div, contiguous_strides, next_power_of_2
 from ..runtime.launch import PlannedLaunch, dot_options, launches_run
-from ..runtime.scratch import Scratch
+from ..runtime.scratch import WRITTEN_FIRST, Scratch
 from ..triton_device.gather_kernels import (BOOL_MASK, INTERVAL_PAIRS, INTERVAL_WORDS,
                                             _gather_decode_kernel, _kept_counts_kernel,
                                             _kept_keys_kernel)
@@ -206,9 +206,10 @@ class GatherDecodePlan:
                       problem.block_d)
         parts = ((part_shape, torch.float32), (part_shape[:3], torch.float32),
                  ((programs,), torch.int32)) if tile.key_splits > 1 else ()
-        lists = (((list_rows, tile.capacity), torch.int32), ((list_rows,), torch.int32),
-                 ((list_rows, num_chunks), torch.int32),
-                 ((list_rows, num_chunks * chunk // 32), torch.int32))
+        # The list passes write every entry the forward reads (a list up to its count).
+        lists = tuple((shape, torch.int32, WRITTEN_FIRST) for shape in (
+            (list_rows, tile.capacity), (list_rows,), (list_rows, num_chunks),
+            (list_rows, num_chunks * chunk // 32)))
         self._scratch = Scratch(query.device, *lists, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *lists,
                                          *parts)

@@ -21,11 +21,13 @@ from contextlib import contextmanager
 
 import torch
 
-# Per plan and stream. Scratch is O(B·H·Lq) at most (never O(Lq·Lk)): a decode split-K forward
-# keeps ~0.3 MiB, a B1 H16 L32768 no-grad forward's LSE 2 MiB. The largest kept is dkdv's
-# head-share partials, at most ~17 MiB: they exist only on grids under two waves (B1 H16/4
-# L1024: 16 MiB), whose backward takes ~100 us on the GPU, so one allocation is worth keeping.
-MAX_KEPT_BYTES = 32 * 2**20
+# Per plan and stream. Scratch is O(B·H·Lq) or O(B·Hk·Lk) at most (never O(Lq·Lk)): a decode
+# split-K forward keeps ~0.3 MiB, a B1 H16 L32768 no-grad forward's LSE 2 MiB, dkdv's head-share
+# partials at most ~17 MiB (grids under two waves, B1 H16/4 L1024: 16 MiB, whose backward takes
+# ~100 us on the GPU). The gather route's kept-key lists of a bool mask read per call hold an
+# int32 per key and list row, 1/64 of a D128 bf16 K/V cache: 33 MiB at B8 Hk8 Lk131072, for a
+# decode step of ~60 us, so they are kept too.
+MAX_KEPT_BYTES = 64 * 2**20
 
 # The stream's raw handle without building a torch.cuda.Stream object (Triton's launcher reads
 # it the same way); the public call is the fallback.
@@ -65,24 +67,31 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-class Scratch:
-    """Buffers of fixed shapes and dtypes on one device, for one plan's calls."""
+WRITTEN_FIRST = False  # a spec's third element: an integer buffer its kernels write before reading
 
-    def __init__(self, device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]):
+
+class Scratch:
+    """Buffers of fixed shapes and dtypes on one device, for one plan's calls. A spec is
+    (shape, dtype) or (shape, dtype, zeroed): integer buffers start at zero unless ``zeroed``
+    is ``WRITTEN_FIRST``; float buffers are never zeroed."""
+
+    def __init__(self, device: torch.device, *specs: tuple):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.specs = specs
-        nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs)
+        self.specs = tuple((spec[0], spec[1],
+                            spec[2] if len(spec) > 2 else not spec[1].is_floating_point)
+                           for spec in specs)
+        nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in self.specs)
         self.keep = device.type == "cuda" and nbytes <= MAX_KEPT_BYTES
         self._by_stream: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _allocate(self) -> tuple[torch.Tensor, ...]:
-        # Integer buffers are split programs' arrival counters (``_partials``):
-        # they must start at zero, and the kernels leave them at zero for the next call.
-        return tuple((torch.zeros if not dtype.is_floating_point else torch.empty)(
-                         shape, dtype=dtype, device=self.device)
-                     for shape, dtype in self.specs)
+        # Zeroed integer buffers are split programs' arrival counters (``_partials``): they
+        # must start at zero, and the kernels leave them at zero for the next call.
+        return tuple((torch.zeros if zeroed else torch.empty)(shape, dtype=dtype,
+                                                              device=self.device)
+                     for shape, dtype, zeroed in self.specs)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The buffers for a call enqueued now, on the current stream."""
