@@ -46,7 +46,9 @@ class CallPlan(NamedTuple):
     key: torch.Tensor
     value: torch.Tensor
     mask: MaskOperand
-    activity: ActivityMap | None  # the call's own map, for a plan with lists per call
+    # The call's own map, for a plan with lists per call; for intervals the gather route reads
+    # as given, the kept-key lists their selection wrote (``KeyIntervals._kept_lists``) or None.
+    activity: ActivityMap | tuple | None
 
     def run(self, bias: torch.Tensor | None, keep_lse: bool = True):
         """(out, lse, or None without ``keep_lse``) of the call's forward."""
@@ -180,10 +182,12 @@ class IntervalReader(MaskReader):
 
 class IntervalScan(MaskReader):
     """``KeyIntervals`` that the forward reads itself (``scan_keys``, the gather route): their
-    start and end as given (the plan holds their layout), and no activity map."""
+    start and end as given (the plan holds their layout), and no activity map but the kept-key
+    lists their selection wrote, where it did (the gather route reads them)."""
 
-    def __call__(self, intervals: KeyIntervals) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
-        return (intervals.start, intervals.end), None
+    def __call__(self, intervals: KeyIntervals) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                         tuple | None]:
+        return (intervals.start, intervals.end), intervals._kept_lists
 
 
 INTERVAL_SCAN = IntervalScan()

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from .masks.intervals import KeyIntervals
-from .masks.topk import (_check_packed, _one_window_form, _packed, _rows_direct, kept_union,
-                         orders_keys)
+from .masks.topk import (_check_packed, _one_window, _one_window_form, _packed, _rows_direct,
+                         kept_union, orders_keys)
+from .planning.tuning import GATHER_MAX_ROWS
 
 
 def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=None,
@@ -110,9 +111,16 @@ def _check_dense(bias, seqlen_q) -> int:
 
 def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
     b, h, _, lk = bias.shape
-    rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
+    lists = None
+    if _one_window_form(is_causal, seqlen_q, ordered):  # never a graph (see below)
+        # At decode sizes the selection lists the kept keys for the gather route too.
+        start, end, lists = _one_window(bias.reshape(b * h, lk), window, seqlen_q,
+                                        with_lists=seqlen_q <= GATHER_MAX_ROWS)
+        rows = (start, end)
+    else:
+        rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
     return KeyIntervals(*(t.reshape(b, h, lk) for t in rows),
-                        max_kept=kept_union(window, seqlen_q, lk, is_causal))
+                        max_kept=kept_union(window, seqlen_q, lk, is_causal), _kept_lists=lists)
 
 
 # -- host time on a GPU: the selection as a CUDA graph

@@ -188,6 +188,33 @@ def test_max_kept_of_a_top_w_selection_bounds_the_keys_its_rows_keep_together(de
         assert together <= chosen.max_kept
 
 
+@pytest.mark.parametrize("rows, causal", [(1, True), (4, False)], ids=["decode", "q4-full"])
+def test_a_selection_that_lists_its_keys_spares_the_list_passes(device, monkeypatch, rows,
+                                                                 causal):
+    """``topk_intervals`` of one window per row lists the kept keys as the list passes would:
+    the step launches the forward alone, with the bits of the same intervals without lists."""
+    from kernels.runtime import launch
+
+    dims = Dims(2, rows, 300, 4, 2, 40)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.bfloat16, device)
+    chosen = topk_intervals(bias, 24, seqlen_q=rows, is_causal=causal)
+    assert chosen._kept_lists is not None
+    bare = KeyIntervals(chosen.start, chosen.end, max_kept=chosen.max_kept)
+    launched = []
+    original = launch.PlannedLaunch.__call__
+    monkeypatch.setattr(launch.PlannedLaunch, "__call__", lambda self, *args: (
+        launched.append(self.kernel.__name__), original(self, *args))[1])
+    listed = dmattn_func(q, k, v, chosen, bias, causal, return_lse=True)
+    assert launched == ["_gather_decode_kernel"]
+    launched.clear()
+    built = dmattn_func(q, k, v, bare, bias, causal, return_lse=True)
+    assert launched == ["_kept_counts_kernel", "_kept_keys_kernel", "_gather_decode_kernel"]
+    for a, b in zip(listed, built):
+        assert torch.equal(a, b)
+    run_forward(q, k, v, chosen, bias, causal=causal, func=dmattn_func)
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_max_kept_is_a_positive_int(bad):
     start = torch.zeros(1, 1, 8, dtype=torch.int32)

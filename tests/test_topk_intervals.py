@@ -309,3 +309,13 @@ def test_one_window_walks_rows_in_steps(seqlen_q, is_causal, window, dtype, max_
         monkeypatch.setattr(tk, "USE_KERNELS", use_kernels)
         got = topk_intervals(bias.to(device), window, seqlen_q=seqlen_q, is_causal=is_causal)
         assert torch.equal(got.to_dense(seqlen_q).cpu(), expected), f"kernels {use_kernels}"
+        # The kernels list each row's kept keys in key order, as decode's gather route reads
+        # them (the torch ops list none).
+        if not use_kernels:
+            assert got._kept_lists is None
+            continue
+        kept, counts = (t.cpu() for t in got._kept_lists)
+        rows = expected.any(dim=2).reshape(6, 100)
+        assert kept.shape == (6, window) and torch.equal(counts, torch.full((6,), window))
+        for row in range(6):
+            assert kept[row].tolist() == rows[row].nonzero().flatten().tolist(), f"row {row}"

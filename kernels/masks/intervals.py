@@ -110,6 +110,13 @@ class KeyIntervals:
     # route sizes its kept-key lists by it and takes the route where they hold a small share
     # of the keys. A bound that is wrong drops keys past it.
     max_kept: int | None = field(default=None, compare=False)
+    # The kept keys of every (batch, head) in key order, (Bm x Hm, max_kept) int32, and their
+    # counts, (Bm x Hm,) int32, as the selection wrote them (``topk_intervals`` of one window
+    # per row, at decode sizes): decode's gather route reads them instead of building its
+    # lists. Set by ``topk_intervals``, never from outside: lists that disagree with start and
+    # end would go unnoticed.
+    _kept_lists: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False,
+                                                                 repr=False)
     # Tile lists built by the calls made with these intervals, per call form (see
     # ``prepared.prepared_intervals``): a later call of the same form skips that work.
     _preparations: dict = field(default_factory=dict, init=False, compare=False, repr=False)

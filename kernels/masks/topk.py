@@ -213,7 +213,7 @@ def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torc
     """int32 (start, end) of the (R, Lk) bias rows, one sequence each, and with ``ordered``
     their key order (``grouping.grouping_order``); capturable."""
     if _one_window_form(is_causal, seqlen_q, ordered):
-        return _one_window(bias, window, seqlen_q)
+        return _one_window(bias, window, seqlen_q)[:2]
     start, end = _intervals(bias, window, is_causal, seqlen_q, None)
     start, end = start.to(torch.int32), end.to(torch.int32)
     return (start, end, grouping_order(start, end)) if ordered else (start, end)
@@ -224,20 +224,22 @@ def _one_window_form(is_causal, seqlen_q, ordered) -> bool:
     return not ordered and (not is_causal or seqlen_q == 1)
 
 
-def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
+def _one_window(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
     """int32 (start, end) of the (R, Lk) bias rows where every query row keeps the same keys:
-    without causality, or with one query row (decode), which sees every key. Where the
-    kernels run (``_wavelet.runs_kernels``; a 16- or 32-bit float bias): a radix select of
-    the W-th largest bias per row and the keys above it or tied with it by index
-    (``_top_window_kernel``). Elsewhere the same from ``torch.topk``'s W-th value in torch
-    ops. No sort either way."""
+    without causality, or with one query row (decode), which sees every key; then, with
+    ``with_lists``, the kept keys as decode's gather route lists them ((R, W) int32 in key
+    order, and (R,) int32 counts), else None. Where the kernels run
+    (``_wavelet.runs_kernels``; a 16- or 32-bit float bias): a radix select of the W-th
+    largest bias per row and the keys above it or tied with it by index
+    (``_top_window_kernel``), which writes the lists too. Elsewhere the same from
+    ``torch.topk``'s W-th value in torch ops, without lists. No sort either way."""
     rows, n = bias.shape
     if window >= n:
         return (torch.zeros((rows, n), dtype=torch.int32, device=bias.device),
-                torch.full((rows, n), seqlen_q, dtype=torch.int32, device=bias.device))
+                torch.full((rows, n), seqlen_q, dtype=torch.int32, device=bias.device), None)
     if USE_KERNELS and bias.dtype in KEY_DIGITS and _wavelet.runs_kernels(bias.device, n):
         return _top_window(bias if bias.stride(-1) == 1 else bias.contiguous(), window,
-                           seqlen_q)
+                           seqlen_q, with_lists)
     ranked = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"),
                               neginf=float("-inf"))
     threshold = torch.topk(ranked, window, dim=-1, sorted=False).values.amin(-1, keepdim=True)
@@ -246,18 +248,19 @@ def _one_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     room = window - above.sum(-1, keepdim=True, dtype=torch.int32)
     kept = above | (ties & (torch.cumsum(ties, -1, dtype=torch.int32) <= room))
     start = torch.zeros((rows, n), dtype=torch.int32, device=bias.device)
-    return start, kept.to(torch.int32) * seqlen_q
+    return start, kept.to(torch.int32) * seqlen_q, None
 
 
-def _top_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_window(bias, window, seqlen_q, with_lists: bool) -> tuple:
     """``_one_window`` by ``_top_window_kernel``'s launches, bias rows of unit key stride.
     The launches are planned once per form (``_window_launches``)."""
     rows, n = bias.shape
     form = (rows, n, bias.stride(0), bias.dtype, bias.device, window, seqlen_q,
-            TOP_WINDOW_BLOCK, TOP_WINDOW_MAX_SLICES)
+            TOP_WINDOW_BLOCK, TOP_WINDOW_MAX_SLICES, with_lists)
     planned = _window_launches.get(form)
     if planned is None:
-        planned = _plan_top_window(rows, n, bias.stride(0), bias.dtype, window, seqlen_q)
+        planned = _plan_top_window(rows, n, bias.stride(0), bias.dtype, window, seqlen_q,
+                                   with_lists)
         _window_launches[form] = planned
         while len(_window_launches) > MAX_WINDOW_FORMS:
             _window_launches.popitem(last=False)
@@ -265,12 +268,18 @@ def _top_window(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     scratch = torch.empty(scratch_len, dtype=torch.int32, device=bias.device)
     start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
     end = torch.empty_like(start)
+    lists = None
+    if with_lists:
+        lists = (torch.empty((rows, window), dtype=torch.int32, device=bias.device),
+                 torch.empty((rows,), dtype=torch.int32, device=bias.device))
+    kept, counts = lists if with_lists else (start, start)  # unread stand-ins without lists
     for planned_launch in launches:
-        planned_launch(bias, scratch, start, end)
-    return start, end
+        planned_launch(bias, scratch, start, end, kept, counts)
+    return start, end, lists
 
 
-def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q) -> tuple[int, tuple]:
+def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q,
+                     with_lists: bool) -> tuple[int, tuple]:
     """(the int32 scratch's length, the launches) of one selection form. The slices are
     about one step of ``TOP_WINDOW_BLOCK`` keys each, at most ``TOP_WINDOW_MAX_SLICES``; their
     number is the grid's (not compiled in)."""
@@ -281,7 +290,8 @@ def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q) -> tuple[int,
     launches = tuple(
         PlannedLaunch(_top_window_kernel, (rows, slices), None,
                       (n, stride_row, window, seqlen_q, slice_len), num_warps=8, num_stages=2,
-                      DIGIT=digit, DIGITS=digits, SLICES=most, BLOCK=block)
+                      DIGIT=digit, DIGITS=digits, SLICES=most, BLOCK=block,
+                      WRITE_LIST=with_lists)
         for digit in range(digits + 1))
     return digits * rows * (most * 256 + 2), launches
 

@@ -5,6 +5,8 @@ Three launches per call: the kept-key lists in two (one program per row of the m
 (batch, head) rows and chunk of keys: the chunks' counts and a bit per key, then the chunks'
 keys from the bits, after the counts before them), then the forward over them (one program
 per batch and pack of query heads, times key shares), whose shares merge in the launch.
+Intervals from ``topk_intervals``' one-window selection (decode) come with their lists, which
+the selection's last launch wrote: their calls launch the forward alone.
 Nothing waits for the device: the lists' lengths stay on it, each share sizes itself from
 them, and every buffer is sized on the host from the call's form (a list holds at most
 ``capacity`` keys), so a CUDA graph replays a step and ``torch.compile`` traces it.
@@ -157,6 +159,10 @@ def mask_kind(mask_operand) -> int:
     return int(INTERVAL_WORDS if mask_operand.dtype == torch.int64 else BOOL_MASK)
 
 
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
 class GatherDecodePlan:
     """The gather route's launches for one call signature: the list pass and the forward,
     planned once; a call passes its tensors."""
@@ -173,6 +179,8 @@ class GatherDecodePlan:
         list_batches = shape.batch if mask_layout.stride_b else 1
         list_heads = shape.heads_q // mask_layout.head_div
         list_rows = list_batches * list_heads
+        # The shapes of lists a call may bring (``run``'s ``lists``).
+        self.list_shapes = ((list_rows, tile.capacity), (list_rows,))
         self.out_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
         self.lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
         sizes = sizes_of(shape)
@@ -214,9 +222,12 @@ class GatherDecodePlan:
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *lists,
                                          *parts)
 
-    def run(self, query, key, value, mask_operand, bias, keep_lse: bool = True):
+    def run(self, query, key, value, mask_operand, bias, keep_lse: bool = True, lists=None):
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32 or None without ``keep_lse``).
-        ``mask_operand``: the bool mask, interval words, or (start, end) as given."""
+        ``mask_operand``: the bool mask, interval words, or (start, end) as given. ``lists``:
+        the kept keys and counts the mask's selection wrote (``KeyIntervals._kept_lists``, the
+        keys the list passes would list, in the same order), or None; lists of another shape
+        are not read."""
         start, end = mask_operand if isinstance(mask_operand, tuple) else (mask_operand,
                                                                           mask_operand)
         out = query.new_empty(self.out_shape)
@@ -228,6 +239,8 @@ class GatherDecodePlan:
         out_part, lse_part, arrivals = parts if parts else (lse, lse, counts)
         if self.kept_lists is not None:
             kept, counts = self.kept_lists
+        elif lists is not None and tuple(map(_shape, lists)) == self.list_shapes:
+            kept, counts = lists
         else:
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             keep = self.keeps_lists and launches_run() and not capturing

@@ -15,6 +15,12 @@ T and writes every key's verdict: kept when above T, or equal to T and among the
 ``W - above`` such keys in key order (equal biases rank the smaller index first), as the
 interval [0, Lq) or [0, 0). A slice's ties before it are the last histograms' counts of T's
 byte in the slices before it, so no launch counts ties.
+
+With ``WRITE_LIST`` the last launch also writes each row's kept keys in key order, the list
+decode's gather route reads (``planning.gather_decode``): a slice's kept keys go after those of
+the slices before it, which are the keys above T there (for each byte d, the keys whose higher
+bytes match T's and whose byte d is above T's: launch d's histograms) and the first of their
+ties. A row keeps exactly W keys, so its list is W long.
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ def _ordered_keys(bias_row, offs, n, DIGITS: tl.constexpr):
 
 
 @triton.jit
-def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
-                       window, seqlen_q, slice_len, DIGIT: tl.constexpr,
-                       DIGITS: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr):
+def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, list_ptr, count_ptr, n,
+                       stride_row, window, seqlen_q, slice_len, DIGIT: tl.constexpr,
+                       DIGITS: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr,
+                       WRITE_LIST: tl.constexpr):
     """Grid (rows, slices <= SLICES), launch ``DIGIT`` of 0..DIGITS (see the module
     docstring). Row r of the (rows, n) bias (unit key stride, ``stride_row`` apart), 1 <=
     ``window`` < n; slice s: keys [s x slice_len, (s + 1) x slice_len). The number of slices
@@ -48,7 +55,8 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
     the histograms. ``hist_ptr``: (DIGITS, rows, SLICES, 256) int32, then the state,
     (DIGITS, rows, 2) int32: the prefix of T and the keys above it before byte d, written by
     launch d's slice 0 for launch d + 1. The last launch writes
-    int32 start (0) and end (Lq where kept, else 0), (rows, n)."""
+    int32 start (0) and end (Lq where kept, else 0), (rows, n), and with ``WRITE_LIST`` the
+    kept keys, (rows, window) int32 in key order, and their number, (rows,) int32."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     rows = tl.num_programs(0).to(tl.int64)
@@ -94,6 +102,16 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
         # T's byte of the last histograms, in the slices before this one: the ties before it
         tied_before = tl.sum(tl.sum(tl.where((slices[:, None] < part) & (bins[None, :] == bin),
                                              hists, 0), 1), 0)
+        listed = 0  # kept keys in the slices before this one
+        if WRITE_LIST:
+            for d in tl.static_range(DIGITS):
+                earlier = tl.load(hist_ptr + ((d * rows + row) * SLICES + slices[:, None]) * 256
+                                  + bins[None, :], mask=(slices < part)[:, None], other=0)
+                t_byte = ((found >> (24 - 8 * d)) & 0xFF).to(tl.int32)
+                listed += tl.sum(tl.sum(tl.where(bins[None, :] > t_byte, earlier, 0), 1), 0)
+            listed += tl.minimum(tied_before, room)
+            if part == 0:
+                tl.store(count_ptr + row, window)
         out_row = row * n
         for first in range(first_key, first_key + slice_len, BLOCK):
             offs = first + tl.arange(0, BLOCK)
@@ -106,3 +124,8 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, n, stride_row,
                      mask=in_range)
             tl.store(end_ptr + out_row + offs, kept.to(tl.int32) * seqlen_q, mask=in_range)
             tied_before += tl.sum(ties, 0)
+            if WRITE_LIST:
+                taken = kept.to(tl.int32)
+                slot = listed + tl.cumsum(taken, 0) - 1
+                tl.store(list_ptr + row * window + slot, offs, mask=kept)
+                listed += tl.sum(taken, 0)
