@@ -47,7 +47,8 @@ def test_forcing_the_hopper_backward_schedules_it():
 @pytest.mark.parametrize("seqlen, head_dim, causal, extra, hopper", [
     (512, 128, False, {}, True),  # walks 8 query blocks: 1.17x the Triton backward (H200)
     (256, 128, False, {}, False),  # 4: not measured
-    (1024, 128, True, {}, False),  # 9, causal: about 1.1x in grouped order, not taken
+    (1024, 128, True, {}, True),  # 9, causal: 1.10x in grouped order
+    (512, 128, True, {}, False),  # 5, causal: 0.76x
     (2048, 128, True, {}, True),  # 17, causal: about 1.2x in grouped order
     (4096, 128, True, {}, True),  # 33: 1.37x
     (1024, 64, False, {}, False),  # 16: 0.74x
@@ -57,8 +58,8 @@ def test_forcing_the_hopper_backward_schedules_it():
     (2048, 128, False, {"deterministic": True}, False),  # 32: 0.96x
     (8192, 128, False, {"deterministic": True}, True),  # 128: 1.13x
     (8192, 128, True, {"capability": (8, 0)}, False),  # not covered
-], ids=["D128-L512", "D128-L256", "D128-L1024-causal", "D128-L2048-causal",
-        "D128-L4096-causal", "D64-L1024", "D64-L2048", "D64-L2048-causal",
+], ids=["D128-L512", "D128-L256", "D128-L1024-causal", "D128-L512-causal",
+        "D128-L2048-causal", "D128-L4096-causal", "D64-L1024", "D64-L2048", "D64-L2048-causal",
         "deterministic-causal", "deterministic-L2048", "deterministic-L8192", "ampere"])
 def test_the_default_takes_the_hopper_backward_where_it_was_measured_ahead(seqlen, head_dim,
                                                                            causal, extra,

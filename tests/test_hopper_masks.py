@@ -1,10 +1,11 @@
 """Masks on the Hopper forward (``kernels.hopper_device.attention_forward``'s MASK_KIND).
 
-Host side, on every machine: which masks a TMA descriptor reads and how, the default that takes a
-prepared mask of mostly full tiles, the lists built for it, and the refusals of the forms it does not
-read. A bias row is tested here too, with and without a mask. Device side (marked ``hopper``): outputs and LSE against
-the float64 reference for every broadcast, keep share, band, prepared or per-call mask, the
-backward after it, and a seeded fuzz; every call is forced and counted, so a silent fallback fails.
+Host side, on every machine: which masks a TMA descriptor reads and how, the default that
+takes a prepared mask of mostly full tiles, the lists built for it, and the refusals of the forms
+it does not read. A bias row is tested here too, with and without a mask. Device side (marked
+``hopper``): outputs and LSE against the float64 reference for every broadcast, keep share,
+band, prepared or per-call mask, the backward after it, and a seeded fuzz; every call is forced
+and counted, so a silent fallback fails.
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def _top_window(bias, window, seqlen_q, with_lists: bool) -> tuple:
     if with_lists:
         lists = (torch.empty((rows, window), dtype=torch.int32, device=bias.device),
                  torch.empty((rows,), dtype=torch.int32, device=bias.device))
-    kept, counts = lists if with_lists else (start, start)  # unread stand-ins without lists
+    kept, counts = lists or (start, start)  # unread stand-ins without lists
     for planned_launch in launches:
         planned_launch(bias, scratch, start, end, kept, counts)
     return start, end, lists

@@ -159,10 +159,6 @@ def mask_kind(mask_operand) -> int:
     return int(INTERVAL_WORDS if mask_operand.dtype == torch.int64 else BOOL_MASK)
 
 
-def _shape(t: torch.Tensor) -> tuple:
-    return tuple(t.shape)
-
-
 class GatherDecodePlan:
     """The gather route's launches for one call signature: the list pass and the forward,
     planned once; a call passes its tensors."""
@@ -239,7 +235,7 @@ class GatherDecodePlan:
         out_part, lse_part, arrivals = parts if parts else (lse, lse, counts)
         if self.kept_lists is not None:
             kept, counts = self.kept_lists
-        elif lists is not None and tuple(map(_shape, lists)) == self.list_shapes:
+        elif lists is not None and tuple(t.shape for t in lists) == self.list_shapes:
             kept, counts = lists
         else:
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -90,13 +90,15 @@ def longest_walk_share(problem: Problem,
     backward takes at least the longest walk, and at least the total over the multiprocessors.
     Above 1 the longest program outlasts the even share (a grid of fewer programs than
     multiprocessors, or a causal grid of long diagonal walks and few heads)."""
-    walks = query_walks(problem, tile)
+    return _longest_share(problem, query_walks(problem, tile))
+
+
+def _longest_share(problem: Problem, walks: list[int]) -> float:
     if not walks:
         return 0.0
-    shape = problem.shape
-    group = shape.heads_q // shape.heads_kv
-    per_multiprocessor = sum(walks) * group * shape.batch * shape.heads_kv / problem.multiprocessors
-    return max(walks) * group / per_multiprocessor
+    # A program walks its key block for each of the group's heads; the group cancels.
+    programs = problem.shape.batch * problem.shape.heads_kv
+    return max(walks) * problem.multiprocessors / (sum(walks) * programs)
 
 
 def takes_hopper_backward(problem: Problem) -> bool:
@@ -112,12 +114,13 @@ def takes_hopper_backward(problem: Problem) -> bool:
             return False
         least = tuning.HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS
     elif problem.shape.head_dim > 64:
-        least = (tuning.HOPPER_BACKWARD_WIDE_CAUSAL_MIN_QUERY_BLOCKS if problem.is_causal
-                 else tuning.HOPPER_BACKWARD_WIDE_FULL_MIN_QUERY_BLOCKS)
+        least = tuning.HOPPER_BACKWARD_WIDE_MIN_QUERY_BLOCKS
     else:
         least = tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS
-    return (mean_query_blocks(problem) >= least
-            and longest_walk_share(problem) <= tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE)
+    walks = query_walks(problem)
+    if not walks or sum(walks) / len(walks) < least:
+        return False
+    return _longest_share(problem, walks) <= tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE
 
 
 def backward_list_tile(problem: Problem) -> tuple[int, int] | None:

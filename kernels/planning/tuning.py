@@ -251,12 +251,12 @@ HOPPER_BACKWARD_CAUSAL_GROUP_WAVES: float | None = 4
 # pairs are tested. A bool mask (random 50%, L8192 causal 1.48x), a band (W1024 L8192 1.28x)
 # and a bias row with its gradient (L8192: D128 causal 1.41x, D64 1.25x) lead alike; at L2048
 # causal they are 1.13x, 1.00x and 0.93x (walk 17, measured before the grouped order).
-# The grouped causal order (4 waves, above) ran D128 causal L2048 at 0.922 ms and L1024 at
-# 0.635 where the same GPU's Triton backward ran about 1.12 and 0.70 ms (the ratios above, in
-# another process): about 1.2x and 1.1x. Head dims > 64 causal take walks of 16 and more.
+# With the grouped causal order (4 waves, above), one process, Hopper over the best Triton
+# backward ('dq+dkdv'): D128 H16 causal, walk 5 (B32 L512) 0.76x, 9 (B16 L1024) 1.10x, 17
+# (B8 L2048) 1.20x; D128 H16 non-causal L1024 1.24x, L2048 1.35x; D64 H16/4 causal walk 9
+# 0.83x, 17 1.02x. So head dims > 64 take walks of 8 and more, causal or not.
 HOPPER_BACKWARD_MIN_QUERY_BLOCKS = 24
-HOPPER_BACKWARD_WIDE_FULL_MIN_QUERY_BLOCKS = 8  # head dims > 64, not causal
-HOPPER_BACKWARD_WIDE_CAUSAL_MIN_QUERY_BLOCKS = 16  # head dims > 64, causal
+HOPPER_BACKWARD_WIDE_MIN_QUERY_BLOCKS = 8  # head dims > 64
 # A program walks its key block for each query head of its GQA group in turn, so a grid of few
 # programs, or of long causal walks over few heads, waits on its longest program
 # (``hopper_backward.longest_walk_share``: the longest walk over the even share of a
