@@ -226,17 +226,17 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             fence_async_shared()
             thread_barrier()  # every warp's dS^T is written before the one arrival
             mbarrier.arrive(ds_ready.index(position % 2), count=1)
+            # dV's product runs while the other warpgroup's dS^T arrives; dK's, issued last,
+            # while dQ's partial goes to the staging tiles and its reduce-adds.
             dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
             # dQ's columns [w * HALF_D, (w + 1) * HALF_D) over all BLOCK_N keys: dS K_half.
             mbarrier.wait(ds_ready.index(position % 2), (position // 2) & 1)
             dq_token = warpgroup_mma(ds_both.permute((1, 0)), k_half,
                                      gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout),
                                      use_acc=False, is_async=True)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=1,
-                                                     deps=(dv, dk, p_op, ds_op))
-            ring.release(slot)  # Q and dO are read: the loader may refill the slot
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_token,))
+            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+            # The products complete in order: dV's and dQ's, not yet dK's.
+            dv, p_op, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p_op, dq_token))
             # The previous step's reduce has read the staging tile.
             tma.store_wait(pendings=0)
             # Two swizzled quarters of D (a swizzled box spans at most 128 bytes): stores
@@ -261,6 +261,8 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                 store_wait_written()
                 thread_barrier()
                 gl.atomic_add(lock, 1, sem="release", scope="gpu")
+            dk, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_op))
+            ring.release(slot)  # Q and dO are read: the loader may refill the slot
             position += 1
         if BIAS_GRAD:
             if not bias.GROUP_SUM:
