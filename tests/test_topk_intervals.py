@@ -319,3 +319,53 @@ def test_one_window_walks_rows_in_steps(seqlen_q, is_causal, window, dtype, max_
         assert kept.shape == (6, window) and torch.equal(counts, torch.full((6,), window))
         for row in range(6):
             assert kept[row].tolist() == rows[row].nonzero().flatten().tolist(), f"row {row}"
+
+
+@pytest.mark.parametrize("seqlen_q", (2, 5, 16))
+@pytest.mark.parametrize("window", ("rows", 40, "most"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32),
+                         ids=("bf16", "fp16", "fp32"))
+def test_few_causal_rows_take_one_selection_with_the_bits_of_every_row(seqlen_q, window, dtype,
+                                                                      device, monkeypatch):
+    """A causal selection of 2-16 query rows (``FEW_ROWS_MAX``) takes ``_few_rows``: one
+    top-W selection of the keys the first row sees, then the last rows' keys against that
+    selection's last keys. Its intervals carry the bits of the general path (``_intervals``,
+    whose ``end`` is 0 for keys beaten at once, whatever their start) and keep the rule's keys,
+    on biases of few values (ties everywhere), NaN, infinities and both zeros, at windows of
+    Lq keys, 40, and all but one of the keys the first row sees."""
+    tk = importlib.import_module("kernels.masks.topk")
+    seqlen_k = 90
+    window = {"rows": seqlen_q, "most": seqlen_k - seqlen_q}.get(window, window)
+    generator = torch.Generator().manual_seed(seqlen_q * 100 + window)
+    bias = torch.randint(0, 4, (2, 3, 1, seqlen_k), generator=generator).double()
+    bias[0, 0, 0, 3::7] = math.nan
+    bias[0, 1, 0, 2::5] = math.inf
+    bias[0, 2, 0, 1::3] = -0.0
+    bias[1, 0, 0, ::4] = -math.inf
+    bias[1, 1] = torch.randn(1, seqlen_k, generator=generator).double()
+    bias = bias.to(dtype).to(device)
+    rows = bias.reshape(6, seqlen_k)
+    assert tk._few_rows_form(rows, window, seqlen_q, True, False)
+    taken = []
+    few_rows = tk._few_rows
+    monkeypatch.setattr(tk, "_few_rows", lambda *args: taken.append(args) or few_rows(*args))
+    got = topk_intervals(bias, window, seqlen_q=seqlen_q, is_causal=True)
+    assert len(taken) == 1
+    start, end = tk._intervals(rows, window, True, seqlen_q, None)
+    assert torch.equal(got.start.reshape(6, seqlen_k), start.to(torch.int32))
+    assert torch.equal(got.end.reshape(6, seqlen_k), end.to(torch.int32))
+    expected = rule_mask(bias.cpu(), window, seqlen_q, True)
+    assert torch.equal(got.to_dense(seqlen_q).cpu(), expected)
+
+
+@pytest.mark.parametrize("seqlen_q, window, seqlen_k, ordered", (
+    (17, 40, 90, False),  # more rows than FEW_ROWS_MAX
+    (5, 4, 90, False),  # a window smaller than the rows
+    (5, 86, 90, False),  # a window of every key the first row sees
+    (5, 40, 90, True),  # with a key order
+), ids=("rows17", "window-under-rows", "window-all", "ordered"))
+def test_other_causal_selections_take_the_general_path(seqlen_q, window, seqlen_k, ordered,
+                                                       device):
+    tk = importlib.import_module("kernels.masks.topk")
+    rows = torch.randn(6, seqlen_k).to(device)
+    assert not tk._few_rows_form(rows, window, seqlen_q, True, ordered)

@@ -55,6 +55,10 @@ from .packed_seqlens import PackedKeys, check_cu_seqlens
 # (H200): ~3 us a step of 4096 keys; 16 slices of 2048 keys, 49 us for the three launches.
 TOP_WINDOW_BLOCK = 2048
 TOP_WINDOW_MAX_SLICES = 32
+# Causal selections of at most this many query rows (decode, speculative or chunked) take
+# ``_few_rows``: one top-W selection and a few small torch ops, where the wavelet matrix's
+# launches (one per bit level and a sort) cost 0.5-0.9 ms at B8 Hk8 Lk32768 on the H200.
+FEW_ROWS_MAX = 16
 # The selection's launches, planned per form (rows, length, row stride, dtype, device, window,
 # query rows), the least recently made dropped first: ``runtime.launch`` plans every call's
 # launch anew, host time a kept plan skips (not measured apart: the whole eager select step
@@ -214,6 +218,8 @@ def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torc
     their key order (``grouping.grouping_order``); capturable."""
     if _one_window_form(is_causal, seqlen_q, ordered):
         return _one_window(bias, window, seqlen_q)[:2]
+    if _few_rows_form(bias, window, seqlen_q, is_causal, ordered):
+        return _few_rows(bias, window, seqlen_q)
     start, end = _intervals(bias, window, is_causal, seqlen_q, None)
     start, end = start.to(torch.int32), end.to(torch.int32)
     return (start, end, grouping_order(start, end)) if ordered else (start, end)
@@ -222,6 +228,64 @@ def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torc
 def _one_window_form(is_causal, seqlen_q, ordered) -> bool:
     """Whether every query row keeps the same W keys (``_one_window``)."""
     return not ordered and (not is_causal or seqlen_q == 1)
+
+
+def _few_rows_form(bias, window, seqlen_q, is_causal, ordered) -> bool:
+    """Whether a causal selection takes ``_few_rows``: at most ``FEW_ROWS_MAX`` query rows,
+    a window of at least that many keys and fewer than the first row sees, on the kernels."""
+    first_row_keys = bias.shape[1] - seqlen_q + 1
+    return (is_causal and not ordered and 1 < seqlen_q <= FEW_ROWS_MAX
+            and seqlen_q <= window < first_row_keys and _runs_top_window(bias, first_row_keys))
+
+
+def _few_rows(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal int32 (start, end) of the (R, Lk) bias rows for a few query rows (Lq - 1 = e
+    keys past the first row's, key Lk - Lq + t first seen by row t), from one top-W selection
+    of the first row's keys (``_top_window``, with its lists). Of those W, the first W - e
+    (by rank) stay to the last row: only e later keys can push a key out. Each of the other
+    2e candidates (the selection's last e, the e later keys) is beaten by c = W - e + (the
+    last e that beat it) of the first row's keys, and leaves at the row that sees the
+    (W - c)-th later key beating it: row t for key Lk - Lq + t (never: Lq; at once: 0). The
+    bits of ``_intervals``: end = 0 where W keys of the first row beat a key, whatever its
+    start."""
+    rows, n = bias.shape
+    offset = n - seqlen_q  # row r sees keys <= r + offset
+    extra = seqlen_q - 1
+    first_row = bias[:, :offset + 1]
+    if first_row.stride(-1) != 1:
+        first_row = first_row.contiguous()
+    _, _, (kept, _) = _top_window(first_row, window, 1, with_lists=True)
+    kept = kept.long()  # (R, W) in key order: the stable sort ranks ties by key
+    inf = float("inf")
+    values = torch.nan_to_num(bias.gather(1, kept).float(), nan=-inf, posinf=inf, neginf=-inf)
+    last = torch.sort(values, dim=1, descending=True, stable=True).indices[:, window - extra:]
+    last_keys, last_values = kept.gather(1, last), values.gather(1, last)
+    later_keys = torch.arange(offset + 1, n, device=bias.device).expand(rows, extra)
+    later_values = torch.nan_to_num(bias[:, offset + 1:].float(), nan=-inf, posinf=inf,
+                                    neginf=-inf)
+    keys = torch.cat((last_keys, later_keys), dim=1)[:, :, None]  # (R, 2e, 1)
+    values_c = torch.cat((last_values, later_values), dim=1)[:, :, None]
+
+    def beating(other_values, other_keys):  # (R, 2e, e): other key k beats candidate j
+        return ((other_values[:, None, :] > values_c)
+                | ((other_values[:, None, :] == values_c) & (other_keys[:, None, :] < keys)))
+
+    needed = extra - beating(last_values, last_keys).sum(-1)  # later keys that push it out
+    seen = torch.cumsum(beating(later_values, later_keys), dim=-1)  # by row 1 .. e
+    reached = seen >= needed[:, :, None]
+    leaves = torch.where(reached.any(-1), reached.to(torch.int32).argmax(-1) + 1, seqlen_q)
+    leaves = torch.where(needed <= 0, 0, leaves).to(torch.int32)
+    end = torch.zeros((rows, n), dtype=torch.int32, device=bias.device)
+    end.scatter_(1, kept, seqlen_q)
+    end.scatter_(1, last_keys, leaves[:, :extra])
+    end[:, offset + 1:] = leaves[:, extra:]
+    start = (torch.arange(n, dtype=torch.int32, device=bias.device) - offset).clamp_(min=0)
+    return start.expand(rows, n).contiguous(), end
+
+
+def _runs_top_window(bias, n) -> bool:
+    """Whether rows of ``n`` values of ``bias``'s dtype and device take ``_top_window``."""
+    return USE_KERNELS and bias.dtype in KEY_DIGITS and _wavelet.runs_kernels(bias.device, n)
 
 
 def _one_window(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
@@ -237,7 +301,7 @@ def _one_window(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
     if window >= n:
         return (torch.zeros((rows, n), dtype=torch.int32, device=bias.device),
                 torch.full((rows, n), seqlen_q, dtype=torch.int32, device=bias.device), None)
-    if USE_KERNELS and bias.dtype in KEY_DIGITS and _wavelet.runs_kernels(bias.device, n):
+    if _runs_top_window(bias, n):
         return _top_window(bias if bias.stride(-1) == 1 else bias.contiguous(), window,
                            seqlen_q, with_lists)
     ranked = torch.nan_to_num(bias, nan=float("-inf"), posinf=float("inf"),
