@@ -46,14 +46,16 @@ class CallPlan(NamedTuple):
     key: torch.Tensor
     value: torch.Tensor
     mask: MaskOperand
-    # The call's own map, for a plan with lists per call; for intervals the gather route reads
-    # as given, the kept-key lists their selection wrote (``KeyIntervals._kept_lists``) or None.
-    activity: ActivityMap | tuple | None
+    activity: ActivityMap | None  # the call's own map, for a plan with lists per call
+    # For intervals the gather route reads as given, the kept-key lists their selection wrote
+    # (``KeyIntervals._kept_lists``), else None.
+    kept_lists: tuple[torch.Tensor, torch.Tensor] | None
 
     def run(self, bias: torch.Tensor | None, keep_lse: bool = True):
         """(out, lse, or None without ``keep_lse``) of the call's forward."""
         return self.plan.run(self.query, self.key, self.value, self.mask, bias,
-                             keep_lse=keep_lse, activity=self.activity)
+                             keep_lse=keep_lse, activity=self.activity,
+                             kept_lists=self.kept_lists)
 
 
 # Forward plans of calls without a mask, by call signature (a prepared mask keeps its own).
@@ -128,9 +130,10 @@ class KeptPlan(NamedTuple):
 
 class MaskReader:
     """What a kept plan's later calls do with their mask: ``reader(attn_mask)`` gives (the
-    kernels' mask operand, the call's activity map or None)."""
+    kernels' mask operand, the call's activity map or None, the kept-key lists the mask came
+    with or None)."""
 
-    def __call__(self, attn_mask) -> tuple[MaskOperand, ActivityMap | None]:
+    def __call__(self, attn_mask) -> tuple[MaskOperand, ActivityMap | None, tuple | None]:
         raise NotImplementedError
 
 
@@ -141,8 +144,8 @@ class FixedMask(MaskReader):
     def __init__(self, operand: torch.Tensor | None):
         self.operand = operand
 
-    def __call__(self, attn_mask) -> tuple[MaskOperand, None]:
-        return self.operand, None
+    def __call__(self, attn_mask) -> tuple[MaskOperand, None, None]:
+        return self.operand, None, None
 
 
 NO_MASK = FixedMask(None)
@@ -156,8 +159,8 @@ class BoolMaskReader(MaskReader):
         self.activity_pass = TileActivityPass(mask, shape, activity.sub_rows, activity.sub_cols,
                                               is_causal)
 
-    def __call__(self, attn_mask: torch.Tensor) -> tuple[torch.Tensor, ActivityMap]:
-        return attn_mask, self.activity_pass(attn_mask)
+    def __call__(self, attn_mask: torch.Tensor) -> tuple[torch.Tensor, ActivityMap, None]:
+        return attn_mask, self.activity_pass(attn_mask), None
 
 
 class IntervalReader(MaskReader):
@@ -174,10 +177,10 @@ class IntervalReader(MaskReader):
                                                   pairs.shape[1], shape, activity.sub_rows,
                                                   activity.sub_cols, is_causal)
 
-    def __call__(self, intervals: KeyIntervals) -> tuple[torch.Tensor, ActivityMap]:
+    def __call__(self, intervals: KeyIntervals) -> tuple[torch.Tensor, ActivityMap, None]:
         words = torch.empty(self.words_shape, dtype=torch.int64, device=self.device)
         view = words.as_strided(self.view_size, self.view_stride)
-        return view, self.activity_pass(intervals.start, intervals.end, words)
+        return view, self.activity_pass(intervals.start, intervals.end, words), None
 
 
 class IntervalScan(MaskReader):
@@ -186,8 +189,8 @@ class IntervalScan(MaskReader):
     lists their selection wrote, where it did (the gather route reads them)."""
 
     def __call__(self, intervals: KeyIntervals) -> tuple[tuple[torch.Tensor, torch.Tensor],
-                                                         tuple | None]:
-        return (intervals.start, intervals.end), intervals._kept_lists
+                                                         None, tuple | None]:
+        return (intervals.start, intervals.end), None, intervals._kept_lists
 
 
 INTERVAL_SCAN = IntervalScan()
@@ -197,8 +200,8 @@ class MaskAsGiven(MaskReader):
     """An unprepared bool mask that the forward reads itself (the gather route): the mask,
     and no activity map."""
 
-    def __call__(self, attn_mask: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return attn_mask, None
+    def __call__(self, attn_mask: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return attn_mask, None, None
 
 
 MASK_AS_GIVEN = MaskAsGiven()
@@ -287,7 +290,8 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
     mask = attn_mask
     if checked.mask is not None and checked.mask.interval_pairs is not None:
         mask = checked.mask.view
-    return CallPlan(plan, query, key, value, mask, activity if per_call is not None else None)
+    return CallPlan(plan, query, key, value, mask, activity if per_call is not None else None,
+                    None)
 
 
 def needs_grad(*tensors) -> bool:

@@ -184,18 +184,20 @@ class ForwardPlan:
         return call_activity(activity) if self.lists_per_call else self.activity
 
     def run(self, query, key, value, mask_operand, bias, keep_lse: bool = True,
-            activity: ActivityMap | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            activity: ActivityMap | None = None, kept_lists: tuple | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, or None without ``keep_lse``) for
         tensors of this plan's signature; ``mask_operand`` is what the kernel reads of the call's
         mask (``call_plan.MaskOperand``: the bool mask, a KeyIntervals mask's words, or None) and
         ``bias`` the bias, either may be None; ``activity``: the call's own activity map, for a
-        plan with ``lists_per_call``, or on the gather route the kept-key lists that intervals
-        read as given came with (``KeyIntervals._kept_lists``). With ``scan_keys``,
-        ``mask_operand`` is the intervals' (start, end) as given, of the plan's layout."""
-        if self.gather is not None:  # ``activity``: lists the intervals came with, or None
+        plan with ``lists_per_call``; ``kept_lists``: on the gather route, the kept-key lists
+        that intervals read as given came with (``KeyIntervals._kept_lists``), or None. With
+        ``scan_keys``, ``mask_operand`` is the intervals' (start, end) as given, of the plan's
+        layout."""
+        if self.gather is not None:
             note_route("forward", "gather")
             return self.gather.run(query, key, value, mask_operand, bias, keep_lse,
-                                   lists=activity)
+                                   lists=kept_lists)
         # ``new_empty`` takes dtype and device from ``query`` (the plan's own): 2.9 us of host
         # per call against 3.9 for ``torch.empty`` with both named, on the H100 host.
         out = query.new_empty(self.out_shape)
