@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from .masks.intervals import KeyIntervals
-from .masks.topk import (_check_packed, _one_window, _one_window_form, _packed, _rows_direct,
-                         kept_union, orders_keys)
+from .masks.topk import (_check_packed, _few_rows, _few_rows_form, _one_window, _one_window_form,
+                         _packed, _rows_direct, kept_union, orders_keys)
 from .planning.tuning import GATHER_MAX_ROWS
 
 
@@ -117,10 +117,23 @@ def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
         start, end, lists = _one_window(bias.reshape(b * h, lk), window, seqlen_q,
                                         with_lists=seqlen_q <= GATHER_MAX_ROWS)
         rows = (start, end)
+    elif _lists_few_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered):
+        start, end, lists = _few_rows(bias.reshape(b * h, lk), window, seqlen_q,
+                                      with_lists=True)
+        rows = (start, end)
     else:
         rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
     return KeyIntervals(*(t.reshape(b, h, lk) for t in rows),
                         max_kept=kept_union(window, seqlen_q, lk, is_causal), _kept_lists=lists)
+
+
+def _lists_few_rows(rows, window, seqlen_q, is_causal, ordered) -> bool:
+    """Whether a causal selection of a few query rows (``masks.topk._few_rows``) runs directly
+    and lists the kept keys for the gather route too: at decode sizes, on a form that is not
+    captured as a CUDA graph (below; off the GPU, or over ``GRAPH_MAX_ELEMENTS``)."""
+    return (seqlen_q <= GATHER_MAX_ROWS and _few_rows_form(rows, window, seqlen_q, is_causal,
+                                                           ordered)
+            and (rows.device.type != "cuda" or rows.numel() > GRAPH_MAX_ELEMENTS))
 
 
 # -- host time on a GPU: the selection as a CUDA graph

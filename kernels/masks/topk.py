@@ -219,7 +219,7 @@ def _rows_direct(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torc
     if _one_window_form(is_causal, seqlen_q, ordered):
         return _one_window(bias, window, seqlen_q)[:2]
     if _few_rows_form(bias, window, seqlen_q, is_causal, ordered):
-        return _few_rows(bias, window, seqlen_q)
+        return _few_rows(bias, window, seqlen_q)[:2]
     start, end = _intervals(bias, window, is_causal, seqlen_q, None)
     start, end = start.to(torch.int32), end.to(torch.int32)
     return (start, end, grouping_order(start, end)) if ordered else (start, end)
@@ -238,7 +238,7 @@ def _few_rows_form(bias, window, seqlen_q, is_causal, ordered) -> bool:
             and seqlen_q <= window < first_row_keys and _runs_top_window(bias, first_row_keys))
 
 
-def _few_rows(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
+def _few_rows(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
     """Causal int32 (start, end) of the (R, Lk) bias rows for a few query rows (Lq - 1 = e
     keys past the first row's, key Lk - Lq + t first seen by row t), from one top-W selection
     of the first row's keys (``_top_window``, with its lists). Of those W, the first W - e
@@ -247,7 +247,9 @@ def _few_rows(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     last e that beat it) of the first row's keys, and leaves at the row that sees the
     (W - c)-th later key beating it: row t for key Lk - Lq + t (never: Lq; at once: 0). The
     bits of ``_intervals``: end = 0 where W keys of the first row beat a key, whatever its
-    start."""
+    start. Then, with ``with_lists``, the keys some row keeps as decode's gather route lists
+    them ((R, W + e) int32 in key order: the selection's W, then the later keys some row
+    keeps; and (R,) int32 counts), else None."""
     rows, n = bias.shape
     offset = n - seqlen_q  # row r sees keys <= r + offset
     extra = seqlen_q - 1
@@ -280,7 +282,13 @@ def _few_rows(bias, window, seqlen_q) -> tuple[torch.Tensor, torch.Tensor]:
     end.scatter_(1, last_keys, leaves[:, :extra])
     end[:, offset + 1:] = leaves[:, extra:]
     start = (torch.arange(n, dtype=torch.int32, device=bias.device) - offset).clamp_(min=0)
-    return start.expand(rows, n).contiguous(), end
+    lists = None
+    if with_lists:  # the later keys some row keeps, moved to the front in key order
+        later_kept = leaves[:, extra:] > torch.arange(1, seqlen_q, device=bias.device)
+        front = torch.sort((~later_kept).to(torch.uint8), dim=1, stable=True).indices
+        lists = (torch.cat((kept, later_keys.gather(1, front)), dim=1).to(torch.int32),
+                 (window + later_kept.sum(1)).to(torch.int32))
+    return start.expand(rows, n).contiguous(), end, lists
 
 
 def _runs_top_window(bias, n) -> bool:
