@@ -111,18 +111,18 @@ def _check_dense(bias, seqlen_q) -> int:
 
 def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
     b, h, _, lk = bias.shape
+    flat = bias.reshape(b * h, lk)
     lists = None
     if _one_window_form(is_causal, seqlen_q, ordered):  # never a graph (see below)
         # At decode sizes the selection lists the kept keys for the gather route too.
-        start, end, lists = _one_window(bias.reshape(b * h, lk), window, seqlen_q,
+        start, end, lists = _one_window(flat, window, seqlen_q,
                                         with_lists=seqlen_q <= GATHER_MAX_ROWS)
         rows = (start, end)
-    elif _lists_few_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered):
-        start, end, lists = _few_rows(bias.reshape(b * h, lk), window, seqlen_q,
-                                      with_lists=True)
+    elif _lists_few_rows(flat, window, seqlen_q, is_causal, ordered):
+        start, end, lists = _few_rows(flat, window, seqlen_q, with_lists=True)
         rows = (start, end)
     else:
-        rows = _select_rows(bias.reshape(b * h, lk), window, seqlen_q, is_causal, ordered)
+        rows = _select_rows(flat, window, seqlen_q, is_causal, ordered)
     return KeyIntervals(*(t.reshape(b, h, lk) for t in rows),
                         max_kept=kept_union(window, seqlen_q, lk, is_causal), _kept_lists=lists)
 
@@ -130,10 +130,10 @@ def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
 def _lists_few_rows(rows, window, seqlen_q, is_causal, ordered) -> bool:
     """Whether a causal selection of a few query rows (``masks.topk._few_rows``) runs directly
     and lists the kept keys for the gather route too: at decode sizes, on a form that is not
-    captured as a CUDA graph (below; off the GPU, or over ``GRAPH_MAX_ELEMENTS``)."""
+    captured as a CUDA graph (``_graph_sized``)."""
     return (seqlen_q <= GATHER_MAX_ROWS and _few_rows_form(rows, window, seqlen_q, is_causal,
                                                            ordered)
-            and (rows.device.type != "cuda" or rows.numel() > GRAPH_MAX_ELEMENTS))
+            and not _graph_sized(rows))
 
 
 # -- host time on a GPU: the selection as a CUDA graph
@@ -203,9 +203,14 @@ def _made_apart(bias, window, seqlen_q, is_causal, ordered) -> _SelectionGraph:
     return made["graph"]
 
 
+def _graph_sized(rows) -> bool:
+    """Whether a selection of these bias rows is small enough to capture: on a GPU, at most
+    ``GRAPH_MAX_ELEMENTS``."""
+    return rows.device.type == "cuda" and rows.numel() <= GRAPH_MAX_ELEMENTS
+
+
 def _select_rows(bias, window, seqlen_q, is_causal, ordered=False) -> tuple[torch.Tensor, ...]:
-    if (bias.device.type != "cuda" or bias.numel() > GRAPH_MAX_ELEMENTS
-            or _one_window_form(is_causal, seqlen_q, ordered)
+    if (not _graph_sized(bias) or _one_window_form(is_causal, seqlen_q, ordered)
             or torch.cuda.is_current_stream_capturing()):
         return _rows_direct(bias, window, seqlen_q, is_causal, ordered)
     form = (tuple(bias.shape), window, seqlen_q, is_causal, ordered, bias.dtype, bias.device)

@@ -5,14 +5,13 @@ The role pieces live beside the forward's: ``ring.QueryRing`` (the loader's Q, d
 delta slots), ``tiles.KeyBlockWork`` (a program's key block and the query blocks it walks),
 ``bias.BiasRow``. A program owns one key block of ``BLOCK_N`` = 2 x 64 keys of one (batch, key
 head): its K and V tiles arrive once, and consumer warpgroup w owns keys [w * 64, (w + 1) * 64)
-of them, with
-their dK and dV accumulators in registers for the whole program. The program walks every query
-head of the key head's GQA group and, per head, the query blocks of ``BLOCK_M`` = 64 rows that
-see the key block (with causality, from the first row on or below the block's first key). The
-loader warp brings each query block's Q and dO tiles, and its rows' scaled LSE and delta,
-through TMA into a ring of STAGES slots (one ``ready`` barrier for the four copies, a ``free``
-barrier both warpgroups arrive on). Per query block a warpgroup computes, with asynchronous
-wgmma:
+of them, with their dK and dV accumulators in registers for the whole program. The program
+walks every query head of the key head's GQA group and, per head, the query blocks of
+``BLOCK_M`` = 64 rows that see the key block (with causality, from the first row on or below
+the block's first key). The loader warp brings each query block's Q and dO tiles, and its
+rows' scaled LSE and delta, through TMA into a ring of STAGES slots (one ``ready`` barrier for
+the four copies, a ``free`` barrier both warpgroups arrive on). Per query block a warpgroup
+computes, with asynchronous wgmma:
 
 - S^T = K_w Q^T and dP^T = V_w dO^T ([64 keys, 64 queries], both from shared memory);
 - P^T = exp2(S^T * qk_scale - LSE * log2 e) and dS^T = P^T * (dP^T - delta); only blocks with
