@@ -392,60 +392,6 @@ def test_hopper_backward_of_a_bias_row_matches_the_reference(device, sizes, batc
     assert set(routes.backward) == {"hopper"}, routes.describe()
 
 
-# -- the tile's variants (``tuning.HopperBackwardTile``'s early_dv and dq_buffers)
-@pytest.fixture()
-def backward_tile(monkeypatch):
-    """Sets ``tuning.HOPPER_BACKWARD`` for one test; no plan made with it outlives the test."""
-    from kernels import call_plan
-
-    def use(**changes):
-        monkeypatch.setattr(tuning, "HOPPER_BACKWARD", replace(tuning.HOPPER_BACKWARD, **changes))
-
-    kept = (call_plan._plans, call_plan._interval_plans, call_plan._mask_plans)
-    for plans in kept:
-        plans.clear()
-    yield use
-    for plans in kept:
-        plans.clear()
-
-
-@pytest.mark.hopper
-@pytest.mark.parametrize("early_dv, dq_buffers", [(True, 1), (False, 2), (True, 2)],
-                         ids=["early-dv", "dq-buffers2", "both"])
-@pytest.mark.parametrize("form", ["dense", "deterministic", "bias-row", "intervals", "mask"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_each_tile_variant_matches_the_reference(device, backward_tile, early_dv, dq_buffers,
-                                                 form, causal):
-    """dV's product issued before dS^T is shared, two staging buffers of dQ's partials, and
-    both: every form against the reference on awkward shapes (a bool mask's form keeps one
-    buffer: its bytes take the shared memory), deterministic repeats bitwise equal."""
-    backward_tile(early_dv=early_dv, dq_buffers=dq_buffers)
-    for sizes in [(2, 1025, 1025, 4, 1, 80), (1, 300, 700, 6, 2, 64), (2, 777, 777, 4, 2, 128)]:
-        dims = Dims(*sizes)
-        q, k, v = random_qkv(dims, torch.bfloat16, device)
-        mask = bias = None
-        func = FORCED
-        if form == "bias-row":
-            bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.bfloat16,
-                               device).requires_grad_()
-        elif form == "intervals":
-            mask, func = random_intervals(dims, "Hk", "B", device, seed=sizes[1]), BOTH
-        elif form == "mask":
-            mask = random_mask(dims.operand_shape("B", "Hk", "Lq", "Lk"), device, 0.5)
-        with record_routes() as routes:
-            run_backward(q, k, v, mask, bias, causal=causal,
-                         deterministic=form == "deterministic", func=func)
-        assert set(routes.backward) == {"hopper"}, routes.describe()
-        if form == "deterministic":
-            assert_backwards_repeat_bitwise(q, k, v, None, causal)
-
-
-def test_a_bool_masks_form_stages_dq_in_one_buffer():
-    tile = replace(tuning.HOPPER_BACKWARD, dq_buffers=2)
-    assert tile.staging_buffers(bool_mask=True) == 1
-    assert tile.staging_buffers(bool_mask=False) == 2
-
-
 # -- the seeded fuzz of every form together
 @pytest.mark.hopper
 @pytest.mark.parametrize("part", [0, 1, 2], ids=lambda p: f"part{p}")

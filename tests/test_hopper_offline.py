@@ -155,8 +155,7 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
             num_warps=4, CAUSAL=causal, GROUPED_ORDER=grouped, MASK_KIND=kind,
             DETERMINISTIC=deterministic,
             HAS_BIAS=bias, BIAS_GRAD=bias, BIAS_GROUP_SUM=True,
-            STAGES=tile.stages, EARLY_DV=tile.early_dv,
-            DQ_BUFFERS=tile.staging_buffers(kind == host.MASK_TILE),
+            STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved
@@ -184,8 +183,6 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "intervals-backward"),
     ("bfloat16", 128, True, "deterministic-backward"),
     ("bfloat16", 128, True, "biased-backward"), ("bfloat16", 128, True, "grouped-backward"),
-    ("bfloat16", 128, False, "variant-backward"),
-    ("bfloat16", 128, True, "variant-biased-backward"),
     ("bfloat16", 128, True, "biased-forward"),
     ("float16", 64, False, "biased-masked-forward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
@@ -194,7 +191,6 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "masked-backward-bf16-d128-causal", "masked-backward-fp16-d64-full",
          "intervals-backward-bf16-d128-causal", "deterministic-backward-bf16-d128-causal",
          "biased-backward-bf16-d128-causal", "grouped-backward-bf16-d128-causal",
-         "variant-backward-bf16-d128-full", "variant-biased-backward-bf16-d128-causal",
          "biased-forward-bf16-d128-causal",
          "biased-masked-forward-fp16-d64-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
@@ -206,10 +202,6 @@ def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
 
 if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child process
     name, dim, is_causal, form = sys.argv[1:5]
-    if form.startswith("variant-"):  # dV's product early, two staging buffers of dQ
-        from dataclasses import replace
-        tuning.HOPPER_BACKWARD = replace(tuning.HOPPER_BACKWARD, early_dv=True, dq_buffers=2)
-        form = form[len("variant-"):]
     if form.endswith("backward"):
         from kernels.planning import hopper_forward as host
         kind = {"masked-backward": host.MASK_TILE,

@@ -26,13 +26,6 @@ computes, with asynchronous wgmma:
   reduce-adds (H200, B2 H16 L8192 D128: 307 -> 443 TFLOP/s), and the stores into swizzled
   quarters do not conflict as an unswizzled [64, 64] float32 tile's did (443 -> 480).
 
-The products are issued dV's, dQ's, then dK's: dV's covers the wait for the other
-warpgroup's dS^T, and dQ's partial is staged and its reduce-adds issued while dK's runs
-(H200, one process: 1.01-1.09x the order dV, dK, dQ on dense.yaml). Two variants wait for an
-A/B: EARLY_DV issues dV's product before dS^T is stored and shared, and DQ_BUFFERS = 2 stages
-a step's partial while the previous step's reduce-adds may still read the other buffer
-(``tuning.HopperBackwardTile``).
-
 The host builds the loader's rows (LSE x log2 e, +inf where a row saw no key, and delta, the
 rows' sum of dO * O, padded to whole query blocks) and a zeroed float32 ``dq_acc``, and
 converts ``dq_acc`` to dQ's dtype. dK is scaled by softmax_scale once, at the end; dQ's
@@ -120,7 +113,7 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
               mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc,
               dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
               MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
-              BIAS_GRAD: gl.constexpr, EARLY_DV: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+              BIAS_GRAD: gl.constexpr):
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
@@ -224,8 +217,6 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             if BIAS_GRAD:
                 bias_grad += gl.sum(ds, axis=1)
             p_op = gl.convert_layout(p.to(dtype), op_layout)
-            if EARLY_DV:  # dV's product runs while dS^T is converted, stored and shared
-                dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
             ds_low = ds.to(dtype)
             ds_op = gl.convert_layout(ds_low, op_layout)
             # dS^T of both warpgroups meets in one [BLOCK_N, BLOCK_M] tile (two alternate, so
@@ -237,8 +228,7 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             mbarrier.arrive(ds_ready.index(position % 2), count=1)
             # dV's product runs while the other warpgroup's dS^T arrives; dK's, issued last,
             # while dQ's partial goes to the staging tiles and its reduce-adds.
-            if not EARLY_DV:
-                dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
             # dQ's columns [w * HALF_D, (w + 1) * HALF_D) over all BLOCK_N keys: dS K_half.
             mbarrier.wait(ds_ready.index(position % 2), (position // 2) & 1)
             dq_token = warpgroup_mma(ds_both.permute((1, 0)), k_half,
@@ -247,16 +237,14 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
             # The products complete in order: dV's and dQ's, not yet dK's.
             dv, p_op, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p_op, dq_token))
-            # The reduce-adds of DQ_BUFFERS steps ago (two per step) have read this step's
-            # staging tiles.
-            tma.store_wait(pendings=2 * (DQ_BUFFERS - 1))
-            buffer = 2 * (position % DQ_BUFFERS)
+            # The previous step's reduce has read the staging tile.
+            tma.store_wait(pendings=0)
             # Two swizzled quarters of D (a swizzled box spans at most 128 bytes): stores
             # into an unswizzled [64, 64] float32 tile conflicted 8 ways.
             low, high = (dq * softmax_scale).reshape([BLOCK_M, 2, QUARTER_D]).permute(
                 (0, 2, 1)).split()
-            stage.index(buffer).store(low)
-            stage.index(buffer + 1).store(high)
+            stage.index(0).store(low)
+            stage.index(1).store(high)
             fence_async_shared()
             if DETERMINISTIC:  # key block kb adds after every warpgroup of blocks 0..kb-1
                 lock = dq_locks + ((batch * work.heads_q + q_head) * gl.cdiv(seqlen_q, BLOCK_M)
@@ -266,9 +254,9 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                 while seen < turn:
                     seen = gl.load(lock, volatile=True)
             tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D],
-                           plane_view(stage.index(buffer)))
+                           plane_view(stage.index(0)))
             tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D + QUARTER_D],
-                           plane_view(stage.index(buffer + 1)))
+                           plane_view(stage.index(1)))
             if DETERMINISTIC:  # the adds are written before the next block's turn
                 store_wait_written()
                 thread_barrier()
@@ -287,9 +275,7 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
     # past the head dim are not written.
     tma.store_wait(pendings=0)
     out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_D], dtype)
-    # The first buffer's two quarters, as many bytes (a sliced view cannot be reinterpreted
-    # in Triton 3.6).
-    out_tile = reinterpret(stage, dtype, [KEYS, BLOCK_D], out_layout)
+    out_tile = reinterpret(stage, dtype, [KEYS, BLOCK_D], out_layout)  # as many bytes
     out_tile.store((dk * softmax_scale).to(dtype))
     fence_async_shared()
     tma_store(dk_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
@@ -304,24 +290,20 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
 def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
                     mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
                     dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
-                    DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr,
-                    EARLY_DV: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+                    DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
               mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
-              qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD,
-              EARLY_DV, DQ_BUFFERS)
+              qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
 
 
 @gluon.jit
 def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
                      mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
                      dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr,
-                     EARLY_DV: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+                     DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
               mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
-              qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD,
-              EARLY_DV, DQ_BUFFERS)
+              qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
@@ -340,7 +322,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                        CAUSAL: gl.constexpr, GROUPED_ORDER: gl.constexpr,
                        MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
                        BIAS_GRAD: gl.constexpr, BIAS_GROUP_SUM: gl.constexpr,
-                       STAGES: gl.constexpr, EARLY_DV: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                       STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,), ordered as ``tiles.KeyBlockWork`` says
     (``order_group``: its (batch, key head)s per group with GROUPED_ORDER). ``rows_desc``: a [1,
@@ -381,10 +363,10 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     delta = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     ds_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     # Per warpgroup, its half of dQ's float32 partial as two quarters of D; then dK and dV.
-    first_stage = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, BLOCK_D // 4],
+    first_stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_D // 4],
                                             stage_layout)
-    second_stage = gl.allocate_shared_memory(gl.float32,
-                                             [2 * DQ_BUFFERS, BLOCK_M, BLOCK_D // 4], stage_layout)
+    second_stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, BLOCK_D // 4],
+                                             stage_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -415,13 +397,11 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
         [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
                             work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
                             dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                            MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD, EARLY_DV,
-                            DQ_BUFFERS)),
+                            MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
          (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
                              work, lists, mask_desc, mask_batch_stride, mask_head_stride,
                              bias, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
-                             softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD,
-                             EARLY_DV, DQ_BUFFERS)),
+                             softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
          (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
                     kv_ready, ring, work, lists, MASK_KIND))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

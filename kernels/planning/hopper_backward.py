@@ -24,9 +24,9 @@ from ..runtime.launch import DescriptorLaunch, launch
 from ..runtime.routes import note_route
 from ..triton_device.backward_rows import _loader_rows_kernel
 from . import tuning
-from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, MASK_TILE, NO_MASK,
-                             HopperForwardLaunch, bias_row_gap, block_head_dim, describe,
-                             gluon_dtype, hopper_operands_gap, mask_geometry, mask_kind)
+from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
+                             bias_row_gap, block_head_dim, describe, gluon_dtype,
+                             hopper_operands_gap, mask_geometry, mask_kind)
 from .problem import Problem, tma_strides
 
 LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
@@ -180,8 +180,7 @@ class HopperBackwardPlan:
             MASK_KIND=self.kind,
             DETERMINISTIC=problem.deterministic, HAS_BIAS=self.bias_layout is not None,
             BIAS_GRAD=dbias is not None, BIAS_GROUP_SUM=bool(dbias and dbias.sum_group),
-            STAGES=tile.stages, EARLY_DV=tile.early_dv,
-            DQ_BUFFERS=tile.staging_buffers(self.kind == MASK_TILE),
+            STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         # Deterministic: a zeroed lock per (batch x query head, query block) orders dQ's adds.
         self.lock_count = (shape.batch * shape.heads_q * ceil_div(shape.seqlen_q, tile.block_m)

@@ -211,25 +211,16 @@ HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
 class HopperBackwardTile:
     """A Hopper backward program: ``block_n`` keys (two consumer warpgroups of half each),
     query blocks of ``block_m`` rows in a ring of ``stages`` slots, and the registers per
-    thread the consumers and the loader warp take (``setmaxnreg``). ``early_dv``: dV's product
-    is issued before dS^T is stored and shared (else after); ``dq_buffers``: staging buffers
-    of dQ's partials per consumer warpgroup (2: a step's reduce-adds may still read one while
-    the next step writes the other; 32 KB more shared memory, so a bool mask's form keeps 1)."""
+    thread the consumers and the loader warp take (``setmaxnreg``)."""
 
     block_m: int
     block_n: int
     stages: int
     consumer_regs: int
     loader_regs: int
-    early_dv: bool = False
-    dq_buffers: int = 1
 
     def __str__(self) -> str:
         return f"{self.block_m}x{self.block_n} s{self.stages}"
-
-    def staging_buffers(self, bool_mask: bool) -> int:
-        """dQ's staging buffers for a form with (True) or without a bool mask's bytes."""
-        return 1 if bool_mask else self.dq_buffers
 
 
 # 198,000 bytes of shared memory at head dim 128 (K, V 32 KB each; two slots of Q, dO, LSE and
