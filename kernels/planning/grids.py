@@ -13,11 +13,12 @@ from . import tuning
 
 def key_splits(programs: int, key_blocks: int, multiprocessors: int, min_blocks: int) -> int:
     """Key shares for a grid of ``programs`` (1: none): only where it fills less than half the
-    GPU, about ``SPLIT_PROGRAMS_PER_SM`` programs per multiprocessor, at least ``min_blocks``
-    key blocks a share."""
+    GPU, as many as keep ``programs`` x shares within ``SPLIT_PROGRAMS_PER_SM`` programs per
+    multiprocessor (one wave of resident programs, no partial second one), at least
+    ``min_blocks`` key blocks a share."""
     if 2 * programs > multiprocessors:
         return 1
-    return max(1, min(ceil_div(tuning.SPLIT_PROGRAMS_PER_SM * multiprocessors, programs),
+    return max(1, min(tuning.SPLIT_PROGRAMS_PER_SM * multiprocessors // programs,
                       key_blocks // min_blocks, tuning.MAX_KEY_SPLITS))
 
 

@@ -150,7 +150,11 @@ FORWARD_SCAN_CHUNK = 1024
 # Split-K (forward, dq, packed) only where the grid fills less than half the multiprocessors,
 # aiming at this many programs per multiprocessor, at most MAX_KEY_SPLITS shares. From half a
 # wave up, partial buffers and their merge cost more than the idle multiprocessors (B1 H8/2
-# L2048 with a mask: 128 programs on 132).
+# L2048 with a mask: 128 programs on 132). Shares fill one wave of this many programs per
+# multiprocessor and no more: the decode forward (D128, 64x64 tile, 2 resident per
+# multiprocessor) at B8 H32/8 Lq1 bf16, us at Lk32768 / 131072, 5 shares (320 programs) 263 / 987,
+# 4 shares (256) 253 / 954 (SDPA 253 / 948); B4 H16/4 Lk65536, 17 shares 146, 16 shares 139
+# (H200, one process).
 SPLIT_PROGRAMS_PER_SM = 2
 MAX_KEY_SPLITS = 128
 # The fewest key blocks per share: the forward's and packed launch's 64-key blocks, 4; dq's
