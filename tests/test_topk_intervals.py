@@ -321,19 +321,28 @@ def test_one_window_walks_rows_in_steps(seqlen_q, is_causal, window, dtype, max_
             assert kept[row].tolist() == rows[row].nonzero().flatten().tolist(), f"row {row}"
 
 
+@pytest.mark.parametrize("finish", ("kernel", "torch-ops"))
 @pytest.mark.parametrize("seqlen_q", (2, 5, 16))
 @pytest.mark.parametrize("window", ("rows", 40, "most"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32),
                          ids=("bf16", "fp16", "fp32"))
 def test_few_causal_rows_take_one_selection_with_the_bits_of_every_row(seqlen_q, window, dtype,
-                                                                      device, monkeypatch):
+                                                                      finish, device,
+                                                                      monkeypatch):
     """A causal selection of 2-16 query rows (``FEW_ROWS_MAX``) takes ``_few_rows``: one
     top-W selection of the keys the first row sees, then the last rows' keys against that
-    selection's last keys. Its intervals carry the bits of the general path (``_intervals``,
-    whose ``end`` is 0 for keys beaten at once, whatever their start) and keep the rule's keys,
-    on biases of few values (ties everywhere), NaN, infinities and both zeros, at windows of
-    Lq keys, 40, and all but one of the keys the first row sees."""
+    selection's last keys, in one launch (``_few_rows_kernel``) or in torch ops. Its intervals
+    carry the bits of the general path (``_intervals``, whose ``end`` is 0 for keys beaten at
+    once, whatever their start) and keep the rule's keys, on biases of few values (ties
+    everywhere), NaN, infinities and both zeros, at windows of Lq keys, 40, and all but one of
+    the keys the first row sees."""
     tk = importlib.import_module("kernels.masks.topk")
+    monkeypatch.setattr(tk, "FEW_ROWS_KERNEL", finish == "kernel")
+    monkeypatch.setattr(tk, "FEW_ROWS_KERNEL_RAN_ON_GPU", True)
+    launched = []
+    launch = tk._few_rows_launch
+    monkeypatch.setattr(tk, "_few_rows_launch",
+                        lambda *args: launched.append(args) or launch(*args))
     seqlen_k = 90
     window = {"rows": seqlen_q, "most": seqlen_k - seqlen_q}.get(window, window)
     generator = torch.Generator().manual_seed(seqlen_q * 100 + window)
@@ -354,12 +363,37 @@ def test_few_causal_rows_take_one_selection_with_the_bits_of_every_row(seqlen_q,
     for module in (tk, importlib.import_module("kernels.topk_ops")):
         monkeypatch.setattr(module, "_few_rows", spy)
     got = topk_intervals(bias, window, seqlen_q=seqlen_q, is_causal=True)
-    assert taken
+    assert taken and bool(launched) == (finish == "kernel")
     start, end = tk._intervals(rows, window, True, seqlen_q, None)
     assert torch.equal(got.start.reshape(6, seqlen_k), start.to(torch.int32))
     assert torch.equal(got.end.reshape(6, seqlen_k), end.to(torch.int32))
     expected = rule_mask(bias.cpu(), window, seqlen_q, True)
     assert torch.equal(got.to_dense(seqlen_q).cpu(), expected)
+
+
+@pytest.mark.parametrize("seqlen_q", (2, 7, 16))
+def test_few_rows_kernel_and_torch_ops_write_the_same_lists(seqlen_q, device, monkeypatch):
+    """``_few_rows``' two finishes, from random shapes, ties, NaN and infinities, on strided
+    bias rows: the same start, end, kept-key lists (every slot, the dropped later keys after
+    the kept ones) and counts."""
+    tk = importlib.import_module("kernels.masks.topk")
+    monkeypatch.setattr(tk, "FEW_ROWS_KERNEL_RAN_ON_GPU", True)
+    generator = torch.Generator().manual_seed(seqlen_q)
+    for seqlen_k, window in ((70, seqlen_q), (130, 33), (301, 280)):
+        bias = torch.randint(-2, 3, (5, 2 * seqlen_k), generator=generator).float()
+        bias[1] = torch.randn(2 * seqlen_k, generator=generator)
+        bias[2, 3::5] = math.nan
+        bias[3, 1::6] = math.inf
+        bias[3, 2::6] = -math.inf
+        rows = bias.to(device)[:, ::2]  # keys two elements apart
+        outputs = []
+        for kernel in (True, False):
+            monkeypatch.setattr(tk, "FEW_ROWS_KERNEL", kernel)
+            outputs.append(tk._few_rows(rows, window, seqlen_q, with_lists=True))
+        (start, end, (kept, count)), (start_ops, end_ops, (kept_ops, count_ops)) = outputs
+        assert torch.equal(start, start_ops) and torch.equal(end, end_ops)
+        assert torch.equal(kept, kept_ops) and torch.equal(count, count_ops)
+        assert kept.shape == (5, window + seqlen_q - 1)
 
 
 @pytest.mark.parametrize("seqlen_q, window, seqlen_k, ordered", (

@@ -39,9 +39,9 @@ from collections import OrderedDict
 
 import torch
 
-from ..runtime.arith import ceil_div
+from ..runtime.arith import ceil_div, next_power_of_2
 from ..runtime.launch import PlannedLaunch, is_interpreted
-from ..triton_device.selection_kernels import _top_window_kernel
+from ..triton_device.selection_kernels import _few_rows_kernel, _top_window_kernel
 from . import wavelet as _wavelet
 from .grouping import grouping_order
 from .intervals import KeyIntervals
@@ -59,6 +59,13 @@ TOP_WINDOW_MAX_SLICES = 32
 # ``_few_rows``: one top-W selection and a few small torch ops, where the wavelet matrix's
 # launches (one per bit level and a sort) cost 0.5-0.9 ms at B8 Hk8 Lk32768 on the H200.
 FEW_ROWS_MAX = 16
+# ... whose work after the selection is one launch (``_few_rows_kernel``: one program per row,
+# keys per step) where the torch ops were ~35 launches, ~1.3 ms of host time per eager step
+# at Lq4 on the H200's host (B8 Hk8 Lk32768 W2048: 0.25 ms of GPU time). Not yet run on a GPU:
+# until then a GPU takes the torch ops, the interpreter the kernel.
+FEW_ROWS_KERNEL = True
+FEW_ROWS_KERNEL_RAN_ON_GPU = False
+FEW_ROWS_BLOCK = 1024
 # The selection's launches, planned per form (rows, length, row stride, dtype, device, window,
 # query rows), the least recently made dropped first: ``runtime.launch`` plans every call's
 # launch anew, host time a kept plan skips (not measured apart: the whole eager select step
@@ -249,14 +256,17 @@ def _few_rows(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
     bits of ``_intervals``: end = 0 where W keys of the first row beat a key, whatever its
     start. Then, with ``with_lists``, the keys some row keeps as decode's gather route lists
     them ((R, W + e) int32 in key order: the selection's W, then the later keys some row
-    keeps; and (R,) int32 counts), else None."""
+    keeps; and (R,) int32 counts), else None. After the selection, one launch
+    (``_few_rows_kernel``, where ``_few_rows_kernel_runs``) or the torch ops below."""
     rows, n = bias.shape
     offset = n - seqlen_q  # row r sees keys <= r + offset
     extra = seqlen_q - 1
+    if bias.stride(-1) != 1:
+        bias = bias.contiguous()
     first_row = bias[:, :offset + 1]
-    if first_row.stride(-1) != 1:
-        first_row = first_row.contiguous()
     _, _, (kept, _) = _top_window(first_row, window, 1, with_lists=True)
+    if _few_rows_kernel_runs(bias):
+        return _few_rows_launch(bias, kept, window, seqlen_q, with_lists)
     kept = kept.long()  # (R, W) in key order: the stable sort ranks ties by key
     inf = float("inf")
     values = torch.nan_to_num(bias.gather(1, kept).float(), nan=-inf, posinf=inf, neginf=-inf)
@@ -289,6 +299,39 @@ def _few_rows(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
         lists = (torch.cat((kept, later_keys.gather(1, front)), dim=1).to(torch.int32),
                  (window + later_kept.sum(1)).to(torch.int32))
     return start.expand(rows, n).contiguous(), end, lists
+
+
+def _few_rows_kernel_runs(bias) -> bool:
+    """Whether ``_few_rows`` finishes in ``_few_rows_kernel`` (one launch) rather than its
+    ~35 torch ops: under the interpreter always, on a GPU once ``FEW_ROWS_KERNEL_RAN_ON_GPU``."""
+    return FEW_ROWS_KERNEL and (bias.device.type != "cuda" or FEW_ROWS_KERNEL_RAN_ON_GPU)
+
+
+def _few_rows_launch(bias, kept, window, seqlen_q, with_lists) -> tuple:
+    """``_few_rows``'s outputs from ``_few_rows_kernel`` (bias rows of unit key stride and the
+    first row's top-W list); its launch planned once per form."""
+    rows, n = bias.shape
+    form = ("few rows", rows, n, bias.stride(0), bias.dtype, bias.device, window, seqlen_q,
+            with_lists)
+    planned = _window_launches.get(form)
+    if planned is None:
+        planned = PlannedLaunch(_few_rows_kernel, (rows,), None,
+                                (n, bias.stride(0), window, seqlen_q), num_warps=4,
+                                num_stages=1, DIGITS=KEY_DIGITS[bias.dtype],
+                                BLOCK=FEW_ROWS_BLOCK, E=next_power_of_2(FEW_ROWS_MAX),
+                                WRITE_LIST=with_lists)
+        _window_launches[form] = planned
+        while len(_window_launches) > MAX_WINDOW_FORMS:
+            _window_launches.popitem(last=False)
+    start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
+    end = torch.empty_like(start)
+    lists = None
+    if with_lists:
+        lists = (torch.empty((rows, window + seqlen_q - 1), dtype=torch.int32,
+                             device=bias.device),
+                 torch.empty((rows,), dtype=torch.int32, device=bias.device))
+    planned(bias, kept, start, end, *(lists or (start, start)))  # unread stand-ins
+    return start, end, lists
 
 
 def _runs_top_window(bias, n) -> bool:

@@ -129,3 +129,97 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, list_ptr, count_p
                 slot = listed + tl.cumsum(taken, 0) - 1
                 tl.store(list_ptr + row * window + slot, offs, mask=kept)
                 listed += tl.sum(taken, 0)
+
+
+@triton.jit
+def _rank_codes(bias_row, keys, valid, n, DIGITS: tl.constexpr):
+    """uint64 codes of ``keys`` that order them as their rank does, lowest first: the ordered
+    key (``_ordered_keys``) above, and for equal biases the larger key index lower (equal
+    biases rank the smaller index first). Code o > code c: key o beats key c."""
+    ordered = _ordered_keys(bias_row, keys, n, DIGITS).to(tl.uint64)
+    return tl.where(valid, (ordered << 32) | (0x7FFFFFFF - keys).to(tl.uint64), 0)
+
+
+@triton.jit
+def _leaving_rows(codes, valid, last_codes, later_codes, extra, seqlen_q, E: tl.constexpr):
+    """For candidate keys of ``codes`` ([E]): the first query row (1..e) that no longer keeps
+    the key, Lq where every row does, 0 where the first row already drops it. ``last_codes``:
+    the first row's e lowest-ranked kept keys, ``later_codes``: the e later keys in key order
+    (row t first sees later key t - 1); each vector's entries past ``extra`` are unused."""
+    others = tl.arange(0, E)
+    in_use = (others < extra)[None, :]
+    # A candidate stays while fewer than e keys beat it: W - e of the first row's keys always
+    # do, plus the last e and the later keys seen so far that beat it.
+    beaten = tl.sum((in_use & (last_codes[None, :] > codes[:, None])).to(tl.int32), 1)
+    needed = extra - beaten
+    seen = tl.cumsum((in_use & (later_codes[None, :] > codes[:, None])).to(tl.int32), 1)
+    reached = in_use & (seen >= needed[:, None])
+    first = tl.min(tl.where(reached, others[None, :], E), 1)
+    leaves = tl.where(first < E, first + 1, seqlen_q)
+    return tl.where(valid & (needed <= 0), 0, leaves)
+
+
+@triton.jit
+def _few_rows_kernel(bias_ptr, kept_ptr, start_ptr, end_ptr, list_ptr, count_ptr, n,
+                     stride_row, window, seqlen_q, DIGITS: tl.constexpr, BLOCK: tl.constexpr,
+                     E: tl.constexpr, WRITE_LIST: tl.constexpr):
+    """Grid (rows,): the causal intervals of Lq = ``seqlen_q`` <= E query rows (e = Lq - 1
+    keys past the first row's, key n - Lq + t first seen by row t) from the first row's top-W
+    list (``kept_ptr``: (rows, window) int32 in key order, ``_top_window_kernel``'s). Of the W,
+    all but the e lowest-ranked stay to the last row; those e and the e later keys leave at the
+    row ``_leaving_rows`` finds. Writes int32 start (the key's first row) and end, (rows, n),
+    and with ``WRITE_LIST`` the keys some row keeps, (rows, window + e) int32: the W, then the
+    later keys kept in key order, then the later keys dropped; and their count, (rows,)."""
+    row = tl.program_id(0).to(tl.int64)
+    bias_row = bias_ptr + row * stride_row
+    kept_row = kept_ptr + row * window
+    extra = seqlen_q - 1
+    offset = n - seqlen_q  # row r sees keys <= r + offset
+    slots = tl.arange(0, E)
+    # The e lowest-ranked kept keys, one per pass: the lowest code above the previous one.
+    last_codes = tl.zeros([E], dtype=tl.uint64)
+    previous = tl.zeros([], dtype=tl.uint64)
+    highest = ~tl.zeros([], dtype=tl.uint64)
+    for j in range(0, extra):
+        lowest = highest
+        for first in range(0, window, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            listed = offs < window
+            keys = tl.load(kept_row + offs, mask=listed, other=0)
+            codes = _rank_codes(bias_row, keys, listed, n, DIGITS)
+            above = listed & ((codes > previous) | (j == 0))
+            lowest = tl.minimum(lowest, tl.min(tl.where(above, codes, highest), 0))
+        last_codes = tl.where(slots == j, lowest, last_codes)
+        previous = lowest
+    in_use = slots < extra
+    last_keys = (0x7FFFFFFF - (last_codes & 0xFFFFFFFF)).to(tl.int32)
+    later_keys = offset + 1 + slots
+    later_codes = _rank_codes(bias_row, later_keys, in_use, n, DIGITS)
+    last_leave = _leaving_rows(last_codes, in_use, last_codes, later_codes, extra, seqlen_q, E)
+    later_leave = _leaving_rows(later_codes, in_use, last_codes, later_codes, extra, seqlen_q,
+                                E)
+    out_row = row * n
+    for first in range(0, n, BLOCK):  # start: the first row that sees the key; end: 0
+        offs = first + tl.arange(0, BLOCK)
+        inside = offs < n
+        tl.store(start_ptr + out_row + offs, tl.maximum(offs - offset, 0), mask=inside)
+        tl.store(end_ptr + out_row + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=inside)
+    tl.debug_barrier()  # the zeros are written before the kept keys' ends (other threads')
+    for first in range(0, window, BLOCK):
+        offs = first + tl.arange(0, BLOCK)
+        listed = offs < window
+        keys = tl.load(kept_row + offs, mask=listed, other=0)
+        tl.store(end_ptr + out_row + keys, tl.full([BLOCK], 0, tl.int32) + seqlen_q,
+                 mask=listed)
+        if WRITE_LIST:
+            tl.store(list_ptr + row * (window + extra) + offs, keys, mask=listed)
+    tl.debug_barrier()  # ... and the last e's ends after them
+    tl.store(end_ptr + out_row + last_keys, last_leave, mask=in_use)
+    tl.store(end_ptr + out_row + later_keys, later_leave, mask=in_use)
+    if WRITE_LIST:
+        later_kept = in_use & (later_leave > slots + 1)
+        kept_count = tl.sum(later_kept.to(tl.int32), 0)
+        slot = tl.where(later_kept, tl.cumsum(later_kept.to(tl.int32), 0) - 1,
+                        kept_count + tl.cumsum((in_use & ~later_kept).to(tl.int32), 0) - 1)
+        tl.store(list_ptr + row * (window + extra) + window + slot, later_keys, mask=in_use)
+        tl.store(count_ptr + row, window + kept_count)
