@@ -264,9 +264,11 @@ def _few_rows(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
     if bias.stride(-1) != 1:
         bias = bias.contiguous()
     first_row = bias[:, :offset + 1]
-    _, _, (kept, _) = _top_window(first_row, window, 1, with_lists=True)
-    if _few_rows_kernel_runs(bias):
+    if _few_rows_kernel_runs(bias):  # the selection's lists alone: the kernel writes the rest
+        _, _, (kept, _) = _top_window(first_row, window, 1, with_lists=True,
+                                      with_intervals=False)
         return _few_rows_launch(bias, kept, window, seqlen_q, with_lists)
+    _, _, (kept, _) = _top_window(first_row, window, 1, with_lists=True)
     kept = kept.long()  # (R, W) in key order: the stable sort ranks ties by key
     inf = float("inf")
     values = torch.nan_to_num(bias.gather(1, kept).float(), nan=-inf, posinf=inf, neginf=-inf)
@@ -366,35 +368,40 @@ def _one_window(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
     return start, kept.to(torch.int32) * seqlen_q, None
 
 
-def _top_window(bias, window, seqlen_q, with_lists: bool) -> tuple:
-    """``_one_window`` by ``_top_window_kernel``'s launches, bias rows of unit key stride.
-    The launches are planned once per form (``_window_launches``)."""
+def _top_window(bias, window, seqlen_q, with_lists: bool, with_intervals: bool = True
+                ) -> tuple:
+    """``_one_window`` by ``_top_window_kernel``'s launches, bias rows of unit key stride;
+    without ``with_intervals`` start and end are None (the lists alone are written). The
+    launches are planned once per form (``_window_launches``)."""
     rows, n = bias.shape
     form = (rows, n, bias.stride(0), bias.dtype, bias.device, window, seqlen_q,
-            TOP_WINDOW_BLOCK, TOP_WINDOW_MAX_SLICES, with_lists)
+            TOP_WINDOW_BLOCK, TOP_WINDOW_MAX_SLICES, with_lists, with_intervals)
     planned = _window_launches.get(form)
     if planned is None:
         planned = _plan_top_window(rows, n, bias.stride(0), bias.dtype, window, seqlen_q,
-                                   with_lists)
+                                   with_lists, with_intervals)
         _window_launches[form] = planned
         while len(_window_launches) > MAX_WINDOW_FORMS:
             _window_launches.popitem(last=False)
     scratch_len, launches = planned
     scratch = torch.empty(scratch_len, dtype=torch.int32, device=bias.device)
-    start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
-    end = torch.empty_like(start)
+    start = end = None
+    if with_intervals:
+        start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
+        end = torch.empty_like(start)
     lists = None
     if with_lists:
         lists = (torch.empty((rows, window), dtype=torch.int32, device=bias.device),
                  torch.empty((rows,), dtype=torch.int32, device=bias.device))
-    kept, counts = lists or (start, start)  # unread stand-ins without lists
+    kept, counts = lists or (scratch, scratch)  # unread stand-ins where not written
     for planned_launch in launches:
-        planned_launch(bias, scratch, start, end, kept, counts)
+        planned_launch(bias, scratch, scratch if start is None else start,
+                       scratch if end is None else end, kept, counts)
     return start, end, lists
 
 
-def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q,
-                     with_lists: bool) -> tuple[int, tuple]:
+def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q, with_lists: bool,
+                     with_intervals: bool) -> tuple[int, tuple]:
     """(the int32 scratch's length, the launches) of one selection form. The slices are
     about one step of ``TOP_WINDOW_BLOCK`` keys each, at most ``TOP_WINDOW_MAX_SLICES``; their
     number is the grid's (not compiled in)."""
@@ -406,7 +413,7 @@ def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q,
         PlannedLaunch(_top_window_kernel, (rows, slices), None,
                       (n, stride_row, window, seqlen_q, slice_len), num_warps=8, num_stages=2,
                       DIGIT=digit, DIGITS=digits, SLICES=most, BLOCK=block,
-                      WRITE_LIST=with_lists)
+                      WRITE_LIST=with_lists, WRITE_INTERVALS=with_intervals)
         for digit in range(digits + 1))
     return digits * rows * (most * 256 + 2), launches
 

@@ -47,7 +47,7 @@ def _ordered_keys(bias_row, offs, n, DIGITS: tl.constexpr):
 def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, list_ptr, count_ptr, n,
                        stride_row, window, seqlen_q, slice_len, DIGIT: tl.constexpr,
                        DIGITS: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr,
-                       WRITE_LIST: tl.constexpr):
+                       WRITE_LIST: tl.constexpr, WRITE_INTERVALS: tl.constexpr = True):
     """Grid (rows, slices <= SLICES), launch ``DIGIT`` of 0..DIGITS (see the module
     docstring). Row r of the (rows, n) bias (unit key stride, ``stride_row`` apart), 1 <=
     ``window`` < n; slice s: keys [s x slice_len, (s + 1) x slice_len). The number of slices
@@ -55,8 +55,9 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, list_ptr, count_p
     the histograms. ``hist_ptr``: (DIGITS, rows, SLICES, 256) int32, then the state,
     (DIGITS, rows, 2) int32: the prefix of T and the keys above it before byte d, written by
     launch d's slice 0 for launch d + 1. The last launch writes
-    int32 start (0) and end (Lq where kept, else 0), (rows, n), and with ``WRITE_LIST`` the
-    kept keys, (rows, window) int32 in key order, and their number, (rows,) int32."""
+    int32 start (0) and end (Lq where kept, else 0), (rows, n), unless ``WRITE_INTERVALS`` is
+    False, and with ``WRITE_LIST`` the kept keys, (rows, window) int32 in key order, and their
+    number, (rows,) int32."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     rows = tl.num_programs(0).to(tl.int64)
@@ -120,9 +121,10 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, list_ptr, count_p
             tie = (keys == found) & in_range
             ties = tie.to(tl.int32)
             kept = (keys > found) | (tie & (tied_before + tl.cumsum(ties, 0) <= room))
-            tl.store(start_ptr + out_row + offs, tl.zeros([BLOCK], dtype=tl.int32),
-                     mask=in_range)
-            tl.store(end_ptr + out_row + offs, kept.to(tl.int32) * seqlen_q, mask=in_range)
+            if WRITE_INTERVALS:
+                tl.store(start_ptr + out_row + offs, tl.zeros([BLOCK], dtype=tl.int32),
+                         mask=in_range)
+                tl.store(end_ptr + out_row + offs, kept.to(tl.int32) * seqlen_q, mask=in_range)
             tied_before += tl.sum(ties, 0)
             if WRITE_LIST:
                 taken = kept.to(tl.int32)
