@@ -1,5 +1,6 @@
 """The order in which the attention kernels' 1-D grids visit (block, row) pairs
-(``spans.grid_position``) and the chunk size the host picks for it (``grid_chunk_rows``).
+(``spans.grid_position``), the chunk size the host picks for it (``grid_chunk_rows``), and the
+key shares of a grid that underfills the GPU (``key_splits``).
 Every kernel test runs through ``grid_position`` too; these tests pin the mapping itself,
 including chunk sizes that the kernel tests' shapes never pick (a narrower last chunk)."""
 
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.planning.grids import grid_chunk_rows
+from kernels.planning.grids import grid_chunk_rows, key_splits
 from kernels.triton_device.spans import grid_position
 
 
@@ -70,3 +71,25 @@ def test_grid_chunk_rows_fills_the_gpu_in_whole_groups(rows, blocks, group):
     # ... and the smallest such: no fewer whole groups divide the rows and fill the GPU.
     assert not [s for s in range(group, size, group)
                 if rows % s == 0 and s * blocks >= tuning.CHUNK_PROGRAMS_PER_SM * sms]
+
+
+@pytest.mark.parametrize("programs", [1, 8, 16, 17, 33, 64, 65, 66, 67, 100, 128, 132])
+@pytest.mark.parametrize("key_blocks", [1, 7, 64, 512, 4096])
+def test_key_splits_fill_one_wave_and_no_more(programs, key_blocks):
+    """Shares keep the grid within one wave of ``SPLIT_PROGRAMS_PER_SM`` programs per
+    multiprocessor (a partial second wave cost 4-6% on decode, H200), take the most that fit,
+    keep ``min_blocks`` key blocks a share, and split nothing that fills half the GPU."""
+    from kernels.planning import tuning
+
+    sms, least = 132, 4
+    wave = tuning.SPLIT_PROGRAMS_PER_SM * sms
+    shares = key_splits(programs, key_blocks, sms, least)
+    if 2 * programs > sms:
+        assert shares == 1
+        return
+    assert 1 <= shares <= tuning.MAX_KEY_SPLITS
+    assert shares == 1 or programs * shares <= wave
+    assert shares == 1 or key_blocks // shares >= least
+    more = shares + 1  # one share more would overfill the wave or the blocks' minimum
+    assert (programs * more > wave or key_blocks // more < least
+            or more > tuning.MAX_KEY_SPLITS)
