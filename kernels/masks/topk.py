@@ -315,16 +315,10 @@ def _few_rows_launch(bias, kept, window, seqlen_q, with_lists) -> tuple:
     rows, n = bias.shape
     form = ("few rows", rows, n, bias.stride(0), bias.dtype, bias.device, window, seqlen_q,
             with_lists)
-    planned = _window_launches.get(form)
-    if planned is None:
-        planned = PlannedLaunch(_few_rows_kernel, (rows,), None,
-                                (n, bias.stride(0), window, seqlen_q), num_warps=4,
-                                num_stages=1, DIGITS=KEY_DIGITS[bias.dtype],
-                                BLOCK=FEW_ROWS_BLOCK, E=next_power_of_2(FEW_ROWS_MAX),
-                                WRITE_LIST=with_lists)
-        _window_launches[form] = planned
-        while len(_window_launches) > MAX_WINDOW_FORMS:
-            _window_launches.popitem(last=False)
+    planned = _planned_launches(form, lambda: PlannedLaunch(
+        _few_rows_kernel, (rows,), None, (n, bias.stride(0), window, seqlen_q), num_warps=4,
+        num_stages=1, DIGITS=KEY_DIGITS[bias.dtype], BLOCK=FEW_ROWS_BLOCK,
+        E=next_power_of_2(FEW_ROWS_MAX), WRITE_LIST=with_lists))
     start = torch.empty((rows, n), dtype=torch.int32, device=bias.device)
     end = torch.empty_like(start)
     lists = None
@@ -376,14 +370,8 @@ def _top_window(bias, window, seqlen_q, with_lists: bool, with_intervals: bool =
     rows, n = bias.shape
     form = (rows, n, bias.stride(0), bias.dtype, bias.device, window, seqlen_q,
             TOP_WINDOW_BLOCK, TOP_WINDOW_MAX_SLICES, with_lists, with_intervals)
-    planned = _window_launches.get(form)
-    if planned is None:
-        planned = _plan_top_window(rows, n, bias.stride(0), bias.dtype, window, seqlen_q,
-                                   with_lists, with_intervals)
-        _window_launches[form] = planned
-        while len(_window_launches) > MAX_WINDOW_FORMS:
-            _window_launches.popitem(last=False)
-    scratch_len, launches = planned
+    scratch_len, launches = _planned_launches(form, lambda: _plan_top_window(
+        rows, n, bias.stride(0), bias.dtype, window, seqlen_q, with_lists, with_intervals))
     scratch = torch.empty(scratch_len, dtype=torch.int32, device=bias.device)
     start = end = None
     if with_intervals:
@@ -398,6 +386,17 @@ def _top_window(bias, window, seqlen_q, with_lists: bool, with_intervals: bool =
         planned_launch(bias, scratch, scratch if start is None else start,
                        scratch if end is None else end, kept, counts)
     return start, end, lists
+
+
+def _planned_launches(form: tuple, make):
+    """The selection's launches of ``form``, made by ``make()`` on first use and kept in
+    ``_window_launches`` (the least recently made dropped first)."""
+    planned = _window_launches.get(form)
+    if planned is None:
+        planned = _window_launches[form] = make()
+        while len(_window_launches) > MAX_WINDOW_FORMS:
+            _window_launches.popitem(last=False)
+    return planned
 
 
 def _plan_top_window(rows, n, stride_row, dtype, window, seqlen_q, with_lists: bool,

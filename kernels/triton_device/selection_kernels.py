@@ -134,20 +134,22 @@ def _top_window_kernel(bias_ptr, hist_ptr, start_ptr, end_ptr, list_ptr, count_p
 
 
 @triton.jit
-def _rank_codes(bias_row, keys, valid, n, DIGITS: tl.constexpr):
+def _rank_codes(bias_row, keys, n, DIGITS: tl.constexpr):
     """uint64 codes of ``keys`` that order them as their rank does, lowest first: the ordered
     key (``_ordered_keys``) above, and for equal biases the larger key index lower (equal
-    biases rank the smaller index first). Code o > code c: key o beats key c."""
+    biases rank the smaller index first). Code o > code c: key o beats key c. Callers mask
+    the codes of keys they do not use."""
     ordered = _ordered_keys(bias_row, keys, n, DIGITS).to(tl.uint64)
-    return tl.where(valid, (ordered << 32) | (0x7FFFFFFF - keys).to(tl.uint64), 0)
+    return (ordered << 32) | (0x7FFFFFFF - keys).to(tl.uint64)
 
 
 @triton.jit
-def _leaving_rows(codes, valid, last_codes, later_codes, extra, seqlen_q, E: tl.constexpr):
+def _leaving_rows(codes, last_codes, later_codes, extra, seqlen_q, E: tl.constexpr):
     """For candidate keys of ``codes`` ([E]): the first query row (1..e) that no longer keeps
     the key, Lq where every row does, 0 where the first row already drops it. ``last_codes``:
     the first row's e lowest-ranked kept keys, ``later_codes``: the e later keys in key order
-    (row t first sees later key t - 1); each vector's entries past ``extra`` are unused."""
+    (row t first sees later key t - 1); each vector's entries past ``extra`` are unused (and
+    the results for them unwritten)."""
     others = tl.arange(0, E)
     in_use = (others < extra)[None, :]
     # A candidate stays while fewer than e keys beat it: W - e of the first row's keys always
@@ -158,7 +160,7 @@ def _leaving_rows(codes, valid, last_codes, later_codes, extra, seqlen_q, E: tl.
     reached = in_use & (seen >= needed[:, None])
     first = tl.min(tl.where(reached, others[None, :], E), 1)
     leaves = tl.where(first < E, first + 1, seqlen_q)
-    return tl.where(valid & (needed <= 0), 0, leaves)
+    return tl.where(needed <= 0, 0, leaves)
 
 
 @triton.jit
@@ -188,7 +190,7 @@ def _few_rows_kernel(bias_ptr, kept_ptr, start_ptr, end_ptr, list_ptr, count_ptr
             offs = first + tl.arange(0, BLOCK)
             listed = offs < window
             keys = tl.load(kept_row + offs, mask=listed, other=0)
-            codes = _rank_codes(bias_row, keys, listed, n, DIGITS)
+            codes = _rank_codes(bias_row, keys, n, DIGITS)
             above = listed & ((codes > previous) | (j == 0))
             lowest = tl.minimum(lowest, tl.min(tl.where(above, codes, highest), 0))
         last_codes = tl.where(slots == j, lowest, last_codes)
@@ -196,10 +198,9 @@ def _few_rows_kernel(bias_ptr, kept_ptr, start_ptr, end_ptr, list_ptr, count_ptr
     in_use = slots < extra
     last_keys = (0x7FFFFFFF - (last_codes & 0xFFFFFFFF)).to(tl.int32)
     later_keys = offset + 1 + slots
-    later_codes = _rank_codes(bias_row, later_keys, in_use, n, DIGITS)
-    last_leave = _leaving_rows(last_codes, in_use, last_codes, later_codes, extra, seqlen_q, E)
-    later_leave = _leaving_rows(later_codes, in_use, last_codes, later_codes, extra, seqlen_q,
-                                E)
+    later_codes = _rank_codes(bias_row, later_keys, n, DIGITS)
+    last_leave = _leaving_rows(last_codes, last_codes, later_codes, extra, seqlen_q, E)
+    later_leave = _leaving_rows(later_codes, last_codes, later_codes, extra, seqlen_q, E)
     out_row = row * n
     for first in range(0, n, BLOCK):  # start: the first row that sees the key; end: 0
         offs = first + tl.arange(0, BLOCK)
