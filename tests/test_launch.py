@@ -189,6 +189,24 @@ def test_launch_compiles_once_per_form_and_alignment(direct):
     assert len(kernel.compiles) == 5 and module.compiled_forms() == 5 and len(ran) == 7
 
 
+@pytest.mark.parametrize("given", (["n"], [2]), ids=("by-name", "by-position"))
+def test_an_unspecialized_int_of_1_is_no_new_form(direct, given):
+    """Triton compiles a ``do_not_specialize`` int as an unknown int32, 1 included (the
+    wavelet's block count is 1 below one block of positions): a launch with 1 there reuses the
+    form of any other value, and the launcher gets the real value."""
+    module, ran = direct
+    kernel = _Kernel()
+    kernel.do_not_specialize = given
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    for n in (1001, 1, 1024):
+        module.launch(kernel, (3,), a, b, n, _Pair(9, 1), BLOCK=32)
+    assert len(kernel.compiles) == 1 and module.compiled_forms() == 1
+    assert kernel.compiles[0][0][2] == module.UNKNOWN_INT
+    assert [args[2] for _, _, args in ran] == [1001, 1, 1024]
+    module.launch(kernel, (3,), a, b, 2**40, _Pair(9, 1), BLOCK=32)  # an int64 is another type
+    assert len(kernel.compiles) == 2
+
+
 def test_a_descriptor_launch_compiles_int_operands_as_unknown_ints(direct):
     """Plans of a Gluon kernel at other lengths pass other ints among a call's operands (a
     mask's list strides, a bias's strides; the kernel takes them unspecialized): one form,

@@ -338,7 +338,6 @@ def test_few_causal_rows_take_one_selection_with_the_bits_of_every_row(seqlen_q,
     the keys the first row sees."""
     tk = importlib.import_module("kernels.masks.topk")
     monkeypatch.setattr(tk, "FEW_ROWS_KERNEL", finish == "kernel")
-    monkeypatch.setattr(tk, "FEW_ROWS_KERNEL_RAN_ON_GPU", True)
     launched = []
     launch = tk._few_rows_launch
     monkeypatch.setattr(tk, "_few_rows_launch",
@@ -359,8 +358,11 @@ def test_few_causal_rows_take_one_selection_with_the_bits_of_every_row(seqlen_q,
     few_rows = tk._few_rows
     spy = lambda *args, **kwargs: taken.append(args) or few_rows(*args, **kwargs)  # noqa: E731
     # Called from the selection's entry (with the gather route's lists) or, on a GPU, inside
-    # its CUDA graph's capture.
-    for module in (tk, importlib.import_module("kernels.topk_ops")):
+    # its CUDA graph's capture; a graph of this form kept from an earlier case (the other
+    # finish) would replay without calling it.
+    ops = importlib.import_module("kernels.topk_ops")
+    monkeypatch.setattr(ops, "_graphs", type(ops._graphs)())
+    for module in (tk, ops):
         monkeypatch.setattr(module, "_few_rows", spy)
     got = topk_intervals(bias, window, seqlen_q=seqlen_q, is_causal=True)
     assert taken and bool(launched) == (finish == "kernel")
@@ -377,7 +379,6 @@ def test_few_rows_kernel_and_torch_ops_write_the_same_lists(seqlen_q, device, mo
     bias rows: the same start, end, kept-key lists (every slot, the dropped later keys after
     the kept ones) and counts."""
     tk = importlib.import_module("kernels.masks.topk")
-    monkeypatch.setattr(tk, "FEW_ROWS_KERNEL_RAN_ON_GPU", True)
     generator = torch.Generator().manual_seed(seqlen_q)
     for seqlen_k, window in ((70, seqlen_q), (130, 33), (301, 280)):
         bias = torch.randint(-2, 3, (5, 2 * seqlen_k), generator=generator).float()

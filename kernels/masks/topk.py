@@ -61,10 +61,10 @@ TOP_WINDOW_MAX_SLICES = 32
 FEW_ROWS_MAX = 16
 # ... whose work after the selection is one launch (``_few_rows_kernel``: one program per row,
 # keys per step) where the torch ops were ~35 launches, ~1.3 ms of host time per eager step
-# at Lq4 on the H200's host (B8 Hk8 Lk32768 W2048: 0.25 ms of GPU time). Not yet run on a GPU:
-# until then a GPU takes the torch ops, the interpreter the kernel.
+# at Lq4 on the H200's host (B8 Hk8 Lk32768 W2048: 0.25 ms of GPU time). Measured there, a whole
+# eager selected step (selection and attention): Lq4 1009 -> 140 us, Lq16 1026 -> 251 us, Lq1
+# (one window, no finish) 111 us either way; the same intervals bitwise.
 FEW_ROWS_KERNEL = True
-FEW_ROWS_KERNEL_RAN_ON_GPU = False
 FEW_ROWS_BLOCK = 1024
 # The selection's launches, planned per form (rows, length, row stride, dtype, device, window,
 # query rows), the least recently made dropped first: ``runtime.launch`` plans every call's
@@ -257,14 +257,14 @@ def _few_rows(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
     start. Then, with ``with_lists``, the keys some row keeps as decode's gather route lists
     them ((R, W + e) int32 in key order: the selection's W, then the later keys some row
     keeps; and (R,) int32 counts), else None. After the selection, one launch
-    (``_few_rows_kernel``, where ``_few_rows_kernel_runs``) or the torch ops below."""
+    (``_few_rows_kernel``, where ``FEW_ROWS_KERNEL``) or the torch ops below."""
     rows, n = bias.shape
     offset = n - seqlen_q  # row r sees keys <= r + offset
     extra = seqlen_q - 1
     if bias.stride(-1) != 1:
         bias = bias.contiguous()
     first_row = bias[:, :offset + 1]
-    if _few_rows_kernel_runs(bias):  # the selection's lists alone: the kernel writes the rest
+    if FEW_ROWS_KERNEL:  # the selection's lists alone: the kernel writes the rest
         _, _, (kept, _) = _top_window(first_row, window, 1, with_lists=True,
                                       with_intervals=False)
         return _few_rows_launch(bias, kept, window, seqlen_q, with_lists)
@@ -301,12 +301,6 @@ def _few_rows(bias, window, seqlen_q, with_lists: bool = False) -> tuple:
         lists = (torch.cat((kept, later_keys.gather(1, front)), dim=1).to(torch.int32),
                  (window + later_kept.sum(1)).to(torch.int32))
     return start.expand(rows, n).contiguous(), end, lists
-
-
-def _few_rows_kernel_runs(bias) -> bool:
-    """Whether ``_few_rows`` finishes in ``_few_rows_kernel`` (one launch) rather than its
-    ~35 torch ops: under the interpreter always, on a GPU once ``FEW_ROWS_KERNEL_RAN_ON_GPU``."""
-    return FEW_ROWS_KERNEL and (bias.device.type != "cuda" or FEW_ROWS_KERNEL_RAN_ON_GPU)
 
 
 def _few_rows_launch(bias, kept, window, seqlen_q, with_lists) -> tuple:

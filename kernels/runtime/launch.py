@@ -131,6 +131,35 @@ def compile_form(value):
     return value.__class__(*items)
 
 
+_free_positions: dict = {}  # kernel -> positions of its ``do_not_specialize`` parameters
+
+
+def _unspecialized_positions(kernel) -> frozenset:
+    """The positions of ``kernel``'s ``do_not_specialize`` parameters (a JIT function keeps
+    them as given, names or positions; the interpreter's wrapper in its ``kwargs``)."""
+    positions = _free_positions.get(kernel)
+    if positions is None:
+        given = getattr(kernel, "do_not_specialize", None)
+        if given is None:
+            given = getattr(kernel, "kwargs", {}).get("do_not_specialize")
+        names = list(getattr(kernel, "arg_names", ()))
+        positions = _free_positions[kernel] = frozenset(
+            item if item.__class__ is int else names.index(item) for item in given or ())
+    return positions
+
+
+def unspecialized(kernel, form: tuple) -> tuple:
+    """``form`` (a launch's arguments in the kernel's order, as ``compile_form`` gives them)
+    with the int32 values of ``kernel``'s ``do_not_specialize`` parameters as ``UNKNOWN_INT``,
+    1 included: Triton compiles such a parameter as an unknown int32 whatever its value, so a
+    length at which one becomes 1 (a row's blocks) is no new form."""
+    positions = _unspecialized_positions(kernel)
+    if not positions:
+        return form
+    return tuple(UNKNOWN_INT if i in positions and value.__class__ is int and value in _INT32
+                 else value for i, value in enumerate(form))
+
+
 def is_descriptor(value) -> bool:
     """A host-side TMA tensor descriptor (Gluon's ``TensorDescriptor``)."""
     return hasattr(value, "block_shape") and hasattr(value, "layout") and hasattr(value, "base")
@@ -328,12 +357,13 @@ class PlannedLaunch:
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if _compile_executor is not None:  # compile-only: the executor compiles the form
-            form = (*self._leading(tensors), *self._form_scalars)
+            form = unspecialized(self.kernel, (*self._leading(tensors), *self._form_scalars))
             _start_compile(self.kernel, self.grid, form, self.options)
             return
         if self.interpreted or not _direct_launch_available():  # Triton's JIT dispatch
             leading = self._leading(tensors)
-            _note_form(self.kernel, (*leading, *self._form_scalars), self.options)
+            _note_form(self.kernel, unspecialized(self.kernel, (*leading, *self._form_scalars)),
+                       self.options)
             self.kernel[self.grid](*leading, *map(_kernel_arg, self.scalars), **self.options)
             return
         device = _current_device()  # direct: the compiled kernel's own launcher
@@ -344,7 +374,7 @@ class PlannedLaunch:
         key = (device, *map(_alignment, addresses))
         hit = self._compiled.get(key)
         if hit is None:
-            form = (*self._leading(tensors), *self._form_scalars)
+            form = unspecialized(self.kernel, (*self._leading(tensors), *self._form_scalars))
             _note_form(self.kernel, form, self.options)
             hit = self._compiled[key] = _compile(self.kernel, self.grid, form, self.options)
         if self.pointers is None:
@@ -366,7 +396,7 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, num_stages: int = 3,
     compile, by device, as one plan's calls do."""
     plan = PlannedLaunch(kernel, grid, None, args, num_warps, num_stages, **constexprs)
     signature = (num_warps, num_stages, tuple(constexprs.values()),
-                 tuple(map(specialization, plan._form_scalars)))
+                 tuple(map(specialization, unspecialized(kernel, plan._form_scalars))))
     signatures = _compiled.setdefault(kernel, OrderedDict())
     compiled = signatures.get(signature)
     if compiled is None:

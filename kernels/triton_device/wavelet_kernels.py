@@ -39,7 +39,9 @@ import triton.language as tl
 
 
 
-@triton.jit(do_not_specialize=("shift",))
+# ``nblocks`` (n // BLOCK + 1) is 1 below BLOCK positions: not specialized, so that rows of
+# either side share one compile (a warm-up at one length covers the other).
+@triton.jit(do_not_specialize=("nblocks", "shift"))
 def _first_level_kernel(values_ptr, current_ptr, records_ptr, rank_ptr, rows, n, nblocks, shift,
                         BLOCK: tl.constexpr, ROWS: tl.constexpr, WRITE_RANK: tl.constexpr):
     """Block ``program_id(0)`` of rows ``program_id(1)`` * ROWS + [0, ROWS): current =
@@ -62,7 +64,7 @@ def _first_level_kernel(values_ptr, current_ptr, records_ptr, rank_ptr, rows, n,
         tl.store(rank_ptr + row * n + v, i, mask=valid)
 
 
-@triton.jit(do_not_specialize=("level", "shift"))
+@triton.jit(do_not_specialize=("nblocks", "level", "shift"))
 def _level_kernel(current_ptr, next_ptr, records_ptr, next_records_ptr, table_ptr, totals_ptr,
                   rows, n, nblocks, words, level, shift,
                   BLOCK: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
