@@ -374,6 +374,27 @@ def test_a_decode_warmup_leaves_nothing_to_compile_as_the_cache_grows(device, mo
     assert routes == {"triton", "gather"}
 
 
+def test_a_decode_warmup_covers_the_selection_of_short_caches_across_a_block(device,
+                                                                            monkeypatch):
+    """Caches of at most W + Lq - 1 keys take the general causal selection (the wavelet
+    matrix: the first row keeps every key it sees). Its block count is 1 below one block of
+    keys and more above: a warm-up whose shortest cache has one block leaves nothing to
+    compile for the caches past it (the count is not specialized)."""
+    wavelet = importlib.import_module("kernels.masks.wavelet")
+    monkeypatch.setattr(wavelet, "BLOCK", 32)  # the smallest block: caches of 32+ keys have two
+    window, rows = 40, 4
+    report = warmup(seqlens=[24, 200], heads_q=HEADS_Q, heads_kv=HEADS_KV, head_dim=HEAD_DIM,
+                    dtype=torch.float32, device=device, mask="intervals", bias="kv_row",
+                    is_causal=True, window=window, query_rows=rows)
+    assert min(report.seqlens) < 32
+    generator = torch.Generator().manual_seed(11)
+    before = compiled_forms()
+    for seqlen in (28, 33, 40, window + rows - 1):
+        bias = torch.randn(1, HEADS_KV, 1, seqlen, generator=generator).to(device)
+        topk_intervals(bias, window, seqlen_q=rows, is_causal=True)
+        assert compiled_forms() == before, f"a selection over a cache of {seqlen} compiled"
+
+
 def test_a_decode_warmup_names_bad_arguments():
     for rows in (0, 17, True, 1.0):
         with pytest.raises(ValueError, match="query_rows must be an int in"):

@@ -39,8 +39,9 @@ import triton.language as tl
 
 
 
-# ``nblocks`` (n // BLOCK + 1) is 1 below BLOCK positions: not specialized, so that rows of
-# either side share one compile (a warm-up at one length covers the other).
+# ``nblocks`` (n // BLOCK + 1) is 1 below BLOCK positions and ``words`` (n // 32 + 1) below 32:
+# neither is specialized, so that rows on either side share one compile (a warm-up at one
+# length covers the other).
 @triton.jit(do_not_specialize=("nblocks", "shift"))
 def _first_level_kernel(values_ptr, current_ptr, records_ptr, rank_ptr, rows, n, nblocks, shift,
                         BLOCK: tl.constexpr, ROWS: tl.constexpr, WRITE_RANK: tl.constexpr):
@@ -64,7 +65,7 @@ def _first_level_kernel(values_ptr, current_ptr, records_ptr, rank_ptr, rows, n,
         tl.store(rank_ptr + row * n + v, i, mask=valid)
 
 
-@triton.jit(do_not_specialize=("nblocks", "level", "shift"))
+@triton.jit(do_not_specialize=("nblocks", "words", "level", "shift"))
 def _level_kernel(current_ptr, next_ptr, records_ptr, next_records_ptr, table_ptr, totals_ptr,
                   rows, n, nblocks, words, level, shift,
                   BLOCK: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
@@ -161,7 +162,7 @@ def _descend(table_ptr, totals_ptr, row, row_ok, rows, words, lo, hi, k, bits):
     return answer
 
 
-@triton.jit(do_not_specialize=("bits",))
+@triton.jit(do_not_specialize=("words", "bits"))
 def _answer_kernel(table_ptr, totals_ptr, lo_ptr, hi_ptr, k_ptr, answer_ptr, rows, m, words,
                    bits, QUERIES: tl.constexpr, ROWS: tl.constexpr):
     """answer[r, q] = k[r, q]-th smallest of values[r, lo[r, q]:hi[r, q]] for the queries
@@ -179,7 +180,7 @@ def _answer_kernel(table_ptr, totals_ptr, lo_ptr, hi_ptr, k_ptr, answer_ptr, row
     tl.store(answer_ptr + at, answer.to(tl.int64), mask=valid)
 
 
-@triton.jit(do_not_specialize=("bits", "window", "seqlen_q"))
+@triton.jit(do_not_specialize=("words", "bits", "window", "seqlen_q"))
 def _intervals_kernel(table_ptr, totals_ptr, rank_ptr, local_ptr, key_start_ptr, seqlen_k_ptr,
                       seqlen_q_ptr, start_ptr, end_ptr, rows, n, words, bits, window, seqlen_q,
                       QUERIES: tl.constexpr, ROWS: tl.constexpr, PACKED: tl.constexpr):
