@@ -355,15 +355,18 @@ class PlannedLaunch:
         tensors = tuple(map(_kernel_arg, tensors))
         return tensors if self.pointers is None else (self.pointers(*tensors),)
 
+    def _form(self, leading: tuple) -> tuple:
+        """What a call with these leading arguments is compiled for."""
+        return unspecialized(self.kernel, (*leading, *self._form_scalars))
+
     def __call__(self, *tensors: torch.Tensor) -> None:
         if _compile_executor is not None:  # compile-only: the executor compiles the form
-            form = unspecialized(self.kernel, (*self._leading(tensors), *self._form_scalars))
-            _start_compile(self.kernel, self.grid, form, self.options)
+            _start_compile(self.kernel, self.grid, self._form(self._leading(tensors)),
+                           self.options)
             return
         if self.interpreted or not _direct_launch_available():  # Triton's JIT dispatch
             leading = self._leading(tensors)
-            _note_form(self.kernel, unspecialized(self.kernel, (*leading, *self._form_scalars)),
-                       self.options)
+            _note_form(self.kernel, self._form(leading), self.options)
             self.kernel[self.grid](*leading, *map(_kernel_arg, self.scalars), **self.options)
             return
         device = _current_device()  # direct: the compiled kernel's own launcher
@@ -374,7 +377,7 @@ class PlannedLaunch:
         key = (device, *map(_alignment, addresses))
         hit = self._compiled.get(key)
         if hit is None:
-            form = unspecialized(self.kernel, (*self._leading(tensors), *self._form_scalars))
+            form = self._form(self._leading(tensors))
             _note_form(self.kernel, form, self.options)
             hit = self._compiled[key] = _compile(self.kernel, self.grid, form, self.options)
         if self.pointers is None:
