@@ -22,6 +22,7 @@ import torch
 from ..runtime.arith import LOG2E, ceil_div, next_power_of_2
 from ..runtime.launch import DescriptorLaunch, launch
 from ..runtime.routes import note_route
+from ..runtime.tma import TmaOperand, TmaSpec
 from ..triton_device.backward_rows import _loader_rows_kernel
 from . import tuning
 from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
@@ -33,8 +34,6 @@ LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
 
 try:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from ..hopper_device.attention_backward import attention_backward
 except ImportError:  # a Triton without Gluon's Hopper modules (``GLUON_MISSING`` says why)
     attention_backward = None
@@ -250,8 +249,8 @@ class HopperBackwardPlan:
         if words:  # the kernel loads them itself, by the view's batch and head strides
             mask_arg, word_strides = mask, strides[:2]
         else:
-            mask_arg = TensorDescriptor(mask.view(torch.uint8), shape, strides, self.mask_box,
-                                        self.mask_layout)
+            mask_arg = TmaOperand(mask.view(torch.uint8),
+                                  TmaSpec(self.mask_box, self.mask_layout, shape, strides))
             word_strides = (0, 0)
         shared = table.shape[0] == 1 and self.shape.batch > 1
         return (mask_arg, table, 0 if shared else table.stride(0), table.stride(1),

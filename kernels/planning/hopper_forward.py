@@ -22,13 +22,14 @@ import torch
 
 from ..runtime.arith import LOG2E, ceil_div
 from ..runtime.launch import DescriptorLaunch
+from ..runtime.tma import TmaOperand, TmaSpec
 from . import tuning
 from .key_walk import tile_key_blocks
 from .problem import Problem
 
 try:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 (Gluon's Hopper support is there)
 
     from ..hopper_device.attention_forward import attention_forward
     GLUON_MISSING = None
@@ -170,9 +171,9 @@ def gluon_dtype(dtype: torch.dtype):
     return gl.float16 if dtype == torch.float16 else gl.bfloat16
 
 
-def describe(t: torch.Tensor, box: list, layout) -> TensorDescriptor:
-    """A TMA descriptor over ``t`` as it is laid out, copying ``box`` tiles in ``layout``."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+def describe(t: torch.Tensor, box: list, layout) -> TmaOperand:
+    """A TMA operand over ``t`` as it is laid out, copying ``box`` tiles in ``layout``."""
+    return TmaOperand(t, TmaSpec(box, layout))
 
 
 class HopperForwardLaunch:
@@ -191,6 +192,8 @@ class HopperForwardLaunch:
         self.kv_box = [1, tile.block_n, 1, block_d]
         self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for(self.kv_box, element)
+        self.q_spec = TmaSpec(self.q_box, self.q_layout)
+        self.kv_spec = TmaSpec(self.kv_box, self.kv_layout)
         row_tiles = ceil_div(shape.seqlen_q, 2 * tile.rows)
         batch_heads = shape.batch * shape.heads_q
         num_tiles = row_tiles * batch_heads
@@ -211,6 +214,8 @@ class HopperForwardLaunch:
                 if self.kind == MASK_TILE else
                 gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32 if words else 8,
                                      rank=len(self.mask_box)))
+            self.mask_spec = TmaSpec(self.mask_box, self.mask_layout, self.mask_shape,
+                                     self.mask_strides)
             # Query head h reads list head h // mask.head_div (the map's heads are the mask's
             # own) and mask head h // mask_head_div (1 head where its stride is 0).
             self.mask_scalars = (mask.head_div, mask_head_div, mask_batches)
@@ -233,6 +238,8 @@ class HopperForwardLaunch:
             self.bias_shape, self.bias_strides, bias_head_div, bias_batches = mask_geometry(
                 bias.view, shape.heads_q)
             self.bias_scalars = (bias_head_div, bias_batches)
+            self.bias_spec = TmaSpec(self.bias_box, self.bias_layout, self.bias_shape,
+                                     self.bias_strides)
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:
@@ -242,19 +249,17 @@ class HopperForwardLaunch:
     def __call__(self, query, key, value, out, lse, mask=None, table=None, bias=None) -> None:
         """Write ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq) float32; a masked plan's call
         brings the bool ``mask`` and its lists' ``table``, a biased plan's the ``bias``."""
-        k_desc = describe(key, self.kv_box, self.kv_layout)
+        k_desc = self.kv_spec(key)
         if self.masked:
             base = mask.view(torch.int32 if self.kind == INTERVAL_WORDS else torch.uint8)
-            mask_desc = TensorDescriptor(base, self.mask_shape, self.mask_strides,
-                                         self.mask_box, self.mask_layout)
+            mask_desc = self.mask_spec(base)
             shared = table.shape[0] == 1 and self.batch > 1
             list_args = (table, 0 if shared else table.stride(0), table.stride(1),
                          table.stride(2), *self.mask_scalars)
         else:  # stand-ins the kernel never reads
             mask_desc, list_args = k_desc, (lse, *self.unmasked_args)
-        self.launch(describe(query, self.q_box, self.q_layout), k_desc,
-                    describe(value, self.kv_box, self.kv_layout),
-                    describe(out, self.q_box, self.q_layout), lse, mask_desc, *list_args,
+        self.launch(self.q_spec(query), k_desc, self.kv_spec(value), self.q_spec(out), lse,
+                    mask_desc, *list_args,
                     *self._bias_args(bias, k_desc))
 
     def _bias_args(self, bias, stand_in) -> tuple:
@@ -262,8 +267,7 @@ class HopperForwardLaunch:
         stand-ins never read."""
         if not self.biased:
             return (stand_in, 1, 0)
-        return (TensorDescriptor(bias, self.bias_shape, self.bias_strides, self.bias_box,
-                                 self.bias_layout), *self.bias_scalars)
+        return (self.bias_spec(bias), *self.bias_scalars)
 
 
 def mask_geometry(view: torch.Tensor, heads_q: int,

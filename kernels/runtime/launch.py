@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .tma import EncodedDescriptors, as_descriptor
+
 
 def is_interpreted(kernel) -> bool:
     # triton.jit returns an InterpretedFunction instead of a JITFunction when TRITON_INTERPRET=1
@@ -421,9 +423,12 @@ class DescriptorLaunch:
     ``do_not_specialize``): it is compiled for ``UNKNOWN_INT`` in their place, and a
     descriptor for its dtype, box and layout only (``specialization``); ints among a call's
     operands (strides of a mask's lists or a bias, which follow the lengths) likewise, so one
-    compile serves every call of every plan of one form on a device. Each call takes
-    ``PlannedLaunch``'s paths: compile-only, Triton's JIT dispatch with launch hooks installed,
-    else the compiled kernel's launcher (which encodes the descriptors, 128 bytes each, per
+    compile serves every call of every plan of one form on a device. Descriptor operands come
+    as ``tma.TmaOperand``s (a tensor and its plan's ``TmaSpec``), or as descriptors. Each call
+    takes ``PlannedLaunch``'s paths: compile-only, Triton's JIT dispatch with launch hooks
+    installed, else the compiled kernel's launcher: underneath its Python descriptor encoding,
+    with each operand's encoding kept per address (``tma.EncodedDescriptors``), where the
+    launcher has that form; else through it (which encodes every descriptor, 128 bytes, per
     call)."""
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, num_warps: int = 4, **constexprs):
@@ -431,22 +436,32 @@ class DescriptorLaunch:
         self.grid = _grid3(grid)
         self.scalars = tuple(scalars)
         self._form_scalars = tuple(UNKNOWN_INT if s.__class__ is int else s for s in scalars)
+        self._plain_scalars = tuple(map(_plain, self.scalars))
         self.options = dict(num_warps=num_warps, **constexprs)
         self._compiled: dict = {}
+        self._encoded: dict = {}  # device -> EncodedDescriptors, or None: the usual path
+
+    def _form(self, operands: tuple) -> tuple:
+        return (*(as_descriptor(_unknown_if_int(o)) for o in operands), *self._form_scalars)
 
     def __call__(self, *operands) -> None:
-        form = (*map(_unknown_if_int, operands), *self._form_scalars)
         if _compile_executor is not None:
-            _start_compile(self.kernel, self.grid, form, self.options)
+            _start_compile(self.kernel, self.grid, self._form(operands), self.options)
             return
-        args = (*operands, *self.scalars)
         if not _direct_launch_available():
-            _note_form(self.kernel, form, self.options)
-            self.kernel[self.grid](*args, **self.options)
+            _note_form(self.kernel, self._form(operands), self.options)
+            self.kernel[self.grid](*map(as_descriptor, operands), *self.scalars, **self.options)
             return
         device = _current_device()
         hit = self._compiled.get(device)
         if hit is None:
+            form = self._form(operands)
             _note_form(self.kernel, form, self.options)
             hit = self._compiled[device] = _compile(self.kernel, self.grid, form, self.options)
-        _run_compiled(hit, self.grid, args, device)
+            self._encoded[device] = EncodedDescriptors.of(hit[0])
+        encoded = self._encoded[device]
+        if encoded is None:
+            _run_compiled(hit, self.grid, (*map(as_descriptor, operands), *self.scalars), device)
+            return
+        encoded.launch(self.grid, _driver.active.get_current_stream(device),
+                       (*operands, *self._plain_scalars), hit[1])
