@@ -42,16 +42,26 @@ def count_hopper_launches(monkeypatch) -> list:
 
 
 FORCED = forcing(forward_route="hopper")
+FORCED_BALANCED = forcing(forward_route="hopper", forward_tile_order="balanced")
+
+
+def _only_hopper(forced, *args, **kwargs):
+    with record_routes() as routes:
+        result = forced(*args, **kwargs)
+    assert routes.forward and set(routes.forward) == {"hopper"}, (
+        f"the forced call ran {routes.describe() or 'no forward'}")
+    return result
 
 
 def HOPPER(*args, **kwargs):
     """``dmattn_func`` forced onto the Hopper route, failing unless every forward it ran
     launched the Hopper kernel (a silent fallback to the Triton launch fails the test)."""
-    with record_routes() as routes:
-        result = FORCED(*args, **kwargs)
-    assert routes.forward and set(routes.forward) == {"hopper"}, (
-        f"the forced call ran {routes.describe() or 'no forward'}")
-    return result
+    return _only_hopper(FORCED, *args, **kwargs)
+
+
+def HOPPER_BALANCED(*args, **kwargs):
+    """As ``HOPPER``, its tiles dealt in the balanced order."""
+    return _only_hopper(FORCED_BALANCED, *args, **kwargs)
 
 
 def band(dims: Dims, window: int, device) -> torch.Tensor:

@@ -99,7 +99,7 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
     driver.set_active(_Sm90())
     try:
         return attention_forward.warmup(
-            q, kv, kv, q, lse, *mask_args, *bias_args, 1000, 1000, 4, 2, 0.1, 3, 8, 24,
+            q, kv, kv, q, lse, *mask_args, *bias_args, 1000, 1000, 4, 2, 0.1, 3, 8, 24, 1,
             grid=(132,), num_warps=4, CAUSAL=causal, MASK_KIND=kind, HAS_BIAS=bias,
             STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from attn_helpers import Dims, random_qkv, run_backward, run_forward
-from hopper_helpers import (FORCED, HOPPER, band, count_hopper_launches, fuzzed_dims,
-                            hopper_problem, shape_id, sized)
+from hopper_helpers import (FORCED, HOPPER, HOPPER_BALANCED, band, count_hopper_launches,
+                            fuzzed_dims, hopper_problem, shape_id, sized)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
+from kernels.planning import hopper_forward
 from kernels.planning.hopper_forward import hopper_gap
 from kernels.planning.problem import OperandLayout, tma_strides
 from kernels.planning.schedule import normalize_options, schedule
@@ -110,7 +111,38 @@ def test_the_triton_launch_stays_planned_beside_the_hopper_route():
     problem = hopper_problem(is_causal=True)
     hopper = schedule(problem).forward
     triton = schedule(problem, normalize_options({"forward_route": "triton"})).forward
-    assert replace(hopper, hopper=None) == triton
+    assert replace(hopper, hopper=None, tile_order=None) == triton
+
+
+def test_the_tile_order_is_heads_until_an_a_b_sets_the_balanced_bound(monkeypatch):
+    """Causal calls whose K and V fit the bound deal their tiles balanced; a call over it, or
+    not causal, keeps a head's tiles consecutive; the option forces either."""
+    causal = hopper_problem(is_causal=True, shape=sized(batch=1, heads_q=8, heads_kv=2))
+    assert schedule(causal).forward.tile_order == "heads"  # the bound is 0 bytes today
+    kv_bytes = 2 * 1 * 2 * 4096 * 128 * 2
+    monkeypatch.setattr(tuning, "HOPPER_FORWARD_BALANCED_MAX_KV_BYTES", kv_bytes)
+    assert schedule(causal).forward.tile_order == "balanced"
+    assert schedule(replace(causal, is_causal=False)).forward.tile_order == "heads"
+    longer = replace(causal, shape=replace(causal.shape, seqlen_k=4097))
+    assert hopper_forward.tile_order(longer, {}) == "heads"
+    assert schedule(causal, {"forward_tile_order": "heads"}).forward.tile_order == "heads"
+    assert schedule(hopper_problem(), {"forward_tile_order": "balanced"}).forward.tile_order \
+        == "balanced"
+    assert "tile_order=balanced" in str(schedule(causal))
+
+
+@pytest.mark.parametrize("value", ["snake", None, 1])
+def test_the_tile_order_option_takes_an_order_name(value):
+    with pytest.raises(ValueError, match=r"kernel_options\['forward_tile_order'\]: expected "
+                                         r"'heads' or 'balanced'"):
+        normalize_options({"forward_tile_order": value})
+
+
+def test_a_tile_order_for_a_call_on_the_triton_route_is_refused():
+    with pytest.raises(ValueError, match=r"'forward_tile_order'\] orders the Hopper forward"):
+        schedule(hopper_problem(), {"forward_route": "triton", "forward_tile_order": "heads"})
+    assert schedule(hopper_problem(), {"forward_route": "triton"}).forward.tile_order is None
+    assert "tile_order" not in str(schedule(hopper_problem(), {"forward_route": "triton"}))
 
 
 @pytest.mark.parametrize("value", ["cuda", "gluon", None, 1])
@@ -209,6 +241,18 @@ def test_hopper_forward_matches_the_reference(device, sizes, causal, dtype):
     assert schedule_for(q, k, v, is_causal=causal,
                         kernel_options={"forward_route": "hopper"}).forward.route == "hopper"
     run_forward(q, k, v, causal=causal, func=HOPPER)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", SHAPES + [(1, 4096, 4096, 8, 2, 128), (3, 1500, 2600, 5, 1, 64)],
+                         ids=shape_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_balanced_tile_order_matches_the_reference(device, sizes, causal):
+    """Every tile dealt once: fewer tiles than programs, one partial round forwards (an even
+    number of whole rounds) and one backwards (odd), into outputs poisoned before the call."""
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    run_forward(q, k, v, causal=causal, func=HOPPER_BALANCED)
 
 
 @pytest.mark.hopper

@@ -61,9 +61,8 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     ring = 0  # key blocks loaded so far, over this program's tiles: the ring's position
-    visit = 0  # this program's tiles loaded so far
-    for tile in range(gl.program_id(0), work.num_tiles, gl.num_programs(0)):
-        batch, q_head, kv_head, q_start, _ = work.coordinates(tile)
+    for visit in range(work.visits()):  # this program's tiles loaded so far
+        batch, q_head, kv_head, q_start, _ = work.coordinates(work.tile(visit))
         if MASKED:
             row, mask_batch, mask_head = lists.row(batch, q_head, q_start // work.ROWS2)
             count, full = lists.counts(row)
@@ -101,7 +100,6 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases
             else:
                 kv.fill(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head)
         ring += num_blocks
-        visit += 1
 
 
 @gluon.jit
@@ -222,10 +220,9 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
     diagonal = seqlen_k - seqlen_q  # bottom-right causal: row r sees keys <= r + diagonal
 
     ring = 0  # key blocks consumed so far, over this program's tiles
-    visit = 0
     turn = 0  # products issued so far: the turn barriers' phase
-    for tile in range(gl.program_id(0), work.num_tiles, gl.num_programs(0)):
-        batch, q_head, kv_head, q_start, bh = work.coordinates(tile)
+    for visit in range(work.visits()):  # this program's tiles so far
+        batch, q_head, kv_head, q_start, bh = work.coordinates(work.tile(visit))
         if MASKED:
             row, _, _ = lists.row(batch, q_head, q_start // work.ROWS2)
             count, unmasked_blocks = lists.counts(row)
@@ -282,7 +279,6 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, lists, 
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_token, p))
         kv.free_values(slot)
         ring += num_blocks
-        visit += 1
 
         out, lse = finish_rows(acc, m_i, l_i, o_layout)
         gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
@@ -312,16 +308,18 @@ def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, turns, work, 
                               "list_head_div", "mask_head_div", "mask_batches", "bias_head_div",
                               "bias_batches", "seqlen_q",
                               "seqlen_k", "heads_q", "group", "row_tiles", "batch_heads",
-                              "num_tiles"])
+                              "num_tiles", "tile_order"])
 def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_table,
                       list_batch_stride, list_head_stride, list_row_stride, list_head_div,
                       mask_head_div, mask_batches, bias_desc, bias_head_div, bias_batches,
                       seqlen_q, seqlen_k, heads_q, group,
-                      qk_scale, row_tiles, batch_heads, num_tiles, CAUSAL: gl.constexpr,
+                      qk_scale, row_tiles, batch_heads, num_tiles, tile_order,
+                      CAUSAL: gl.constexpr,
                       MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
-    ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``). ``lse_ptr``: (B, Hq, Lq)
+    ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``) in ``tile_order``
+    (``tiles.ORDER_HEADS`` or ``tiles.ORDER_BALANCED``). ``lse_ptr``: (B, Hq, Lq)
     float32, natural log. With a MASK_KIND, each tile walks its row of the activity lists
     ``list_table`` (``tiles.BlockLists``) and ``mask_desc`` reads what its tested blocks test:
     a bool mask's bytes as a (Bm, Hm, Lq, Lk) uint8 tensor (MASK_TILE; MASK_ROW: (Bm, Hm, 1,
@@ -381,8 +379,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
         mbarrier.init(k_free.index(slot), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_free.index(slot), count=2)
     kv = KeyValueRing(k_ring, v_ring, k_ready, k_free, v_ready, v_free, STAGES)
-    work = WorkTiles(seqlen_q, seqlen_k, heads_q, group, row_tiles, num_tiles, 2 * ROWS,
-                     BLOCK_N, CAUSAL)
+    work = WorkTiles(seqlen_q, seqlen_k, heads_q, group, row_tiles, batch_heads, num_tiles,
+                     tile_order, 2 * ROWS, BLOCK_N, CAUSAL)
     lists = BlockLists(list_table, list_batch_stride, list_head_stride, list_row_stride,
                        list_head_div, mask_head_div, mask_batches)
     bias_heads = BiasRows(bias_head_div, bias_batches)

@@ -165,7 +165,7 @@ class ForwardPlan:
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
         self.hopper = (None if fwd.hopper is None
                        else HopperForwardLaunch(problem, fwd.hopper, checked.mask,
-                                                checked.bias))
+                                                checked.bias, fwd.tile_order))
         self.gather = None
         if fwd.gather is not None:
             mask = checked.mask

@@ -12,7 +12,7 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .grids import edge_slots, grid_chunk_rows, key_splits
 from .gather_decode import GatherTile, gather_gap, gather_tile
-from .hopper_forward import hopper_gap, list_tile, may_take_masks, takes_hopper
+from .hopper_forward import hopper_gap, list_tile, may_take_masks, takes_hopper, tile_order
 from .problem import Problem
 
 
@@ -38,6 +38,8 @@ class ForwardSchedule:
     # Decode's gather route (``gather_decode``) where the forward takes it, else None: the
     # kept keys' lists, then a forward over them.
     gather: GatherTile | None = None
+    # How the Hopper forward deals its tiles (``hopper_forward.tile_order``); None off it.
+    tile_order: str | None = None
 
     @property
     def route(self) -> str:
@@ -189,6 +191,10 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
     bias = problem.bias
     hopper = forward_route(problem, options)
     scan = scan_keys(problem, options, splits)
+    if hopper is None and options.get("forward_tile_order") is not None:
+        raise ValueError("kernel_options['forward_tile_order'] orders the Hopper forward's "
+                         "tiles; this call takes the Triton route (force forward_route "
+                         "'hopper' with it)")
     if hopper is not None and scan:
         if options.get("forward_key_scan"):
             raise ValueError("kernel_options: 'forward_key_scan' True and 'forward_route' "
@@ -200,7 +206,8 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
                                    problem.is_causal, sms),
         edge_slots=edge_slots(query_rows, tile.block_n),
         bias_row=bias is not None and bias.one_row and bias.shared_by(pack),
-        scan_keys=scan, hopper=hopper, gather=gather_route(problem, options))
+        scan_keys=scan, hopper=hopper, gather=gather_route(problem, options),
+        tile_order=None if hopper is None else tile_order(problem, options))
 
 
 def forward_list_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:

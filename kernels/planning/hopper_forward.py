@@ -40,6 +40,8 @@ except ImportError as exc:  # a Triton without Gluon's Hopper modules
 HOPPER = (9, 0)
 # The kernel's MASK_KIND values (``attention_forward``'s constants of the same names).
 NO_MASK, MASK_TILE, MASK_ROW, INTERVAL_WORDS = 0, 1, 2, 3
+# The kernel's tile orders (``tiles.ORDER_HEADS``, ``tiles.ORDER_BALANCED``).
+TILE_ORDERS = {"heads": 0, "balanced": 1}
 MAX_HEAD_DIM = 128
 MAX_TILES = 2**31 - 1  # work tiles are counted in int32
 
@@ -161,6 +163,21 @@ def takes_hopper(problem: Problem) -> bool:
             and mean_key_blocks(problem) >= tuning.HOPPER_FORWARD_MIN_KEY_BLOCKS)
 
 
+def tile_order(problem: Problem, options: dict) -> str:
+    """How the Hopper forward deals its work tiles to its programs: 'balanced' (causal tiles
+    longest first, heads inner, dealt back and forth) or 'heads' (a head's tiles consecutive);
+    ``options['forward_tile_order']`` forces it, else 'balanced' for a causal call whose K and
+    V take at most ``tuning.HOPPER_FORWARD_BALANCED_MAX_KV_BYTES``."""
+    forced = options.get("forward_tile_order")
+    if forced is not None:
+        return forced
+    shape = problem.shape
+    kv_bytes = (2 * shape.batch * shape.heads_kv * shape.seqlen_k * shape.head_dim
+                * problem.dtype.itemsize)
+    return ("balanced" if problem.is_causal
+            and kv_bytes <= tuning.HOPPER_FORWARD_BALANCED_MAX_KV_BYTES else "heads")
+
+
 def block_head_dim(head_dim: int) -> int:
     """The head dim of the kernel's tiles: 64 or 128 (columns past the head dim read as 0)."""
     return 64 if head_dim <= 64 else 128
@@ -184,7 +201,8 @@ class HopperForwardLaunch:
     ``list_tile``) and the mask. With a bias row (``bias``: its ``BroadcastOperand``) it fixes
     the bias descriptor's shape and strides; a call brings the bias."""
 
-    def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None, bias=None):
+    def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None, bias=None,
+                 order: str = "heads"):
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
         element = gluon_dtype(problem.dtype)
@@ -222,7 +240,8 @@ class HopperForwardLaunch:
         self.launch = DescriptorLaunch(
             attention_forward, (min(num_tiles, problem.multiprocessors),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.group_size,
-             problem.softmax_scale * LOG2E, row_tiles, batch_heads, num_tiles),
+             problem.softmax_scale * LOG2E, row_tiles, batch_heads, num_tiles,
+             TILE_ORDERS[order]),
             num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind,
             HAS_BIAS=bias is not None, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
             LOADER_REGS=tile.loader_regs)

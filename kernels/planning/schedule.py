@@ -74,7 +74,8 @@ class Schedule:
                  f"{' bias' + str(self.problem.bias.shape) if self.problem.bias else ''}"]
         forward = [("route", self.forward.route)]
         forward += [(f.name, getattr(self.forward, f.name)) for f in fields(self.forward)
-                    if f.name not in ("hopper", "gather") or getattr(self.forward, f.name)]
+                    if f.name not in ("hopper", "gather", "tile_order")
+                    or getattr(self.forward, f.name)]
         for part, items in (("forward", forward), ("backward", backward_items(self.backward))):
             lines.append(f"{part}: " + ", ".join(f"{name}={value}" for name, value in items))
         return "\n".join(lines)
@@ -85,6 +86,9 @@ OPTION_NAMES = {
     "forward_route": "the forward's route: 'triton', 'hopper' (Gluon, sm_90a) or 'gather' "
                      "(decode over the kept keys alone)",
     "backward": "the backward route: 'fused', 'dq+dkdv', 'packed' or 'hopper' (Gluon, sm_90a)",
+    "forward_tile_order": "how the Hopper forward deals its work tiles to its programs: "
+                          "'heads' (a head's tiles consecutive) or 'balanced' (causal tiles "
+                          "longest first, heads inner, dealt back and forth)",
     "forward_key_splits": "the forward's key splits (split-K), an int >= 1",
     "dq_key_splits": "dq's key splits, an int >= 1",
     "dkdv_head_shares": "dkdv's shares of a GQA group's heads, an int dividing the group",
@@ -110,6 +114,10 @@ def normalize_options(options) -> dict:
             if value not in FORWARD_ROUTES:
                 raise ValueError(f"kernel_options['forward_route']: expected 'triton', "
                                  f"'hopper' or 'gather', got {value!r}")
+        elif name == "forward_tile_order":
+            if value not in ("heads", "balanced"):
+                raise ValueError(f"kernel_options['forward_tile_order']: expected 'heads' or "
+                                 f"'balanced', got {value!r}")
         elif name == "backward":
             try:
                 value = BackwardRoute(value)

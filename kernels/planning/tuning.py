@@ -282,6 +282,16 @@ HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64
 # partial) 0.76-1.09x, a random 10% (1, Hq) mask at D64 0.55x.
 HOPPER_FORWARD_MASK_PARTIAL_SHARE = 0.15
 HOPPER_FORWARD_MIN_KEY_BLOCKS = 4
+# A causal Hopper forward deals its tiles longest first, heads inner, back and forth over the
+# programs (``hopper_device.tiles.ORDER_BALANCED``) where K and V take at most this many bytes
+# (B x Hk x Lk x D x 2 x element size), else a head's tiles consecutively (ORDER_HEADS: K and V
+# shared in L2 by the programs in flight). Of few tiles per program, ORDER_HEADS's longest
+# program walks up to twice the mean (B1 H8/2 L4096 D128 causal: 61 key blocks, mean 33; the
+# Triton route's dynamically scheduled 128-row programs ran that forward 1.28x faster as GPU
+# time, H200). ORDER_BALANCED has not yet run against it on a GPU: until it has, the default
+# stays ORDER_HEADS everywhere (0 bytes) and ``kernel_options['forward_tile_order']`` forces
+# either.
+HOPPER_FORWARD_BALANCED_MAX_KV_BYTES = 0
 
 
 # -- decode's gather route (``gather_decode``)
