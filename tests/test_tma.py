@@ -37,8 +37,8 @@ def launcher(monkeypatch):
 
     monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
     monkeypatch.setattr(nvidia, "TMA_DTYPE_DEVICE_TO_HOST", {10: 10}, raising=False)
-    monkeypatch.setattr(driver, "_active",
-                        types.SimpleNamespace(utils=types.SimpleNamespace(fill_tma_descriptor=fill)))
+    utils = types.SimpleNamespace(fill_tma_descriptor=fill)
+    monkeypatch.setattr(driver, "_active", types.SimpleNamespace(utils=utils))
     run = types.SimpleNamespace(launch=_closure_launch(lambda *a: calls.append(a), [META, META]),
                                 global_scratch_size=0, profile_scratch_size=0,
                                 launch_cooperative_grid=False, launch_pdl=False)

@@ -29,7 +29,9 @@ from .problem import Problem
 
 try:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 (Gluon's Hopper support is there)
+    # Imported to check that this Triton has Gluon's Hopper support (``runtime.tma`` makes
+    # the descriptors).
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
 
     from ..hopper_device.attention_forward import attention_forward
     GLUON_MISSING = None

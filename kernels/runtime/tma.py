@@ -83,7 +83,8 @@ class EncodedDescriptors:
         if (code is None or closure is None
                 or getattr(nvidia, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"
                 or not hasattr(nvidia, "TMA_DTYPE_DEVICE_TO_HOST")
-                or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)):
+                or getattr(run, "global_scratch_size", 1)
+                or getattr(run, "profile_scratch_size", 1)):
             return None
         cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure)))
         metas = cells.get("tensordesc_meta")
