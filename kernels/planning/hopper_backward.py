@@ -22,12 +22,12 @@ import torch
 from ..runtime.arith import LOG2E, ceil_div, next_power_of_2
 from ..runtime.launch import DescriptorLaunch, launch
 from ..runtime.routes import note_route
-from ..runtime.tma import TmaOperand, TmaSpec
+from ..runtime.tma import TmaSpec
 from ..triton_device.backward_rows import _loader_rows_kernel
 from . import tuning
 from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
-                             bias_row_gap, block_head_dim, describe, gluon_dtype,
-                             hopper_operands_gap, mask_geometry, mask_kind)
+                             bias_row_gap, block_head_dim, gluon_dtype, hopper_operands_gap,
+                             mask_geometry, mask_kind, nvmma_spec)
 from .problem import Problem, tma_strides
 
 LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
@@ -146,18 +146,14 @@ class HopperBackwardPlan:
         block_d = block_head_dim(shape.head_dim)
         element = gluon_dtype(problem.dtype)
         self.shape = shape
-        self.q_box = [1, tile.block_m, 1, block_d]
-        self.kv_box = [1, tile.block_n, 1, block_d]
-        self.half_box = [1, tile.block_n // 2, 1, block_d]
-        self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
-        self.kv_layout = gl.NVMMASharedLayout.get_default_for(self.kv_box, element)
-        self.half_layout = gl.NVMMASharedLayout.get_default_for(self.half_box, element)
-        self.acc_box = [1, 1, tile.block_m, block_d // 4]  # a quarter of D per reduce-add
-        self.acc_layout = gl.NVMMASharedLayout.get_default_for(self.acc_box, gl.float32)
+        self.q_spec = nvmma_spec([1, tile.block_m, 1, block_d], element)
+        self.kv_spec = nvmma_spec([1, tile.block_n, 1, block_d], element)
+        self.half_spec = nvmma_spec([1, tile.block_n // 2, 1, block_d], element)
+        # A quarter of D per reduce-add.
+        self.acc_spec = nvmma_spec([1, 1, tile.block_m, block_d // 4], gl.float32)
         self.block_m = tile.block_m
-        self.row_box = [1, tile.block_m]
-        self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
-                                               rank=2)
+        self.row_spec = TmaSpec([1, tile.block_m], gl.NVMMASharedLayout(
+            swizzle_byte_width=0, element_bitwidth=32, rank=2))
         self.kind = mask_kind(problem)  # NO_MASK, MASK_TILE or INTERVAL_WORDS
         # A bias row (the forward plan's layout of its broadcast view) and the plan of its
         # gradient's rows (``dbias.DbiasPlan``: summed over the group, or per query head).
@@ -204,7 +200,7 @@ class HopperBackwardPlan:
         note_route("backward", self.route)
         rows = loader_rows(grad_out, out, lse, self.block_m)
         dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
-        rows_desc = describe(rows.view(-1, rows.shape[-1]), self.row_box, self.row_layout)
+        rows_desc = self.row_spec(rows.view(-1, rows.shape[-1]))
         if self.kind != NO_MASK:
             mask_args = self._mask_args(mask, activity)
         else:  # stand-ins the kernel never reads
@@ -213,14 +209,9 @@ class HopperBackwardPlan:
                  if self.lock_count else rows)  # rows: a stand-in never read
         bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
         bias_args = self._bias_args(bias, bias_grad, rows)
-        self.launch(describe(query, self.q_box, self.q_layout),
-                    describe(key, self.kv_box, self.kv_layout),
-                    describe(value, self.kv_box, self.kv_layout),
-                    describe(grad_out, self.q_box, self.q_layout),
-                    describe(dq_acc, self.acc_box, self.acc_layout),
-                    describe(dk, self.half_box, self.half_layout),
-                    describe(dv, self.half_box, self.half_layout),
-                    rows_desc, *mask_args, *bias_args, locks)
+        self.launch(self.q_spec(query), self.kv_spec(key), self.kv_spec(value),
+                    self.q_spec(grad_out), self.acc_spec(dq_acc), self.half_spec(dk),
+                    self.half_spec(dv), rows_desc, *mask_args, *bias_args, locks)
         dq.copy_(dq_acc.transpose(1, 2))
         return self.dbias.finish(bias_grad) if bias_grad is not None else None
 
@@ -249,8 +240,8 @@ class HopperBackwardPlan:
         if words:  # the kernel loads them itself, by the view's batch and head strides
             mask_arg, word_strides = mask, strides[:2]
         else:
-            mask_arg = TmaOperand(mask.view(torch.uint8),
-                                  TmaSpec(self.mask_box, self.mask_layout, shape, strides))
+            mask_arg = TmaSpec(self.mask_box, self.mask_layout, shape, strides)(
+                mask.view(torch.uint8))
             word_strides = (0, 0)
         shared = table.shape[0] == 1 and self.shape.batch > 1
         return (mask_arg, table, 0 if shared else table.stride(0), table.stride(1),

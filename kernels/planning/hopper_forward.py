@@ -22,7 +22,7 @@ import torch
 
 from ..runtime.arith import LOG2E, ceil_div
 from ..runtime.launch import DescriptorLaunch
-from ..runtime.tma import TmaOperand, TmaSpec
+from ..runtime.tma import TmaSpec
 from . import tuning
 from .key_walk import tile_key_blocks
 from .problem import Problem
@@ -190,9 +190,10 @@ def gluon_dtype(dtype: torch.dtype):
     return gl.float16 if dtype == torch.float16 else gl.bfloat16
 
 
-def describe(t: torch.Tensor, box: list, layout) -> TmaOperand:
-    """A TMA operand over ``t`` as it is laid out, copying ``box`` tiles in ``layout``."""
-    return TmaOperand(t, TmaSpec(box, layout))
+def nvmma_spec(box: list, element) -> TmaSpec:
+    """The TMA spec of ``box`` tiles of ``element``s in their default shared layout, over a
+    tensor as it is laid out."""
+    return TmaSpec(box, gl.NVMMASharedLayout.get_default_for(box, element))
 
 
 class HopperForwardLaunch:
@@ -208,12 +209,8 @@ class HopperForwardLaunch:
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
         element = gluon_dtype(problem.dtype)
-        self.q_box = [1, tile.rows, 1, block_d]
-        self.kv_box = [1, tile.block_n, 1, block_d]
-        self.q_layout = gl.NVMMASharedLayout.get_default_for(self.q_box, element)
-        self.kv_layout = gl.NVMMASharedLayout.get_default_for(self.kv_box, element)
-        self.q_spec = TmaSpec(self.q_box, self.q_layout)
-        self.kv_spec = TmaSpec(self.kv_box, self.kv_layout)
+        self.q_spec = nvmma_spec([1, tile.rows, 1, block_d], element)
+        self.kv_spec = nvmma_spec([1, tile.block_n, 1, block_d], element)
         row_tiles = ceil_div(shape.seqlen_q, 2 * tile.rows)
         batch_heads = shape.batch * shape.heads_q
         num_tiles = row_tiles * batch_heads
@@ -224,18 +221,17 @@ class HopperForwardLaunch:
             # KeyIntervals' int64 words are read as int32 pairs: newer Triton refuses 64-bit
             # descriptors.
             view = mask.view.view(torch.int32) if words else mask.view
-            self.mask_shape, self.mask_strides, mask_head_div, mask_batches = mask_geometry(
+            mask_shape, mask_strides, mask_head_div, mask_batches = mask_geometry(
                 view, shape.heads_q, words)
             box = {MASK_TILE: [2 * tile.rows, tile.block_n], MASK_ROW: [1, tile.block_n],
                    INTERVAL_WORDS: [2 * tile.block_n]}[self.kind]
-            self.mask_box = [1, 1, *box]
-            self.mask_layout = (
-                gl.NVMMASharedLayout.get_default_for(self.mask_box, gl.uint8)
+            mask_box = [1, 1, *box]
+            mask_layout = (
+                gl.NVMMASharedLayout.get_default_for(mask_box, gl.uint8)
                 if self.kind == MASK_TILE else
                 gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32 if words else 8,
-                                     rank=len(self.mask_box)))
-            self.mask_spec = TmaSpec(self.mask_box, self.mask_layout, self.mask_shape,
-                                     self.mask_strides)
+                                     rank=len(mask_box)))
+            self.mask_spec = TmaSpec(mask_box, mask_layout, mask_shape, mask_strides)
             # Query head h reads list head h // mask.head_div (the map's heads are the mask's
             # own) and mask head h // mask_head_div (1 head where its stride is 0).
             self.mask_scalars = (mask.head_div, mask_head_div, mask_batches)
@@ -253,14 +249,13 @@ class HopperForwardLaunch:
         # Lk), its strides, query heads per bias head and 1 if its batch is read.
         self.biased = bias is not None
         if self.biased:
-            self.bias_box = [1, 1, 1, tile.block_n]
-            self.bias_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16,
-                                                    rank=4)
-            self.bias_shape, self.bias_strides, bias_head_div, bias_batches = mask_geometry(
+            bias_shape, bias_strides, bias_head_div, bias_batches = mask_geometry(
                 bias.view, shape.heads_q)
             self.bias_scalars = (bias_head_div, bias_batches)
-            self.bias_spec = TmaSpec(self.bias_box, self.bias_layout, self.bias_shape,
-                                     self.bias_strides)
+            self.bias_spec = TmaSpec(
+                [1, 1, 1, tile.block_n],
+                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4),
+                bias_shape, bias_strides)
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:

@@ -441,21 +441,24 @@ class DescriptorLaunch:
         self._compiled: dict = {}
         self._encoded: dict = {}  # device -> EncodedDescriptors, or None: the usual path
 
-    def _form(self, operands: tuple) -> tuple:
-        return (*(as_descriptor(_unknown_if_int(o)) for o in operands), *self._form_scalars)
+    def _form(self, descriptors: tuple) -> tuple:
+        """What a call with these operands (``TmaOperand``s as descriptors) is compiled for."""
+        return (*map(_unknown_if_int, descriptors), *self._form_scalars)
 
     def __call__(self, *operands) -> None:
         if _compile_executor is not None:
-            _start_compile(self.kernel, self.grid, self._form(operands), self.options)
+            _start_compile(self.kernel, self.grid, self._form(tuple(map(as_descriptor, operands))),
+                           self.options)
             return
         if not _direct_launch_available():
-            _note_form(self.kernel, self._form(operands), self.options)
-            self.kernel[self.grid](*map(as_descriptor, operands), *self.scalars, **self.options)
+            descriptors = tuple(map(as_descriptor, operands))
+            _note_form(self.kernel, self._form(descriptors), self.options)
+            self.kernel[self.grid](*descriptors, *self.scalars, **self.options)
             return
         device = _current_device()
         hit = self._compiled.get(device)
         if hit is None:
-            form = self._form(operands)
+            form = self._form(tuple(map(as_descriptor, operands)))
             _note_form(self.kernel, form, self.options)
             hit = self._compiled[device] = _compile(self.kernel, self.grid, form, self.options)
             self._encoded[device] = EncodedDescriptors.of(hit[0])
