@@ -42,7 +42,8 @@ def count_hopper_launches(monkeypatch) -> list:
 
 
 FORCED = forcing(forward_route="hopper")
-FORCED_BALANCED = forcing(forward_route="hopper", forward_tile_order="balanced")
+FORCED_ORDER = {order: forcing(forward_route="hopper", forward_tile_order=order)
+                for order in ("heads", "balanced")}
 
 
 def _only_hopper(forced, *args, **kwargs):
@@ -59,9 +60,9 @@ def HOPPER(*args, **kwargs):
     return _only_hopper(FORCED, *args, **kwargs)
 
 
-def HOPPER_BALANCED(*args, **kwargs):
-    """As ``HOPPER``, its tiles dealt in the balanced order."""
-    return _only_hopper(FORCED_BALANCED, *args, **kwargs)
+def hopper_in_tile_order(order: str):
+    """As ``HOPPER``, its tiles dealt in ``order`` ('heads' or 'balanced')."""
+    return lambda *args, **kwargs: _only_hopper(FORCED_ORDER[order], *args, **kwargs)
 
 
 def band(dims: Dims, window: int, device) -> torch.Tensor:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attn_helpers import Dims, random_qkv, run_backward, run_forward
-from hopper_helpers import (FORCED, HOPPER, HOPPER_BALANCED, band, count_hopper_launches,
+from hopper_helpers import (FORCED, HOPPER, band, count_hopper_launches, hopper_in_tile_order,
                             fuzzed_dims, hopper_problem, shape_id, sized)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
@@ -114,11 +114,15 @@ def test_the_triton_launch_stays_planned_beside_the_hopper_route():
     assert replace(hopper, hopper=None, tile_order=None) == triton
 
 
-def test_the_tile_order_is_heads_until_an_a_b_sets_the_balanced_bound(monkeypatch):
+def test_causal_calls_of_up_to_the_bound_of_k_and_v_bytes_deal_their_tiles_balanced(
+        monkeypatch):
     """Causal calls whose K and V fit the bound deal their tiles balanced; a call over it, or
     not causal, keeps a head's tiles consecutive; the option forces either."""
     causal = hopper_problem(is_causal=True, shape=sized(batch=1, heads_q=8, heads_kv=2))
-    assert schedule(causal).forward.tile_order == "heads"  # the bound is 0 bytes today
+    assert schedule(causal).forward.tile_order == "balanced"
+    big = replace(causal, shape=sized(batch=8, heads_q=16, heads_kv=4, seqlen_q=16384,
+                                      seqlen_k=16384))
+    assert schedule(big).forward.tile_order == "heads"
     kv_bytes = 2 * 1 * 2 * 4096 * 128 * 2
     monkeypatch.setattr(tuning, "HOPPER_FORWARD_BALANCED_MAX_KV_BYTES", kv_bytes)
     assert schedule(causal).forward.tile_order == "balanced"
@@ -247,12 +251,13 @@ def test_hopper_forward_matches_the_reference(device, sizes, causal, dtype):
 @pytest.mark.parametrize("sizes", SHAPES + [(1, 4096, 4096, 8, 2, 128), (3, 1500, 2600, 5, 1, 64)],
                          ids=shape_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_the_balanced_tile_order_matches_the_reference(device, sizes, causal):
+@pytest.mark.parametrize("order", ["heads", "balanced"])
+def test_each_tile_order_matches_the_reference(device, sizes, causal, order):
     """Every tile dealt once: fewer tiles than programs, one partial round forwards (an even
     number of whole rounds) and one backwards (odd), into outputs poisoned before the call."""
     dims = Dims(*sizes)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
-    run_forward(q, k, v, causal=causal, func=HOPPER_BALANCED)
+    run_forward(q, k, v, causal=causal, func=hopper_in_tile_order(order))
 
 
 @pytest.mark.hopper

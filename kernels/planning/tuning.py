@@ -286,12 +286,10 @@ HOPPER_FORWARD_MIN_KEY_BLOCKS = 4
 # programs (``hopper_device.tiles.ORDER_BALANCED``) where K and V take at most this many bytes
 # (B x Hk x Lk x D x 2 x element size), else a head's tiles consecutively (ORDER_HEADS: K and V
 # shared in L2 by the programs in flight). Of few tiles per program, ORDER_HEADS's longest
-# program walks up to twice the mean (B1 H8/2 L4096 D128 causal: 61 key blocks, mean 33; the
-# Triton route's dynamically scheduled 128-row programs ran that forward 1.28x faster as GPU
-# time, H200). ORDER_BALANCED has not yet run against it on a GPU: until it has, the default
-# stays ORDER_HEADS everywhere (0 bytes) and ``kernel_options['forward_tile_order']`` forces
-# either.
-HOPPER_FORWARD_BALANCED_MAX_KV_BYTES = 0
+# program walks up to twice the mean. H200, D128 bf16 GQA 4:1, CUDA-graph GPU time, balanced
+# over heads (one process): K+V 2-34 MB 0.56-0.91x (B1 H8/2 L8192 0.373 -> 0.211 ms, 653
+# TFLOP/s; B8 H16/4 L2048 0.82x), 67 MB 0.96, 0.96, 1.01x, 134-268 MB 1.01-1.02x.
+HOPPER_FORWARD_BALANCED_MAX_KV_BYTES = 96 << 20
 
 
 # -- decode's gather route (``gather_decode``)
