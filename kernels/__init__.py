@@ -18,7 +18,7 @@ from .masks.intervals import KeyIntervals
 from .planning import schedule
 from .prepared import PreparedMask, prepare_mask
 from .reference import attention_reference, attention_varlen_reference
-from .runtime.launch import compiled_forms
+from .runtime.forms import compiled_forms
 from .runtime.routes import RouteLog, record_routes
 from .topk_ops import topk_intervals
 from .varlen import dmattn_varlen_func

@@ -1,6 +1,6 @@
 """Compile ahead the kernels a model's calls will need, and count compiles.
 
-A launch is compiled for a canonical form of its arguments (``launch.compile_form``), so the
+A launch is compiled for a canonical form of its arguments (``forms.compile_form``), so the
 lengths of a call change what it compiles only through two things: whether its lengths keep
 its strides multiples of 16 (two variants of each kernel), and the schedule, which changes at a
 few length thresholds (key splits where a short grid underfills the GPU, group packing for
@@ -48,7 +48,8 @@ from .planning.problem import Problem
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
 from .prepared import prepare_mask
 from .runtime.device import capability, multiprocessors
-from .runtime.launch import compile_only, compiled_forms, launches_run
+from .runtime.forms import compiled_forms
+from .runtime.launch import compile_only, launches_run
 from .topk_ops import topk_intervals
 
 MASK_FORMS = ("none", "bool", "intervals")

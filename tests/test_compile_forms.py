@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels import KeyIntervals, compiled_forms, dmattn_func, schedule_for, warmup
+from kernels.runtime import forms as _forms
 from kernels.runtime import launch as _launch
 from kernels import topk_intervals
 from kernels.planning.inputs import AttnShape
@@ -68,10 +69,10 @@ def test_compile_only_calls_reach_every_form_a_real_call_compiles(device, mask, 
     """The parallel warm-up's first pass launches nothing and only starts compiles: it must
     reach every form the real call then compiles. Each pass records into an empty set."""
     started, compiled = set(), set()
-    monkeypatch.setattr(_launch, "_compiled_forms", started)
+    monkeypatch.setattr(_forms, "_compiled_forms", started)
     with ThreadPoolExecutor(2) as pool, _launch.compile_only(pool):
         _call(203, mask, bias, torch.Generator().manual_seed(1), device)
-    monkeypatch.setattr(_launch, "_compiled_forms", compiled)
+    monkeypatch.setattr(_forms, "_compiled_forms", compiled)
     _call(203, mask, bias, torch.Generator().manual_seed(2), device)
     assert started, "the compile-only call started no compile"
     if device.type == "cuda":  # a form compiled before (another test) is not recorded again
@@ -93,7 +94,7 @@ def test_compile_only_runs_no_launch_from_any_thread(device, monkeypatch):
         original = InterpretedFunction.__getitem__
         monkeypatch.setattr(InterpretedFunction, "__getitem__",
                             lambda self, grid: ran.append(grid) or original(self, grid))
-    monkeypatch.setattr(_launch, "_compiled_forms", set())
+    monkeypatch.setattr(_forms, "_compiled_forms", set())
     errors = []
 
     def call():
@@ -107,7 +108,7 @@ def test_compile_only_runs_no_launch_from_any_thread(device, monkeypatch):
         worker.start()
         worker.join()
     assert not errors, errors
-    assert _launch.compiled_forms() > 0, "the call started no compile"
+    assert _forms.compiled_forms() > 0, "the call started no compile"
     assert not ran, f"{len(ran)} launches ran under compile_only"
 
 
@@ -132,7 +133,7 @@ def _forms_of(monkeypatch, run) -> set:
     """The forms ``run``'s launches record, into a set of their own (the interpreter records
     every launch's form)."""
     forms = set()
-    monkeypatch.setattr(_launch, "_compiled_forms", forms)
+    monkeypatch.setattr(_forms, "_compiled_forms", forms)
     run()
     return forms
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from dmbench.cli import app
 from dmbench.errors import ExitCode
-from kernels.runtime import launch
+from kernels.runtime import forms
 
 runner = CliRunner()
 
@@ -19,7 +19,7 @@ runner = CliRunner()
 def forms_of_a_fresh_process(monkeypatch):
     """The compiles counted as a fresh process counts them: forms that earlier tests in this
     worker compiled (the same tiny dims recur) would make the warm-up's count 0."""
-    monkeypatch.setattr(launch, "_compiled_forms", set())
+    monkeypatch.setattr(forms, "_compiled_forms", set())
 
 
 TINY = ["--heads", "4/2", "--head-dim", "16", "--dtype", "fp32",

@@ -181,7 +181,7 @@ def test_a_descriptor_is_compiled_for_its_box_and_layout_not_its_sizes():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.runtime.launch import specialization
+    from kernels.runtime.forms import specialization
 
     box = [1, 64, 1, 128]
     layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)

@@ -12,9 +12,11 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from kernels.runtime.forms import compiled_forms
+
 
 def test_specialization_is_what_triton_compiles_for():
-    from kernels.runtime.launch import specialization
+    from kernels.runtime.forms import specialization
 
     base = torch.zeros(8, dtype=torch.float16)
     shifted = base[1:]  # the same storage, 2 bytes further: not 16-byte aligned
@@ -31,7 +33,7 @@ def test_compile_form_forgets_lengths_and_keeps_what_pays():
     """List strides and grid counts are compiled for as unknown (1 stays 1); a stride group is
     compiled for as all multiples of 16 or as unknown; kept fields (the lengths among them)
     stay as they are, which Triton then compiles for by class."""
-    from kernels.runtime.launch import UNKNOWN_INT, compile_form, specialization
+    from kernels.runtime.forms import UNKNOWN_INT, compile_form, specialization
     from kernels.planning.operands import Layout, ListStrides, SeqStrides, Sizes
 
     unknown = UNKNOWN_INT
@@ -153,10 +155,11 @@ class _Pair(NamedTuple):
 @pytest.fixture
 def direct(monkeypatch):
     """The direct path on CPU: every launcher call recorded instead of made."""
+    from kernels.runtime import forms
     from kernels.runtime import launch as module
 
     ran = []
-    monkeypatch.setattr(module, "_compiled_forms", set())
+    monkeypatch.setattr(forms, "_compiled_forms", set())
     monkeypatch.setattr(module, "_compiled", {})
     monkeypatch.setattr(module, "_direct_launch_available", lambda: True)
     monkeypatch.setattr(module, "_current_device", lambda: 0)
@@ -174,7 +177,7 @@ def test_launch_compiles_once_per_form_and_alignment(direct):
     a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
     module.launch(kernel, (3, 2), a, b, 1000, _Pair(7, 1), BLOCK=32)
     module.launch(kernel, (5,), a.clone(), b, 1001, _Pair(9, 1), BLOCK=32)
-    assert len(kernel.compiles) == 1 and module.compiled_forms() == 1
+    assert len(kernel.compiles) == 1 and compiled_forms() == 1
     args, grid, options = kernel.compiles[0]
     assert args[2:] == (module.UNKNOWN_INT, _Pair(module.UNKNOWN_INT, 1)) and grid == (3, 2, 1)
     assert options == dict(num_warps=4, num_stages=3, BLOCK=32)
@@ -186,7 +189,7 @@ def test_launch_compiles_once_per_form_and_alignment(direct):
     module.launch(kernel, (5,), a, b, 1024, _Pair(9, 1), BLOCK=32)  # another length: reused
     module.launch(kernel, (5,), a, b, 1, _Pair(9, 1), BLOCK=32)  # 1 is compiled in
     module.launch(kernel, (5,), a, b, 1001, _Pair(9, 1), BLOCK=64)  # another constexpr
-    assert len(kernel.compiles) == 5 and module.compiled_forms() == 5 and len(ran) == 7
+    assert len(kernel.compiles) == 5 and compiled_forms() == 5 and len(ran) == 7
 
 
 @pytest.mark.parametrize("given", (["n"], [2]), ids=("by-name", "by-position"))
@@ -200,7 +203,7 @@ def test_an_unspecialized_int_of_1_is_no_new_form(direct, given):
     a, b = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
     for n in (1001, 1, 1024):
         module.launch(kernel, (3,), a, b, n, _Pair(9, 1), BLOCK=32)
-    assert len(kernel.compiles) == 1 and module.compiled_forms() == 1
+    assert len(kernel.compiles) == 1 and compiled_forms() == 1
     assert kernel.compiles[0][0][2] == module.UNKNOWN_INT
     assert [args[2] for _, _, args in ran] == [1001, 1, 1024]
     module.launch(kernel, (3,), a, b, 2**40, _Pair(9, 1), BLOCK=32)  # an int64 is another type
@@ -217,7 +220,7 @@ def test_a_descriptor_launch_compiles_int_operands_as_unknown_ints(direct):
     operand = torch.zeros(64)
     for length, stride in ((4000, 2080), (8000, 8001), (3000, 1)):
         module.DescriptorLaunch(kernel, (4,), (length,), BLOCK=16)(operand, stride)
-    assert module.compiled_forms() == 1
+    assert compiled_forms() == 1
     assert {args[1:] for args, _, _ in kernel.compiles} == {(module.UNKNOWN_INT,) * 2}
     assert [args[1:] for _, _, args in ran] == [(2080, 4000), (8001, 8000), (1, 3000)]
 

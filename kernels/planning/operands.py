@@ -14,7 +14,7 @@ Inside a kernel the fields are read by name (``q_strides.stride_l``, ``ptrs.mask
 
 What a kernel is compiled for: Triton specializes every int on == 1 and on divisibility by 16,
 so a new sequence length would compile new kernels wherever a length or a stride that follows
-it changes class. The launcher (``launch.compile_form``) compiles each launch for a canonical
+it changes class. The launcher (``runtime.forms.compile_form``) compiles each launch for a canonical
 stand-in of its ints instead, by the rules each tuple states here:
 
 * ``ALIGNED_FIELDS``: strides that place a tile's base address. Only their common alignment
