@@ -47,6 +47,11 @@ and the consumers read their 64 keys of it transposed, in the score layout; KeyI
 depend on the key alone, so each warpgroup loads its 64 keys' (start, end) once per query
 head and tests start <= row < end.
 
+With DQ_WRITER, a fourth partition of one warp issues those reduce-adds (FA3's dQ writer):
+a consumer warpgroup stages its partial, fences and arrives on ``dq_full``, and goes on; the
+writer adds it and, once TMA has read the staging tiles, arrives on ``dq_empty``, which the
+warpgroup waits for before it stages the next partial.
+
 With DETERMINISTIC (no mask), key block kb adds its partial of a query block after blocks
 0..kb-1 have (a lock per query block: both warpgroups' adds written, then a release
 increment), so dQ's sums run in one order.
@@ -84,25 +89,16 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
     tma_load(v_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(v_tile))
-    first, stop = work.query_blocks(first_key)
     position = 0
     for g in range(work.group):
         q_head = kv_head * work.group + g
         lse_row = batch * work.heads_q + q_head
         delta_row = lse_row + work.batch_heads() * work.group  # past the B x Hq LSE rows
-        if MASKED:  # the head's list: full query blocks, then tested ones
-            row, mask_batch, mask_head = lists.row(batch, q_head, first_key // work.BLOCK_N)
-            count, full = lists.counts(row)
-            walk_start = 0
-            walk_stop = count
-        else:
-            walk_start = first
-            walk_stop = stop
+        # With a mask, the head's list: full query blocks, then tested ones.
+        row, mask_batch, mask_head, walk_start, walk_stop, full = work.head_walk(
+            lists, batch, q_head, first_key, MASKED)
         for j in range(walk_start, walk_stop):
-            if MASKED:
-                m = lists.block(row, j, walk_stop)
-            else:
-                m = j
+            m = work.query_block(lists, row, j, walk_stop, MASKED)
             if MASK_KIND == MASK_TILE:  # a tested block's bytes come with Q (KeyIntervals'
                 # words the consumers load themselves)
                 ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
@@ -115,11 +111,11 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
 
 
 @gluon.jit
-def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-              mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc,
-              dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
+def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready, ring,
+              work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc,
+              dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
               MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
-              BIAS_GRAD: gl.constexpr):
+              BIAS_GRAD: gl.constexpr, DQ_WRITER: gl.constexpr):
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
@@ -147,7 +143,6 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
     QUARTER_D: gl.constexpr = HALF_D // 2
     # dQ's float32 partials (two quarters of D), then dK and dV.
-    first, stop = work.query_blocks(first_key)
     mbarrier.wait(kv_ready.index(0), 0)
 
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per key
@@ -161,26 +156,19 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
         if BIAS_GRAD:
             if not bias.GROUP_SUM:
                 bias_grad = gl.zeros([KEYS], gl.float32, key_layout)
-        if MASKED:  # the loader's walk: the head's list, full query blocks first
-            row, mask_batch, mask_head = lists.row(batch, q_head, first_key // work.BLOCK_N)
-            count, full = lists.counts(row)
-            walk_start = 0
-            walk_stop = count
-            if MASK_KIND == INTERVAL_WORDS:  # this warpgroup's keys' (start, end), per head
-                words = gl.load(mask_desc + mask_batch.to(gl.int64) * mask_batch_stride
-                                + mask_head.to(gl.int64) * mask_head_stride + keys,
-                                mask=keys < seqlen_k, other=0)
-                starts = (words & 0xFFFFFFFF).to(gl.int32)
-                ends = (words >> 32).to(gl.int32)
-        else:
-            walk_start = first
-            walk_stop = stop
+        # The loader's walk (with a mask, the head's list, full query blocks first).
+        row, mask_batch, mask_head, walk_start, walk_stop, full = work.head_walk(
+            lists, batch, q_head, first_key, MASKED)
+        if MASK_KIND == INTERVAL_WORDS:  # this warpgroup's keys' (start, end), per head
+            words = gl.load(mask_desc + mask_batch.to(gl.int64) * mask_batch_stride
+                            + mask_head.to(gl.int64) * mask_head_stride + keys,
+                            mask=keys < seqlen_k, other=0)
+            starts = (words & 0xFFFFFFFF).to(gl.int32)
+            ends = (words >> 32).to(gl.int32)
         for j in range(walk_start, walk_stop):
+            m = work.query_block(lists, row, j, walk_stop, MASKED)
             if MASKED:
-                m = lists.block(row, j, walk_stop)
                 tested = j >= full
-            else:
-                m = j
             first_row = m * BLOCK_M
             slot = ring.wait(position)
             q_tile = ring.queries.index(slot)
@@ -244,7 +232,10 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             # The products complete in order: dV's and dQ's, not yet dK's.
             dv, p_op, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p_op, dq_token))
             # The previous step's reduce has read the staging tile.
-            tma.store_wait(pendings=0)
+            if DQ_WRITER:
+                mbarrier.wait(dq_empty.index(WARPGROUP), (position & 1) ^ 1)
+            else:
+                tma.store_wait(pendings=0)
             # Two swizzled quarters of D (a swizzled box spans at most 128 bytes): stores
             # into an unswizzled [64, 64] float32 tile conflicted 8 ways.
             low, high = (dq * softmax_scale).reshape([BLOCK_M, 2, QUARTER_D]).permute(
@@ -252,21 +243,25 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             stage.index(0).store(low)
             stage.index(1).store(high)
             fence_async_shared()
-            if DETERMINISTIC:  # key block kb adds after every warpgroup of blocks 0..kb-1
-                lock = dq_locks + ((batch * work.heads_q + q_head) * gl.cdiv(seqlen_q, BLOCK_M)
-                                   + m)
-                turn = 2 * (first_key // work.BLOCK_N)
-                seen = gl.load(lock, volatile=True)
-                while seen < turn:
+            if DQ_WRITER:  # the writer warp issues the reduce-adds
+                mbarrier.arrive(dq_full.index(WARPGROUP), count=1)
+            else:
+                if DETERMINISTIC:  # key block kb adds after every warpgroup of blocks 0..kb-1
+                    lock = dq_locks + ((batch * work.heads_q + q_head)
+                                       * gl.cdiv(seqlen_q, BLOCK_M) + m)
+                    turn = 2 * (first_key // work.BLOCK_N)
                     seen = gl.load(lock, volatile=True)
-            tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D],
-                           plane_view(stage.index(0)))
-            tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D + QUARTER_D],
-                           plane_view(stage.index(1)))
-            if DETERMINISTIC:  # the adds are written before the next block's turn
-                store_wait_written()
-                thread_barrier()
-                gl.atomic_add(lock, 1, sem="release", scope="gpu")
+                    while seen < turn:
+                        seen = gl.load(lock, volatile=True)
+                tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D],
+                               plane_view(stage.index(0)))
+                tma_atomic_add(dq_desc,
+                               [batch, q_head, first_row, WARPGROUP * HALF_D + QUARTER_D],
+                               plane_view(stage.index(1)))
+                if DETERMINISTIC:  # the adds are written before the next block's turn
+                    store_wait_written()
+                    thread_barrier()
+                    gl.atomic_add(lock, 1, sem="release", scope="gpu")
             dk, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_op))
             ring.release(slot)  # Q and dO are read: the loader may refill the slot
             position += 1
@@ -278,7 +273,9 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             bias.store_grad(batch, kv_head, keys, seqlen_k, bias_grad)
 
     # dK and dV leave through this warpgroup's staging tile and TMA: rows past Lk and columns
-    # past the head dim are not written.
+    # past the head dim are not written. The last reduce-add has read the tile first.
+    if DQ_WRITER:
+        mbarrier.wait(dq_empty.index(WARPGROUP), (position & 1) ^ 1)
     tma.store_wait(pendings=0)
     out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_D], dtype)
     out_tile = reinterpret(stage, dtype, [KEYS, BLOCK_D], out_layout)  # as many bytes
@@ -291,25 +288,62 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
     tma_store(dv_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
     tma.store_wait(pendings=0)
 
+@gluon.jit
+def _dq_writer(first_stage, second_stage, dq_full, dq_empty, dq_desc, work, lists,
+               MASK_KIND: gl.constexpr):
+    """With DQ_WRITER, one warp issues dQ's reduce-adds (FA3's dQ writer): per step, once a
+    consumer warpgroup has staged its half of the partial (``dq_full``), its two quarters
+    of D go to the float32 accumulator, and once TMA has read them the warpgroup may stage
+    the next (``dq_empty``). It walks the consumers' query blocks in their order."""
+    MASKED: gl.constexpr = MASK_KIND != NO_MASK
+    QUARTER_D: gl.constexpr = first_stage.shape[2]
+    batch, kv_head, first_key = work.coordinates()
+    position = 0
+    for g in range(work.group):
+        q_head = kv_head * work.group + g
+        row, _, _, walk_start, walk_stop, _ = work.head_walk(lists, batch, q_head, first_key,
+                                                             MASKED)
+        for j in range(walk_start, walk_stop):
+            first_row = work.query_block(lists, row, j, walk_stop, MASKED) * work.BLOCK_M
+            mbarrier.wait(dq_full.index(0), position & 1)
+            tma_atomic_add(dq_desc, [batch, q_head, first_row, 0],
+                           plane_view(first_stage.index(0)))
+            tma_atomic_add(dq_desc, [batch, q_head, first_row, QUARTER_D],
+                           plane_view(first_stage.index(1)))
+            mbarrier.wait(dq_full.index(1), position & 1)
+            tma_atomic_add(dq_desc, [batch, q_head, first_row, 2 * QUARTER_D],
+                           plane_view(second_stage.index(0)))
+            tma_atomic_add(dq_desc, [batch, q_head, first_row, 3 * QUARTER_D],
+                           plane_view(second_stage.index(1)))
+            tma.store_wait(pendings=2)  # the first warpgroup's quarters are read
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+            position += 1
+
 
 @gluon.jit
-def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-                    mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-                    dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
-                    DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
-    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
-              mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
-              qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
+def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready,
+                    ring, work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
+                    dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+                    MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    BIAS_GRAD: gl.constexpr, DQ_WRITER: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready, ring, work,
+              lists, mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+              dk_desc, dv_desc, qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS,
+              BIAS_GRAD, DQ_WRITER)
 
 
 @gluon.jit
-def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
-                     mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-                     dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
-    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
-              mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
-              qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
+def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready,
+                     ring, work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
+                     dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+                     MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     BIAS_GRAD: gl.constexpr, DQ_WRITER: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready, ring, work,
+              lists, mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+              dk_desc, dv_desc, qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS,
+              BIAS_GRAD, DQ_WRITER)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
@@ -328,7 +362,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                        CAUSAL: gl.constexpr, GROUPED_ORDER: gl.constexpr,
                        MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
                        BIAS_GRAD: gl.constexpr, BIAS_GROUP_SUM: gl.constexpr,
-                       STAGES: gl.constexpr,
+                       DQ_WRITER: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,), ordered as ``tiles.KeyBlockWork`` says
     (``order_group``: its (batch, key head)s per group with GROUPED_ORDER). ``rows_desc``: a [1,
@@ -347,7 +381,9 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     one per (batch x query head, query block)) orders dQ's reduce-adds: key block kb adds a
     query block's partial once both warpgroups of blocks 0..kb-1 have (each of them walks that
     query block: none is masked), so dQ is bitwise reproducible; without it, ``dq_locks`` is a
-    stand-in never read. Launch with num_warps = 4."""
+    stand-in never read. With DQ_WRITER (not with DETERMINISTIC), a writer warp issues the
+    reduce-adds of the partials the consumers stage (``_dq_writer``). Launch with num_warps =
+    4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -383,6 +419,15 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
         mbarrier.init(free.index(slot), count=2)  # one arrival per consumer warpgroup
     for slot in gl.static_range(2):
         mbarrier.init(ds_ready.index(slot), count=2)  # both warpgroups' dS^T are written
+    if DQ_WRITER:  # per consumer warpgroup: its partial staged, and read by TMA
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(dq_full.index(w), count=1)
+            mbarrier.init(dq_empty.index(w), count=1)
+    else:  # never read
+        dq_full = ds_ready
+        dq_empty = ds_ready
     if MASK_KIND == MASK_TILE:
         masks = gl.allocate_shared_memory(
             gl.uint8, [STAGES, BLOCK_M, BLOCK_N],
@@ -397,17 +442,38 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, BLOCK_M,
                         BLOCK_N, CAUSAL, GROUPED_ORDER)
 
-    # The argument tuples are written inline: a tuple assigned to a name first turns its
-    # constexprs into runtime values (Triton 3.6).
-    gl.warp_specialize(
-        [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
-                            work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
-                            dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                            MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
-         (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
-                             work, lists, mask_desc, mask_batch_stride, mask_head_stride,
-                             bias, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
-                             softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
-         (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
-                    kv_ready, ring, work, lists, MASK_KIND))],
-        [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
+    # The argument tuples are written inline (a tuple assigned to a name first turns its
+    # constexprs into runtime values, Triton 3.6), so both calls spell out the three
+    # partitions; with DQ_WRITER a fourth, one warp, issues dQ's reduce-adds.
+    if DQ_WRITER:
+        gl.warp_specialize(
+            [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, dq_full,
+                                dq_empty, kv_ready, ring, work, lists, mask_desc,
+                                mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+                                dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND,
+                                DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
+             (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, dq_full,
+                                 dq_empty, kv_ready, ring, work, lists, mask_desc,
+                                 mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+                                 dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND,
+                                 DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
+             (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
+                        kv_ready, ring, work, lists, MASK_KIND)),
+             (_dq_writer, (first_stage, second_stage, dq_full, dq_empty, dq_desc, work, lists,
+                           MASK_KIND))],
+            [CONSUMER_WARPS, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize(
+            [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, dq_full,
+                                dq_empty, kv_ready, ring, work, lists, mask_desc,
+                                mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+                                dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND,
+                                DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
+             (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, dq_full,
+                                 dq_empty, kv_ready, ring, work, lists, mask_desc,
+                                 mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+                                 dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND,
+                                 DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
+             (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
+                        kv_ready, ring, work, lists, MASK_KIND))],
+            [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

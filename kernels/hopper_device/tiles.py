@@ -240,6 +240,33 @@ class KeyBlockWork:
         return gl.num_programs(0) // gl.cdiv(self.seqlen_k, self.BLOCK_N)
 
     @gluon.jit
+    def head_walk(self, lists, batch, q_head, first_key, MASKED: gl.constexpr):
+        """Query head ``q_head``'s walk over this key block: (list row, mask batch, mask head,
+        start, stop, full). MASKED: positions [0, count) of the head's activity list, the
+        first ``full`` of them whole blocks (``query_block`` reads each); else the query
+        blocks [first, stop) of ``query_blocks`` (the list values then unused)."""
+        if MASKED:
+            row, mask_batch, mask_head = lists.row(batch, q_head, first_key // self.BLOCK_N)
+            count, full = lists.counts(row)
+            start = 0
+            stop = count
+        else:
+            row = lists.table
+            mask_batch = batch
+            mask_head = q_head
+            start, stop = self.query_blocks(first_key)
+            full = stop
+        return row, mask_batch, mask_head, start, stop, full
+
+    @gluon.jit
+    def query_block(self, lists, row, position, stop, MASKED: gl.constexpr):
+        """The query block at ``position`` of a walk (``head_walk``)."""
+        block = position
+        if MASKED:
+            block = lists.block(row, position, stop)
+        return block
+
+    @gluon.jit
     def query_blocks(self, first_key):
         """[first, stop) query blocks with a row that may see a key of the block: with
         causality (bottom-right) row r sees keys up to r + Lk - Lq."""
