@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from typer.testing import CliRunner
 
 from dmbench.backends import make_backends
-from dmbench.backends.dmattn import BASELINE_ENV
+from dmbench.backends.dmattn import BASELINE_ENV, BASELINE_OPTIONS_ENV
 from dmbench.case import Case
 from dmbench.cli import app
 from dmbench.errors import ExitCode
@@ -46,7 +48,8 @@ def _these_kernels_as_baseline(tmp_path, monkeypatch, module_name: str) -> None:
     package = tmp_path / "same_kernels"
     package.mkdir()
     (package / "__init__.py").write_text(
-        "from kernels import KeyIntervals, dmattn_func, dmattn_varlen_func, prepare_mask\n")
+        "from kernels import (KeyIntervals, dmattn_func, dmattn_varlen_func, prepare_mask,\n"
+        "                     record_routes)\n")
     monkeypatch.setenv(BASELINE_ENV, str(package))
     monkeypatch.setattr("dmbench.backends.dmattn.BASELINE_MODULE", module_name)
 
@@ -177,3 +180,38 @@ def test_report_gives_the_ratio_distribution_against_the_baseline(tmp_path):
 def test_no_baseline_rows_no_section(tmp_path):
     rows = _rows(_masked(0), "win", "fwd", {"triton": 1.0, "sdpa": 2.0})
     assert baseline_markdown(collect([_csv(tmp_path / "r.csv", rows)])) == []
+
+
+def test_baseline_options_reach_every_call_and_name_themselves_in_the_detail(tmp_path,
+                                                                             monkeypatch):
+    """``DMBENCH_BASELINE_OPTIONS``: the baseline's calls pass them as ``kernel_options`` (an
+    A/B of a schedule decision); here a forced backward route, which the rows' routes show."""
+    _these_kernels_as_baseline(tmp_path, monkeypatch, "dmbench_options_test")
+    monkeypatch.setenv(BASELINE_OPTIONS_ENV, '{"backward": "dq+dkdv"}')
+    rows = _run(tmp_path, "bwd")
+    assert {r.status for r in rows} == {"ok"}, [(r.backend, r.detail) for r in rows]
+    for row in rows:
+        if row.backend == "triton-base":
+            assert "kernel_options {'backward': 'dq+dkdv'}" in row.detail
+            assert "backward dq+dkdv" in row.detail
+        else:
+            assert "kernel_options" not in row.detail
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{backward: 1}", "is not JSON"), ("[1]", "must be a JSON object of kernel_options"),
+    ('{"backward": "gluon"}', "kernel_options['backward']: expected one of")])
+def test_bad_baseline_options_make_the_baseline_unavailable_with_the_reason(
+        tmp_path, monkeypatch, text, says):
+    package = tmp_path / "kernels_with_planning"
+    package.mkdir()
+    (package / "__init__.py").write_text("from kernels import dmattn_func, prepare_mask\n")
+    (package / "planning").mkdir()
+    (package / "planning" / "__init__.py").write_text("")
+    (package / "planning" / "schedule.py").write_text(
+        "from kernels.planning.schedule import normalize_options\n")
+    monkeypatch.setenv(BASELINE_ENV, str(package))
+    monkeypatch.setattr("dmbench.backends.dmattn.BASELINE_MODULE", "dmbench_bad_options_test")
+    monkeypatch.setenv(BASELINE_OPTIONS_ENV, text)
+    reason = make_backends()["triton-base"].unavailable_reason(None)
+    assert reason is not None and BASELINE_OPTIONS_ENV in reason and says in reason

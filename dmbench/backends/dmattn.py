@@ -3,7 +3,9 @@ eager reference in the input dtype (``reference``)."""
 
 from __future__ import annotations
 
+import json
 import os
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +77,19 @@ class TritonBackend(Backend):
             mask, build = timed_build(lambda: prepare_mask(mask, q, k, case.causal), q.device,
                                       "prepare_mask")
 
+        options = self.kernel_options()
+        forced = {} if options is None else {"kernel_options": options}
+
         def call():
             result = dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=case.causal,
-                                 return_lse=want_lse)
+                                 return_lse=want_lse, **forced)
             return result if want_lse else (result, None)
 
-        return Bound(call, build)
+        return Bound(call, build, "" if options is None else f"kernel_options {options}")
+
+    def kernel_options(self) -> dict | None:
+        """The ``kernel_options`` every call passes (None: the default schedule)."""
+        return None
 
     def kernels(self):
         """The kernels package this backend calls."""
@@ -160,6 +169,7 @@ class SelectingBackend(TritonBackend):
 
 
 BASELINE_ENV = "DMBENCH_BASELINE_KERNELS"
+BASELINE_OPTIONS_ENV = "DMBENCH_BASELINE_OPTIONS"
 BASELINE_MODULE = "dmbench_baseline_kernels"
 
 
@@ -172,6 +182,9 @@ class BaselineBackend(TritonBackend):
     made by ``git worktree add /tmp/base <commit>``); it is imported under another module name,
     so both versions' Triton kernels and caches live side by side. A baseline without
     ``KeyIntervals`` or ``dmattn_varlen_func`` skips the cases that need them.
+    ``DMBENCH_BASELINE_OPTIONS`` (a JSON object) is passed to its every call as
+    ``kernel_options``: with this checkout's own ``kernels`` directory, an A/B of a schedule
+    decision (``{"backward_dq_writer": true}``) in one process; each row's detail names them.
     """
 
     name = "triton-base"
@@ -192,7 +205,35 @@ class BaselineBackend(TritonBackend):
         except Exception as exc:  # any failure means "not available here"; the reason is reported
             first = str(exc).splitlines()[0] if str(exc) else ""
             return f"cannot import the kernels at {folder}: {type(exc).__name__}: {first}"
+        try:
+            self.kernel_options()
+        except ValueError as exc:
+            return str(exc)
         return None
+
+    def kernel_options(self) -> dict | None:
+        """``DMBENCH_BASELINE_OPTIONS`` as the baseline checks them (ValueError naming the
+        variable where it is not a JSON object of options the baseline knows)."""
+        text = os.environ.get(BASELINE_OPTIONS_ENV)
+        if not text:
+            return None
+        try:
+            options = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{BASELINE_OPTIONS_ENV} is not JSON ({exc.msg}): {text!r}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"{BASELINE_OPTIONS_ENV} must be a JSON object of kernel_options, "
+                             f"got {text!r}")
+        self.kernels()  # its planning package is then importable under the baseline's name
+        try:
+            check = import_module(f"{BASELINE_MODULE}.planning.schedule").normalize_options
+        except ImportError:  # a package without one: each call checks its options
+            return options
+        try:
+            check(options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{BASELINE_OPTIONS_ENV}: {exc}") from None
+        return options
 
     def adapt(self, problem: Problem) -> dict[str, Any]:
         adapted = super().adapt(problem)
