@@ -73,6 +73,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attention_forward import INTERVAL_WORDS, MASK_TILE, NO_MASK
 from .bias import BiasRow
+from .dq_writer import dq_writer
 from .gluon_compat import (reinterpret, store_wait_written, thread_barrier, tma_atomic_add,
                            tma_load, tma_store)
 from .ring import QueryRing, copy_view, plane_view
@@ -288,39 +289,6 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_r
     tma_store(dv_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
     tma.store_wait(pendings=0)
 
-@gluon.jit
-def _dq_writer(first_stage, second_stage, dq_full, dq_empty, dq_desc, work, lists,
-               MASK_KIND: gl.constexpr):
-    """With DQ_WRITER, one warp issues dQ's reduce-adds (FA3's dQ writer): per step, once a
-    consumer warpgroup has staged its half of the partial (``dq_full``), its two quarters
-    of D go to the float32 accumulator, and once TMA has read them the warpgroup may stage
-    the next (``dq_empty``). It walks the consumers' query blocks in their order."""
-    MASKED: gl.constexpr = MASK_KIND != NO_MASK
-    QUARTER_D: gl.constexpr = first_stage.shape[2]
-    batch, kv_head, first_key = work.coordinates()
-    position = 0
-    for g in range(work.group):
-        q_head = kv_head * work.group + g
-        row, _, _, walk_start, walk_stop, _ = work.head_walk(lists, batch, q_head, first_key,
-                                                             MASKED)
-        for j in range(walk_start, walk_stop):
-            first_row = work.query_block(lists, row, j, walk_stop, MASKED) * work.BLOCK_M
-            mbarrier.wait(dq_full.index(0), position & 1)
-            tma_atomic_add(dq_desc, [batch, q_head, first_row, 0],
-                           plane_view(first_stage.index(0)))
-            tma_atomic_add(dq_desc, [batch, q_head, first_row, QUARTER_D],
-                           plane_view(first_stage.index(1)))
-            mbarrier.wait(dq_full.index(1), position & 1)
-            tma_atomic_add(dq_desc, [batch, q_head, first_row, 2 * QUARTER_D],
-                           plane_view(second_stage.index(0)))
-            tma_atomic_add(dq_desc, [batch, q_head, first_row, 3 * QUARTER_D],
-                           plane_view(second_stage.index(1)))
-            tma.store_wait(pendings=2)  # the first warpgroup's quarters are read
-            mbarrier.arrive(dq_empty.index(0), count=1)
-            tma.store_wait(pendings=0)
-            mbarrier.arrive(dq_empty.index(1), count=1)
-            position += 1
-
 
 @gluon.jit
 def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready,
@@ -382,7 +350,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     query block's partial once both warpgroups of blocks 0..kb-1 have (each of them walks that
     query block: none is masked), so dQ is bitwise reproducible; without it, ``dq_locks`` is a
     stand-in never read. With DQ_WRITER (not with DETERMINISTIC), a writer warp issues the
-    reduce-adds of the partials the consumers stage (``_dq_writer``). Launch with num_warps =
+    reduce-adds of the partials the consumers stage (``dq_writer``). Launch with num_warps =
     4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -459,7 +427,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                                  DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
              (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
                         kv_ready, ring, work, lists, MASK_KIND)),
-             (_dq_writer, (first_stage, second_stage, dq_full, dq_empty, dq_desc, work, lists,
+             (dq_writer, (first_stage, second_stage, dq_full, dq_empty, dq_desc, work, lists,
                            MASK_KIND))],
             [CONSUMER_WARPS, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
     else:
