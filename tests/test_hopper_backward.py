@@ -185,35 +185,6 @@ def test_the_backward_option_names_the_hopper_route():
         normalize_options({"backward": "gluon"})
 
 
-def test_the_dq_writer_is_off_until_it_runs_on_a_gpu_and_the_option_forces_it(monkeypatch):
-    """The writer warp is a field of the Hopper backward's program (shown by the schedule);
-    ``kernel_options['backward_dq_writer']`` forces it either way, and the tuning default
-    applies to any-order calls only."""
-    tile = schedule(dense_problem(), HOPPER_OPTIONS).backward.launches
-    assert tile.dq_writer is False and "dq-writer" not in str(tile)
-    forced = schedule(dense_problem(), normalize_options(
-        {"backward": "hopper", "backward_dq_writer": True})).backward.launches
-    assert forced.dq_writer is True and str(forced).endswith(" dq-writer")
-    assert replace(forced, dq_writer=False) == tuning.HOPPER_BACKWARD
-    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_DQ_WRITER", True)
-    assert schedule(dense_problem(), HOPPER_OPTIONS).backward.launches.dq_writer is True
-    deterministic = dense_problem(deterministic=True)
-    assert schedule(deterministic, HOPPER_OPTIONS).backward.launches.dq_writer is False
-    assert schedule(dense_problem(), normalize_options(
-        {"backward": "hopper", "backward_dq_writer": False})).backward.launches.dq_writer is False
-
-
-def test_the_dq_writer_option_is_refused_where_it_cannot_apply():
-    with pytest.raises(ValueError, match=r"kernel_options\['backward_dq_writer'\]: expected "):
-        normalize_options({"backward_dq_writer": 1})
-    with pytest.raises(ValueError, match="a deterministic backward orders dQ's adds"):
-        schedule(dense_problem(deterministic=True), normalize_options(
-            {"backward": "hopper", "backward_dq_writer": True}))
-    with pytest.raises(ValueError, match="this call's backward route is 'dq\\+dkdv'"):
-        schedule(dense_problem(), normalize_options(
-            {"backward": "dq+dkdv", "backward_dq_writer": True}))
-
-
 # -- device side: a Hopper GPU
 FORCED = forcing(backward="hopper")
 
@@ -344,26 +315,6 @@ def test_hopper_backward_of_intervals_matches_the_reference(device, sizes,
     with record_routes() as routes:
         run_backward(q, k, v, mask, causal=causal, func=BOTH)
     assert set(routes.backward) == {"hopper"}, routes.describe()
-
-
-@pytest.mark.hopper
-def test_the_dq_writer_warp_matches_the_reference_on_random_shapes(device):
-    """The writer warp's backward (``kernel_options['backward_dq_writer']``), a seeded fuzz of
-    60: dense and masked (bool masks of every broadcast, prepared or not, empty rows and key
-    blocks), lengths up to 1500, head dims 8-128, GQA/MQA, causal or not, both dtypes; every
-    backward counted on the Hopper route."""
-    writer = forcing(backward="hopper", backward_dq_writer=True)
-    rng = random.Random(266)
-    for case in range(60):
-        dims = fuzzed_dims(rng, max_batch=2, max_length=1500)
-        q, k, v = random_qkv(dims, rng.choice([torch.bfloat16, torch.float16]), device)
-        causal = rng.random() < 0.5
-        mask = fuzzed_mask(rng, dims, device) if case % 2 else None
-        if mask is not None and rng.random() < 0.3:
-            mask = prepare_mask(mask, q, k, is_causal=causal)
-        with record_routes() as routes:
-            run_backward(q, k, v, mask, causal=causal, func=writer)
-        assert routes.backward and set(routes.backward) == {"hopper"}, routes.describe()
 
 
 @pytest.mark.hopper

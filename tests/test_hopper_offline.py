@@ -107,12 +107,11 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
 
 
 def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
-                      deterministic: bool = False, bias: bool = False, grouped: bool = False,
-                      writer: bool = False):
+                      deterministic: bool = False, bias: bool = False, grouped: bool = False):
     """The backward of MASK_KIND ``kind`` (none, a bool mask's bytes or KeyIntervals' words,
     with lists), its dQ ordered where ``deterministic``, with a bias row and its gradient
     summed over the group where ``bias``, its causal grid ordered in groups where
-    ``grouped``, its dQ reduce-adds issued by a writer warp where ``writer``."""
+    ``grouped``."""
     from kernels.planning import hopper_forward as host
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -154,7 +153,7 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
             bias_row, 4 * 1000, 1000, 1, 2, bias_grad, 2 * 1000, 1000,
             torch.empty(64, dtype=torch.int32), 1000, 1000, 8, 4, 2, 3, 0.1, 0.07, grid=(64,),
             num_warps=4, CAUSAL=causal, GROUPED_ORDER=grouped, MASK_KIND=kind,
-            DETERMINISTIC=deterministic, DQ_WRITER=writer,
+            DETERMINISTIC=deterministic,
             HAS_BIAS=bias, BIAS_GRAD=bias, BIAS_GROUP_SUM=True,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
@@ -185,8 +184,7 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "deterministic-backward"),
     ("bfloat16", 128, True, "biased-backward"), ("bfloat16", 128, True, "grouped-backward"),
     ("bfloat16", 128, True, "biased-forward"),
-    ("float16", 64, False, "biased-masked-forward"),
-    ("bfloat16", 128, False, "writer-backward"), ("bfloat16", 128, True, "masked-writer-backward")],
+    ("float16", 64, False, "biased-masked-forward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
@@ -194,8 +192,7 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "intervals-backward-bf16-d128-causal", "deterministic-backward-bf16-d128-causal",
          "biased-backward-bf16-d128-causal", "grouped-backward-bf16-d128-causal",
          "biased-forward-bf16-d128-causal",
-         "biased-masked-forward-fp16-d64-full", "writer-backward-bf16-d128-full",
-         "masked-writer-backward-bf16-d128-causal"])
+         "biased-masked-forward-fp16-d64-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -207,13 +204,12 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     name, dim, is_causal, form = sys.argv[1:5]
     if form.endswith("backward"):
         from kernels.planning import hopper_forward as host
-        kind = {"masked-backward": host.MASK_TILE, "masked-writer-backward": host.MASK_TILE,
+        kind = {"masked-backward": host.MASK_TILE,
                 "intervals-backward": host.INTERVAL_WORDS}.get(form, host.NO_MASK)
         kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
                                    deterministic=form == "deterministic-backward",
                                    bias=form == "biased-backward",
-                                   grouped=form == "grouped-backward",
-                                   writer="writer" in form)
+                                   grouped=form == "grouped-backward")
     elif form.startswith("biased"):
         from kernels.planning import hopper_forward as host
         kind = host.MASK_TILE if form == "biased-masked-forward" else host.NO_MASK

@@ -184,7 +184,7 @@ class BaselineBackend(TritonBackend):
     ``KeyIntervals`` or ``dmattn_varlen_func`` skips the cases that need them.
     ``DMBENCH_BASELINE_OPTIONS`` (a JSON object) is passed to its every call as
     ``kernel_options``: with this checkout's own ``kernels`` directory, an A/B of a schedule
-    decision (``{"backward_dq_writer": true}``) in one process; each row's detail names them.
+    decision (``{"forward_tile_order": "heads"}``) in one process; each row's detail names them.
     """
 
     name = "triton-base"

@@ -47,11 +47,6 @@ and the consumers read their 64 keys of it transposed, in the score layout; KeyI
 depend on the key alone, so each warpgroup loads its 64 keys' (start, end) once per query
 head and tests start <= row < end.
 
-With DQ_WRITER, a fourth partition of one warp issues those reduce-adds (FA3's dQ writer):
-a consumer warpgroup stages its partial, fences and arrives on ``dq_full``, and goes on; the
-writer adds it and, once TMA has read the staging tiles, arrives on ``dq_empty``, which the
-warpgroup waits for before it stages the next partial.
-
 With DETERMINISTIC (no mask), key block kb adds its partial of a query block after blocks
 0..kb-1 have (a lock per query block: both warpgroups' adds written, then a release
 increment), so dQ's sums run in one order.
@@ -73,7 +68,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attention_forward import INTERVAL_WORDS, MASK_TILE, NO_MASK
 from .bias import BiasRow
-from .dq_writer import dq_writer
 from .gluon_compat import (reinterpret, store_wait_written, thread_barrier, tma_atomic_add,
                            tma_load, tma_store)
 from .ring import QueryRing, copy_view, plane_view
@@ -112,11 +106,11 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
 
 
 @gluon.jit
-def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready, ring,
-              work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc,
-              dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
+def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
+              mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc,
+              dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
               MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
-              BIAS_GRAD: gl.constexpr, DQ_WRITER: gl.constexpr):
+              BIAS_GRAD: gl.constexpr):
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
@@ -233,10 +227,7 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_r
             # The products complete in order: dV's and dQ's, not yet dK's.
             dv, p_op, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p_op, dq_token))
             # The previous step's reduce has read the staging tile.
-            if DQ_WRITER:
-                mbarrier.wait(dq_empty.index(WARPGROUP), (position & 1) ^ 1)
-            else:
-                tma.store_wait(pendings=0)
+            tma.store_wait(pendings=0)
             # Two swizzled quarters of D (a swizzled box spans at most 128 bytes): stores
             # into an unswizzled [64, 64] float32 tile conflicted 8 ways.
             low, high = (dq * softmax_scale).reshape([BLOCK_M, 2, QUARTER_D]).permute(
@@ -244,25 +235,22 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_r
             stage.index(0).store(low)
             stage.index(1).store(high)
             fence_async_shared()
-            if DQ_WRITER:  # the writer warp issues the reduce-adds
-                mbarrier.arrive(dq_full.index(WARPGROUP), count=1)
-            else:
-                if DETERMINISTIC:  # key block kb adds after every warpgroup of blocks 0..kb-1
-                    lock = dq_locks + ((batch * work.heads_q + q_head)
-                                       * gl.cdiv(seqlen_q, BLOCK_M) + m)
-                    turn = 2 * (first_key // work.BLOCK_N)
+            if DETERMINISTIC:  # key block kb adds after every warpgroup of blocks 0..kb-1
+                lock = dq_locks + ((batch * work.heads_q + q_head)
+                                   * gl.cdiv(seqlen_q, BLOCK_M) + m)
+                turn = 2 * (first_key // work.BLOCK_N)
+                seen = gl.load(lock, volatile=True)
+                while seen < turn:
                     seen = gl.load(lock, volatile=True)
-                    while seen < turn:
-                        seen = gl.load(lock, volatile=True)
-                tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D],
-                               plane_view(stage.index(0)))
-                tma_atomic_add(dq_desc,
-                               [batch, q_head, first_row, WARPGROUP * HALF_D + QUARTER_D],
-                               plane_view(stage.index(1)))
-                if DETERMINISTIC:  # the adds are written before the next block's turn
-                    store_wait_written()
-                    thread_barrier()
-                    gl.atomic_add(lock, 1, sem="release", scope="gpu")
+            tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D],
+                           plane_view(stage.index(0)))
+            tma_atomic_add(dq_desc,
+                           [batch, q_head, first_row, WARPGROUP * HALF_D + QUARTER_D],
+                           plane_view(stage.index(1)))
+            if DETERMINISTIC:  # the adds are written before the next block's turn
+                store_wait_written()
+                thread_barrier()
+                gl.atomic_add(lock, 1, sem="release", scope="gpu")
             dk, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds_op))
             ring.release(slot)  # Q and dO are read: the loader may refill the slot
             position += 1
@@ -274,9 +262,7 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_r
             bias.store_grad(batch, kv_head, keys, seqlen_k, bias_grad)
 
     # dK and dV leave through this warpgroup's staging tile and TMA: rows past Lk and columns
-    # past the head dim are not written. The last reduce-add has read the tile first.
-    if DQ_WRITER:
-        mbarrier.wait(dq_empty.index(WARPGROUP), (position & 1) ^ 1)
+    # past the head dim are not written.
     tma.store_wait(pendings=0)
     out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_D], dtype)
     out_tile = reinterpret(stage, dtype, [KEYS, BLOCK_D], out_layout)  # as many bytes
@@ -291,27 +277,23 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_r
 
 
 @gluon.jit
-def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready,
-                    ring, work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
-                    dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                    MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    BIAS_GRAD: gl.constexpr, DQ_WRITER: gl.constexpr):
-    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready, ring, work,
-              lists, mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-              dk_desc, dv_desc, qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS,
-              BIAS_GRAD, DQ_WRITER)
+def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
+                    mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+                    dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
+                    DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
+              mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
+              qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
 
 
 @gluon.jit
-def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready,
-                     ring, work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
-                     dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                     MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     BIAS_GRAD: gl.constexpr, DQ_WRITER: gl.constexpr):
-    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, dq_full, dq_empty, kv_ready, ring, work,
-              lists, mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-              dk_desc, dv_desc, qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS,
-              BIAS_GRAD, DQ_WRITER)
+def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
+                     mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
+                     dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
+                     DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
+    _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
+              mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
+              qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
@@ -330,7 +312,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                        CAUSAL: gl.constexpr, GROUPED_ORDER: gl.constexpr,
                        MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
                        BIAS_GRAD: gl.constexpr, BIAS_GROUP_SUM: gl.constexpr,
-                       DQ_WRITER: gl.constexpr, STAGES: gl.constexpr,
+                       STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,), ordered as ``tiles.KeyBlockWork`` says
     (``order_group``: its (batch, key head)s per group with GROUPED_ORDER). ``rows_desc``: a [1,
@@ -349,9 +331,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     one per (batch x query head, query block)) orders dQ's reduce-adds: key block kb adds a
     query block's partial once both warpgroups of blocks 0..kb-1 have (each of them walks that
     query block: none is masked), so dQ is bitwise reproducible; without it, ``dq_locks`` is a
-    stand-in never read. With DQ_WRITER (not with DETERMINISTIC), a writer warp issues the
-    reduce-adds of the partials the consumers stage (``dq_writer``). Launch with num_warps =
-    4."""
+    stand-in never read. Launch with num_warps = 4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -387,15 +367,6 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
         mbarrier.init(free.index(slot), count=2)  # one arrival per consumer warpgroup
     for slot in gl.static_range(2):
         mbarrier.init(ds_ready.index(slot), count=2)  # both warpgroups' dS^T are written
-    if DQ_WRITER:  # per consumer warpgroup: its partial staged, and read by TMA
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(2):
-            mbarrier.init(dq_full.index(w), count=1)
-            mbarrier.init(dq_empty.index(w), count=1)
-    else:  # never read
-        dq_full = ds_ready
-        dq_empty = ds_ready
     if MASK_KIND == MASK_TILE:
         masks = gl.allocate_shared_memory(
             gl.uint8, [STAGES, BLOCK_M, BLOCK_N],
@@ -410,38 +381,17 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, BLOCK_M,
                         BLOCK_N, CAUSAL, GROUPED_ORDER)
 
-    # The argument tuples are written inline (a tuple assigned to a name first turns its
-    # constexprs into runtime values, Triton 3.6), so both calls spell out the three
-    # partitions; with DQ_WRITER a fourth, one warp, issues dQ's reduce-adds.
-    if DQ_WRITER:
-        gl.warp_specialize(
-            [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, dq_full,
-                                dq_empty, kv_ready, ring, work, lists, mask_desc,
-                                mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-                                dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND,
-                                DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
-             (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, dq_full,
-                                 dq_empty, kv_ready, ring, work, lists, mask_desc,
-                                 mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-                                 dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND,
-                                 DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
-             (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
-                        kv_ready, ring, work, lists, MASK_KIND)),
-             (dq_writer, (first_stage, second_stage, dq_full, dq_empty, dq_desc, work, lists,
-                           MASK_KIND))],
-            [CONSUMER_WARPS, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize(
-            [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, dq_full,
-                                dq_empty, kv_ready, ring, work, lists, mask_desc,
-                                mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-                                dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND,
-                                DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
-             (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, dq_full,
-                                 dq_empty, kv_ready, ring, work, lists, mask_desc,
-                                 mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-                                 dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND,
-                                 DETERMINISTIC, HAS_BIAS, BIAS_GRAD, DQ_WRITER)),
-             (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
-                        kv_ready, ring, work, lists, MASK_KIND))],
-            [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
+    # The argument tuples are written inline: a tuple assigned to a name first turns its
+    # constexprs into runtime values (Triton 3.6).
+    gl.warp_specialize(
+        [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
+                            work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
+                            dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
+                            MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
+         (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
+                             work, lists, mask_desc, mask_batch_stride, mask_head_stride,
+                             bias, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
+                             softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
+         (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
+                    kv_ready, ring, work, lists, MASK_KIND))],
+        [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

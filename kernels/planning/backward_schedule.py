@@ -8,7 +8,7 @@ the launches of its route: ``GeneralBackward`` (routes ``fused`` and ``dq+dkdv``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -310,28 +310,7 @@ def schedule_general(problem: Problem, options: dict) -> BackwardSchedule:
         dkdv_launch_per_batch=per_batch, dkdv_launch_per_head=per_head))
 
 
-def hopper_tile(problem: Problem, options: dict) -> tuning.HopperBackwardTile:
-    """The Hopper backward's program, with dQ's writer warp where
-    ``options['backward_dq_writer']`` asks for it (else ``tuning.HOPPER_BACKWARD_DQ_WRITER``);
-    never with ``deterministic``, whose adds take turns in the consumers."""
-    writer = options.get("backward_dq_writer")
-    if writer and problem.deterministic:
-        raise ValueError("kernel_options['backward_dq_writer']: a deterministic backward orders "
-                         "dQ's adds in its consumer warpgroups; the writer warp does not take it")
-    if writer is None:
-        writer = tuning.HOPPER_BACKWARD_DQ_WRITER and not problem.deterministic
-    return replace(tuning.HOPPER_BACKWARD, dq_writer=writer)
-
-
 def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
-    chosen = _schedule_backward(problem, options)
-    if chosen.route is not BackwardRoute.HOPPER and options.get("backward_dq_writer") is not None:
-        raise ValueError(f"kernel_options['backward_dq_writer'] is a choice of the Hopper "
-                         f"backward; this call's backward route is {chosen.route.value!r}")
-    return chosen
-
-
-def _schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
     route = options.get("backward")
     if route is BackwardRoute.HOPPER:
         gap = hopper_backward_gap(problem)
@@ -345,7 +324,7 @@ def _schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
         if problem.bias_grad:  # one row per (batch, head): rows summed in the program
             dbias = plan_dbias(problem.bias.shape, problem.bias.head_div, problem.shape,
                                problem.dtype, problem.deterministic, problem.interpreted)
-        return BackwardSchedule(BackwardRoute.HOPPER, dbias, hopper_tile(problem, options))
+        return BackwardSchedule(BackwardRoute.HOPPER, dbias, tuning.HOPPER_BACKWARD)
     if route in (None, BackwardRoute.PACKED):
         packs, dbias = packed_route(problem)
         if packs:

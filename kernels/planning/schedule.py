@@ -95,8 +95,6 @@ OPTION_NAMES = {
     "forward_key_scan": "whether the forward reads unprepared intervals itself, True or False",
     "dkdv_wide_tile": "whether dkdv takes its 64 x 128 tile (16-bit, 64 < head dim <= 128), "
                       "True or False",
-    "backward_dq_writer": "whether a writer warp issues the Hopper backward's dQ reduce-adds, "
-                          "True or False",
 }
 
 
@@ -126,7 +124,7 @@ def normalize_options(options) -> dict:
             except ValueError:
                 raise ValueError(f"kernel_options['backward']: expected one of 'fused', "
                                  f"'dq+dkdv', 'packed', 'hopper', got {value!r}") from None
-        elif name in ("forward_key_scan", "dkdv_wide_tile", "backward_dq_writer"):
+        elif name in ("forward_key_scan", "dkdv_wide_tile"):
             if type(value) is not bool:
                 raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "
                                  f"got {value!r}")

@@ -214,20 +214,17 @@ HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
 @dataclass(frozen=True)
 class HopperBackwardTile:
     """A Hopper backward program: ``block_n`` keys (two consumer warpgroups of half each),
-    query blocks of ``block_m`` rows in a ring of ``stages`` slots, the registers per thread
-    the consumers and the loader warp take (``setmaxnreg``), and whether a writer warp issues
-    dQ's reduce-adds (``dq_writer``; else each consumer warpgroup issues its own)."""
+    query blocks of ``block_m`` rows in a ring of ``stages`` slots, and the registers per
+    thread the consumers and the loader warp take (``setmaxnreg``)."""
 
     block_m: int
     block_n: int
     stages: int
     consumer_regs: int
     loader_regs: int
-    dq_writer: bool = False
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n} s{self.stages}" + (
-            " dq-writer" if self.dq_writer else "")
+        return f"{self.block_m}x{self.block_n} s{self.stages}"
 
 
 # 198,000 bytes of shared memory at head dim 128 (K, V 32 KB each; two slots of Q, dO, LSE and
@@ -236,10 +233,6 @@ class HopperBackwardTile:
 # and ran no faster on the H200 (B2 H16 L8192 D128: 6.22 / 6.25 ms; D64 alike). A bool mask
 # (its bytes beside Q) takes 214 KB, KeyIntervals 198 KB; with a bias row 288-376 bytes spill.
 HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
-# A writer warp for dQ's reduce-adds (FA3's form: the consumers stage, fence and arrive, and go
-# on): ``kernel_options['backward_dq_writer']`` forces it. Offline (sm_90a) the consumer's step
-# has one warpgroup barrier fewer; it has not yet run on a GPU, so the default stays off.
-HOPPER_BACKWARD_DQ_WRITER = False
 # Causal Hopper backward programs start in the order of their key block, longest walk first
 # (``tiles.KeyBlockWork``), in groups of (batch, key head)s whose programs fill about this many
 # waves, so that the programs in flight add dQ into fewer heads' rows (None: one order over
