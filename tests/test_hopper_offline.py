@@ -8,6 +8,7 @@ machine. Gluon has no interpreter; what runs on the device is tested on a Hopper
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.hopper_device import named_barriers
 from kernels.planning import tuning
 
 GLUON = pytest.importorskip("triton.experimental.gluon")
@@ -198,6 +200,17 @@ def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     assert compiled["target"]
     assert compiled["wgmma"] and compiled["tma"]
     assert compiled["shared"] <= SM90_SHARED_BYTES
+    # Triton's own named barriers (the program's and each partition's) stay below the first
+    # one ours take (``hopper_device.named_barriers``): the forward's two turn barriers, each
+    # of both consumer warpgroups.
+    first_free = named_barriers.FIRST_FREE.value
+    assert compiled["barriers"]
+    ours = {(op, number, threads) for op, number, threads in compiled["barriers"]
+            if number >= first_free}
+    assert all(threads == 256 for _, _, threads in ours), ours
+    if "backward" not in str(masked):
+        assert {(op, number) for op, number, _ in ours} == {
+            (op, first_free + w) for op in ("sync", "arrive") for w in (0, 1)}
 
 
 if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child process
@@ -217,5 +230,8 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     else:
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))
     ptx = kernel.asm["ptx"]
+    barriers = [(op, int(number), int(threads or 0)) for op, number, threads in re.findall(
+        r"\bbar(?:rier)?\.(sync|arrive)\s+(\d+)(?:,\s*(\d+))?;", ptx)]
     print(json.dumps({"target": ".target sm_90a" in ptx, "wgmma": "wgmma.mma_async" in ptx,
-                      "tma": "cp.async.bulk.tensor" in ptx, "shared": kernel.metadata.shared}))
+                      "tma": "cp.async.bulk.tensor" in ptx, "shared": kernel.metadata.shared,
+                      "barriers": sorted(set(barriers))}))
