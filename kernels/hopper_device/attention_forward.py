@@ -222,7 +222,7 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
     diagonal = seqlen_k - seqlen_q  # bottom-right causal: row r sees keys <= r + diagonal
 
     ring = 0  # key blocks consumed so far, over this program's tiles
-    if WARPGROUP == 1:  # warpgroup 0 issues first
+    if WARPGROUP == 1:  # warpgroup 0 issues first (and the last arrival is never waited for)
         _pass_turn(WARPGROUP)
     for visit in range(work.visits()):  # this program's tiles so far
         batch, q_head, kv_head, q_start, bh = work.coordinates(work.tile(visit))
@@ -329,8 +329,9 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     h // ``list_head_div`` and mask head h // ``mask_head_div``. Without a mask both are unused
     stand-ins. With HAS_BIAS, ``bias_desc`` reads a bias of one row per (batch, head) as
     (Bb, Hb, 1, Lk) in [1, 1, 1, BLOCK_N] boxes (``bias.BiasRows``: query head h reads bias head
-    h // ``bias_head_div``, batch b batch b x ``bias_batches``); without it, a stand-in. Launch with num_warps = 4 (the first consumer warpgroup; the second and the
-    loader warp are workers)."""
+    h // ``bias_head_div``, batch b batch b x ``bias_batches``); without it, a stand-in.
+    Launch with num_warps = 4 (the first consumer warpgroup; the second and the loader warp
+    are workers)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
