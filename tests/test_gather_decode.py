@@ -130,6 +130,23 @@ def test_key_shares_merge_in_the_launch(device):
     run_forward(q, k, v, mask, func=GATHER)
 
 
+@pytest.mark.parametrize("programs", [1, 7, 64, 132, 500, 528, 529, 4000])
+def test_key_shares_fill_whole_waves(programs):
+    """The shares never leave a partial last wave: programs x shares fit in
+    ``GATHER_PROGRAMS_PER_SM`` per multiprocessor wherever one share a list does."""
+    from kernels.planning.gather_decode import gather_splits
+    multiprocessors, key_blocks = 132, 512
+    slots = tuning.GATHER_PROGRAMS_PER_SM * multiprocessors
+    splits = gather_splits(programs, key_blocks, multiprocessors)
+    assert splits >= 1
+    if programs <= slots:
+        assert programs * splits <= slots
+        assert programs * (splits + 1) > slots or splits == tuning.MAX_KEY_SPLITS
+    else:
+        assert splits == 1
+    assert gather_splits(programs, 3, multiprocessors) == 1
+
+
 # -- the schedule's choice
 def test_the_schedule_takes_the_route_for_a_small_top_w_of_many_keys(device):
     dims = Dims(2, 1, 512, 4, 2, 16)

@@ -104,11 +104,12 @@ def gather_gap(problem: Problem) -> str | None:
 
 
 def gather_splits(programs: int, key_blocks: int, multiprocessors: int) -> int:
-    """Key shares of each list: about ``tuning.GATHER_PROGRAMS_PER_SM`` programs per
-    multiprocessor, at least ``tuning.GATHER_MIN_BLOCKS_PER_SPLIT`` key blocks a share. The
-    forward waits on gathered rows whose addresses come from the list, so it wants more
-    programs in flight than the tile walk's split-K."""
-    return max(1, min(ceil_div(tuning.GATHER_PROGRAMS_PER_SM * multiprocessors, programs),
+    """Key shares of each list: at most ``tuning.GATHER_PROGRAMS_PER_SM`` programs per
+    multiprocessor in all (whole waves: rounded down), at least
+    ``tuning.GATHER_MIN_BLOCKS_PER_SPLIT`` key blocks a share. The forward waits on gathered
+    rows whose addresses come from the list, so it wants more programs in flight than the
+    tile walk's split-K."""
+    return max(1, min(tuning.GATHER_PROGRAMS_PER_SM * multiprocessors // programs,
                       key_blocks // tuning.GATHER_MIN_BLOCKS_PER_SPLIT, tuning.MAX_KEY_SPLITS))
 
 

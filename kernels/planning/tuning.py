@@ -315,7 +315,10 @@ GATHER_INTERPRETED = Tile(0, 16, 4, 1)
 # intervals steps, us at Lk8192 W512 / 32768 W2048 / 32768 W4096 / 131072 W4096 (H200):
 # 2 per SM, 4 blocks 36.3 / 67.1 / 89.4 / 128.2; 4 per SM, 2 blocks 31.8 / 62.3 / 80.8 / 120.5;
 # 8 per SM 32-36 / 62-69 / 88 / 128; 32-key blocks or 3 stages no better; 16 per SM, 1 block
-# 31.5 / 80.6 / 100.2 / 143.5.
+# 31.5 / 80.6 / 100.2 / 143.5. The shares round down to whole waves: at 4 per SM (117
+# registers) 132 SMs hold 528 programs, and 64 lists x 9 shares (rounded up) left a second
+# wave of 48; 8 shares took the all-kept B8 H32/8 Lk32768 bool step from 0.409 to 0.276 ms
+# (CUDA graphs, one process), the W2048 steps 0.032 -> 0.031 ms.
 GATHER_MIN_BLOCKS_PER_SPLIT = 2
 GATHER_PROGRAMS_PER_SM = 4
 # Keys per program of the list pass. One program per list row walking 32k keys in 1024-key
