@@ -68,7 +68,8 @@ def test_the_same_kernels_as_a_baseline_give_the_same_outputs(tmp_path, monkeypa
 
 def test_ordered_intervals_reach_the_baseline_ordered(tmp_path, monkeypatch):
     """Intervals that carry a key order (``topk_intervals`` at long lengths) are given to the
-    baseline with its own key order, so an A/B compares the ordered calls of both versions."""
+    baseline with its own key order, and with their bound on the kept keys (which sends decode
+    rows to the gather route), so an A/B compares the same calls of both versions."""
     import torch
     from kernels import topk_intervals
     from dmbench.problem import Problem
@@ -84,6 +85,7 @@ def test_ordered_intervals_reach_the_baseline_ordered(tmp_path, monkeypatch):
                           kept_pairs=0)
         given = backend.adapt(problem)["mask"]
         assert torch.equal(given.start, intervals.start) and torch.equal(given.end, intervals.end)
+        assert given.max_kept == intervals.max_kept is not None
         if intervals.key_order is None:
             assert given.key_order is None
         else:

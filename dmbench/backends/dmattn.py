@@ -3,6 +3,7 @@ eager reference in the input dtype (``reference``)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from importlib import import_module
@@ -239,7 +240,12 @@ class BaselineBackend(TritonBackend):
         adapted = super().adapt(problem)
         mask = adapted.get("mask")
         if is_intervals(mask):  # the same intervals as the baseline package's own class
-            intervals = self.kernels().KeyIntervals(mask.start, mask.end)
+            own_class = self.kernels().KeyIntervals
+            # Their bound on the kept keys goes along where the baseline has one: without it,
+            # decode rows the bound sends to the gather route would take another route there.
+            bound = ({"max_kept": mask.max_kept} if mask.max_kept is not None
+                     and "max_kept" in inspect.signature(own_class).parameters else {})
+            intervals = own_class(mask.start, mask.end, **bound)
             # A key order is not copied across packages: the baseline orders the keys its own
             # way, as its topk_intervals would (an older one without orders reads them plain).
             if mask.key_order is not None and hasattr(intervals, "with_key_order"):
