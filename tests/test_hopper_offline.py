@@ -60,9 +60,10 @@ def _describer(dtype, head_dim: int):
     return describe
 
 
-def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = False):
+def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = False,
+             documents: bool = False):
     """The forward of MASK_KIND ``kind`` (``hopper_forward``'s constants), with a bias row
-    where ``bias``."""
+    where ``bias``, over packed documents where ``documents``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
@@ -97,13 +98,20 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
         bias_args = (TensorDescriptor(rows, list(rows.shape), list(rows.stride()), box,
                                       gl.NVMMASharedLayout(swizzle_byte_width=0,
                                                            element_bitwidth=16, rank=4)), 2, 1)
+    # (the tile table, cu_q, cu_k, the output, its row stride, the head dim)
+    document_args = (lse, lse, lse, lse, 0, 0)
+    if documents:
+        offsets = torch.empty(5, dtype=torch.int32)
+        document_args = (torch.empty(64, dtype=torch.int32), offsets, offsets,
+                         torch.empty(8, dtype=dtype), 4 * head_dim, head_dim)
     saved = driver._active
     driver.set_active(_Sm90())
     try:
         return attention_forward.warmup(
-            q, kv, kv, q, lse, *mask_args, *bias_args, 1000, 1000, 4, 2, 0.1, 3, 8, 24, 1,
-            grid=(132,), num_warps=4, CAUSAL=causal, MASK_KIND=kind, HAS_BIAS=bias,
-            STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+            q, kv, kv, q, lse, *mask_args, *bias_args, *document_args, 1000, 1000, 4, 2, 0.1,
+            3, 8, 24, 1, grid=(132,), num_warps=4, CAUSAL=causal, MASK_KIND=kind,
+            HAS_BIAS=bias, DOCUMENTS=documents, STAGES=tile.stages,
+            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved
 

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import named_barriers
 from .gluon_compat import reinterpret, tma_load, tma_store
 from .bias import BiasRows
+from .output_rows import OutputRows
 from .ring import KeyValueRing, copy_view
 from .softmax import finish_rows, fold_scores
 from .tiles import BlockLists, WorkTiles
@@ -64,19 +65,20 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     ring = 0  # key blocks loaded so far, over this program's tiles: the ring's position
     for visit in range(work.visits()):  # this program's tiles loaded so far
-        batch, q_head, kv_head, q_start, _ = work.coordinates(work.tile(visit))
+        batch, q_head, kv_head, q_start, _, q_base, k_base, seqlen_q, seqlen_k = \
+            work.coordinates(work.tile(visit))
         if MASKED:
             row, mask_batch, mask_head = lists.row(batch, q_head, q_start // work.ROWS2)
             count, full = lists.counts(row)
             num_blocks = gl.maximum(count, 1)
         else:
-            num_blocks, _ = work.key_blocks(q_start)
+            num_blocks, _ = work.key_blocks(q_start, seqlen_q, seqlen_k)
         # A barrier that has completed no phase passes a wait for the parity of the phase
         # before phase 0: the first tile's Q does not wait.
         for w in gl.static_range(2):
             mbarrier.wait(q_free.index(w), (visit & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-            tma_load(q_desc, [batch, q_start + w * ROWS, q_head, 0], q_ready.index(w),
+            tma_load(q_desc, [batch, q_base + q_start + w * ROWS, q_head, 0], q_ready.index(w),
                      copy_view(q_tiles.index(w)))
         for j in range(num_blocks):
             if MASKED:
@@ -96,11 +98,12 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases
                     kv.fill_tested(ring + j, k_desc, v_desc, batch, first_key, kv_head,
                                    mask_desc, masks, mask_at, (j == 0) | (j >= full))
             elif HAS_BIAS:
-                kv.fill_biased(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head, None,
-                               None, None, False, bias_desc, biases,
-                               bias_heads.at(batch, q_head, j * work.BLOCK_N))
+                first_key = k_base + j * work.BLOCK_N
+                kv.fill_biased(ring + j, k_desc, v_desc, batch, first_key, kv_head, None, None,
+                               None, False, bias_desc, biases,
+                               bias_heads.at(batch, q_head, first_key))
             else:
-                kv.fill(ring + j, k_desc, v_desc, batch, j * work.BLOCK_N, kv_head)
+                kv.fill(ring + j, k_desc, v_desc, batch, k_base + j * work.BLOCK_N, kv_head)
         ring += num_blocks
 
 
@@ -202,8 +205,8 @@ def _keeps(masks, slot, rows, WARPGROUP: gl.constexpr, ROWS: gl.constexpr,
 
 @gluon.jit
 def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
-              o_desc, lse_ptr, qk_scale, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr,
-              HAS_BIAS: gl.constexpr):
+              o_desc, lse_ptr, out_rows, qk_scale, WARPGROUP: gl.constexpr,
+              MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr):
     ROWS: gl.constexpr = q_tiles.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_D: gl.constexpr = q_tiles.shape[2]
@@ -217,15 +220,15 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_tile = q_tiles.index(WARPGROUP)
     o_tile = o_tiles.index(WARPGROUP)
-    seqlen_q = work.seqlen_q
-    seqlen_k = work.seqlen_k
-    diagonal = seqlen_k - seqlen_q  # bottom-right causal: row r sees keys <= r + diagonal
+    lse_rows = work.seqlen_q  # the LSE's rows per (batch, head): every packed row
 
     ring = 0  # key blocks consumed so far, over this program's tiles
     if WARPGROUP == 1:  # warpgroup 0 issues first (and the last arrival is never waited for)
         _pass_turn(WARPGROUP)
     for visit in range(work.visits()):  # this program's tiles so far
-        batch, q_head, kv_head, q_start, bh = work.coordinates(work.tile(visit))
+        batch, q_head, kv_head, q_start, bh, q_base, _, seqlen_q, seqlen_k = \
+            work.coordinates(work.tile(visit))
+        diagonal = seqlen_k - seqlen_q  # bottom-right causal: row r sees keys <= r + diagonal
         if MASKED:
             row, _, _ = lists.row(batch, q_head, q_start // work.ROWS2)
             count, unmasked_blocks = lists.counts(row)
@@ -234,7 +237,7 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
         else:
             row = 0
             count = 0
-            num_blocks, unmasked_blocks = work.key_blocks(q_start)
+            num_blocks, unmasked_blocks = work.key_blocks(q_start, seqlen_q, seqlen_k)
             first_col = 0
         first_row = q_start + WARPGROUP * ROWS
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -282,42 +285,60 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
         ring += num_blocks
 
         out, lse = finish_rows(acc, m_i, l_i, o_layout)
-        gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-        tma.store_wait(pendings=0)  # the previous tile's output has left the staging tile
-        o_tile.store(out.to(dtype))
-        fence_async_shared()
-        tma_store(o_desc, [batch, first_row, q_head, 0], copy_view(o_tile))
+        gl.store(lse_ptr + bh.to(gl.int64) * lse_rows + q_base + rows, lse,
+                 mask=rows < seqlen_q)
+        if work.DOCUMENTS:
+            # A sequence's last rows: a TMA box would write the next sequence's rows too.
+            if first_row + ROWS > seqlen_q:
+                out_rows.store(out.to(dtype), q_base, first_row, seqlen_q, q_head, o_layout)
+            else:
+                _store_tile(o_tile, out.to(dtype), o_desc, batch, q_base + first_row, q_head)
+        else:
+            _store_tile(o_tile, out.to(dtype), o_desc, batch, first_row, q_head)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
+def _store_tile(o_tile, out, o_desc, batch, first_row, q_head):
+    """Write a warpgroup's output rows from ``first_row`` through its staging tile and TMA
+    (rows past the tensor's end are not written)."""
+    tma.store_wait(pendings=0)  # the previous tile's output has left the staging tile
+    o_tile.store(out)
+    fence_async_shared()
+    tma_store(o_desc, [batch, first_row, q_head, 0], copy_view(o_tile))
+
+
+@gluon.jit
 def _first_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
-                    o_desc, lse_ptr, qk_scale, MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr):
+                    o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND: gl.constexpr,
+                    HAS_BIAS: gl.constexpr):
     _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases, o_desc,
-              lse_ptr, qk_scale, 0, MASK_KIND, HAS_BIAS)
+              lse_ptr, out_rows, qk_scale, 0, MASK_KIND, HAS_BIAS)
 
 
 @gluon.jit
 def _second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
-                     o_desc, lse_ptr, qk_scale, MASK_KIND: gl.constexpr,
+                     o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND: gl.constexpr,
                      HAS_BIAS: gl.constexpr):
     _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases, o_desc,
-              lse_ptr, qk_scale, 1, MASK_KIND, HAS_BIAS)
+              lse_ptr, out_rows, qk_scale, 1, MASK_KIND, HAS_BIAS)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
                               "list_head_div", "mask_head_div", "mask_batches", "bias_head_div",
                               "bias_batches", "seqlen_q",
                               "seqlen_k", "heads_q", "group", "row_tiles", "batch_heads",
-                              "num_tiles", "tile_order"])
+                              "num_tiles", "tile_order", "out_row_stride", "head_dim"])
 def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_table,
                       list_batch_stride, list_head_stride, list_row_stride, list_head_div,
                       mask_head_div, mask_batches, bias_desc, bias_head_div, bias_batches,
+                      documents, cu_q, cu_k, out_ptr, out_row_stride, head_dim,
                       seqlen_q, seqlen_k, heads_q, group,
                       qk_scale, row_tiles, batch_heads, num_tiles, tile_order,
                       CAUSAL: gl.constexpr,
-                      MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                      MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, DOCUMENTS: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                      LOADER_REGS: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
     ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``) in ``tile_order``
     (``tiles.ORDER_HEADS`` or ``tiles.ORDER_BALANCED``). ``lse_ptr``: (B, Hq, Lq)
@@ -330,8 +351,14 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     stand-ins. With HAS_BIAS, ``bias_desc`` reads a bias of one row per (batch, head) as
     (Bb, Hb, 1, Lk) in [1, 1, 1, BLOCK_N] boxes (``bias.BiasRows``: query head h reads bias head
     h // ``bias_head_div``, batch b batch b x ``bias_batches``); without it, a stand-in.
+    With DOCUMENTS (no mask; batch 1), the tiles are those of ``documents`` over the
+    sequences that ``cu_q`` and ``cu_k`` (int32 offsets) pack (``tiles.WorkTiles``), and a
+    sequence's last rows are written through ``out_ptr`` (the output, ``out_row_stride``
+    elements a packed row, heads of ``head_dim``); ``seqlen_q`` and ``seqlen_k`` are the packed
+    lengths. Without it all five are unread stand-ins.
     Launch with num_warps = 4 (the first consumer warpgroup; the second and the loader warp
     are workers)."""
+    gl.static_assert(not DOCUMENTS or MASK_KIND == NO_MASK, "documents take no mask")
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -380,7 +407,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
         mbarrier.init(v_free.index(slot), count=2)
     kv = KeyValueRing(k_ring, v_ring, k_ready, k_free, v_ready, v_free, STAGES)
     work = WorkTiles(seqlen_q, seqlen_k, heads_q, group, row_tiles, batch_heads, num_tiles,
-                     tile_order, 2 * ROWS, BLOCK_N, CAUSAL)
+                     tile_order, documents, cu_q, cu_k, 2 * ROWS, BLOCK_N, CAUSAL, DOCUMENTS)
+    out_rows = OutputRows(out_ptr, out_row_stride, head_dim)
     lists = BlockLists(list_table, list_batch_stride, list_head_stride, list_row_stride,
                        list_head_div, mask_head_div, mask_batches)
     bias_heads = BiasRows(bias_head_div, bias_batches)
@@ -389,9 +417,11 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     # constexprs into runtime values (Triton 3.6). The aggregates keep theirs as fields.
     gl.warp_specialize(
         [(_first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
-                            biases, o_desc, lse_ptr, qk_scale, MASK_KIND, HAS_BIAS)),
+                            biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
+                            HAS_BIAS)),
          (_second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
-                             biases, o_desc, lse_ptr, qk_scale, MASK_KIND, HAS_BIAS)),
+                             biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
+                             HAS_BIAS)),
          (_loader, (q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases,
                     q_ready, q_free, kv, work, lists, bias_heads, MASK_KIND, HAS_BIAS))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

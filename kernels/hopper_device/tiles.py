@@ -14,7 +14,13 @@ tiles in one of two orders (``order``, a runtime value, so one compiled kernel h
   61 blocks in ORDER_HEADS where the mean is 33; dealt back and forth, 33.
 
 Each tile walks key blocks [0, num_blocks); the first ``unmasked_blocks`` of them every row of
-the tile sees whole, so they need no test per pair."""
+the tile sees whole, so they need no test per pair.
+
+With DOCUMENTS (sequences packed end to end, batch 1) a work tile is ROWS2 rows of one
+sequence and one query head, in that sequence's own coordinates: ``documents`` is an int32
+table, its count of tiles first, then per tile (sequence, row tile) in the order the tiles
+are dealt (``planning.documents.document_tiles``: the longest walks first), heads inner; the
+offsets ``cu_q`` and ``cu_k`` place each sequence's rows and keys in the packed tensors."""
 
 
 
@@ -37,13 +43,17 @@ class WorkTiles:
     batch_heads: gl.tensor
     num_tiles: gl.tensor
     order: gl.tensor
+    documents: gl.tensor
+    cu_q: gl.tensor
+    cu_k: gl.tensor
     ROWS2: gl.constexpr
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
+    DOCUMENTS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, seqlen_q, seqlen_k, heads_q, group, row_tiles, batch_heads, num_tiles,
-                 order, ROWS2, BLOCK_N, CAUSAL):
+                 order, documents, cu_q, cu_k, ROWS2, BLOCK_N, CAUSAL, DOCUMENTS):
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
         self.heads_q = heads_q
@@ -52,27 +62,42 @@ class WorkTiles:
         self.batch_heads = batch_heads
         self.num_tiles = num_tiles
         self.order = order
+        self.documents = documents
+        self.cu_q = cu_q
+        self.cu_k = cu_k
         self.ROWS2 = gl.constexpr(ROWS2)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
+        self.DOCUMENTS = gl.constexpr(DOCUMENTS)
+
+    @gluon.jit
+    def tile_count(self):
+        """How many work tiles the grid walks: with DOCUMENTS the table's count (written on
+        the device, so no count is read back) x heads."""
+        if self.DOCUMENTS:
+            count = gl.load(self.documents) * self.batch_heads
+        else:
+            count = self.num_tiles
+        return count
 
     @gluon.jit
     def visits(self):
         """How many tiles this program walks."""
         program = gl.program_id(0)
         programs = gl.num_programs(0)
+        num_tiles = self.tile_count()
         if self.order == ORDER_BALANCED:
             # Every program takes one tile of each whole round; of the last, partial round
             # (its tiles dealt from the end where the round is odd) only some do.
-            rounds = self.num_tiles // programs
-            left = self.num_tiles - rounds * programs
+            rounds = num_tiles // programs
+            left = num_tiles - rounds * programs
             if rounds % 2 == 0:
                 last = program < left
             else:
                 last = program >= programs - left
             count = rounds + last.to(gl.int32)
         else:
-            count = gl.cdiv(self.num_tiles - program, programs)
+            count = gl.cdiv(gl.maximum(num_tiles - program, 0), programs)
         return count
 
     @gluon.jit
@@ -89,39 +114,60 @@ class WorkTiles:
     @gluon.jit
     def coordinates(self, tile):
         """(batch, query head, key head, first query row, batch x heads row) of work tile
-        ``tile``. In ORDER_HEADS a head's row tiles are consecutive, so that the programs in
-        flight share K and V in L2; with CAUSAL each head's longest rows come first. (Every
-        head's longest rows first, heads inner, dealt as ORDER_HEADS deals, was 3% slower
-        causal at B2 H16 L8192 on an H200: no K/V shared in flight.) In ORDER_BALANCED the
-        heads are inner."""
-        if self.order == ORDER_BALANCED:
+        ``tile``, then its sequence's span (``span``). In ORDER_HEADS a head's row tiles are consecutive,
+        so that the programs in flight share K and V in L2; with CAUSAL each head's longest
+        rows come first. (Every head's longest rows first, heads inner, dealt as ORDER_HEADS
+        deals, was 3% slower causal at B2 H16 L8192 on an H200: no K/V shared in flight.) In
+        ORDER_BALANCED, and with DOCUMENTS, the heads are inner."""
+        if self.DOCUMENTS:
             bh = tile % self.batch_heads
-            row_tile = tile // self.batch_heads
+            entry = self.documents + 1 + 2 * (tile // self.batch_heads)
+            sequence = gl.load(entry)
+            row_tile = gl.load(entry + 1)
         else:
-            bh = tile // self.row_tiles
-            row_tile = tile % self.row_tiles
-        if self.CAUSAL:
-            row_tile = self.row_tiles - 1 - row_tile
+            sequence = 0
+            if self.order == ORDER_BALANCED:
+                bh = tile % self.batch_heads
+                row_tile = tile // self.batch_heads
+            else:
+                bh = tile // self.row_tiles
+                row_tile = tile % self.row_tiles
+            if self.CAUSAL:
+                row_tile = self.row_tiles - 1 - row_tile
         q_head = bh % self.heads_q
-        return bh // self.heads_q, q_head, q_head // self.group, row_tile * self.ROWS2, bh
+        q_base, k_base, seqlen_q, seqlen_k = self.span(sequence)
+        return (bh // self.heads_q, q_head, q_head // self.group, row_tile * self.ROWS2, bh,
+                q_base, k_base, seqlen_q, seqlen_k)
 
     @gluon.jit
-    def key_blocks(self, q_start):
-        """How many key blocks the tile of rows [q_start, q_start + ROWS2) walks, and how many
-        of the first of them every row sees whole (no test per pair): the host's
-        ``planning.key_walk.tile_key_blocks``, but a tile whose rows see no key still walks
-        block 0, all hidden, so that every row is written. With CAUSAL the keys end at the last
-        row's diagonal."""
-        if self.CAUSAL:
-            visible_end = gl.minimum(self.seqlen_k,
-                                     q_start + self.ROWS2 + self.seqlen_k - self.seqlen_q)
-            num_blocks = gl.cdiv(gl.maximum(visible_end, 1), self.BLOCK_N)
-            unmasked_blocks = gl.maximum(q_start + self.seqlen_k - self.seqlen_q + 1,
-                                         0) // self.BLOCK_N
-            unmasked_blocks = gl.minimum(unmasked_blocks, self.seqlen_k // self.BLOCK_N)
+    def span(self, sequence):
+        """(its first packed query row, its first packed key, query rows, keys) of a tile's
+        sequence: with DOCUMENTS from the offsets, else (0, 0, seqlen_q, seqlen_k)."""
+        if self.DOCUMENTS:
+            q_base = gl.load(self.cu_q + sequence)
+            k_base = gl.load(self.cu_k + sequence)
+            result = (q_base, k_base, gl.load(self.cu_q + sequence + 1) - q_base,
+                      gl.load(self.cu_k + sequence + 1) - k_base)
         else:
-            num_blocks = gl.cdiv(self.seqlen_k, self.BLOCK_N)
-            unmasked_blocks = self.seqlen_k // self.BLOCK_N
+            result = (0, 0, self.seqlen_q, self.seqlen_k)
+        return result
+
+    @gluon.jit
+    def key_blocks(self, q_start, seqlen_q, seqlen_k):
+        """How many key blocks the tile of rows [q_start, q_start + ROWS2) of a sequence of
+        ``seqlen_q`` rows and ``seqlen_k`` keys walks, and how many of the first of them every
+        row sees whole (no test per pair): the host's ``planning.key_walk.tile_key_blocks``,
+        but a tile whose rows see no key still walks block 0, all hidden, so that every row is
+        written. With CAUSAL the keys end at the last row's diagonal."""
+        if self.CAUSAL:
+            visible_end = gl.minimum(seqlen_k, q_start + self.ROWS2 + seqlen_k - seqlen_q)
+            num_blocks = gl.cdiv(gl.maximum(visible_end, 1), self.BLOCK_N)
+            unmasked_blocks = gl.maximum(q_start + seqlen_k - seqlen_q + 1,
+                                         0) // self.BLOCK_N
+            unmasked_blocks = gl.minimum(unmasked_blocks, seqlen_k // self.BLOCK_N)
+        else:
+            num_blocks = gl.cdiv(gl.maximum(seqlen_k, 1), self.BLOCK_N)
+            unmasked_blocks = seqlen_k // self.BLOCK_N
         return num_blocks, unmasked_blocks
 
 

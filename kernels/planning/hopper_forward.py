@@ -24,6 +24,7 @@ from ..runtime.arith import LOG2E, ceil_div
 from ..runtime.launch import DescriptorLaunch
 from ..runtime.tma import TmaSpec
 from . import tuning
+from .documents import tile_bound
 from .key_walk import tile_key_blocks
 from .problem import Problem
 
@@ -202,10 +203,12 @@ class HopperForwardLaunch:
     (``mask``: its ``BroadcastOperand``) the plan also fixes the mask descriptor's shape and
     strides and the list table's strides; a call brings the table (``BlockLists.table`` of
     ``list_tile``) and the mask. With a bias row (``bias``: its ``BroadcastOperand``) it fixes
-    the bias descriptor's shape and strides; a call brings the bias."""
+    the bias descriptor's shape and strides; a call brings the bias. With ``sequences``
+    (packed documents, no mask: the number of sequences the offsets pack) the tiles are each
+    sequence's (``documents.document_tiles``), and a call brings the table and the offsets."""
 
     def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None, bias=None,
-                 order: str = "heads"):
+                 order: str = "heads", sequences: int | None = None):
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
         element = gluon_dtype(problem.dtype)
@@ -213,8 +216,14 @@ class HopperForwardLaunch:
         self.kv_spec = nvmma_spec([1, tile.block_n, 1, block_d], element)
         row_tiles = ceil_div(shape.seqlen_q, 2 * tile.rows)
         batch_heads = shape.batch * shape.heads_q
+        self.documents = sequences is not None
+        if self.documents:
+            if mask is not None or shape.batch != 1:
+                raise ValueError("packed documents take no mask and one batch")
+            row_tiles = tile_bound(shape.seqlen_q, sequences, 2 * tile.rows)
+            order = "balanced"  # the table's order, longest walks first, heads inner
         num_tiles = row_tiles * batch_heads
-        self.kind = mask_kind(problem)
+        self.kind = mask_kind(problem) if not self.documents else NO_MASK
         self.masked = mask is not None
         if self.masked:
             words = self.kind == INTERVAL_WORDS
@@ -241,9 +250,11 @@ class HopperForwardLaunch:
              problem.softmax_scale * LOG2E, row_tiles, batch_heads, num_tiles,
              TILE_ORDERS[order]),
             num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind,
-            HAS_BIAS=bias is not None, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
-            LOADER_REGS=tile.loader_regs)
+            HAS_BIAS=bias is not None, DOCUMENTS=self.documents, STAGES=tile.stages,
+            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         self.batch = shape.batch
+        self.out_row_stride = shape.heads_q * shape.head_dim  # the output is contiguous
+        self.head_dim = shape.head_dim
         self.unmasked_args = (0, 0, 0, 1, 1, 0)  # list strides and divisors, never read
         # A bias row's descriptor geometry over its (B, H, Lq, Lk) broadcast view: (Bb, Hb, 1,
         # Lk), its strides, query heads per bias head and 1 if its batch is read.
@@ -262,9 +273,12 @@ class HopperForwardLaunch:
         """Whether every tensor's address suits a descriptor (16-byte aligned)."""
         return all(t.data_ptr() % 16 == 0 for t in tensors)
 
-    def __call__(self, query, key, value, out, lse, mask=None, table=None, bias=None) -> None:
-        """Write ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq) float32; a masked plan's call
-        brings the bool ``mask`` and its lists' ``table``, a biased plan's the ``bias``."""
+    def __call__(self, query, key, value, out, lse, mask=None, table=None, bias=None,
+                 documents=None) -> None:
+        """Write ``out`` (B, Lq, Hq, D), contiguous, and ``lse`` (B, Hq, Lq) float32; a masked
+        plan's call brings the bool ``mask`` and its lists' ``table``, a biased plan's the
+        ``bias``, a plan of packed documents ``documents``: (``document_tiles``' table,
+        cu_q, cu_k)."""
         k_desc = self.kv_spec(key)
         if self.masked:
             base = mask.view(torch.int32 if self.kind == INTERVAL_WORDS else torch.uint8)
@@ -274,9 +288,13 @@ class HopperForwardLaunch:
                          table.stride(2), *self.mask_scalars)
         else:  # stand-ins the kernel never reads
             mask_desc, list_args = k_desc, (lse, *self.unmasked_args)
+        if self.documents:
+            document_args = (*documents, out, self.out_row_stride, self.head_dim)
+        else:  # stand-ins the kernel never reads
+            document_args = (lse, lse, lse, lse, 0, 0)
         self.launch(self.q_spec(query), k_desc, self.kv_spec(value), self.q_spec(out), lse,
                     mask_desc, *list_args,
-                    *self._bias_args(bias, k_desc))
+                    *self._bias_args(bias, k_desc), *document_args)
 
     def _bias_args(self, bias, stand_in) -> tuple:
         """(the bias rows' descriptor, query heads per bias head, 1 if its batch is read), or
