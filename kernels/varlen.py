@@ -72,7 +72,8 @@ def packed_intervals(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, tot
         lo, hi = lo[None, None], hi[None, None]
     start = (keys.query_start + lo).to(torch.int32)
     end = (keys.query_start + hi).to(torch.int32)
-    return KeyIntervals(start, end)
+    documents = None if attn_mask is not None else (cu_seqlens_q, cu_seqlens_k, is_causal)
+    return KeyIntervals(start, end, _documents=documents)
 
 
 def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
@@ -198,7 +199,8 @@ def varlen_call(attention, query, key, value, cu_seqlens_q, cu_seqlens_k, max_se
 
 def dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                        max_seqlen_k, attn_mask=None, attn_bias=None, is_causal=False,
-                       softmax_scale=None, return_lse=False, deterministic=False):
+                       softmax_scale=None, return_lse=False, deterministic=False,
+                       kernel_options=None):
     """Flash dynamic-mask attention over sequences packed end to end (flash-attn's varlen).
 
     Args:
@@ -211,7 +213,9 @@ def dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen
         attn_bias: None, or a per-key bias (Hb, total_k), Hb in {1, heads_kv, heads_q}, in the
             query's dtype; trainable (its gradient has its shape).
         is_causal: bottom-right per sequence: its row i sees its key j iff j <= i + Lk_s - Lq_s.
-        softmax_scale, deterministic: as in ``dmattn_func``.
+        softmax_scale, deterministic, kernel_options: as in ``dmattn_func``
+            (``forward_documents`` True: the Hopper forward walks each sequence's own tiles
+            once the packed mask is prepared, from the second call with these offsets).
         return_lse: also return the float32 LSE of shape (heads_q, total_q).
 
     Each sequence attends only to its own keys; a row that sees no key gives output 0 and LSE
@@ -221,4 +225,5 @@ def dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen
     return varlen_call(dmattn_func, query, key, value, cu_seqlens_q, cu_seqlens_k,
                        max_seqlen_q, max_seqlen_k, attn_mask=attn_mask, attn_bias=attn_bias,
                        is_causal=is_causal, softmax_scale=softmax_scale,
-                       return_lse=return_lse, deterministic=deterministic)
+                       return_lse=return_lse, deterministic=deterministic,
+                       kernel_options=kernel_options)

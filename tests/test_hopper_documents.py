@@ -10,9 +10,15 @@ import random
 import pytest
 import torch
 
+from hopper_helpers import hopper_problem, sized
 from kernels import attention_varlen_reference
 from kernels.planning.documents import document_tiles, tile_bound
+from kernels.planning.forward import call_problem
+from kernels.planning.inputs import check_inputs
+from kernels.planning.problem import OperandLayout
+from kernels.planning.schedule import normalize_options, schedule
 from kernels.tolerance import check_tensor
+from kernels.varlen import packed_intervals
 
 
 def _walks(lengths, rows, block_n, causal):
@@ -58,6 +64,64 @@ def test_the_table_lists_every_row_tile_once_longest_walks_first(seed):
     for earlier, later in zip(listed, listed[1:]):  # ties keep the sequences' order
         if walks[earlier] == walks[later]:
             assert earlier < later
+
+
+# -- which calls walk documents
+def _documents_problem(**changes):
+    """A prepared, causal packed batch of 12 documents, 16k rows, on a Hopper GPU."""
+    problem = hopper_problem(shape=sized(batch=1, seqlen_q=16384, seqlen_k=16384),
+                             is_causal=True, mask=OperandLayout((1, 1, 16384, 16384), 16),
+                             intervals=True, tma_mask=True, prepared=True, documents=12)
+    return problem if not changes else hopper_problem(**{**problem.__dict__, **changes})
+
+
+def test_the_option_walks_prepared_documents_on_the_hopper_forward():
+    forward = schedule(_documents_problem(), {"forward_documents": True}).forward
+    assert forward.route == "hopper" and forward.documents and forward.tile_order == "balanced"
+    assert not schedule(_documents_problem()).forward.documents  # off unless asked
+
+
+def test_documents_not_yet_prepared_take_the_usual_route():
+    """The first call with new offsets: no kept table yet, so the schedule's own choice."""
+    problem = _documents_problem(prepared=False)
+    forward = schedule(problem, {"forward_documents": True}).forward
+    assert not forward.documents
+    assert forward == schedule(problem).forward
+
+
+@pytest.mark.parametrize("changes, options, message", [
+    ({"documents": None}, {}, "not a packed batch's documents"),
+    ({"capability": None}, {}, "CUDA GPU only"),
+    ({"dtype": torch.float32}, {}, "float16 or bfloat16"),
+    ({}, {"forward_route": "triton"}, "'forward_route' 'triton' conflict"),
+    ({}, {"forward_tile_order": "heads"}, "'forward_tile_order' 'heads' conflicts"),
+])
+def test_asking_for_documents_where_they_cannot_be_walked_says_why(changes, options, message):
+    with pytest.raises(ValueError, match=message):
+        schedule(_documents_problem(**changes), {"forward_documents": True, **options})
+
+
+def test_the_option_takes_a_bool():
+    assert normalize_options({"forward_documents": False}) == {"forward_documents": False}
+    with pytest.raises(ValueError, match="forward_documents"):
+        normalize_options({"forward_documents": 1})
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_packed_intervals_name_their_documents_and_the_problem_counts_them(is_causal):
+    lengths = [(5, 5), (0, 0), (17, 17), (3, 3)]
+    cu_q, cu_k = _offsets(lengths)
+    total = int(cu_q[-1])
+    q = torch.randn(1, total, 2, 16)
+    intervals = packed_intervals(cu_q, cu_k, total, is_causal)
+    assert intervals._documents[:2] == (cu_q, cu_k) and intervals._documents[2] == is_causal
+    checked = check_inputs(q, q, q, intervals, None, None)
+    assert call_problem(checked, q, is_causal).documents == len(lengths)
+    assert call_problem(checked, q, not is_causal).documents is None  # another causality
+    start = torch.zeros(1, 1, total, dtype=torch.int32)
+    masked = packed_intervals(cu_q, cu_k, total, is_causal,
+                              attn_mask=type(intervals)(start, start + 4))
+    assert masked._documents is None  # a caller's mask inside the documents
 
 
 # -- device side: a Hopper GPU
@@ -121,3 +185,38 @@ def test_documents_match_the_reference(device, lengths, causal, head_dim, heads,
         assert check.passed, check.describe()
     empty = torch.isneginf(ref[1])
     assert torch.isneginf(lse[empty]).all() and (out.transpose(0, 1)[empty] == 0).all()
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_calls_walk_their_documents_from_the_second_call(device, causal):
+    """``dmattn_varlen_func`` with ``forward_documents``: the first call with new offsets
+    takes the usual route, later ones the Hopper forward over the documents, each matching
+    the reference; the backward (the Triton route) reads the Hopper forward's LSE."""
+    from kernels import dmattn_varlen_func, record_routes
+
+    torch.manual_seed(3)
+    lengths = [(700, 700), (1, 1), (129, 129), (2048, 2048), (0, 0), (333, 333)]
+    cu_q, _ = _offsets(lengths, device)
+    total = int(cu_q[-1])
+    q, k, v = (torch.randn(total, heads, 128, device=device, dtype=torch.bfloat16)
+               for heads in (8, 2, 2))
+    options = {"forward_documents": True}
+    ref = attention_varlen_reference(q, k, v, cu_q, cu_q, is_causal=causal, return_lse=True)
+    eager = attention_varlen_reference(q, k, v, cu_q, cu_q, is_causal=causal, return_lse=True,
+                                       upcast=False)
+    walked = []
+    for _ in range(3):
+        with record_routes() as routes:
+            out, lse = dmattn_varlen_func(q, k, v, cu_q, cu_q, 2048, 2048, is_causal=causal,
+                                          return_lse=True, kernel_options=options)
+        walked.append(set(routes.forward))
+        for name, got, want, low in zip(("out", "lse"), (out, lse), ref, eager):
+            check = check_tensor(name, got, want, low, torch.bfloat16)
+            assert check.passed, check.describe()
+    assert walked[1] == walked[2] == {"hopper"}
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = dmattn_varlen_func(*leaves, cu_q, cu_q, 2048, 2048, is_causal=causal,
+                             kernel_options=options)
+    out.float().square().sum().backward()
+    assert all(t.grad is not None and t.grad.isfinite().all() for t in leaves)

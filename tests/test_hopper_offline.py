@@ -194,7 +194,9 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "deterministic-backward"),
     ("bfloat16", 128, True, "biased-backward"), ("bfloat16", 128, True, "grouped-backward"),
     ("bfloat16", 128, True, "biased-forward"),
-    ("float16", 64, False, "biased-masked-forward")],
+    ("float16", 64, False, "biased-masked-forward"),
+    ("bfloat16", 128, True, "documents-forward"),
+    ("float16", 64, False, "biased-documents-forward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
@@ -202,7 +204,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "intervals-backward-bf16-d128-causal", "deterministic-backward-bf16-d128-causal",
          "biased-backward-bf16-d128-causal", "grouped-backward-bf16-d128-causal",
          "biased-forward-bf16-d128-causal",
-         "biased-masked-forward-fp16-d64-full"])
+         "biased-masked-forward-fp16-d64-full", "documents-forward-bf16-d128-causal",
+         "biased-documents-forward-fp16-d64-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -231,10 +234,11 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
                                    deterministic=form == "deterministic-backward",
                                    bias=form == "biased-backward",
                                    grouped=form == "grouped-backward")
-    elif form.startswith("biased"):
+    elif form.endswith("forward"):
         from kernels.planning import hopper_forward as host
         kind = host.MASK_TILE if form == "biased-masked-forward" else host.NO_MASK
-        kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), kind, bias=True)
+        kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
+                          bias=form.startswith("biased"), documents="documents" in form)
     else:
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))
     ptx = kernel.asm["ptx"]

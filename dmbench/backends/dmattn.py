@@ -110,18 +110,20 @@ class TritonBackend(Backend):
 
         q, k, v, bias, layout = (adapted[n] for n in ("q", "k", "v", "bias", "layout"))
         batch, length = case.batch, case.seqlen_q
+        options = self.kernel_options()
+        forced = {} if options is None else {"kernel_options": options}
 
         def call():
             result = dmattn_varlen_func(q, k, v, layout.cu_seqlens, layout.cu_seqlens,
                                         layout.max_seqlen, layout.max_seqlen, attn_bias=bias,
-                                        is_causal=case.causal, return_lse=want_lse)
+                                        is_causal=case.causal, return_lse=want_lse, **forced)
             out, lse = result if want_lse else (result, None)
             out = out.view(batch, length, *out.shape[1:])
             if lse is not None:  # (Hq, B * L) -> (B, Hq, L)
                 lse = lse.view(lse.shape[0], batch, length).transpose(0, 1)
             return out, lse
 
-        return Bound(call)
+        return Bound(call, None, "" if options is None else f"kernel_options {options}")
 
 
 class PerCallBackend(TritonBackend):

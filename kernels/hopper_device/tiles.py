@@ -114,11 +114,11 @@ class WorkTiles:
     @gluon.jit
     def coordinates(self, tile):
         """(batch, query head, key head, first query row, batch x heads row) of work tile
-        ``tile``, then its sequence's span (``span``). In ORDER_HEADS a head's row tiles are consecutive,
-        so that the programs in flight share K and V in L2; with CAUSAL each head's longest
-        rows come first. (Every head's longest rows first, heads inner, dealt as ORDER_HEADS
-        deals, was 3% slower causal at B2 H16 L8192 on an H200: no K/V shared in flight.) In
-        ORDER_BALANCED, and with DOCUMENTS, the heads are inner."""
+        ``tile``, then its sequence's span (``span``). In ORDER_HEADS a head's row tiles are
+        consecutive, so that the programs in flight share K and V in L2; with CAUSAL each
+        head's longest rows come first. (Every head's longest rows first, heads inner, dealt
+        as ORDER_HEADS deals, was 3% slower causal at B2 H16 L8192 on an H200: no K/V shared
+        in flight.) In ORDER_BALANCED, and with DOCUMENTS, the heads are inner."""
         if self.DOCUMENTS:
             bh = tile % self.batch_heads
             entry = self.documents + 1 + 2 * (tile // self.batch_heads)

@@ -117,6 +117,13 @@ class KeyIntervals:
     # end would go unnoticed.
     _kept_lists: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False,
                                                                  repr=False)
+    # Intervals that are exactly the documents of a packed batch (``varlen.packed_intervals``
+    # without a caller's mask): their int32 offsets (cu_seqlens_q, cu_seqlens_k) and whether
+    # each sequence is causal. The Hopper forward may then walk each sequence's own tiles
+    # (``planning.documents``). Set there, never from outside: offsets that disagree with
+    # start and end would go unnoticed.
+    _documents: tuple[torch.Tensor, torch.Tensor, bool] | None = field(
+        default=None, compare=False, repr=False)
     # Tile lists built by the calls made with these intervals, per call form (see
     # ``prepared.prepared_intervals``): a later call of the same form skips that work.
     _preparations: dict = field(default_factory=dict, init=False, compare=False, repr=False)

@@ -17,6 +17,7 @@ from ..triton_device.forward_kernels import _attn_fwd_kernel
 from . import tuning
 from .activity import (ActivityMap, ListCompaction, block_list_strides, call_activity,
                        shared_granularity, tile_activity)
+from .documents import document_tiles
 from .gather_decode import GatherDecodePlan, mask_kind
 from .hopper_forward import HopperForwardLaunch, list_tile
 from .inputs import CheckedInputs, operand_args, operand_pointer
@@ -115,7 +116,7 @@ class ForwardPlan:
             lists = activity.lists(*fwd.list_tile, transposed=False)
         self.compaction = self.hopper_compaction = None
         self.hopper_table = None
-        masked_hopper = fwd.hopper is not None and checked.mask is not None
+        masked_hopper = fwd.hopper is not None and checked.mask is not None and not fwd.documents
         if masked_hopper and not lists_per_call:
             self.hopper_table = activity.lists(*list_tile(fwd.hopper), transposed=False).table
         if lists_per_call and not self.mask_as_given:
@@ -163,9 +164,17 @@ class ForwardPlan:
                  if self.splits > 1 else ())
         self._scratch = Scratch(query.device, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
-        self.hopper = (None if fwd.hopper is None
-                       else HopperForwardLaunch(problem, fwd.hopper, checked.mask,
-                                                checked.bias, fwd.tile_order))
+        self.hopper = self.hopper_documents = None
+        if fwd.documents:  # the plan is the prepared intervals' own: it keeps their table
+            cu_q, cu_k, causal = checked.mask.documents
+            self.hopper = HopperForwardLaunch(problem, fwd.hopper, None, checked.bias,
+                                              fwd.tile_order, sequences=problem.documents)
+            self.hopper_documents = (document_tiles(cu_q, cu_k, shape.seqlen_q,
+                                                    2 * fwd.hopper.rows, fwd.hopper.block_n,
+                                                    causal), cu_q, cu_k)
+        elif fwd.hopper is not None:
+            self.hopper = HopperForwardLaunch(problem, fwd.hopper, checked.mask, checked.bias,
+                                              fwd.tile_order)
         self.gather = None
         if fwd.gather is not None:
             mask = checked.mask
@@ -204,14 +213,16 @@ class ForwardPlan:
         kept = None if keep_lse else self._scratch_with_lse.buffers()
         lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
                if keep_lse else kept[0])
+        documents = self.hopper_documents
+        hopper_mask = None if mask_operand is None or documents is not None else mask_operand
         if self.hopper is not None and self.hopper.takes(
-                query, key, value, *(() if mask_operand is None else (mask_operand,)),
+                query, key, value, *(() if hopper_mask is None else (hopper_mask,)),
                 *(() if bias is None else (bias,))):
             note_route("forward", "hopper")
             table = self.hopper_table
             if self.hopper_compaction is not None:  # compacted from the call's map
                 table = call_activity(activity).compacted(self.hopper_compaction).table
-            self.hopper(query, key, value, out, lse, mask_operand, table, bias)
+            self.hopper(query, key, value, out, lse, hopper_mask, table, bias, documents)
             return out, (lse if keep_lse else None)
         table = self.list_table
         mask, mask_end = mask_operand, None

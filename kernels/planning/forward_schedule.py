@@ -40,6 +40,9 @@ class ForwardSchedule:
     gather: GatherTile | None = None
     # How the Hopper forward deals its tiles (``hopper_forward.tile_order``); None off it.
     tile_order: str | None = None
+    # The Hopper forward walks the mask's packed documents each in its own tiles
+    # (``hopper_forward.documents_gap``), its mask unread.
+    documents: bool = False
 
     @property
     def route(self) -> str:
@@ -144,10 +147,32 @@ def scan_keys(problem: Problem, options: dict, splits: int = 1) -> bool:
 FORWARD_ROUTES = ("triton", "hopper", "gather")
 
 
+def forward_documents(problem: Problem, options: dict) -> bool:
+    """Whether the Hopper forward walks the mask's packed documents in their own tiles:
+    ``options['forward_documents']`` True (a ValueError says why where it never can, or where
+    another route is forced), else not: off by default until it is measured on a GPU. The
+    plan of prepared intervals keeps the documents' tile table, so a call whose intervals
+    are not yet prepared (the first with these offsets, or one in a CUDA graph capture)
+    takes the route the schedule chooses without the option."""
+    if not options.get("forward_documents"):
+        return False
+    if options.get("forward_route") not in (None, "hopper"):
+        raise ValueError(f"kernel_options: 'forward_documents' True and 'forward_route' "
+                         f"{options['forward_route']!r} conflict (documents take the Hopper "
+                         f"forward)")
+    gap = hopper_gap(problem, documents=True)
+    if gap is not None:
+        raise ValueError(f"kernel_options['forward_documents']: the Hopper forward cannot walk "
+                         f"this call's documents: {gap}")
+    return problem.prepared
+
+
 def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
     """The Hopper forward's tile where the forward takes that route, else None (the Triton
     route). ``options['forward_route']`` forces it; forcing 'hopper' where it does not cover
     the problem is a ValueError that says why."""
+    if forward_documents(problem, options):
+        return tuning.HOPPER_FORWARD
     forced = options.get("forward_route")
     if forced in ("triton", "gather"):
         return None
@@ -190,6 +215,7 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
         tuning.MIN_BLOCKS_PER_SPLIT)
     bias = problem.bias
     hopper = forward_route(problem, options)
+    documents = forward_documents(problem, options)
     scan = scan_keys(problem, options, splits)
     if hopper is None and options.get("forward_tile_order") is not None:
         raise ValueError("kernel_options['forward_tile_order'] orders the Hopper forward's "
@@ -200,14 +226,21 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
             raise ValueError("kernel_options: 'forward_key_scan' True and 'forward_route' "
                              "'hopper' conflict (the Hopper forward walks lists; choose one)")
         scan = False
+    if documents and options.get("forward_tile_order") not in (None, "balanced"):
+        raise ValueError("kernel_options: 'forward_documents' True deals the documents' tiles "
+                         "longest first ('balanced'); 'forward_tile_order' "
+                         f"{options['forward_tile_order']!r} conflicts")
     return ForwardSchedule(
         tile=tile, block_m=block_m, group_pack=pack, key_splits=splits,
         chunk_rows=grid_chunk_rows(rows, row_blocks, 1 if pack > 1 else shape.group_size,
                                    problem.is_causal, sms),
         edge_slots=edge_slots(query_rows, tile.block_n),
         bias_row=bias is not None and bias.one_row and bias.shared_by(pack),
-        scan_keys=scan, hopper=hopper, gather=gather_route(problem, options),
-        tile_order=None if hopper is None else tile_order(problem, options))
+        scan_keys=scan, hopper=hopper,
+        gather=None if documents else gather_route(problem, options),
+        tile_order=None if hopper is None else ("balanced" if documents
+                                                else tile_order(problem, options)),
+        documents=documents)
 
 
 def forward_list_tiles(problem: Problem, forward: ForwardSchedule) -> tuple[tuple[int, int], ...]:

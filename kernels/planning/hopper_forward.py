@@ -49,9 +49,13 @@ MAX_HEAD_DIM = 128
 MAX_TILES = 2**31 - 1  # work tiles are counted in int32
 
 
-def hopper_gap(problem: Problem) -> str | None:
-    """Why the Hopper forward does not cover ``problem`` (one line), or None where it does."""
-    gap = hopper_operands_gap(problem)
+def hopper_gap(problem: Problem, documents: bool = False) -> str | None:
+    """Why the Hopper forward does not cover ``problem`` (one line), or None where it does;
+    with ``documents``, walking a packed batch's documents in their own tiles (its mask
+    unread: ``documents_gap``)."""
+    gap = documents_gap(problem) if documents else None
+    if gap is None:
+        gap = hopper_operands_gap(problem, reads_mask=not documents)
     if gap is None and problem.bias is not None:
         gap = bias_row_gap(problem)
         if gap is None and not problem.tma_bias:
@@ -70,9 +74,22 @@ def bias_row_gap(problem: Problem) -> str | None:
     return None
 
 
-def hopper_operands_gap(problem: Problem) -> str | None:
+def documents_gap(problem: Problem) -> str | None:
+    """Why the Hopper forward cannot walk ``problem``'s mask as documents (one line), or None:
+    it takes a packed batch's documents (``dmattn_varlen_func`` without a mask of the
+    caller's). Their tile table is kept by the plan of their prepared intervals
+    (``ForwardPlan``), so only a prepared call walks them (``forward_schedule
+    .forward_documents``)."""
+    if problem.documents is None:
+        return ("its mask is not a packed batch's documents of the call's causality "
+                "(dmattn_varlen_func without attn_mask)")
+    return None
+
+
+def hopper_operands_gap(problem: Problem, reads_mask: bool = True) -> str | None:
     """What both Hopper kernels need of a call, bias aside (one line), or None: a Hopper GPU,
-    16-bit q, k, v and a mask that TMA reads, a head dim it tiles, and a grid it fits."""
+    16-bit q, k, v and a mask that TMA reads (where ``reads_mask``), a head dim it tiles, and
+    a grid it fits."""
     shape = problem.shape
     if GLUON_MISSING:
         return GLUON_MISSING
@@ -83,7 +100,7 @@ def hopper_operands_gap(problem: Problem) -> str | None:
                 f"{problem.capability[0]}.{problem.capability[1]}")
     if problem.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 or bfloat16, not {str(problem.dtype).replace('torch.', '')}"
-    if problem.mask is not None:
+    if problem.mask is not None and reads_mask:
         if not problem.tma_mask:
             return ("it reads the mask through TMA: the keys contiguous, and the strides of "
                     "its other axes multiples of 16 bytes")

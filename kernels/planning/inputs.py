@@ -60,6 +60,9 @@ class BroadcastOperand:
     interval_pair: tuple[torch.Tensor, torch.Tensor] | None = None
     # ``KeyIntervals.max_kept``: at most this many keys kept per query row, where known.
     max_kept: int | None = None
+    # ``KeyIntervals._documents``: (cu_seqlens_q, cu_seqlens_k, causal) of intervals that are
+    # exactly a packed batch's documents, else None.
+    documents: tuple | None = None
 
 
 def _check_qkv(query, key, value) -> AttnShape:
@@ -145,7 +148,7 @@ def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
     view = words.as_strided(size, (0 if batch == 1 else words.stride(0), words.stride(1), 0, 1))
     return BroadcastOperand(view, shape.heads_q // heads, size, pairs,
                             (intervals.start, intervals.end), _pair_views(intervals, size),
-                            intervals.max_kept)
+                            intervals.max_kept, intervals._documents)
 
 
 def _pair_views(intervals, size: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -75,6 +75,9 @@ class Problem:
     kept_keys: int | None = None
     # The bias can be read by a TMA descriptor as (Bb, Hb, 1, Lk) rows (``tma_bias``).
     tma_bias: bool = False
+    # The mask is the documents of a packed batch (``KeyIntervals._documents``) of this call's
+    # causality, one batch: how many sequences the offsets pack; else None.
+    documents: int | None = None
 
     @property
     def block_d(self) -> int:
@@ -141,9 +144,12 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
     pair = (intervals_per_call and checked.mask is not None
             and checked.mask.interval_pair is not None)
     intervals = checked.mask is not None and checked.mask.interval_pairs is not None
+    packed = checked.mask.documents if intervals else None
+    documents = (packed[0].numel() - 1 if packed is not None and packed[2] == bool(is_causal)
+                 and checked.shape.batch == 1 else None)
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
                    intervals, capability, bool(tma_operands), tma_mask(checked.mask),
                    checked.mask.max_kept if checked.mask is not None else None,
-                   activity is not None, kept_keys, tma_bias(checked.bias))
+                   activity is not None, kept_keys, tma_bias(checked.bias), documents)

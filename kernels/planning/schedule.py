@@ -93,6 +93,8 @@ OPTION_NAMES = {
     "dq_key_splits": "dq's key splits, an int >= 1",
     "dkdv_head_shares": "dkdv's shares of a GQA group's heads, an int dividing the group",
     "forward_key_scan": "whether the forward reads unprepared intervals itself, True or False",
+    "forward_documents": "whether the Hopper forward walks a packed batch's documents (varlen) "
+                         "each in its own tiles, True or False",
     "dkdv_wide_tile": "whether dkdv takes its 64 x 128 tile (16-bit, 64 < head dim <= 128), "
                       "True or False",
 }
@@ -124,7 +126,7 @@ def normalize_options(options) -> dict:
             except ValueError:
                 raise ValueError(f"kernel_options['backward']: expected one of 'fused', "
                                  f"'dq+dkdv', 'packed', 'hopper', got {value!r}") from None
-        elif name in ("forward_key_scan", "dkdv_wide_tile"):
+        elif name in ("forward_key_scan", "dkdv_wide_tile", "forward_documents"):
             if type(value) is not bool:
                 raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "
                                  f"got {value!r}")
