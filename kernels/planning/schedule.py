@@ -74,7 +74,7 @@ class Schedule:
                  f"{' bias' + str(self.problem.bias.shape) if self.problem.bias else ''}"]
         forward = [("route", self.forward.route)]
         forward += [(f.name, getattr(self.forward, f.name)) for f in fields(self.forward)
-                    if f.name not in ("hopper", "gather", "tile_order")
+                    if f.name not in ("hopper", "gather", "tile_order", "documents")
                     or getattr(self.forward, f.name)]
         for part, items in (("forward", forward), ("backward", backward_items(self.backward))):
             lines.append(f"{part}: " + ", ".join(f"{name}={value}" for name, value in items))
