@@ -168,7 +168,8 @@ class ForwardPlan:
         if fwd.documents:  # the plan is the prepared intervals' own: it keeps their table
             cu_q, cu_k, causal = checked.mask.documents
             self.hopper = HopperForwardLaunch(problem, fwd.hopper, None, checked.bias,
-                                              fwd.tile_order, sequences=problem.documents)
+                                              fwd.tile_order, sequences=problem.documents,
+                                              causal=causal)
             self.hopper_documents = (document_tiles(cu_q, cu_k, shape.seqlen_q,
                                                     2 * fwd.hopper.rows, fwd.hopper.block_n,
                                                     causal), cu_q, cu_k)

@@ -81,8 +81,8 @@ def documents_gap(problem: Problem) -> str | None:
     (``ForwardPlan``), so only a prepared call walks them (``forward_schedule
     .forward_documents``)."""
     if problem.documents is None:
-        return ("its mask is not a packed batch's documents of the call's causality "
-                "(dmattn_varlen_func without attn_mask)")
+        return ("its mask is not a packed batch's documents (dmattn_varlen_func without "
+                "attn_mask)")
     return None
 
 
@@ -221,11 +221,13 @@ class HopperForwardLaunch:
     strides and the list table's strides; a call brings the table (``BlockLists.table`` of
     ``list_tile``) and the mask. With a bias row (``bias``: its ``BroadcastOperand``) it fixes
     the bias descriptor's shape and strides; a call brings the bias. With ``sequences``
-    (packed documents, no mask: the number of sequences the offsets pack) the tiles are each
-    sequence's (``documents.document_tiles``), and a call brings the table and the offsets."""
+    (packed documents, no mask: the number of sequences the offsets pack; ``causal``: whether
+    each sequence is) the tiles are each sequence's (``documents.document_tiles``), and a call
+    brings the table and the offsets."""
 
     def __init__(self, problem: Problem, tile: tuning.HopperTile, mask=None, bias=None,
-                 order: str = "heads", sequences: int | None = None):
+                 order: str = "heads", sequences: int | None = None,
+                 causal: bool | None = None):
         shape = problem.shape
         block_d = block_head_dim(shape.head_dim)
         element = gluon_dtype(problem.dtype)
@@ -266,7 +268,8 @@ class HopperForwardLaunch:
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.group_size,
              problem.softmax_scale * LOG2E, row_tiles, batch_heads, num_tiles,
              TILE_ORDERS[order]),
-            num_warps=4, CAUSAL=problem.is_causal, MASK_KIND=self.kind,
+            num_warps=4, CAUSAL=problem.is_causal if causal is None else causal,
+            MASK_KIND=self.kind,
             HAS_BIAS=bias is not None, DOCUMENTS=self.documents, STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         self.batch = shape.batch

@@ -75,8 +75,9 @@ class Problem:
     kept_keys: int | None = None
     # The bias can be read by a TMA descriptor as (Bb, Hb, 1, Lk) rows (``tma_bias``).
     tma_bias: bool = False
-    # The mask is the documents of a packed batch (``KeyIntervals._documents``) of this call's
-    # causality, one batch: how many sequences the offsets pack; else None.
+    # The mask is the documents of a packed batch (``KeyIntervals._documents``), one batch: how
+    # many sequences the offsets pack; else None. Their causality is their own (a packed call
+    # over cross-attention offsets may be non-causal while each sequence is causal).
     documents: int | None = None
 
     @property
@@ -145,8 +146,8 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
             and checked.mask.interval_pair is not None)
     intervals = checked.mask is not None and checked.mask.interval_pairs is not None
     packed = checked.mask.documents if intervals else None
-    documents = (packed[0].numel() - 1 if packed is not None and packed[2] == bool(is_causal)
-                 and checked.shape.batch == 1 else None)
+    documents = (packed[0].numel() - 1 if packed is not None and checked.shape.batch == 1
+                 else None)
     return Problem(checked.shape, dtype, device, interpreted, multiprocessors, bool(is_causal),
                    checked.softmax_scale, layout(checked.mask), layout(checked.bias),
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
