@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from attn_helpers import assert_close_to_reference
 from hopper_helpers import hopper_problem, sized
 from kernels import attention_varlen_reference
 from kernels.planning.documents import document_tiles, tile_bound
@@ -17,7 +18,6 @@ from kernels.planning.forward import call_problem
 from kernels.planning.inputs import check_inputs
 from kernels.planning.problem import OperandLayout
 from kernels.planning.schedule import normalize_options, schedule
-from kernels.tolerance import check_tensor
 from kernels.varlen import packed_intervals
 
 
@@ -136,6 +136,21 @@ DOCUMENTS = [  # (query rows, keys) per sequence
 ]
 
 
+def _references(q, k, v, cu_q, cu_k, bias, causal):
+    """The varlen reference's (out, lse) in fp64, then eager in the inputs' dtype."""
+    return tuple(attention_varlen_reference(q, k, v, cu_q, cu_k, attn_bias=bias,
+                                            is_causal=causal, return_lse=True, upcast=upcast)
+                 for upcast in (True, False))
+
+
+def _assert_matches(out, lse, references, dtype, context: str = "") -> None:
+    """Out and LSE within the accuracy rule of the fp64 reference (``context`` prefixes the
+    tensors' names in a failure)."""
+    ref, eager = references
+    for name, got, want, low in zip(("out", "lse"), (out, lse), ref, eager):
+        assert_close_to_reference(f"{context}{name}", got, want, low, dtype)
+
+
 def _launch(q, k, v, cu_q, cu_k, bias, causal):
     """The Hopper forward over packed documents, launched as the route's plan launches it,
     into a NaN-poisoned output: (out (total_q, Hq, D), lse (Hq, total_q))."""
@@ -177,14 +192,9 @@ def test_documents_match_the_reference(device, lengths, causal, head_dim, heads,
         attn_bias = (2 * rows).to(dtype)[:, :total_k]
     out, lse = _launch(q, k, v, cu_q, cu_k, attn_bias, causal)
     assert not out.isnan().any() and not lse.isnan().any()
-    ref = attention_varlen_reference(q, k, v, cu_q, cu_k, attn_bias=attn_bias,
-                                     is_causal=causal, return_lse=True)
-    eager = attention_varlen_reference(q, k, v, cu_q, cu_k, attn_bias=attn_bias,
-                                       is_causal=causal, return_lse=True, upcast=False)
-    for name, got, want, low in zip(("out", "lse"), (out, lse), ref, eager):
-        check = check_tensor(name, got, want, low, dtype)
-        assert check.passed, check.describe()
-    empty = torch.isneginf(ref[1])
+    references = _references(q, k, v, cu_q, cu_k, attn_bias, causal)
+    _assert_matches(out, lse, references, dtype)
+    empty = torch.isneginf(references[0][1])
     assert torch.isneginf(lse[empty]).all() and (out.transpose(0, 1)[empty] == 0).all()
 
 
@@ -203,18 +213,14 @@ def test_varlen_calls_walk_their_documents_from_the_second_call(device, causal):
     q, k, v = (torch.randn(total, heads, 128, device=device, dtype=torch.bfloat16)
                for heads in (8, 2, 2))
     options = {"forward_documents": True}
-    ref = attention_varlen_reference(q, k, v, cu_q, cu_q, is_causal=causal, return_lse=True)
-    eager = attention_varlen_reference(q, k, v, cu_q, cu_q, is_causal=causal, return_lse=True,
-                                       upcast=False)
+    references = _references(q, k, v, cu_q, cu_q, None, causal)
     walked = []
     for _ in range(3):
         with record_routes() as routes:
             out, lse = dmattn_varlen_func(q, k, v, cu_q, cu_q, 2048, 2048, is_causal=causal,
                                           return_lse=True, kernel_options=options)
         walked.append(set(routes.forward))
-        for name, got, want, low in zip(("out", "lse"), (out, lse), ref, eager):
-            check = check_tensor(name, got, want, low, torch.bfloat16)
-            assert check.passed, check.describe()
+        _assert_matches(out, lse, references, torch.bfloat16)
     assert walked[1] == walked[2] == {"hopper"}
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = dmattn_varlen_func(*leaves, cu_q, cu_q, 2048, 2048, is_causal=causal,
@@ -263,10 +269,5 @@ def test_documents_on_random_batches(device):
                                               attn_bias=bias, is_causal=causal,
                                               return_lse=True, kernel_options=options)
         assert set(routes.forward) == {"hopper"}, (case, lengths, routes.describe())
-        ref = attention_varlen_reference(q, k, v, cu_q, cu_k, attn_bias=bias,
-                                         is_causal=causal, return_lse=True)
-        eager = attention_varlen_reference(q, k, v, cu_q, cu_k, attn_bias=bias,
-                                           is_causal=causal, return_lse=True, upcast=False)
-        for name, got, want, low in zip(("out", "lse"), (out, lse), ref, eager):
-            check = check_tensor(name, got, want, low, dtype)
-            assert check.passed, (case, lengths, head_dim, causal, check.describe())
+        _assert_matches(out, lse, _references(q, k, v, cu_q, cu_k, bias, causal), dtype,
+                        f"case {case} {lengths} D{head_dim} causal={causal}: ")

@@ -78,19 +78,26 @@ class TritonBackend(Backend):
             mask, build = timed_build(lambda: prepare_mask(mask, q, k, case.causal), q.device,
                                       "prepare_mask")
 
-        options = self.kernel_options()
-        forced = {} if options is None else {"kernel_options": options}
+        forced, note = self.passed_options()
 
         def call():
             result = dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=case.causal,
                                  return_lse=want_lse, **forced)
             return result if want_lse else (result, None)
 
-        return Bound(call, build, "" if options is None else f"kernel_options {options}")
+        return Bound(call, build, note)
 
     def kernel_options(self) -> dict | None:
         """The ``kernel_options`` every call passes (None: the default schedule)."""
         return None
+
+    def passed_options(self) -> tuple[dict, str]:
+        """(the keyword arguments that give a call ``kernel_options``, the row's note of them):
+        both empty where the backend passes none."""
+        options = self.kernel_options()
+        if options is None:
+            return {}, ""
+        return {"kernel_options": options}, f"kernel_options {options}"
 
     def kernels(self):
         """The kernels package this backend calls."""
@@ -110,8 +117,7 @@ class TritonBackend(Backend):
 
         q, k, v, bias, layout = (adapted[n] for n in ("q", "k", "v", "bias", "layout"))
         batch, length = case.batch, case.seqlen_q
-        options = self.kernel_options()
-        forced = {} if options is None else {"kernel_options": options}
+        forced, note = self.passed_options()
 
         def call():
             result = dmattn_varlen_func(q, k, v, layout.cu_seqlens, layout.cu_seqlens,
@@ -123,7 +129,7 @@ class TritonBackend(Backend):
                 lse = lse.view(lse.shape[0], batch, length).transpose(0, 1)
             return out, lse
 
-        return Bound(call, None, "" if options is None else f"kernel_options {options}")
+        return Bound(call, None, note)
 
 
 class PerCallBackend(TritonBackend):

@@ -171,8 +171,6 @@ def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
     """The Hopper forward's tile where the forward takes that route, else None (the Triton
     route). ``options['forward_route']`` forces it; forcing 'hopper' where it does not cover
     the problem is a ValueError that says why."""
-    if forward_documents(problem, options):
-        return tuning.HOPPER_FORWARD
     forced = options.get("forward_route")
     if forced in ("triton", "gather"):
         return None
@@ -214,8 +212,8 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
         row_blocks * rows, ceil_div(shape.seqlen_k, tile.block_n), sms,
         tuning.MIN_BLOCKS_PER_SPLIT)
     bias = problem.bias
-    hopper = forward_route(problem, options)
     documents = forward_documents(problem, options)
+    hopper = tuning.HOPPER_FORWARD if documents else forward_route(problem, options)
     scan = scan_keys(problem, options, splits)
     if hopper is None and options.get("forward_tile_order") is not None:
         raise ValueError("kernel_options['forward_tile_order'] orders the Hopper forward's "

@@ -240,7 +240,6 @@ class HopperForwardLaunch:
             if mask is not None or shape.batch != 1:
                 raise ValueError("packed documents take no mask and one batch")
             row_tiles = tile_bound(shape.seqlen_q, sequences, 2 * tile.rows)
-            order = "balanced"  # the table's order, longest walks first, heads inner
         num_tiles = row_tiles * batch_heads
         self.kind = mask_kind(problem) if not self.documents else NO_MASK
         self.masked = mask is not None
