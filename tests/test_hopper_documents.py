@@ -75,10 +75,38 @@ def _documents_problem(**changes):
     return problem if not changes else hopper_problem(**{**problem.__dict__, **changes})
 
 
-def test_the_option_walks_prepared_documents_on_the_hopper_forward():
-    forward = schedule(_documents_problem(), {"forward_documents": True}).forward
+@pytest.mark.parametrize("options", [{}, {"forward_documents": True},
+                                     {"forward_route": "hopper"},
+                                     {"forward_tile_order": "balanced"}])
+def test_prepared_documents_walk_on_the_hopper_forward(options):
+    forward = schedule(_documents_problem(), options).forward
     assert forward.route == "hopper" and forward.documents and forward.tile_order == "balanced"
-    assert not schedule(_documents_problem()).forward.documents  # off unless asked
+
+
+def test_the_option_false_keeps_the_documents_off():
+    forward = schedule(_documents_problem(), {"forward_documents": False}).forward
+    assert not forward.documents
+    assert forward == schedule(_documents_problem(documents=None)).forward
+
+
+@pytest.mark.parametrize("changes, options", [
+    ({"shape": sized(batch=1, seqlen_q=511, seqlen_k=511)}, {}),  # rows too few to fill
+    ({"bias": OperandLayout((1, 4, 1, 16384), 16), "shape": sized(
+        batch=1, seqlen_q=16384, seqlen_k=16384, head_dim=64)}, {}),  # bias row below D72
+    ({"documents": None}, {}),
+    ({"capability": (8, 0)}, {}),
+    ({}, {"forward_route": "triton"}),
+    ({}, {"forward_route": "hopper", "forward_tile_order": "heads"}),
+])
+def test_by_default_documents_are_walked_only_where_they_lead(changes, options):
+    """The default keeps documents off where they are not measured to lead, and where
+    another option rules them out (no error: nothing asked for them)."""
+    assert not schedule(_documents_problem(**changes), options).forward.documents
+
+
+def test_a_bias_row_at_wide_heads_walks_the_documents():
+    problem = _documents_problem(bias=OperandLayout((1, 4, 1, 16384), 16), tma_bias=True)
+    assert schedule(problem).forward.documents
 
 
 def test_documents_not_yet_prepared_take_the_usual_route():
@@ -199,11 +227,12 @@ def test_documents_match_the_reference(device, lengths, causal, head_dim, heads,
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize("options", [{}, {"forward_documents": True}])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_calls_walk_their_documents_from_the_second_call(device, causal):
-    """``dmattn_varlen_func`` with ``forward_documents``: the first call with new offsets
-    takes the usual route, later ones the Hopper forward over the documents, each matching
-    the reference; the backward (the Triton route) reads the Hopper forward's LSE."""
+def test_varlen_calls_walk_their_documents_from_the_second_call(device, causal, options):
+    """``dmattn_varlen_func``, by default and with ``forward_documents``: the first call with
+    new offsets takes the usual route, later ones the Hopper forward over the documents, each
+    matching the reference; the backward (the Triton route) reads the Hopper forward's LSE."""
     from kernels import dmattn_varlen_func, record_routes
 
     torch.manual_seed(3)
@@ -212,7 +241,6 @@ def test_varlen_calls_walk_their_documents_from_the_second_call(device, causal):
     total = int(cu_q[-1])
     q, k, v = (torch.randn(total, heads, 128, device=device, dtype=torch.bfloat16)
                for heads in (8, 2, 2))
-    options = {"forward_documents": True}
     references = _references(q, k, v, cu_q, cu_q, None, causal)
     walked = []
     for _ in range(3):
@@ -244,7 +272,8 @@ def test_documents_on_random_batches(device):
         lengths = [(rng.choice([0, 1, rng.randint(1, 2000), int(2 ** rng.uniform(0, 11))]),)
                    for _ in range(count)]
         lengths = [(q, q if rng.random() < 0.7 else rng.randint(0, 2000)) for (q,) in lengths]
-        if sum(q for q, _ in lengths) == 0 or sum(k for _, k in lengths) == 0:
+        # A bias over one key in all reads as one broadcast along the keys (not a route's)
+        if sum(q for q, _ in lengths) == 0 or sum(k for _, k in lengths) < 2:
             lengths.append((37, 37))
         heads_q, heads_kv = rng.choice([(1, 1), (4, 1), (8, 2), (6, 3)])
         head_dim = rng.choice([16, 40, 64, 80, 128])

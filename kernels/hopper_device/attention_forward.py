@@ -55,6 +55,34 @@ MASK_ROW = gl.constexpr(2)  # bool bytes, one row for every query row: [1, BLOCK
 # KeyIntervals, an int32 (start, end) pair per key, copied as [1, 2 x BLOCK_N] int32 (newer
 # Triton refuses 64-bit descriptors) and read as [1, BLOCK_N] int64 words.
 INTERVAL_WORDS = gl.constexpr(3)
+# A TMA box's first element must be 16-byte aligned (a box of bias keys starting elsewhere
+# faults, "illegal instruction", H200): 8 two-byte or 4 four-byte bias keys.
+BIAS_KEY_ALIGN = gl.constexpr(8)
+
+
+@gluon.jit
+def _document_keys(k_base, seqlen_k, DOCUMENTS: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """(the packed key of block 0's first column, keys from it, hidden keys before the
+    sequence's first) of a tile's keys. With DOCUMENTS and HAS_BIAS a sequence's key blocks
+    start at the BIAS_KEY_ALIGN boundary at or before its first key, so that every bias box is
+    aligned; the ``shift`` keys before it fall in block 0, which is always tested per pair,
+    and are hidden there (``_hidden_before``). Otherwise the sequence's own keys, no shift."""
+    shift = 0
+    if DOCUMENTS and HAS_BIAS:
+        shift = k_base % BIAS_KEY_ALIGN
+    return k_base - shift, seqlen_k + shift, shift
+
+
+@gluon.jit
+def _hidden_before(shift, BLOCK_N: gl.constexpr, DOCUMENTS: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, s_layout: gl.constexpr):
+    """Block 0's keep for ``_document_keys``' shift: [1, BLOCK_N], 0 on the ``shift`` keys
+    before the sequence's first; None where there is no shift."""
+    keep = None
+    if DOCUMENTS and HAS_BIAS:
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = (cols >= shift).to(gl.int8)[None, :]
+    return keep
 
 
 @gluon.jit
@@ -67,6 +95,7 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases
     for visit in range(work.visits()):  # this program's tiles loaded so far
         batch, q_head, kv_head, q_start, _, q_base, k_base, seqlen_q, seqlen_k = \
             work.coordinates(work.tile(visit))
+        k_base, seqlen_k, _ = _document_keys(k_base, seqlen_k, work.DOCUMENTS, HAS_BIAS)
         if MASKED:
             row, mask_batch, mask_head = lists.row(batch, q_head, q_start // work.ROWS2)
             count, full = lists.counts(row)
@@ -226,8 +255,9 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
     if WARPGROUP == 1:  # warpgroup 0 issues first (and the last arrival is never waited for)
         _pass_turn(WARPGROUP)
     for visit in range(work.visits()):  # this program's tiles so far
-        batch, q_head, kv_head, q_start, bh, q_base, _, seqlen_q, seqlen_k = \
+        batch, q_head, kv_head, q_start, bh, q_base, k_base, seqlen_q, seqlen_k = \
             work.coordinates(work.tile(visit))
+        _, seqlen_k, shift = _document_keys(k_base, seqlen_k, work.DOCUMENTS, HAS_BIAS)
         diagonal = seqlen_k - seqlen_q  # bottom-right causal: row r sees keys <= r + diagonal
         if MASKED:
             row, _, _ = lists.row(batch, q_head, q_start // work.ROWS2)
@@ -254,7 +284,7 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
                                 use_acc=False, is_async=True)
         _pass_turn(WARPGROUP)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
-        keep = None
+        keep = _hidden_before(shift, BLOCK_N, work.DOCUMENTS, HAS_BIAS, s_layout)
         if MASKED:
             keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
         bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)

@@ -12,7 +12,8 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .grids import edge_slots, grid_chunk_rows, key_splits
 from .gather_decode import GatherTile, gather_gap, gather_tile
-from .hopper_forward import hopper_gap, list_tile, may_take_masks, takes_hopper, tile_order
+from .hopper_forward import (hopper_gap, list_tile, may_take_masks, takes_documents,
+                             takes_hopper, tile_order)
 from .problem import Problem
 
 
@@ -148,18 +149,23 @@ FORWARD_ROUTES = ("triton", "hopper", "gather")
 
 
 def forward_documents(problem: Problem, options: dict) -> bool:
-    """Whether the Hopper forward walks the mask's packed documents in their own tiles:
-    ``options['forward_documents']`` True (a ValueError says why where it never can, or where
-    another route is forced), else not: off by default until it is measured on a GPU. The
-    plan of prepared intervals keeps the documents' tile table, so a call whose intervals
-    are not yet prepared (the first with these offsets, or one in a CUDA graph capture)
-    takes the route the schedule chooses without the option."""
-    if not options.get("forward_documents"):
+    """Whether the Hopper forward walks the mask's packed documents in their own tiles.
+    ``options['forward_documents']`` True forces it (a ValueError says why where it never
+    can, or where another route is forced), False keeps it off; by default it does where
+    ``takes_documents``. The plan of prepared intervals keeps the documents' tile table, so
+    a call whose intervals are not yet prepared (the first with these offsets, or one in a
+    CUDA graph capture) takes the route the schedule chooses without it."""
+    asked = options.get("forward_documents")
+    forced_route = options.get("forward_route")
+    if asked is None:  # other options that rule the documents out keep them off
+        return (forced_route in (None, "hopper") and not options.get("forward_key_scan")
+                and options.get("forward_tile_order") in (None, "balanced")
+                and problem.prepared and takes_documents(problem))
+    if not asked:
         return False
-    if options.get("forward_route") not in (None, "hopper"):
+    if forced_route not in (None, "hopper"):
         raise ValueError(f"kernel_options: 'forward_documents' True and 'forward_route' "
-                         f"{options['forward_route']!r} conflict (documents take the Hopper "
-                         f"forward)")
+                         f"{forced_route!r} conflict (documents take the Hopper forward)")
     gap = hopper_gap(problem, documents=True)
     if gap is not None:
         raise ValueError(f"kernel_options['forward_documents']: the Hopper forward cannot walk "
