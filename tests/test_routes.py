@@ -10,6 +10,7 @@ from attn_helpers import Dims, forcing, random_mask, random_qkv
 from dmbench import runner
 from dmbench.backends import make_backends
 from dmbench.envinfo import collect
+from dmbench.problem import make_problem
 from dmbench.sweep import sweep_from_mapping
 from kernels import dmattn_func, record_routes
 
@@ -81,3 +82,38 @@ def test_our_rows_name_the_routes_and_the_peers_rows_do_not():
     assert details[("triton", "fwd")] == "routes: forward triton"
     assert details[("triton", "bwd")].startswith("routes: forward triton; backward ")
     assert "routes" not in details[("reference", "fwd")]
+
+
+def test_a_row_names_the_routes_of_a_repeated_call_not_the_first(monkeypatch):
+    """A first call may take another route than its repeats (packed documents walk their own
+    tiles from the second call): the row names what a repeat took."""
+    from dmbench.backends.base import Backend, Bound
+    from kernels.runtime.routes import note_route
+
+    class Settling(Backend):
+        name = "settling"
+
+        def __init__(self):
+            self.calls = 0
+
+        def adapt(self, problem):
+            return {"q": problem.q}
+
+        def bind(self, adapted, case, want_lse):
+            def call():
+                self.calls += 1
+                note_route("forward", "triton" if self.calls == 1 else "hopper")
+                return adapted["q"] * 2, None
+            return Bound(call)
+
+        def route_record(self):
+            return record_routes()
+
+    raw = {"name": "settle", "backends": ["triton"],
+           "cases": [{"batch": 1, "heads": "2/1", "seqlen": 8, "head_dim": 16,
+                      "dtype": "fp32"}]}
+    sweep = sweep_from_mapping(raw, "settle.yaml", ("triton",))
+    problem = make_problem(sweep.cases[0], torch.device("cpu"))
+    for mode in ("fwd", "bwd"):
+        _, setup = runner._timed_call(Settling(), problem, mode)
+        assert setup.kernel.startswith("routes: forward hopper"), (mode, setup.kernel)
