@@ -13,7 +13,7 @@ import torch
 from attn_helpers import assert_close_to_reference
 from hopper_helpers import hopper_problem, sized
 from kernels import attention_varlen_reference
-from kernels.planning.documents import document_tiles, tile_bound
+from kernels.planning.documents import document_key_blocks, document_tiles, tile_bound
 from kernels.planning.forward import call_problem
 from kernels.planning.inputs import check_inputs
 from kernels.planning.problem import OperandLayout
@@ -64,6 +64,35 @@ def test_the_table_lists_every_row_tile_once_longest_walks_first(seed):
     for earlier, later in zip(listed, listed[1:]):  # ties keep the sequences' order
         if walks[earlier] == walks[later]:
             assert earlier < later
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_backward_table_lists_every_key_block_once_longest_walks_first(seed):
+    """``document_key_blocks``: every key block of every sequence (those walking no query
+    block too: they write zeros), sorted by the query blocks the program walks."""
+    rng = random.Random(100 + seed)
+    lengths = [(rng.choice([0, 1, 5, 63, 64, 65, 300, 1000]),
+                rng.choice([0, 1, 127, 128, 129, 500, 1000])) for _ in range(rng.randint(1, 7))]
+    if sum(k for _, k in lengths) == 0:
+        lengths.append((3, 3))
+    causal = bool(seed % 2)
+    cu_q, cu_k = _offsets(lengths)
+    total_k = int(cu_k[-1])
+    table = document_key_blocks(cu_q, cu_k, total_k, 128, 64, causal)
+    walks = {}
+    for sequence, (lq, lk) in enumerate(lengths):
+        for block in range(math.ceil(lk / 128)):
+            rows = [r for r in range(lq) if any(
+                key <= r + lk - lq or not causal for key in range(block * 128,
+                                                                  min(lk, block * 128 + 128)))]
+            first = rows[0] // 64 if rows else math.ceil(lq / 64)
+            walks[(sequence, block)] = math.ceil(lq / 64) - first
+    count = int(table[0])
+    assert table.numel() == 1 + 2 * tile_bound(total_k, len(lengths), 128)
+    listed = [(int(table[1 + 2 * i]), int(table[2 + 2 * i])) for i in range(count)]
+    assert sorted(listed) == sorted(walks)
+    blocks = [walks[entry] for entry in listed]
+    assert blocks == sorted(blocks, reverse=True)
 
 
 # -- which calls walk documents
@@ -129,10 +158,33 @@ def test_asking_for_documents_where_they_cannot_be_walked_says_why(changes, opti
         schedule(_documents_problem(**changes), {"forward_documents": True, **options})
 
 
+def test_the_backward_walks_documents_only_when_asked():
+    problem = _documents_problem()
+    assert not schedule(problem).backward.documents  # off until measured on a GPU
+    backward = schedule(problem, {"backward_documents": True}).backward
+    assert backward.route.value == "hopper" and backward.documents
+    # the first call with new offsets: not prepared, the schedule's own route
+    first = _documents_problem(prepared=False)
+    assert schedule(first, {"backward_documents": True}).backward == schedule(first).backward
+
+
+@pytest.mark.parametrize("changes, options, message", [
+    ({"documents": None}, {}, "not a packed batch's documents"),
+    ({"deterministic": True}, {}, "not bitwise reproducible"),
+    ({"dtype": torch.float32}, {}, "float16 or bfloat16"),
+    ({}, {"backward": "fused"}, "'backward' 'fused' conflict"),
+])
+def test_asking_the_backward_for_documents_where_it_cannot_says_why(changes, options, message):
+    with pytest.raises(ValueError, match=message):
+        schedule(_documents_problem(**changes),
+                 normalize_options({"backward_documents": True, **options}))
+
+
 def test_the_option_takes_a_bool():
-    assert normalize_options({"forward_documents": False}) == {"forward_documents": False}
-    with pytest.raises(ValueError, match="forward_documents"):
-        normalize_options({"forward_documents": 1})
+    for name in ("forward_documents", "backward_documents"):
+        assert normalize_options({name: False}) == {name: False}
+        with pytest.raises(ValueError, match=name):
+            normalize_options({name: 1})
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -201,13 +253,13 @@ def _launch(q, k, v, cu_q, cu_k, bias, causal):
     return out[0], lse[0]
 
 
-@pytest.mark.hopper
-@pytest.mark.parametrize("lengths", DOCUMENTS)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim,heads,bias", [(128, (8, 2), False), (64, (4, 4), True),
-                                                (80, (6, 1), False), (128, (4, 2), True)])
-def test_documents_match_the_reference(device, lengths, causal, head_dim, heads, bias):
-    torch.manual_seed(len(lengths) * 7 + head_dim)
+# (head dim, (query heads, key heads), a per-key bias) of the reference tests
+FORMS = [(128, (8, 2), False), (64, (4, 4), True), (80, (6, 1), False), (128, (4, 2), True)]
+
+
+def _documents_inputs(lengths, head_dim, heads, bias, device, bias_rows_aligned=True):
+    """bf16 (q, k, v, cu_q, cu_k, a per-key bias or None) of packed ``lengths``; the bias's
+    rows 16-byte aligned, as the forward's TMA reads them, where ``bias_rows_aligned``."""
     dtype = torch.bfloat16
     cu_q, cu_k = _offsets(lengths, device)
     total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
@@ -215,9 +267,20 @@ def test_documents_match_the_reference(device, lengths, causal, head_dim, heads,
     k = torch.randn(total_k, heads[1], head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
     attn_bias = None
-    if bias:  # rows 16-byte aligned, as TMA reads them
-        rows = torch.randn(heads[1], -(-total_k // 8) * 8, device=device)
-        attn_bias = (2 * rows).to(dtype)[:, :total_k]
+    if bias:
+        width = -(-total_k // 8) * 8 if bias_rows_aligned else total_k
+        attn_bias = (2 * torch.randn(heads[1], width, device=device)).to(dtype)[:, :total_k]
+    return q, k, v, cu_q, cu_k, attn_bias
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("lengths", DOCUMENTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,heads,bias", FORMS)
+def test_documents_match_the_reference(device, lengths, causal, head_dim, heads, bias):
+    torch.manual_seed(len(lengths) * 7 + head_dim)
+    dtype = torch.bfloat16
+    q, k, v, cu_q, cu_k, attn_bias = _documents_inputs(lengths, head_dim, heads, bias, device)
     out, lse = _launch(q, k, v, cu_q, cu_k, attn_bias, causal)
     assert not out.isnan().any() and not lse.isnan().any()
     references = _references(q, k, v, cu_q, cu_k, attn_bias, causal)
@@ -257,6 +320,35 @@ def test_varlen_calls_walk_their_documents_from_the_second_call(device, causal, 
     assert all(t.grad is not None and t.grad.isfinite().all() for t in leaves)
 
 
+def _random_batch(rng, device, bias_rows_aligned: bool):
+    """One fuzz case: (lengths, q, k, v, cu_q, cu_k, bias or None, causal) of 1-12 sequences
+    of 0-2000 rows (cross lengths too), head dims 16-128, GQA/MQA, both dtypes, causal or not,
+    a per-key bias of every head broadcast (its rows 16-byte aligned, as the forward's TMA
+    reads them, where ``bias_rows_aligned``)."""
+    count = rng.randint(1, 12)
+    lengths = [(rng.choice([0, 1, rng.randint(1, 2000), int(2 ** rng.uniform(0, 11))]),)
+               for _ in range(count)]
+    lengths = [(q, q if rng.random() < 0.7 else rng.randint(0, 2000)) for (q,) in lengths]
+    # A bias over one key in all reads as one broadcast along the keys (not a route's)
+    if sum(q for q, _ in lengths) == 0 or sum(k for _, k in lengths) < 2:
+        lengths.append((37, 37))
+    heads_q, heads_kv = rng.choice([(1, 1), (4, 1), (8, 2), (6, 3)])
+    head_dim = rng.choice([16, 40, 64, 80, 128])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    causal = rng.random() < 0.5
+    cu_q, cu_k = _offsets(lengths, device)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(total_q, heads_q, head_dim, device=device, dtype=dtype)
+    k = torch.randn(total_k, heads_kv, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    bias = None
+    if rng.random() < 0.4:
+        heads = rng.choice(sorted({1, heads_kv, heads_q}))
+        width = -(-total_k // 8) * 8 if bias_rows_aligned else total_k
+        bias = (2 * torch.randn(heads, width, device=device)).to(dtype)[:, :total_k]
+    return lengths, q, k, v, cu_q, cu_k, bias, causal
+
+
 @pytest.mark.hopper
 def test_documents_on_random_batches(device):
     """A seeded fuzz of 300 packed batches through ``dmattn_varlen_func`` with
@@ -268,27 +360,8 @@ def test_documents_on_random_batches(device):
 
     rng = random.Random(67)
     for case in range(300):
-        count = rng.randint(1, 12)
-        lengths = [(rng.choice([0, 1, rng.randint(1, 2000), int(2 ** rng.uniform(0, 11))]),)
-                   for _ in range(count)]
-        lengths = [(q, q if rng.random() < 0.7 else rng.randint(0, 2000)) for (q,) in lengths]
-        # A bias over one key in all reads as one broadcast along the keys (not a route's)
-        if sum(q for q, _ in lengths) == 0 or sum(k for _, k in lengths) < 2:
-            lengths.append((37, 37))
-        heads_q, heads_kv = rng.choice([(1, 1), (4, 1), (8, 2), (6, 3)])
-        head_dim = rng.choice([16, 40, 64, 80, 128])
-        dtype = rng.choice([torch.bfloat16, torch.float16])
-        causal = rng.random() < 0.5
-        cu_q, cu_k = _offsets(lengths, device)
-        total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
-        q = torch.randn(total_q, heads_q, head_dim, device=device, dtype=dtype)
-        k = torch.randn(total_k, heads_kv, head_dim, device=device, dtype=dtype)
-        v = torch.randn_like(k)
-        bias = None
-        if rng.random() < 0.4:  # rows 16-byte aligned, as TMA reads them
-            heads = rng.choice(sorted({1, heads_kv, heads_q}))
-            rows = torch.randn(heads, -(-total_k // 8) * 8, device=device)
-            bias = (2 * rows).to(dtype)[:, :total_k]
+        lengths, q, k, v, cu_q, cu_k, bias, causal = _random_batch(rng, device, True)
+        head_dim, dtype = q.shape[-1], q.dtype
         longest_q = max(q for q, _ in lengths)
         longest_k = max(k for _, k in lengths)
         options = {"forward_documents": True}
@@ -300,3 +373,63 @@ def test_documents_on_random_batches(device):
         assert set(routes.forward) == {"hopper"}, (case, lengths, routes.describe())
         _assert_matches(out, lse, _references(q, k, v, cu_q, cu_k, bias, causal), dtype,
                         f"case {case} {lengths} D{head_dim} causal={causal}: ")
+
+
+# -- the backward over documents (``kernel_options['backward_documents']``), on a Hopper GPU
+def _gradient_check(q, k, v, cu_q, cu_k, bias, causal, context=""):
+    """The backward of ``dmattn_varlen_func`` over these documents, its second call (the
+    offsets' packed mask prepared) walking them on the Hopper backward, against the fp64
+    varlen reference's gradients (dq, dk, dv and a bias's), with the eager run in the inputs'
+    dtype as the baseline. Returns the second call's backward routes."""
+    from kernels import dmattn_varlen_func, record_routes
+
+    longest_q = int((cu_q[1:] - cu_q[:-1]).max())
+    longest_k = int((cu_k[1:] - cu_k[:-1]).max())
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if bias is not None:
+        leaves.append(bias.detach().requires_grad_())
+    grad_out = torch.randn_like(q)
+    options = {"backward_documents": True}
+    for _ in range(2):
+        with record_routes() as routes:
+            out = dmattn_varlen_func(*leaves[:3], cu_q, cu_k, longest_q, longest_k,
+                                     attn_bias=leaves[3] if bias is not None else None,
+                                     is_causal=causal, kernel_options=options)
+            got = torch.autograd.grad(out, leaves, grad_out)
+    runs = [attention_varlen_reference(*leaves[:3], cu_q, cu_k,
+                                       attn_bias=leaves[3] if bias is not None else None,
+                                       is_causal=causal, upcast=upcast)
+            for upcast in (True, False)]
+    want, low = (torch.autograd.grad(run, leaves, grad_out.to(run.dtype)) for run in runs)
+    for name, a, r, e in zip(("dq", "dk", "dv", "dbias"), got, want, low):
+        assert a.isfinite().all(), f"{context}{name} not finite"
+        assert_close_to_reference(f"{context}{name}", a, r, e, q.dtype)
+    return routes.backward
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("lengths", DOCUMENTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,heads,bias", FORMS)
+def test_the_backward_over_documents_matches_the_reference(device, lengths, causal, head_dim,
+                                                          heads, bias):
+    torch.manual_seed(len(lengths) * 11 + head_dim)
+    q, k, v, cu_q, cu_k, attn_bias = _documents_inputs(lengths, head_dim, heads, bias, device,
+                                                       bias_rows_aligned=False)
+    routes = _gradient_check(q, k, v, cu_q, cu_k, attn_bias, causal)
+    assert routes == ["hopper"]
+
+
+@pytest.mark.hopper
+def test_the_backward_over_documents_on_random_batches(device):
+    """A seeded fuzz of 300 packed batches through the Hopper backward over documents (as
+    ``test_documents_on_random_batches`` draws them: cross lengths, empty sequences, D 16-128,
+    GQA/MQA, both dtypes, causal or not, a per-key bias of every head broadcast and its
+    gradient), each against the fp64 reference's gradients. NaN never passes."""
+    rng = random.Random(71)
+    for case in range(300):
+        lengths, q, k, v, cu_q, cu_k, bias, causal = _random_batch(rng, device, False)
+        (heads_q, head_dim), heads_kv = q.shape[1:], k.shape[1]
+        context = f"case {case} {lengths} H{heads_q}/{heads_kv} D{head_dim} causal={causal}: "
+        routes = _gradient_check(q, k, v, cu_q, cu_k, bias, causal, context)
+        assert routes == ["hopper"], context + str(routes)

@@ -117,11 +117,12 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
 
 
 def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
-                      deterministic: bool = False, bias: bool = False, grouped: bool = False):
+                      deterministic: bool = False, bias: bool = False, grouped: bool = False,
+                      documents: bool = False):
     """The backward of MASK_KIND ``kind`` (none, a bool mask's bytes or KeyIntervals' words,
     with lists), its dQ ordered where ``deterministic``, with a bias row and its gradient
     summed over the group where ``bias``, its causal grid ordered in groups where
-    ``grouped``."""
+    ``grouped``, over packed documents where ``documents``."""
     from kernels.planning import hopper_forward as host
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -161,8 +162,13 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
             describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
             describe(tile.block_n // 2), flat, mask_desc, *list_args,
             bias_row, 4 * 1000, 1000, 1, 2, bias_grad, 2 * 1000, 1000,
-            torch.empty(64, dtype=torch.int32), 1000, 1000, 8, 4, 2, 3, 0.1, 0.07, grid=(64,),
-            num_warps=4, CAUSAL=causal, GROUPED_ORDER=grouped, MASK_KIND=kind,
+            torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.int32),
+            torch.empty(9, dtype=torch.int32), torch.empty(9, dtype=torch.int32),
+            torch.empty(1, 1000, 4, head_dim, dtype=dtype),
+            torch.empty(1, 1000, 4, head_dim, dtype=dtype), 4 * head_dim, head_dim,
+            1000, 1000, 8, 4, 2, 3, 0.1, 0.07, grid=(64,),
+            num_warps=4, CAUSAL=causal, GROUPED_ORDER=grouped, DOCUMENTS=documents,
+            MASK_KIND=kind,
             DETERMINISTIC=deterministic,
             HAS_BIAS=bias, BIAS_GRAD=bias, BIAS_GROUP_SUM=True,
             STAGES=tile.stages,
@@ -196,7 +202,9 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "biased-forward"),
     ("float16", 64, False, "biased-masked-forward"),
     ("bfloat16", 128, True, "documents-forward"),
-    ("float16", 64, False, "biased-documents-forward")],
+    ("float16", 64, False, "biased-documents-forward"),
+    ("bfloat16", 128, True, "documents-backward"),
+    ("float16", 64, False, "biased-documents-backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
@@ -205,7 +213,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "biased-backward-bf16-d128-causal", "grouped-backward-bf16-d128-causal",
          "biased-forward-bf16-d128-causal",
          "biased-masked-forward-fp16-d64-full", "documents-forward-bf16-d128-causal",
-         "biased-documents-forward-fp16-d64-full"])
+         "biased-documents-forward-fp16-d64-full", "documents-backward-bf16-d128-causal",
+         "biased-documents-backward-fp16-d64-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -232,8 +241,9 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
                 "intervals-backward": host.INTERVAL_WORDS}.get(form, host.NO_MASK)
         kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
                                    deterministic=form == "deterministic-backward",
-                                   bias=form == "biased-backward",
-                                   grouped=form == "grouped-backward")
+                                   bias=form.startswith("biased"),
+                                   grouped=form == "grouped-backward",
+                                   documents="documents" in form)
     elif form.endswith("forward"):
         from kernels.planning import hopper_forward as host
         kind = host.MASK_TILE if form == "biased-masked-forward" else host.NO_MASK

@@ -56,6 +56,15 @@ loads its keys' bias once per query head and adds it to the scores, and with BIA
 dS^T over the rows it walks (and, with GROUP_SUM, over the group's heads) in registers,
 writing each gradient row once: no atomics, the same sums whatever the schedule.
 
+With DOCUMENTS (``kernel_options['backward_documents']``: sequences packed end to end, no
+mask) a program owns one key block of one sequence (``tiles.document_key_block``) and walks
+that sequence's query blocks only, in its own coordinates: no key block spans two documents
+and no pair is tested against intervals. Query block 0 starts at the 4-row boundary at or
+before the sequence's first row (the rows' TMA box must start 16-byte aligned), so blocks
+holding rows of another sequence test those rows and hide them (P = dS = 0; their dQ rows get
+zeros added). A sequence's last keys' dK and dV are written from registers
+(``output_rows.OutputRows``): a TMA box would write the next sequence's keys.
+
 Not yet: a bool mask of one row for every query row, a bias with a row per query, and an
 ordered dQ with a mask (a key block's rank among those walking a query block is not known to
 its program).
@@ -71,9 +80,12 @@ from .bias import BiasRow
 from .gluon_compat import (reinterpret, store_wait_written, thread_barrier, tma_atomic_add,
                            tma_load, tma_store)
 from .ring import QueryRing, copy_view, plane_view
-from .tiles import BlockLists, KeyBlockWork
+from .output_rows import OutputRows
+from .tiles import BlockLists, KeyBlockWork, document_key_block
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
+# The loader's float32 rows box must start 16-byte aligned (TMA faults otherwise).
+LOADER_ROW_ALIGN = gl.constexpr(4)
 
 
 @gluon.jit
@@ -82,8 +94,9 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     batch, kv_head, first_key = work.coordinates()
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma_load(k_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
-    tma_load(v_desc, [batch, first_key, kv_head, 0], kv_ready.index(0), copy_view(v_tile))
+    packed_key = work.packed_key(first_key)
+    tma_load(k_desc, [batch, packed_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
+    tma_load(v_desc, [batch, packed_key, kv_head, 0], kv_ready.index(0), copy_view(v_tile))
     position = 0
     for g in range(work.group):
         q_head = kv_head * work.group + g
@@ -100,15 +113,16 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
                           lse_row, delta_row, mask_desc,
                           (mask_batch, mask_head, m * work.BLOCK_M, first_key), j >= full)
             else:
-                ring.fill(position, q_desc, do_desc, rows_desc, batch, m * work.BLOCK_M, q_head,
-                          lse_row, delta_row, None, None, False)
+                ring.fill(position, q_desc, do_desc, rows_desc, batch,
+                          work.packed_row(m * work.BLOCK_M), q_head, lse_row, delta_row, None,
+                          None, False)
             position += 1
 
 
 @gluon.jit
 def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
               mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc,
-              dv_desc, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
+              dv_desc, dk_rows, dv_rows, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
               MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
               BIAS_GRAD: gl.constexpr):
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
@@ -147,7 +161,8 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
     for g in range(work.group):
         q_head = kv_head * work.group + g
         if HAS_BIAS:
-            bias_row = bias.load(batch, q_head, keys, seqlen_k)
+            bias_row = bias.load(batch, q_head, work.packed_key(keys),
+                                 work.packed_key(seqlen_k))
         if BIAS_GRAD:
             if not bias.GROUP_SUM:
                 bias_grad = gl.zeros([KEYS], gl.float32, key_layout)
@@ -185,9 +200,13 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                 my_first_key + KEYS - 1 > first_row + diagonal))
             if MASKED:
                 edge = edge | tested
+            if work.DOCUMENTS:  # rows before the sequence's first or past its last: others'
+                edge = edge | (first_row < work.q_shift) | (first_row + BLOCK_M > seqlen_q)
             if edge:
                 cols = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
                 visible = keys[:, None] < seqlen_k
+                if work.DOCUMENTS:
+                    visible = visible & ((cols >= work.q_shift) & (cols < seqlen_q))[None, :]
                 if work.CAUSAL:
                     visible = visible & (keys[:, None] <= cols[None, :] + diagonal)
                 if MASK_KIND == MASK_TILE:  # the slot's [BLOCK_M, BLOCK_N] bytes, transposed
@@ -242,10 +261,12 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                 seen = gl.load(lock, volatile=True)
                 while seen < turn:
                     seen = gl.load(lock, volatile=True)
-            tma_atomic_add(dq_desc, [batch, q_head, first_row, WARPGROUP * HALF_D],
+            # (With DOCUMENTS the rows of other sequences in the block add zeros: P = dS = 0.)
+            packed_row = work.packed_row(first_row)
+            tma_atomic_add(dq_desc, [batch, q_head, packed_row, WARPGROUP * HALF_D],
                            plane_view(stage.index(0)))
             tma_atomic_add(dq_desc,
-                           [batch, q_head, first_row, WARPGROUP * HALF_D + QUARTER_D],
+                           [batch, q_head, packed_row, WARPGROUP * HALF_D + QUARTER_D],
                            plane_view(stage.index(1)))
             if DETERMINISTIC:  # the adds are written before the next block's turn
                 store_wait_written()
@@ -256,44 +277,70 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             position += 1
         if BIAS_GRAD:
             if not bias.GROUP_SUM:
-                bias.store_grad(batch, q_head, keys, seqlen_k, bias_grad)
+                bias.store_grad(batch, q_head, work.packed_key(keys),
+                                work.packed_key(seqlen_k), bias_grad)
     if BIAS_GRAD:
         if bias.GROUP_SUM:
-            bias.store_grad(batch, kv_head, keys, seqlen_k, bias_grad)
+            bias.store_grad(batch, kv_head, work.packed_key(keys), work.packed_key(seqlen_k),
+                            bias_grad)
+    dk = dk * softmax_scale
+    if work.DOCUMENTS:
+        if my_first_key + KEYS > seqlen_k:
+            # A sequence's last keys: a TMA box would write the next sequence's rows, which
+            # another program writes.
+            dk_rows.store(dk.to(dtype), work.k_base, my_first_key, seqlen_k, kv_head,
+                          acc_layout)
+            dv_rows.store(dv.to(dtype), work.k_base, my_first_key, seqlen_k, kv_head,
+                          acc_layout)
+        else:
+            _store_keys(stage, dk, dv, dk_desc, dv_desc, batch, work.packed_key(my_first_key),
+                        kv_head)
+    else:
+        _store_keys(stage, dk, dv, dk_desc, dv_desc, batch, my_first_key, kv_head)
 
-    # dK and dV leave through this warpgroup's staging tile and TMA: rows past Lk and columns
-    # past the head dim are not written.
+
+@gluon.jit
+def _store_keys(stage, dk, dv, dk_desc, dv_desc, batch, first_key, kv_head):
+    """dK (scaled) and dV of this warpgroup's keys from ``first_key`` through its staging
+    tile and TMA: rows past Lk and columns past the head dim are not written."""
+    KEYS: gl.constexpr = dk.shape[0]
+    BLOCK_D: gl.constexpr = dk.shape[1]
+    dtype: gl.constexpr = dk_desc.dtype
     tma.store_wait(pendings=0)
     out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_D], dtype)
     out_tile = reinterpret(stage, dtype, [KEYS, BLOCK_D], out_layout)  # as many bytes
-    out_tile.store((dk * softmax_scale).to(dtype))
+    out_tile.store(dk.to(dtype))
     fence_async_shared()
-    tma_store(dk_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
+    tma_store(dk_desc, [batch, first_key, kv_head, 0], copy_view(out_tile))
     tma.store_wait(pendings=0)
     out_tile.store(dv.to(dtype))
     fence_async_shared()
-    tma_store(dv_desc, [batch, my_first_key, kv_head, 0], copy_view(out_tile))
+    tma_store(dv_desc, [batch, first_key, kv_head, 0], copy_view(out_tile))
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
                     mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-                    dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
+                    dk_desc, dv_desc, dk_rows, dv_rows, qk_scale, softmax_scale,
+                    MASK_KIND: gl.constexpr,
                     DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
               mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
-              qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
+              dk_rows, dv_rows, qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS,
+              BIAS_GRAD)
 
 
 @gluon.jit
 def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
                      mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
-                     dk_desc, dv_desc, qk_scale, softmax_scale, MASK_KIND: gl.constexpr,
+                     dk_desc, dv_desc, dk_rows, dv_rows, qk_scale, softmax_scale,
+                     MASK_KIND: gl.constexpr,
                      DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
               mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
-              qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)
+              dk_rows, dv_rows, qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS,
+              BIAS_GRAD)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
@@ -301,15 +348,17 @@ def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, 
                               "mask_batch_stride", "mask_head_stride", "bias_stride_b",
                               "bias_stride_h", "bias_stride_k", "bias_head_div",
                               "bias_grad_stride_b", "bias_grad_stride_h", "seqlen_q",
-                              "seqlen_k", "heads_q", "heads_kv", "group", "order_group"])
+                              "seqlen_k", "heads_q", "heads_kv", "group", "order_group",
+                              "dkv_row_stride", "head_dim"])
 def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, rows_desc,
                        mask_desc, list_table, list_batch_stride, list_head_stride,
                        list_row_stride, list_head_div, mask_head_div, mask_batches,
                        mask_batch_stride, mask_head_stride, bias_ptr, bias_stride_b,
                        bias_stride_h, bias_stride_k, bias_head_div, bias_grad_ptr,
-                       bias_grad_stride_b, bias_grad_stride_h, dq_locks, seqlen_q, seqlen_k,
-                       heads_q, heads_kv, group, order_group, qk_scale, softmax_scale,
-                       CAUSAL: gl.constexpr, GROUPED_ORDER: gl.constexpr,
+                       bias_grad_stride_b, bias_grad_stride_h, dq_locks, documents, cu_q, cu_k,
+                       dk_ptr, dv_ptr, dkv_row_stride, head_dim, seqlen_q, seqlen_k, heads_q,
+                       heads_kv, group, order_group, qk_scale, softmax_scale,
+                       CAUSAL: gl.constexpr, GROUPED_ORDER: gl.constexpr, DOCUMENTS: gl.constexpr,
                        MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
                        BIAS_GRAD: gl.constexpr, BIAS_GROUP_SUM: gl.constexpr,
                        STAGES: gl.constexpr,
@@ -331,7 +380,14 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
     one per (batch x query head, query block)) orders dQ's reduce-adds: key block kb adds a
     query block's partial once both warpgroups of blocks 0..kb-1 have (each of them walks that
     query block: none is masked), so dQ is bitwise reproducible; without it, ``dq_locks`` is a
-    stand-in never read. Launch with num_warps = 4."""
+    stand-in never read. With DOCUMENTS (sequences packed end to end, batch 1, no mask, not
+    DETERMINISTIC) a grid of ``documents``' bound of key blocks x Hk: each program takes its
+    sequence's key block from that table (``tiles.document_key_block``: ``cu_q`` and ``cu_k``
+    are the offsets) and walks that sequence's query blocks alone, in its own coordinates;
+    the rows of other sequences in a query block are hidden (P = dS = 0), and a sequence's
+    last keys' dK and dV are written from registers into ``dk_ptr`` and ``dv_ptr`` (rows of
+    ``dkv_row_stride``, heads of ``head_dim``); without it those are stand-ins never read.
+    Launch with num_warps = 4."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -378,20 +434,31 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                        list_head_div, mask_head_div, mask_batches)
     bias = BiasRow(bias_ptr, bias_stride_b, bias_stride_h, bias_stride_k, bias_head_div,
                    bias_grad_ptr, bias_grad_stride_b, bias_grad_stride_h, BIAS_GROUP_SUM)
-    work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, BLOCK_M,
-                        BLOCK_N, CAUSAL, GROUPED_ORDER)
+    gl.static_assert(not DOCUMENTS or (MASK_KIND == NO_MASK and not DETERMINISTIC),
+                     "documents take no mask and add dQ in any order")
+    if DOCUMENTS:
+        kv_head, key_block, q_base, k_base, q_shift, seqlen_q, seqlen_k = document_key_block(
+            documents, cu_q, cu_k, heads_kv, BLOCK_N, LOADER_ROW_ALIGN)
+    else:  # stand-ins never read
+        kv_head, key_block, q_base, k_base, q_shift = group, group, group, group, group
+    work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, kv_head,
+                        key_block, q_base, k_base, q_shift, BLOCK_M, BLOCK_N, CAUSAL,
+                        GROUPED_ORDER, DOCUMENTS)
+    dk_rows = OutputRows(dk_ptr, dkv_row_stride, head_dim)
+    dv_rows = OutputRows(dv_ptr, dkv_row_stride, head_dim)
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6).
     gl.warp_specialize(
         [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
                             work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
-                            dq_desc, dq_locks, dk_desc, dv_desc, qk_scale, softmax_scale,
-                            MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
+                            dq_desc, dq_locks, dk_desc, dv_desc, dk_rows, dv_rows, qk_scale,
+                            softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
          (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
                              work, lists, mask_desc, mask_batch_stride, mask_head_stride,
-                             bias, dq_desc, dq_locks, dk_desc, dv_desc, qk_scale,
-                             softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
+                             bias, dq_desc, dq_locks, dk_desc, dv_desc, dk_rows, dv_rows,
+                             qk_scale, softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS,
+                             BIAS_GRAD)),
          (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
                     kv_ready, ring, work, lists, MASK_KIND))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -240,28 +240,55 @@ class KeyBlockWork:
     heads_kv: gl.tensor
     group: gl.tensor
     order_group: gl.tensor
+    kv_head: gl.tensor
+    key_block: gl.tensor
+    q_base: gl.tensor
+    k_base: gl.tensor
+    q_shift: gl.tensor
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
     GROUPED_ORDER: gl.constexpr
+    DOCUMENTS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, BLOCK_M,
-                 BLOCK_N, CAUSAL, GROUPED_ORDER):
+    def __init__(self, seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, kv_head,
+                 key_block, q_base, k_base, q_shift, BLOCK_M, BLOCK_N, CAUSAL, GROUPED_ORDER,
+                 DOCUMENTS):
+        """With DOCUMENTS, the program's sequence as ``document_key_block`` gives it: its
+        query rows from query block 0's first (``seqlen_q``) and its keys (``seqlen_k``), the
+        program's key head and key block, query block 0's first packed row (``q_base``), the
+        sequence's first packed key (``k_base``) and the rows before its first (``q_shift``);
+        without, those five are stand-ins never read."""
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
         self.heads_q = heads_q
         self.heads_kv = heads_kv
         self.group = group
         self.order_group = order_group
+        self.kv_head = kv_head
+        self.key_block = key_block
+        self.q_base = q_base
+        self.k_base = k_base
+        self.q_shift = q_shift
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.GROUPED_ORDER = gl.constexpr(GROUPED_ORDER)
+        self.DOCUMENTS = gl.constexpr(DOCUMENTS)
 
     @gluon.jit
     def coordinates(self):
-        """(batch, key head, first key) of this program."""
+        """(batch, key head, first key) of this program (with DOCUMENTS batch 0 and the key in
+        the sequence's own coordinates)."""
+        if self.DOCUMENTS:
+            result = (self.kv_head * 0, self.kv_head, self.key_block * self.BLOCK_N)
+        else:
+            result = self._grid_coordinates()
+        return result
+
+    @gluon.jit
+    def _grid_coordinates(self):
         key_blocks = gl.cdiv(self.seqlen_k, self.BLOCK_N)
         pid = gl.program_id(0)
         if self.CAUSAL and self.GROUPED_ORDER:
@@ -283,7 +310,28 @@ class KeyBlockWork:
     @gluon.jit
     def batch_heads(self):
         """B x Hk."""
-        return gl.num_programs(0) // gl.cdiv(self.seqlen_k, self.BLOCK_N)
+        if self.DOCUMENTS:
+            result = self.heads_kv
+        else:
+            result = gl.num_programs(0) // gl.cdiv(self.seqlen_k, self.BLOCK_N)
+        return result
+
+    @gluon.jit
+    def packed_row(self, first_row):
+        """The packed query row of the program's row ``first_row`` (DOCUMENTS: counted from
+        query block 0's first), else ``first_row``."""
+        result = first_row
+        if self.DOCUMENTS:
+            result = self.q_base + first_row
+        return result
+
+    @gluon.jit
+    def packed_key(self, key):
+        """The packed key of the program's key ``key`` (DOCUMENTS), else ``key``."""
+        result = key
+        if self.DOCUMENTS:
+            result = self.k_base + key
+        return result
 
     @gluon.jit
     def head_walk(self, lists, batch, q_head, first_key, MASKED: gl.constexpr):
@@ -322,3 +370,29 @@ class KeyBlockWork:
             first = gl.maximum(first_key - (self.seqlen_k - self.seqlen_q), 0) // self.BLOCK_M
             first = gl.minimum(first, stop)
         return first, stop
+
+
+@gluon.jit
+def document_key_block(documents, cu_q, cu_k, heads_kv, BLOCK_N: gl.constexpr,
+                       ROW_ALIGN: gl.constexpr):
+    """The backward program's key block of packed documents: (key head, key block of its
+    sequence, query block 0's first packed row, the sequence's first packed key, the rows
+    before the sequence's first in query block 0, query rows from query block 0's first,
+    keys). ``documents`` is an int32 table, its count of key blocks first, then per key block
+    (sequence, key block) in the order the programs start them
+    (``planning.documents.document_key_blocks``), key heads inner. Query block 0 starts at the
+    ROW_ALIGN boundary at or before the sequence's first row: a TMA box of the loader's
+    float32 rows must start 16-byte aligned. A program past the count has no rows and no
+    keys, so it walks nothing and writes nothing."""
+    pid = gl.program_id(0)
+    entry = pid // heads_kv
+    active = entry < gl.load(documents)
+    at = documents + 1 + 2 * gl.where(active, entry, 0)  # entry 0 always exists
+    sequence = gl.load(at)
+    first_row = gl.load(cu_q + sequence)
+    k_base = gl.load(cu_k + sequence)
+    seqlen_q = gl.load(cu_q + sequence + 1) - first_row
+    seqlen_k = gl.load(cu_k + sequence + 1) - k_base
+    shift = first_row % ROW_ALIGN
+    return (pid % heads_kv, gl.load(at + 1), first_row - shift, k_base, shift,
+            gl.where(active, seqlen_q + shift, 0), gl.where(active, seqlen_k, 0))

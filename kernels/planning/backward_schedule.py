@@ -17,7 +17,8 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .dbias import DbiasMode, DbiasPlan, plan_dbias, plan_packed_dbias
 from .grids import key_splits
-from .hopper_backward import hopper_backward_gap, takes_hopper_backward
+from .hopper_backward import (documents_backward_gap, hopper_backward_gap,
+                              takes_hopper_backward)
 from .problem import Problem
 
 
@@ -70,6 +71,9 @@ class BackwardSchedule:
     route: BackwardRoute
     dbias: DbiasPlan | None
     launches: GeneralBackward | PackedBackward | tuning.HopperBackwardTile
+    # The Hopper backward walks a packed batch's documents each in its own key blocks
+    # (``hopper_backward.documents_backward_gap``), its mask unread.
+    documents: bool = False
 
     def __post_init__(self):
         if (self.route is BackwardRoute.PACKED) != isinstance(self.launches, PackedBackward):
@@ -310,9 +314,31 @@ def schedule_general(problem: Problem, options: dict) -> BackwardSchedule:
         dkdv_launch_per_batch=per_batch, dkdv_launch_per_head=per_head))
 
 
+def backward_documents(problem: Problem, options: dict) -> bool:
+    """Whether the Hopper backward walks the mask's packed documents in their own key blocks:
+    ``options['backward_documents']`` True (a ValueError says why where it never can, or
+    where another route is forced); off by default until it is measured on a GPU. As for the
+    forward's (``forward_schedule.forward_documents``), only a call whose intervals are
+    prepared walks them; another takes the route the schedule chooses without the option."""
+    if not options.get("backward_documents"):
+        return False
+    route = options.get("backward")
+    if route not in (None, BackwardRoute.HOPPER):
+        raise ValueError(f"kernel_options: 'backward_documents' True and 'backward' "
+                         f"{route.value!r} conflict (documents take the Hopper backward)")
+    gap = documents_backward_gap(problem)
+    if gap is not None:
+        raise ValueError(f"kernel_options['backward_documents']: the Hopper backward cannot "
+                         f"walk this call's documents: {gap}")
+    return problem.prepared
+
+
 def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
     route = options.get("backward")
-    if route is BackwardRoute.HOPPER:
+    documents = backward_documents(problem, options)
+    if documents:
+        route = BackwardRoute.HOPPER
+    elif route is BackwardRoute.HOPPER:
         gap = hopper_backward_gap(problem)
         if gap is not None:
             raise ValueError(f"kernel_options['backward']: 'hopper' does not cover this call: "
@@ -324,7 +350,8 @@ def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
         if problem.bias_grad:  # one row per (batch, head): rows summed in the program
             dbias = plan_dbias(problem.bias.shape, problem.bias.head_div, problem.shape,
                                problem.dtype, problem.deterministic, problem.interpreted)
-        return BackwardSchedule(BackwardRoute.HOPPER, dbias, tuning.HOPPER_BACKWARD)
+        return BackwardSchedule(BackwardRoute.HOPPER, dbias, tuning.HOPPER_BACKWARD,
+                                documents)
     if route in (None, BackwardRoute.PACKED):
         packs, dbias = packed_route(problem)
         if packs:

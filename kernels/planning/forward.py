@@ -165,6 +165,10 @@ class ForwardPlan:
         self._scratch = Scratch(query.device, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
         self.hopper = self.hopper_documents = None
+        # A prepared mask of packed documents: their offsets and causality, for the backward's
+        # key blocks (``HopperBackwardPlan``); the plan is the prepared intervals' own.
+        self.documents = (checked.mask.documents if problem.documents is not None
+                          and problem.prepared else None)
         if fwd.documents:  # the plan is the prepared intervals' own: it keeps their table
             cu_q, cu_k, causal = checked.mask.documents
             self.hopper = HopperForwardLaunch(problem, fwd.hopper, None, checked.bias,

@@ -25,9 +25,10 @@ from ..runtime.routes import note_route
 from ..runtime.tma import TmaSpec
 from ..triton_device.backward_rows import _loader_rows_kernel
 from . import tuning
+from .documents import document_key_blocks, tile_bound
 from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
-                             bias_row_gap, block_head_dim, gluon_dtype, hopper_operands_gap,
-                             mask_geometry, mask_kind, nvmma_spec)
+                             bias_row_gap, block_head_dim, documents_gap, gluon_dtype,
+                             hopper_operands_gap, mask_geometry, mask_kind, nvmma_spec)
 from .problem import Problem, tma_strides
 
 LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
@@ -57,6 +58,19 @@ def hopper_backward_gap(problem: Problem) -> str | None:
             return ("with a mask its dQ partials are added in any order: not bitwise "
                     "reproducible")
     return hopper_operands_gap(problem)
+
+
+def documents_backward_gap(problem: Problem) -> str | None:
+    """Why the Hopper backward cannot walk ``problem``'s packed documents each in its own key
+    blocks (one line), or None: as ``hopper_forward.documents_gap`` says, with dQ's adds in
+    any order, and a bias as ``hopper_backward_gap`` takes it."""
+    gap = documents_gap(problem)
+    if gap is None and problem.deterministic:
+        gap = ("over documents its dQ partials are added in any order: not bitwise "
+               "reproducible")
+    if gap is None and problem.bias is not None:
+        gap = bias_row_gap(problem)
+    return gap or hopper_operands_gap(problem, reads_mask=False)
 
 
 def query_walks(problem: Problem, tile: tuning.HopperBackwardTile = tuning.HOPPER_BACKWARD
@@ -167,12 +181,22 @@ class HopperBackwardPlan:
         self.lists_activity = fwd.lists_activity  # the map a call's lists come from
         key_blocks = ceil_div(shape.seqlen_k, tile.block_n)
         order_group = causal_order_group(problem, key_blocks)
+        causal = problem.is_causal
+        # Packed documents: every sequence's key blocks, longest walk first, built once (the
+        # plan is the prepared intervals' own); the grid is their bound, key heads inner.
+        self.documents = None
+        if bwd.documents:
+            self.kind, order_group = NO_MASK, None
+            cu_q, cu_k, causal = fwd.documents
+            key_blocks = tile_bound(shape.seqlen_k, problem.documents, tile.block_n)
+            self.documents = (document_key_blocks(cu_q, cu_k, shape.seqlen_k, tile.block_n,
+                                                  tile.block_m, causal), cu_q, cu_k)
         self.launch = DescriptorLaunch(
             attention_backward, (shape.batch * shape.heads_kv * key_blocks,),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              order_group or 1, problem.softmax_scale * LOG2E, problem.softmax_scale),
-            num_warps=4, CAUSAL=problem.is_causal, GROUPED_ORDER=order_group is not None,
-            MASK_KIND=self.kind,
+            num_warps=4, CAUSAL=causal, GROUPED_ORDER=order_group is not None,
+            DOCUMENTS=self.documents is not None, MASK_KIND=self.kind,
             DETERMINISTIC=problem.deterministic, HAS_BIAS=self.bias_layout is not None,
             BIAS_GRAD=dbias is not None, BIAS_GROUP_SUM=bool(dbias and dbias.sum_group),
             STAGES=tile.stages,
@@ -192,7 +216,9 @@ class HopperBackwardPlan:
         call)."""
         # KeyIntervals the forward read as given (start and end, no lists) go to the fallback.
         if (not HopperForwardLaunch.takes(grad_out, query, key, value, dq, dk, dv)
-                or not tma_strides(grad_out) or isinstance(mask, tuple)):
+                or not tma_strides(grad_out) or isinstance(mask, tuple)
+                or (self.documents is not None  # last keys written from registers
+                    and not (dk.is_contiguous() and dv.is_contiguous()))):
             if self._fallback is None:
                 self._fallback = self._make_fallback()
             return self._fallback.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk,
@@ -209,9 +235,14 @@ class HopperBackwardPlan:
                  if self.lock_count else rows)  # rows: a stand-in never read
         bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
         bias_args = self._bias_args(bias, bias_grad, rows)
+        if self.documents is not None:
+            document_args = (*self.documents, dk, dv, dk.stride(1), self.shape.head_dim)
+        else:  # stand-ins the kernel never reads
+            document_args = (rows, rows, rows, rows, rows, 0, 0)
         self.launch(self.q_spec(query), self.kv_spec(key), self.kv_spec(value),
                     self.q_spec(grad_out), self.acc_spec(dq_acc), self.half_spec(dk),
-                    self.half_spec(dv), rows_desc, *mask_args, *bias_args, locks)
+                    self.half_spec(dv), rows_desc, *mask_args, *bias_args, locks,
+                    *document_args)
         dq.copy_(dq_acc.transpose(1, 2))
         return self.dbias.finish(bias_grad) if bias_grad is not None else None
 

@@ -95,6 +95,8 @@ OPTION_NAMES = {
     "forward_key_scan": "whether the forward reads unprepared intervals itself, True or False",
     "forward_documents": "whether the Hopper forward walks a packed batch's documents (varlen) "
                          "each in its own tiles, True or False",
+    "backward_documents": "whether the Hopper backward walks a packed batch's documents "
+                          "(varlen) each in its own key blocks, True or False",
     "dkdv_wide_tile": "whether dkdv takes its 64 x 128 tile (16-bit, 64 < head dim <= 128), "
                       "True or False",
 }
@@ -126,7 +128,8 @@ def normalize_options(options) -> dict:
             except ValueError:
                 raise ValueError(f"kernel_options['backward']: expected one of 'fused', "
                                  f"'dq+dkdv', 'packed', 'hopper', got {value!r}") from None
-        elif name in ("forward_key_scan", "dkdv_wide_tile", "forward_documents"):
+        elif name in ("forward_key_scan", "dkdv_wide_tile", "forward_documents",
+                      "backward_documents"):
             if type(value) is not bool:
                 raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "
                                  f"got {value!r}")
