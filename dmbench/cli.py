@@ -451,7 +451,7 @@ def battery_command(
 @app.command("compile-cost", epilog=EXIT_CODES_HELP)
 def compile_cost_command(
         lengths: Annotated[Optional[str], typer.Option("--lengths", help="Comma-separated sequence lengths, called in this order (default: 20 lengths from 1000 to 8000, multiples of 16 and not).")] = None,
-        masks: Annotated[str, typer.Option("--masks", help="Comma-separated mask forms: none, bool, intervals.")] = "bool,intervals",
+        masks: Annotated[str, typer.Option("--masks", help="Comma-separated mask forms: none, bool, intervals, documents (dmattn_varlen_func, two calls per length with the same offsets).")] = "bool,intervals",
         bias: Annotated[str, typer.Option("--bias", help="none or kv_row (a per-key bias with its gradient).")] = "kv_row",
         heads: Annotated[str, typer.Option("--heads", help="Query/kv heads, e.g. 16/4.")] = "16/4",
         head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension.")] = 128,
@@ -496,6 +496,8 @@ def compile_cost_command(
             raise ConfigError(f"--window: applies to the intervals mask form, which --masks {masks!r} leaves out")
         if query_rows is not None and not 1 <= query_rows <= MAX_QUERY_ROWS:
             raise ConfigError(f"--query-rows: expected a decode step's query rows, 1 to {MAX_QUERY_ROWS}, got {query_rows}")
+        if query_rows is not None and "documents" in mask_forms:
+            raise ConfigError("--query-rows: decode steps have no packed documents form; leave documents out of --masks")
         opts = CostOptions(
             lengths=parse_lengths(lengths) if lengths is not None else CostOptions.lengths,
             masks=mask_forms, bias=bias, window=window, query_rows=query_rows,

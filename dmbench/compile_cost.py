@@ -34,7 +34,7 @@ from .errors import ConfigError, ExitCode
 from .problem import TORCH_DTYPES
 from .results import csv_cell
 
-MASKS = ("none", "bool", "intervals")
+MASKS = ("none", "bool", "intervals", "documents")
 MAX_QUERY_ROWS = 16  # decode's gather route takes up to this many (kernels' GATHER_MAX_ROWS)
 BIASES = ("none", "kv_row")
 # 20 lengths from 1000 to 8000: a mix of multiples of 16 and not, as dynamic padding makes.
@@ -137,7 +137,8 @@ class _Call:
     """One forward and backward (a decode step: the forward alone) of a form at a length, on
     fresh random inputs: those of ``kernels.warmup``'s scattered call (a bool mask keeping half
     the pairs, or intervals of half the length, or with a window the top-W intervals of a
-    random per-key bias)."""
+    random per-key bias; packed documents: two calls with the same new offsets, as a model's
+    first two layers make)."""
 
     def __init__(self, opts: CostOptions, mask: str, device: torch.device):
         self.opts, self.mask, self.device = opts, mask, device
@@ -154,17 +155,17 @@ class _Call:
 
     def timed(self, seqlen: int) -> tuple[float, float]:
         """(host ms until the backward returns, wall ms to the end of the GPU work)."""
-        import kernels
+        from kernels.warmup import form_call, form_calls
 
         q, k, v, attn_mask, bias = self.inputs(seqlen)
         self._sync()
         start = time.perf_counter()
         decode = self.opts.query_rows is not None
-        with torch.set_grad_enabled(not decode):
-            out = kernels.dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=bias,
-                                      is_causal=self.opts.causal)
-        if not decode:
-            out.backward(torch.ones_like(out))
+        for _ in range(form_calls(self.mask)):
+            with torch.set_grad_enabled(not decode):
+                out = form_call(q, k, v, attn_mask, bias, self.opts.causal)
+            if not decode:
+                out.backward(torch.ones_like(out))
         host = time.perf_counter() - start
         self._sync()
         return host * 1e3, (time.perf_counter() - start) * 1e3

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .interface import dmattn_func
+from .varlen import dmattn_varlen_func
 from .masks.intervals import KeyIntervals
 from .masks.topk import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, kept_union, orders_keys
 from .planning.backward_schedule import dkdv_takes_wide_tile
@@ -52,8 +53,34 @@ from .runtime.forms import compiled_forms
 from .runtime.launch import compile_only, launches_run
 from .topk_ops import topk_intervals
 
-MASK_FORMS = ("none", "bool", "intervals")
+MASK_FORMS = ("none", "bool", "intervals", "documents")
 BIAS_FORMS = ("none", "kv_row", "full")
+
+
+@dataclass(frozen=True)
+class PackedDocuments:
+    """A "documents" form's call: ``dmattn_varlen_func`` over these offsets (int32, each of
+    ``batch`` rows of the length split into two documents of 2/3 and 1/3 of it)."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def form_calls(mask: str) -> int:
+    """Calls per length of a form: a "documents" form makes two with the same offsets, as a
+    model's first two layers do (the first builds the packed mask; from the second on it is
+    prepared, which takes other kernels)."""
+    return 2 if mask == "documents" else 1
+
+
+def form_call(q, k, v, attn_mask, attn_bias, is_causal: bool):
+    """One call of a form from ``form_inputs``' tensors: ``dmattn_varlen_func`` for packed
+    documents, else ``dmattn_func``."""
+    if isinstance(attn_mask, PackedDocuments):
+        offsets, longest = attn_mask.cu_seqlens, attn_mask.max_seqlen
+        return dmattn_varlen_func(q, k, v, offsets, offsets, longest, longest,
+                                  attn_bias=attn_bias, is_causal=is_causal)
+    return dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias, is_causal=is_causal)
 
 
 @dataclass(frozen=True)
@@ -195,7 +222,7 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
     if window is not None:
         rows = batch * (heads_kv if selection_heads is None else selection_heads)
         lengths = list(window_lengths(lengths, window, is_causal, rows))
-    if mask == "intervals":  # the forward's tile changes at one query length
+    if mask in ("intervals", "documents"):  # the forward's tile changes at one length
         lengths = list(threshold_lengths(lengths, interval_tile_rows(
             dtype, head_dim, interpreted())))
     if backward:  # dkdv's tile changes at one length (K and V widened to heads_q by an order)
@@ -229,6 +256,9 @@ def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask,
     def tensor(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=backward)
 
+    if mask == "documents":
+        return _documents_inputs(tensor, batch, seqlen, heads_q, heads_kv, head_dim, device,
+                                 bias)
     rows = seqlen if query_rows is None else query_rows
     q = tensor(batch, rows, heads_q, head_dim)
     k, v = tensor(batch, seqlen, heads_kv, head_dim), tensor(batch, seqlen, heads_kv, head_dim)
@@ -254,6 +284,20 @@ def form_inputs(batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask,
                  else torch.zeros(shape, dtype=torch.int32, device=device))
         attn_mask = KeyIntervals(start, start + (rows // 2 if scattered else rows))
     return q, k, v, attn_mask, attn_bias
+
+
+def _documents_inputs(tensor, batch, seqlen, heads_q, heads_kv, head_dim, device, bias):
+    """``form_inputs`` of a "documents" form: ``batch`` x ``seqlen`` tokens packed, each
+    ``seqlen`` of them two documents (2/3 and 1/3 of it), with a per-key bias (Hk, tokens)
+    for "kv_row"."""
+    total = batch * seqlen
+    first = seqlen - seqlen // 3
+    ends = [row * seqlen + end for row in range(batch) for end in (first, seqlen)]
+    offsets = torch.tensor([0] + sorted(set(ends)), dtype=torch.int32, device=device)
+    q = tensor(total, heads_q, head_dim)
+    k, v = tensor(total, heads_kv, head_dim), tensor(total, heads_kv, head_dim)
+    attn_bias = tensor(heads_kv, total) if bias == "kv_row" else None
+    return q, k, v, PackedDocuments(offsets, first), attn_bias
 
 
 def _check_window(window, selection_heads, mask: str, heads_q: int, heads_kv: int) -> None:
@@ -286,7 +330,10 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     without a gradient, as evaluation makes) at an aligned and an unaligned length
     next to each length in ``seqlens`` (``warmup_lengths``), with a mask twice: every pair
     visible and a scattered half (once with a ``window``: the selection's). ``mask`` is
-    "none", "bool" or "intervals", ``bias`` "none", "kv_row" (B, Hk, 1, L) or "full" (B, Hk,
+    "none", "bool", "intervals" or "documents" (``dmattn_varlen_func`` over ``batch`` x the
+    length tokens packed as documents, called twice with the same offsets, as a model's
+    layers: the second call's packed mask is prepared, which takes other kernels), ``bias``
+    "none", "kv_row" (B, Hk, 1, L; documents: (Hk, tokens)) or "full" (B, Hk,
     L, L); the call has the form a model's call of the same description has. Give the
     shortest and longest length a model uses: each schedule decision that follows the length
     (key splits where a short grid underfills the GPU, dkdv's stages) changes at one
@@ -328,6 +375,9 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
         raise ValueError(f"warmup: mask must be one of {', '.join(MASK_FORMS)}, got {mask!r}")
     if bias not in BIAS_FORMS:
         raise ValueError(f"warmup: bias must be one of {', '.join(BIAS_FORMS)}, got {bias!r}")
+    if mask == "documents" and (bias == "full" or query_rows is not None):
+        raise ValueError("warmup: mask='documents' (dmattn_varlen_func) takes bias 'none' or "
+                         "'kv_row' and no query_rows")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
                                 or workers < 1):
         raise ValueError(f"warmup: workers must be a positive int or None, got {workers!r}")
@@ -356,7 +406,7 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     if window is not None:  # the selection's mask, whatever ``scattered`` says
         variants = (True,)
     else:  # every pair visible and a scattered half
-        variants = (False, True) if mask != "none" else (False,)
+        variants = (False, True) if mask not in ("none", "documents") else (False,)
 
     def make_calls():
         for seqlen in lengths:
@@ -365,11 +415,11 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
                     batch, seqlen, heads_q, heads_kv, head_dim, dtype, device, mask, bias,
                     backward, scattered, window=window, selection_heads=selection_heads,
                     is_causal=is_causal, query_rows=query_rows)
-                with torch.set_grad_enabled(backward):
-                    out = dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
-                                      is_causal=is_causal)
-                if backward:
-                    out.backward(torch.ones_like(out))
+                for _ in range(form_calls(mask)):
+                    with torch.set_grad_enabled(backward):
+                        out = form_call(q, k, v, attn_mask, attn_bias, is_causal)
+                    if backward:
+                        out.backward(torch.ones_like(out))
                 if mask == "bool" and not scattered and takes_masked_hopper(q) and launches_run():
                     # A prepared mask of mostly full tiles takes the Hopper forward's masked
                     # form (``hopper_forward.few_partial_tiles``), which a mask read by the
@@ -389,6 +439,13 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
                     with torch.no_grad():
                         dmattn_func(q, k, v, attn_mask=fresh, attn_bias=attn_bias,
                                     is_causal=is_causal)
+                if backward and mask == "documents":
+                    # Evaluation over new offsets: the first call, without a gradient, may
+                    # read the packed mask itself, as above; the second walks the documents.
+                    fresh = PackedDocuments(attn_mask.cu_seqlens.clone(), attn_mask.max_seqlen)
+                    with torch.no_grad():
+                        for _ in range(form_calls(mask)):
+                            form_call(q, k, v, fresh, attn_bias, is_causal)
 
     before, started = compiled_forms(), time.perf_counter()
     on_gpu = torch.device(device).type == "cuda"

@@ -23,7 +23,8 @@ from kernels.planning.hopper_backward import takes_hopper_backward
 from kernels.planning.forward_schedule import forward_tile, interval_tile_rows
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.masks.topk import orders_keys
-from kernels.warmup import ordering_threshold, window_lengths
+from kernels.warmup import (form_call, form_calls, form_inputs, ordering_threshold,
+                            window_lengths)
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
 
@@ -60,6 +61,31 @@ def test_no_compile_at_new_lengths_after_warmup(device, mask, bias):
     for seqlen in (113, 128, 131, 140):
         _call(seqlen, mask, bias, generator, device)
         assert compiled_forms() == before, f"a call at length {seqlen} compiled a new kernel"
+
+
+def test_no_compile_at_new_lengths_after_a_documents_warmup(device):
+    """Packed documents (``dmattn_varlen_func``, two calls per new offsets, as a model's
+    layers make them, then a backward): after the warm-up at the shortest and longest packed
+    length, new lengths between compile nothing. (The kv_row bias: compile-cost's test.)"""
+    bias = "none"
+    warmup(seqlens=[97, 150], heads_q=HEADS_Q, heads_kv=HEADS_KV, head_dim=HEAD_DIM,
+           dtype=torch.float32, device=device, mask="documents", bias=bias, is_causal=True)
+    before = compiled_forms()
+    for seqlen in (113, 128, 131, 140):
+        q, k, v, mask, attn_bias = form_inputs(1, seqlen, HEADS_Q, HEADS_KV, HEAD_DIM,
+                                               torch.float32, device, "documents", bias,
+                                               backward=True, scattered=False, is_causal=True)
+        for _ in range(form_calls("documents")):
+            out = form_call(q, k, v, mask, attn_bias, True)
+            out.backward(torch.ones_like(out))
+        assert compiled_forms() == before, f"a packed call of {seqlen} tokens compiled"
+
+
+def test_warmup_refuses_documents_with_a_full_bias_or_decode_rows():
+    with pytest.raises(ValueError, match="documents"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, mask="documents", bias="full")
+    with pytest.raises(ValueError, match="documents"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, mask="documents", query_rows=1)
 
 
 @pytest.mark.parametrize("mask,bias", [("bool", "kv_row"), ("intervals", "full"),

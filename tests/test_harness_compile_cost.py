@@ -53,6 +53,24 @@ def test_window_makes_the_interval_form_top_w(tmp_path, device):
     assert all(row["compiled"] == "0" for row in rows[1:])
 
 
+def test_documents_make_two_packed_calls_per_length_and_compile_nothing_after_warmup(
+        tmp_path, device):
+    """--masks documents: each length's first call is two dmattn_varlen_func calls with new
+    offsets (a model's first two layers: the packed mask built, then prepared), and after the
+    warm-up no length compiles."""
+    out = tmp_path / "cost.csv"
+    flags = [flag if flag != "intervals" else "documents" for flag in TINY]
+    result = runner.invoke(app, ["compile-cost", *flags, "--device", device.type,
+                                 "--lengths", "24,33,40", "--warmup", "--require-zero",
+                                 "--out", str(out)])
+    assert result.exit_code == ExitCode.OK, result.output
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["mask"], row["step"]) for row in rows] == [
+        ("documents", "warmup")] + [("documents", "call")] * 3
+    assert int(rows[0]["compiled"]) > 0
+    assert all(row["compiled"] == "0" for row in rows[1:])
+
+
 def test_query_rows_time_decode_steps_against_growing_caches(tmp_path, device):
     """--query-rows: each call is a decode step (one query row against a cache of the
     length, the top-W selection inside, forward only) and the warm-up makes the same steps:
@@ -87,7 +105,8 @@ def test_bad_flags_exit_2(tmp_path):
     for flags, named in ((["--lengths", "12,x"], "--lengths"), (["--masks", "dense"], "--masks"),
                          (["--heads", "3/2"], "--heads"), (["--heads", "16:4"], "--heads"), (["--heads", "0/4"], "--heads"), (["--bias", "none,kv_row"], "--bias"), (["--dtype", "fp8"], "--dtype"),
                          (["--window", "0"], "--window"), (["--masks", "bool", "--window", "8"], "--window"),
-                         (["--query-rows", "0"], "--query-rows"), (["--query-rows", "17"], "--query-rows")):
+                         (["--query-rows", "0"], "--query-rows"), (["--query-rows", "17"], "--query-rows"),
+                         (["--masks", "documents", "--query-rows", "1"], "--query-rows")):
         result = runner.invoke(app, ["compile-cost", *flags,
                                      "--out", str(tmp_path / "cost.csv")])
         assert result.exit_code == ExitCode.USAGE, (flags, result.output)
