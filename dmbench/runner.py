@@ -140,9 +140,9 @@ def _timed_call(backend: Backend, problem: Problem, mode: str):
 
 
 def _settle(bound, leaves: list) -> None:
-    """One call, and where ``leaves`` are given its backward to them, before the call whose routes the row names:
-    a first call may take another route than the repeats the timing sees (packed documents
-    walk their own tiles from the second call with the same offsets)."""
+    """One call (and, where ``leaves`` are given, its backward to them) before the call whose
+    routes the row names: a first call may take another route than the repeats the timing
+    sees (packed documents walk their own tiles from the second call with the same offsets)."""
     out = bound.call()[0]
     if leaves:
         torch.autograd.grad(out, leaves, torch.ones_like(out))

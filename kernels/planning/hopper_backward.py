@@ -9,7 +9,9 @@ KeyIntervals (their words, as prepared or as the forward's lists read them; inte
 forward read as given run the Triton backward), each key block walking the activity lists of
 the forward's map (``backward_list_tile`` puts its tile among the map's); ``deterministic=True``
 without a mask, dQ's adds ordered by key block; and a bias of one row per (batch, head) with
-its gradient (the gradient's rows as ``dbias.plan_dbias`` plans them, finished by its plan).
+its gradient (the gradient's rows as ``dbias.plan_dbias`` plans them, finished by its plan);
+with ``kernel_options['backward_documents']``, a prepared packed batch's documents, each key
+block walking its own sequence's query blocks (``documents_backward_gap``).
 The schedule's default takes it where it leads the Triton backward (``takes_hopper_backward``);
 ``kernel_options['backward'] = 'hopper'`` forces it. A call whose addresses a descriptor cannot
 take runs the Triton backward of the same schedule's default.
