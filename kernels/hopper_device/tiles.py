@@ -144,10 +144,7 @@ class WorkTiles:
         """(its first packed query row, its first packed key, query rows, keys) of a tile's
         sequence: with DOCUMENTS from the offsets, else (0, 0, seqlen_q, seqlen_k)."""
         if self.DOCUMENTS:
-            q_base = gl.load(self.cu_q + sequence)
-            k_base = gl.load(self.cu_k + sequence)
-            result = (q_base, k_base, gl.load(self.cu_q + sequence + 1) - q_base,
-                      gl.load(self.cu_k + sequence + 1) - k_base)
+            result = sequence_span(self.cu_q, self.cu_k, sequence)
         else:
             result = (0, 0, self.seqlen_q, self.seqlen_k)
         return result
@@ -388,11 +385,17 @@ def document_key_block(documents, cu_q, cu_k, heads_kv, BLOCK_N: gl.constexpr,
     entry = pid // heads_kv
     active = entry < gl.load(documents)
     at = documents + 1 + 2 * gl.where(active, entry, 0)  # entry 0 always exists
-    sequence = gl.load(at)
-    first_row = gl.load(cu_q + sequence)
-    k_base = gl.load(cu_k + sequence)
-    seqlen_q = gl.load(cu_q + sequence + 1) - first_row
-    seqlen_k = gl.load(cu_k + sequence + 1) - k_base
+    first_row, k_base, seqlen_q, seqlen_k = sequence_span(cu_q, cu_k, gl.load(at))
     shift = first_row % ROW_ALIGN
     return (pid % heads_kv, gl.load(at + 1), first_row - shift, k_base, shift,
             gl.where(active, seqlen_q + shift, 0), gl.where(active, seqlen_k, 0))
+
+
+@gluon.jit
+def sequence_span(cu_q, cu_k, sequence):
+    """(its first packed query row, its first packed key, query rows, keys) of packed
+    sequence ``sequence``, from the int32 offsets ``cu_q`` and ``cu_k``."""
+    q_base = gl.load(cu_q + sequence)
+    k_base = gl.load(cu_k + sequence)
+    return (q_base, k_base, gl.load(cu_q + sequence + 1) - q_base,
+            gl.load(cu_k + sequence + 1) - k_base)

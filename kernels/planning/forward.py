@@ -170,7 +170,7 @@ class ForwardPlan:
         self.documents = (checked.mask.documents if problem.documents is not None
                           and problem.prepared else None)
         if fwd.documents:  # the plan is the prepared intervals' own: it keeps their table
-            cu_q, cu_k, causal = checked.mask.documents
+            cu_q, cu_k, causal = self.documents
             self.hopper = HopperForwardLaunch(problem, fwd.hopper, None, checked.bias,
                                               fwd.tile_order, sequences=problem.documents,
                                               causal=causal)
