@@ -144,7 +144,7 @@ class _Call:
         self.opts, self.mask, self.device = opts, mask, device
 
     def inputs(self, seqlen: int):
-        from kernels.warmup import form_inputs
+        from kernels.warmup_forms import form_inputs
 
         o = self.opts
         return form_inputs(o.batch, seqlen, o.heads_q, o.heads_kv, o.head_dim,
@@ -155,7 +155,7 @@ class _Call:
 
     def timed(self, seqlen: int) -> tuple[float, float]:
         """(host ms until the backward returns, wall ms to the end of the GPU work)."""
-        from kernels.warmup import form_call, form_calls
+        from kernels.warmup_forms import form_call, form_calls
 
         q, k, v, attn_mask, bias = self.inputs(seqlen)
         self._sync()

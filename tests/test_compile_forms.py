@@ -23,8 +23,8 @@ from kernels.planning.hopper_backward import takes_hopper_backward
 from kernels.planning.forward_schedule import forward_tile, interval_tile_rows
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.masks.topk import orders_keys
-from kernels.warmup import (form_call, form_calls, form_inputs, ordering_threshold,
-                            window_lengths)
+from kernels.warmup import ordering_threshold, window_lengths
+from kernels.warmup_forms import form_call, form_calls, form_inputs
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
 
