@@ -173,6 +173,8 @@ def test_the_backward_walks_documents_only_when_asked():
     ({"deterministic": True}, {}, "not bitwise reproducible"),
     ({"dtype": torch.float32}, {}, "float16 or bfloat16"),
     ({}, {"backward": "fused"}, "'backward' 'fused' conflict"),
+    ({"shape": sized(batch=1, seqlen_q=1, seqlen_k=300), "bias_grad": True,  # one row in all
+      "bias": OperandLayout((1, 1, 1, 300), 16)}, {}, "not yet one query row"),
 ])
 def test_asking_the_backward_for_documents_where_it_cannot_says_why(changes, options, message):
     with pytest.raises(ValueError, match=message):
@@ -329,8 +331,9 @@ def _random_batch(rng, device, bias_rows_aligned: bool):
     lengths = [(rng.choice([0, 1, rng.randint(1, 2000), int(2 ** rng.uniform(0, 11))]),)
                for _ in range(count)]
     lengths = [(q, q if rng.random() < 0.7 else rng.randint(0, 2000)) for (q,) in lengths]
-    # A bias over one key in all reads as one broadcast along the keys (not a route's)
-    if sum(q for q, _ in lengths) == 0 or sum(k for _, k in lengths) < 2:
+    # A bias over one key in all reads as one broadcast along the keys, and one over one row
+    # as a full (Lq, Lk) bias (neither a Hopper kernel's)
+    if sum(q for q, _ in lengths) < 2 or sum(k for _, k in lengths) < 2:
         lengths.append((37, 37))
     heads_q, heads_kv = rng.choice([(1, 1), (4, 1), (8, 2), (6, 3)])
     head_dim = rng.choice([16, 40, 64, 80, 128])
@@ -416,20 +419,29 @@ def test_the_backward_over_documents_matches_the_reference(device, lengths, caus
     torch.manual_seed(len(lengths) * 11 + head_dim)
     q, k, v, cu_q, cu_k, attn_bias = _documents_inputs(lengths, head_dim, heads, bias, device,
                                                        bias_rows_aligned=False)
+    if bias and sum(k for _, k in lengths) < 2:
+        # One key in all: a per-key bias reads as one broadcast along the keys, which the
+        # Hopper kernels do not take; forcing the option says so.
+        with pytest.raises(ValueError, match="broadcast along the keys"):
+            _gradient_check(q, k, v, cu_q, cu_k, attn_bias, causal)
+        return
     routes = _gradient_check(q, k, v, cu_q, cu_k, attn_bias, causal)
     assert routes == ["hopper"]
 
 
 @pytest.mark.hopper
-def test_the_backward_over_documents_on_random_batches(device):
-    """A seeded fuzz of 300 packed batches through the Hopper backward over documents (as
+@pytest.mark.parametrize("part", range(4))
+def test_the_backward_over_documents_on_random_batches(device, part):
+    """A seeded fuzz of 300 packed batches, in four parts of 75 (each its own seed, so they
+    run in parallel), through the Hopper backward over documents (as
     ``test_documents_on_random_batches`` draws them: cross lengths, empty sequences, D 16-128,
     GQA/MQA, both dtypes, causal or not, a per-key bias of every head broadcast and its
     gradient), each against the fp64 reference's gradients. NaN never passes."""
-    rng = random.Random(71)
-    for case in range(300):
+    rng = random.Random(71 + part)
+    for case in range(75):
         lengths, q, k, v, cu_q, cu_k, bias, causal = _random_batch(rng, device, False)
         (heads_q, head_dim), heads_kv = q.shape[1:], k.shape[1]
-        context = f"case {case} {lengths} H{heads_q}/{heads_kv} D{head_dim} causal={causal}: "
+        context = (f"part {part} case {case} {lengths} H{heads_q}/{heads_kv} D{head_dim} "
+                   f"causal={causal}: ")
         routes = _gradient_check(q, k, v, cu_q, cu_k, bias, causal, context)
         assert routes == ["hopper"], context + str(routes)

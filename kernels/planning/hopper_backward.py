@@ -42,16 +42,24 @@ except ImportError:  # a Triton without Gluon's Hopper modules (``GLUON_MISSING`
     attention_backward = None
 
 
+def backward_bias_gap(problem: Problem) -> str | None:
+    """Why the Hopper backward does not take ``problem``'s bias (one line), or None: a bias
+    of one row per (batch, head), and with one query row in all (a packed batch's too) no
+    gradient, which is then planned as a full (Lq, Lk) bias's."""
+    gap = bias_row_gap(problem)
+    if gap is None and problem.bias_grad and problem.shape.seqlen_q == 1:
+        gap = "its bias gradient sums a key's rows: not yet one query row"
+    return gap
+
+
 def hopper_backward_gap(problem: Problem) -> str | None:
     """Why the Hopper backward does not cover ``problem`` (one line), or None where it does."""
     if GLUON_MISSING:
         return GLUON_MISSING
     if problem.bias is not None:
-        gap = bias_row_gap(problem)
+        gap = backward_bias_gap(problem)
         if gap is not None:
             return gap
-        if problem.bias_grad and problem.shape.seqlen_q == 1:
-            return "its bias gradient sums a key's rows: not yet one query row"
     if problem.mask is not None:
         if problem.mask.one_row and not problem.intervals:
             return ("it takes bool masks with a row per query row and KeyIntervals; not yet a "
@@ -71,7 +79,7 @@ def documents_backward_gap(problem: Problem) -> str | None:
         gap = ("over documents its dQ partials are added in any order: not bitwise "
                "reproducible")
     if gap is None and problem.bias is not None:
-        gap = bias_row_gap(problem)
+        gap = backward_bias_gap(problem)
     return gap or hopper_operands_gap(problem, reads_mask=False)
 
 
