@@ -33,8 +33,9 @@ before dS^T is shared, or double-buffering dQ's staging (32 KB more shared memor
 0.96-1.00x and 0.96-1.02x of this order (same process, eight dense grids).
 
 The host builds the loader's rows (LSE x log2 e, +inf where a row saw no key, and delta, the
-rows' sum of dO * O, padded to whole query blocks) and a zeroed float32 ``dq_acc``, and
-converts ``dq_acc`` to dQ's dtype. dK is scaled by softmax_scale once, at the end; dQ's
+rows' sum of dO * O, padded to whole query blocks) and a zeroed float32 ``dq_acc`` (in dQ's
+(B, Lq, Hq, D) order, the descriptor over its (B, Hq, Lq, D) view), and converts ``dq_acc`` to
+dQ's dtype. dK is scaled by softmax_scale once, at the end; dQ's
 partials before their reduce-adds. Q, K, V, dO, dK and dV go through rank-4 TMA descriptors
 over the caller's (B, L, H, D) tensors: rows past a length and columns past the head dim
 arrive as zeros and are not written.
