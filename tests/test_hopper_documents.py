@@ -67,9 +67,10 @@ def test_the_table_lists_every_row_tile_once_longest_walks_first(seed):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_backward_table_lists_every_key_block_once_longest_walks_first(seed):
+def test_the_backward_table_lists_every_key_block_once_by_sequence_longest_first(seed):
     """``document_key_blocks``: every key block of every sequence (those walking no query
-    block too: they write zeros), sorted by the query blocks the program walks."""
+    block too: they write zeros), a sequence's together and in order, the sequences by their
+    longest walk (most first, ties in sequence order)."""
     rng = random.Random(100 + seed)
     lengths = [(rng.choice([0, 1, 5, 63, 64, 65, 300, 1000]),
                 rng.choice([0, 1, 127, 128, 129, 500, 1000])) for _ in range(rng.randint(1, 7))]
@@ -91,8 +92,11 @@ def test_the_backward_table_lists_every_key_block_once_longest_walks_first(seed)
     assert table.numel() == 1 + 2 * tile_bound(total_k, len(lengths), 128)
     listed = [(int(table[1 + 2 * i]), int(table[2 + 2 * i])) for i in range(count)]
     assert sorted(listed) == sorted(walks)
-    blocks = [walks[entry] for entry in listed]
-    assert blocks == sorted(blocks, reverse=True)
+    longest = {}
+    for (sequence, _), walk in walks.items():
+        longest[sequence] = max(walk, longest.get(sequence, 0))
+    want = sorted(walks, key=lambda entry: (-longest[entry[0]], entry))
+    assert listed == want
 
 
 # -- which calls walk documents

@@ -1,7 +1,8 @@
 """The Hopper kernels' work over sequences packed end to end (flash-attn's varlen layout):
-``document_tiles`` lists the forward's row tiles of each sequence, ``document_key_blocks`` the
-backward's key blocks, each longest walk first, on the offsets' device with no value read
-back, so a CUDA graph can capture them."""
+``document_tiles`` lists the forward's row tiles of each sequence, longest walk first;
+``document_key_blocks`` the backward's key blocks, a sequence's together, the sequences with
+the longest walks first. Both on the offsets' device with no value read back, so a CUDA graph
+can capture them."""
 
 from __future__ import annotations
 
@@ -36,11 +37,14 @@ def document_key_blocks(cu_q: torch.Tensor, cu_k: torch.Tensor, total_k: int, bl
                         block_m: int, causal: bool) -> torch.Tensor:
     """The backward's key blocks of ``block_n`` keys of the sequences that ``cu_q`` and
     ``cu_k`` pack, as ``document_tiles``' table over keys: the count, then per key block
-    (sequence, key block), sorted by the query blocks of ``block_m`` rows the block's program
-    walks, most first: ceil(Lq / block_m) without causality; with (bottom-right) causality
-    those from the block holding row kb x block_n - (Lk - Lq), the first to see the key block's
-    first key (``tiles.KeyBlockWork.query_blocks``). Every key block is listed, walks of none
-    included: its program writes its keys' zero dK and dV."""
+    (sequence, key block). A program walks query blocks of ``block_m`` rows: ceil(Lq /
+    block_m) without causality; with (bottom-right) causality those from the block holding row
+    kb x block_n - (Lk - Lq), the first to see the key block's first key
+    (``tiles.KeyBlockWork.query_blocks``). A sequence's key blocks are listed together, in
+    order, and the sequences by their longest walk, most first (ties in sequence order): the
+    programs in flight then add dQ into few sequences' rows, as the dense grid's causal groups
+    keep them to few heads' (``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``). Every key block
+    is listed, walks of none included: its program writes its keys' zero dK and dV."""
     seqlen_q, seqlen_k = _lengths(cu_q, cu_k)
     sequence, key_block, valid = _pieces(seqlen_k, total_k, block_n)
     lq, lk = seqlen_q[sequence], seqlen_k[sequence]
@@ -49,7 +53,9 @@ def document_key_blocks(cu_q: torch.Tensor, cu_k: torch.Tensor, total_k: int, bl
     if causal:
         first = (key_block * block_n - (lk - lq)).clamp(min=0) // block_m
         walks = (stop - first).clamp(min=0)
-    return _table(sequence, key_block, valid, walks)
+    longest = torch.zeros_like(seqlen_k).scatter_reduce(
+        0, sequence, torch.where(valid, walks, 0), reduce="amax")
+    return _table(sequence, key_block, valid, longest[sequence])
 
 
 def _lengths(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

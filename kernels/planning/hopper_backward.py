@@ -192,8 +192,9 @@ class HopperBackwardPlan:
         key_blocks = ceil_div(shape.seqlen_k, tile.block_n)
         order_group = causal_order_group(problem, key_blocks)
         causal = problem.is_causal
-        # Packed documents: every sequence's key blocks, longest walk first, built once (the
-        # plan is the prepared intervals' own); the grid is their bound, key heads inner.
+        # Packed documents: every sequence's key blocks (``document_key_blocks``' order), built
+        # once (the plan is the prepared intervals' own); the grid is their bound, key heads
+        # inner.
         self.documents = None
         if bwd.documents:
             self.kind, order_group = NO_MASK, None
