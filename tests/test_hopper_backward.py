@@ -24,8 +24,9 @@ from kernels.planning import tuning
 from kernels.runtime.arith import LOG2E
 from kernels.planning.backward_schedule import BackwardRoute
 from kernels.planning.hopper_backward import (backward_list_tile, causal_order_group,
-                                              hopper_backward_gap, loader_rows,
-                                              longest_walk_share, mean_query_blocks)
+                                              dq_from_spread, hopper_backward_gap,
+                                              loader_rows, longest_walk_share,
+                                              mean_query_blocks)
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import activity_tiles, normalize_options, schedule
 
@@ -178,6 +179,50 @@ def test_the_loader_rows_hold_scaled_lse_and_delta_padded_to_whole_query_blocks(
     delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(rows[1, :, :seqlen_q], delta.reshape(batch * heads, seqlen_q))
     assert (rows[0, :, seqlen_q:] == float("inf")).all() and (rows[1, :, seqlen_q:] == 0).all()
+
+
+def spread_columns(dq: torch.Tensor) -> torch.Tensor:
+    """``hopper_device.dq_columns.spread_columns`` in torch: every 32 columns' column
+    8j + 4a + b moved to a * 16 + j * 4 + b."""
+    *lead, head_dim = dq.shape
+    quarters = dq.reshape(*lead, head_dim // 32, 4, 2, 4)
+    return quarters.transpose(-3, -2).reshape(*lead, head_dim)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "bhld"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_spread_accumulator_casts_back_to_dq_in_order(device, layout, dtype):
+    """``dq_from_spread`` (one Triton launch, interpreted on a CPU) undoes the kernel's column
+    order into dQ's own strides: float32 exactly, 16-bit within one rounding (the interpreter
+    does not round the cast to nearest as the GPU does)."""
+    acc = torch.randn(2, 37, 3, 128, device=device)
+    dq = torch.empty(2, 37, 3, 128, device=device, dtype=dtype)
+    if layout == "bhld":  # dQ as a (B, H, L, D) tensor's transposed view
+        dq = torch.empty(2, 3, 37, 128, device=device, dtype=dtype).transpose(1, 2)
+    spread = spread_columns(acc).contiguous()
+    assert not torch.equal(spread, acc)
+    dq_from_spread(spread, dq)
+    if dtype == torch.float32:
+        assert torch.equal(dq, acc)
+    else:
+        torch.testing.assert_close(dq.float(), acc, rtol=torch.finfo(dtype).eps, atol=1e-4)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"backward_dq_spread": True, "backward": "fused"}, "'backward' 'fused' conflict"),
+    ({"backward_dq_spread": True, "backward": "hopper"}, None),
+])
+def test_the_spread_dq_staging_is_the_hopper_backwards_at_head_dim_128(options, message):
+    problem = dense_problem()
+    options = normalize_options(options)
+    if message:
+        with pytest.raises(ValueError, match=message):
+            schedule(problem, options)
+        return
+    assert schedule(problem, options).backward.dq_spread
+    assert not schedule(problem, HOPPER_OPTIONS).backward.dq_spread  # off by default
+    with pytest.raises(ValueError, match="head dim 128's columns, not 64's"):
+        schedule(dense_problem(shape=sized(head_dim=64)), options)
 
 
 def test_the_backward_option_names_the_hopper_route():
@@ -334,12 +379,12 @@ def test_masked_hopper_backward_on_random_shapes(device):
         _backward_on_hopper(q, k, v, causal, mask)
 
 
-def assert_backwards_repeat_bitwise(q, k, v, bias, causal):
+def assert_backwards_repeat_bitwise(q, k, v, bias, causal, func=FORCED):
     """Five forced Hopper backwards of one deterministic call give bitwise equal dq, dk, dv
     (and the bias's gradient)."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
-    out = FORCED(*leaves[:3], None, leaves[3] if bias is not None else None, causal,
-                 deterministic=True)
+    out = func(*leaves[:3], None, leaves[3] if bias is not None else None, causal,
+               deterministic=True)
     grad = torch.randn_like(out)
     first = torch.autograd.grad(out, leaves, grad, retain_graph=True)
     for _ in range(4):
@@ -402,9 +447,28 @@ def test_hopper_backward_fuzz_of_every_form(device, part):
     prepared) or KeyIntervals (prepared, or listed by a forced Hopper forward); a bias row in
     every broadcast with its gradient; deterministic=True without a mask, five backwards
     bitwise equal. Each against the float64 reference, and each took the Hopper route."""
-    rng = random.Random(660 + part)
-    for _ in range(100):
+    _fuzz_every_form(random.Random(660 + part), 100, device)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("part", [0, 1], ids=lambda p: f"part{p}")
+def test_the_spread_dq_staging_on_every_form(device, part):
+    """``kernel_options['backward_dq_spread']``: 120 of the fuzz's backwards at head dim 128
+    (the spread's), in two parts of 60."""
+    _fuzz_every_form(random.Random(760 + part), 60, device, head_dim=128,
+                     options={"backward_dq_spread": True})
+
+
+def _fuzz_every_form(rng, count, device, head_dim=None, options=None):
+    """``count`` of the fuzz's backwards (``test_hopper_backward_fuzz_of_every_form``), at
+    ``head_dim`` where given, with these ``kernel_options`` besides the forced routes."""
+    options = options or {}
+    forced = forcing(backward="hopper", **options)
+    both = forcing(forward_route="hopper", backward="hopper", **options)
+    for _ in range(count):
         dims = fuzzed_dims(rng, max_batch=2, max_length=1500)
+        if head_dim is not None:
+            dims = replace(dims, head_dim=head_dim)
         dtype = rng.choice([torch.bfloat16, torch.float16])
         q, k, v = random_qkv(dims, dtype, device)
         causal = rng.random() < 0.5
@@ -418,7 +482,7 @@ def test_hopper_backward_fuzz_of_every_form(device, part):
                                        "1", "Lk")
             bias = random_bias(shape, dtype, device)
         deterministic = kind == "none" and rng.random() < 0.3
-        mask, func = None, FORCED
+        mask, func = None, forced
         if kind == "bool":
             mask = fuzzed_mask(rng, dims, device)
             if rng.random() < 0.3:
@@ -433,11 +497,11 @@ def test_hopper_backward_fuzz_of_every_form(device, part):
             if bias is not None or rng.random() < 0.5:  # the Hopper forward takes no bias
                 mask = prepare_mask(mask, q, k, is_causal=causal)
             else:
-                func = BOTH
+                func = both
         case = f"{dims} {dtype} causal={causal} {kind} bias={bias is not None and bias.shape}"
         with record_routes() as routes:
             run_backward(q, k, v, mask, bias, causal=causal, deterministic=deterministic,
                          func=func)
         assert set(routes.backward) == {"hopper"}, f"{case}: {routes.describe()}"
         if deterministic:
-            assert_backwards_repeat_bitwise(q, k, v, bias, causal)
+            assert_backwards_repeat_bitwise(q, k, v, bias, causal, forced)

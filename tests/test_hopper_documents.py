@@ -383,7 +383,7 @@ def test_documents_on_random_batches(device):
 
 
 # -- the backward over documents (``kernel_options['backward_documents']``), on a Hopper GPU
-def _gradient_check(q, k, v, cu_q, cu_k, bias, causal, context=""):
+def _gradient_check(q, k, v, cu_q, cu_k, bias, causal, context="", options=None):
     """The backward of ``dmattn_varlen_func`` over these documents, its second call (the
     offsets' packed mask prepared) walking them on the Hopper backward, against the fp64
     varlen reference's gradients (dq, dk, dv and a bias's), with the eager run in the inputs'
@@ -396,7 +396,7 @@ def _gradient_check(q, k, v, cu_q, cu_k, bias, causal, context=""):
     if bias is not None:
         leaves.append(bias.detach().requires_grad_())
     grad_out = torch.randn_like(q)
-    options = {"backward_documents": True}
+    options = {"backward_documents": True, **(options or {})}
     for _ in range(2):
         with record_routes() as routes:
             out = dmattn_varlen_func(*leaves[:3], cu_q, cu_k, longest_q, longest_k,
@@ -431,6 +431,19 @@ def test_the_backward_over_documents_matches_the_reference(device, lengths, caus
         return
     routes = _gradient_check(q, k, v, cu_q, cu_k, attn_bias, causal)
     assert routes == ["hopper"]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("lengths", DOCUMENTS[1:])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_backward_over_documents_with_dq_spread(device, lengths, causal):
+    """``backward_dq_spread`` (head dim 128) over documents, with a bias row and without."""
+    for bias in (False, True):
+        q, k, v, cu_q, cu_k, attn_bias = _documents_inputs(lengths, 128, (8, 2), bias, device,
+                                                           bias_rows_aligned=False)
+        routes = _gradient_check(q, k, v, cu_q, cu_k, attn_bias, causal,
+                                 options={"backward_dq_spread": True})
+        assert routes == ["hopper"]
 
 
 @pytest.mark.hopper

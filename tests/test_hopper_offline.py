@@ -118,11 +118,12 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
 
 def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
                       deterministic: bool = False, bias: bool = False, grouped: bool = False,
-                      documents: bool = False):
+                      documents: bool = False, spread: bool = False):
     """The backward of MASK_KIND ``kind`` (none, a bool mask's bytes or KeyIntervals' words,
     with lists), its dQ ordered where ``deterministic``, with a bias row and its gradient
     summed over the group where ``bias``, its causal grid ordered in groups where
-    ``grouped``, over packed documents where ``documents``."""
+    ``grouped``, over packed documents where ``documents``, its dQ staged spread where
+    ``spread``."""
     from kernels.planning import hopper_forward as host
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -170,7 +171,7 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
             num_warps=4, CAUSAL=causal, GROUPED_ORDER=grouped, DOCUMENTS=documents,
             MASK_KIND=kind,
             DETERMINISTIC=deterministic,
-            HAS_BIAS=bias, BIAS_GRAD=bias, BIAS_GROUP_SUM=True,
+            HAS_BIAS=bias, BIAS_GRAD=bias, BIAS_GROUP_SUM=True, DQ_SPREAD=spread,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
@@ -204,7 +205,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "documents-forward"),
     ("float16", 64, False, "biased-documents-forward"),
     ("bfloat16", 128, True, "documents-backward"),
-    ("float16", 64, False, "biased-documents-backward")],
+    ("float16", 64, False, "biased-documents-backward"),
+    ("bfloat16", 128, False, "spread-backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
@@ -214,7 +216,7 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "biased-forward-bf16-d128-causal",
          "biased-masked-forward-fp16-d64-full", "documents-forward-bf16-d128-causal",
          "biased-documents-forward-fp16-d64-full", "documents-backward-bf16-d128-causal",
-         "biased-documents-backward-fp16-d64-full"])
+         "biased-documents-backward-fp16-d64-full", "spread-backward-bf16-d128-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -243,7 +245,8 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
                                    deterministic=form == "deterministic-backward",
                                    bias=form.startswith("biased"),
                                    grouped=form == "grouped-backward",
-                                   documents="documents" in form)
+                                   documents="documents" in form,
+                                   spread=form == "spread-backward")
     elif form.endswith("forward"):
         from kernels.planning import hopper_forward as host
         kind = host.MASK_TILE if form == "biased-masked-forward" else host.NO_MASK

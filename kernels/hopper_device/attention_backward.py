@@ -24,7 +24,9 @@ computes, with asynchronous wgmma:
   reduce-adds add it to the float32 dQ accumulator in global memory (FA3's path). Per key
   block and query block that is one D-wide partial, not one per warpgroup: half the
   reduce-adds (H200, B2 H16 L8192 D128: 307 -> 443 TFLOP/s), and the stores into swizzled
-  quarters do not conflict as an unswizzled [64, 64] float32 tile's did (443 -> 480).
+  quarters conflict 2-way where an unswizzled [64, 64] float32 tile's conflicted 8-way
+  (443 -> 480). With DQ_SPREAD (head dim 128) a quarter's columns are reordered so that its
+  stores do not conflict (``dq_columns``); the accumulator holds them in that order.
 
 The products are issued dV's, dQ's, then dK's: dV's covers the wait for the other
 warpgroup's dS^T, and dQ's partial is staged and its reduce-adds issued while dK's runs
@@ -78,6 +80,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attention_forward import INTERVAL_WORDS, MASK_TILE, NO_MASK
 from .bias import BiasRow
+from .dq_columns import spread_columns
 from .gluon_compat import (reinterpret, store_wait_written, thread_barrier, tma_atomic_add,
                            tma_load, tma_store)
 from .ring import QueryRing, copy_view, plane_view
@@ -125,7 +128,7 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
               mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc,
               dv_desc, dk_rows, dv_rows, qk_scale, softmax_scale, WARPGROUP: gl.constexpr,
               MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
-              BIAS_GRAD: gl.constexpr):
+              BIAS_GRAD: gl.constexpr, DQ_SPREAD: gl.constexpr):
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_M: gl.constexpr = work.BLOCK_M
     KEYS: gl.constexpr = work.BLOCK_N // 2  # this warpgroup's keys
@@ -252,6 +255,9 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             # into an unswizzled [64, 64] float32 tile conflicted 8 ways.
             low, high = (dq * softmax_scale).reshape([BLOCK_M, 2, QUARTER_D]).permute(
                 (0, 2, 1)).split()
+            if DQ_SPREAD:  # no bank conflicts (``dq_columns``)
+                low = spread_columns(low)
+                high = spread_columns(high)
             stage.index(0).store(low)
             stage.index(1).store(high)
             fence_async_shared()
@@ -324,24 +330,24 @@ def _store_keys(stage, dk, dv, dk_desc, dv_desc, batch, first_key, kv_head):
 def _first_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
                     mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
                     dk_desc, dv_desc, dk_rows, dv_rows, qk_scale, softmax_scale,
-                    MASK_KIND: gl.constexpr,
-                    DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
+                    MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr, DQ_SPREAD: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
               mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
               dk_rows, dv_rows, qk_scale, softmax_scale, 0, MASK_KIND, DETERMINISTIC, HAS_BIAS,
-              BIAS_GRAD)
+              BIAS_GRAD, DQ_SPREAD)
 
 
 @gluon.jit
 def _second_consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists,
                      mask_desc, mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks,
                      dk_desc, dv_desc, dk_rows, dv_rows, qk_scale, softmax_scale,
-                     MASK_KIND: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
+                     MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr, DQ_SPREAD: gl.constexpr):
     _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, lists, mask_desc,
               mask_batch_stride, mask_head_stride, bias, dq_desc, dq_locks, dk_desc, dv_desc,
               dk_rows, dv_rows, qk_scale, softmax_scale, 1, MASK_KIND, DETERMINISTIC, HAS_BIAS,
-              BIAS_GRAD)
+              BIAS_GRAD, DQ_SPREAD)
 
 
 @gluon.jit(do_not_specialize=["list_batch_stride", "list_head_stride", "list_row_stride",
@@ -362,15 +368,16 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                        CAUSAL: gl.constexpr, GROUPED_ORDER: gl.constexpr, DOCUMENTS: gl.constexpr,
                        MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
                        BIAS_GRAD: gl.constexpr, BIAS_GROUP_SUM: gl.constexpr,
-                       STAGES: gl.constexpr,
+                       DQ_SPREAD: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,), ordered as ``tiles.KeyBlockWork`` says
     (``order_group``: its (batch, key head)s per group with GROUPED_ORDER). ``rows_desc``: a [1,
     BLOCK_M] box over float32 rows (2 x B x Hq, Lq rounded up to BLOCK_M): first every (batch,
     query head)'s LSE times log2 e (+inf where a row saw no key, and past Lq), then its delta (0
-    past Lq). ``dq_desc`` adds into a zeroed float32 (B, Hq, Lq, D) accumulator with a [1, 1,
-    BLOCK_M, BLOCK_D / 2] box in an unswizzled layout; ``dk_desc`` and ``dv_desc`` write (B, Lk,
-    Hk, D) in q's dtype with a box of half a key block. ``qk_scale`` = softmax_scale x log2 e.
+    past Lq). ``dq_desc`` adds into a zeroed float32 accumulator seen as (B, Hq, Lq, D) with [1,
+    1, BLOCK_M, BLOCK_D / 4] boxes (with DQ_SPREAD every 32 columns in ``dq_columns``' order);
+    ``dk_desc`` and ``dv_desc`` write (B, Lk, Hk, D) in q's dtype with a box of half a key
+    block. ``qk_scale`` = softmax_scale x log2 e.
     With a mask, each key block walks its query blocks from the activity lists' table
     (``tiles.BlockLists``: per (mask batch, mask head, key block) a row of (count, full count,
     query blocks...)), and ``mask_desc`` is, for MASK_TILE, a descriptor of a bool mask's bytes
@@ -454,12 +461,13 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
         [(_first_consumer, (k_tile, v_tile, ds_tiles, ds_ready, first_stage, kv_ready, ring,
                             work, lists, mask_desc, mask_batch_stride, mask_head_stride, bias,
                             dq_desc, dq_locks, dk_desc, dv_desc, dk_rows, dv_rows, qk_scale,
-                            softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD)),
+                            softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS, BIAS_GRAD,
+                            DQ_SPREAD)),
          (_second_consumer, (k_tile, v_tile, ds_tiles, ds_ready, second_stage, kv_ready, ring,
                              work, lists, mask_desc, mask_batch_stride, mask_head_stride,
                              bias, dq_desc, dq_locks, dk_desc, dv_desc, dk_rows, dv_rows,
                              qk_scale, softmax_scale, MASK_KIND, DETERMINISTIC, HAS_BIAS,
-                             BIAS_GRAD)),
+                             BIAS_GRAD, DQ_SPREAD)),
          (_loader, (q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_tile,
                     kv_ready, ring, work, lists, MASK_KIND))],
         [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -74,6 +74,8 @@ class BackwardSchedule:
     # The Hopper backward walks a packed batch's documents each in its own key blocks
     # (``hopper_backward.documents_backward_gap``), its mask unread.
     documents: bool = False
+    # The Hopper backward stages dQ with its columns spread (``dq_spread``).
+    dq_spread: bool = False
 
     def __post_init__(self):
         if (self.route is BackwardRoute.PACKED) != isinstance(self.launches, PackedBackward):
@@ -333,8 +335,26 @@ def backward_documents(problem: Problem, options: dict) -> bool:
     return problem.prepared
 
 
+def dq_spread(problem: Problem, options: dict) -> bool:
+    """Whether the Hopper backward, where it runs, stages dQ's partials with their columns
+    spread over the shared memory banks (``hopper_device.dq_columns``):
+    ``options['backward_dq_spread']`` True, at head dim 128 (a ValueError otherwise, and with
+    another route forced); off by default until it is measured on a GPU."""
+    if not options.get("backward_dq_spread"):
+        return False
+    route = options.get("backward")
+    if route not in (None, BackwardRoute.HOPPER):
+        raise ValueError(f"kernel_options: 'backward_dq_spread' True and 'backward' "
+                         f"{route.value!r} conflict (it is the Hopper backward's)")
+    if problem.shape.head_dim != 128:
+        raise ValueError(f"kernel_options['backward_dq_spread']: spreads head dim 128's "
+                         f"columns, not {problem.shape.head_dim}'s")
+    return True
+
+
 def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
     route = options.get("backward")
+    spread = dq_spread(problem, options)
     documents = backward_documents(problem, options)
     if documents:
         route = BackwardRoute.HOPPER
@@ -351,7 +371,7 @@ def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
             dbias = plan_dbias(problem.bias.shape, problem.bias.head_div, problem.shape,
                                problem.dtype, problem.deterministic, problem.interpreted)
         return BackwardSchedule(BackwardRoute.HOPPER, dbias, tuning.HOPPER_BACKWARD,
-                                documents)
+                                documents, spread)
     if route in (None, BackwardRoute.PACKED):
         packs, dbias = packed_route(problem)
         if packs:

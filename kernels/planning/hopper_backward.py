@@ -26,6 +26,7 @@ from ..runtime.launch import DescriptorLaunch, launch
 from ..runtime.routes import note_route
 from ..runtime.tma import TmaSpec
 from ..triton_device.backward_rows import _loader_rows_kernel
+from ..triton_device.dq_columns import _dq_from_spread_kernel
 from . import tuning
 from .documents import document_key_blocks, tile_bound
 from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
@@ -34,6 +35,7 @@ from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwa
 from .problem import Problem, tma_strides
 
 LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
+DQ_CAST_ROWS = 32  # (batch, row, head)s per program of the spread dQ's cast
 
 try:
     from triton.experimental.gluon import language as gl
@@ -210,6 +212,7 @@ class HopperBackwardPlan:
             DOCUMENTS=self.documents is not None, MASK_KIND=self.kind,
             DETERMINISTIC=problem.deterministic, HAS_BIAS=self.bias_layout is not None,
             BIAS_GRAD=dbias is not None, BIAS_GROUP_SUM=bool(dbias and dbias.sum_group),
+            DQ_SPREAD=bwd.dq_spread,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         # Deterministic: a zeroed lock per (batch x query head, query block) orders dQ's adds.
@@ -219,6 +222,7 @@ class HopperBackwardPlan:
         # over its (B, Hq, Lq, D) view: the cast to dQ is a contiguous copy (H200, B1 Lq65536
         # H16 D128: 189 us, from (B, Hq, Lq, D) 346 us; backward 0.91-0.99x on varlen.yaml).
         self.dq_acc_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
+        self.dq_spread = bwd.dq_spread  # its columns in ``hopper_device.dq_columns``' order
         self._make_fallback = make_fallback
         self._fallback = None
 
@@ -257,7 +261,10 @@ class HopperBackwardPlan:
                     self.q_spec(grad_out), self.acc_spec(dq_acc.transpose(1, 2)),
                     self.half_spec(dk), self.half_spec(dv), rows_desc, *mask_args, *bias_args,
                     locks, *document_args)
-        dq.copy_(dq_acc)
+        if self.dq_spread:
+            dq_from_spread(dq_acc, dq)
+        else:
+            dq.copy_(dq_acc)
         return self.dbias.finish(bias_grad) if bias_grad is not None else None
 
     def _bias_args(self, bias, bias_grad, stand_in) -> tuple:
@@ -303,6 +310,16 @@ def causal_order_group(problem: Problem, key_blocks: int) -> int | None:
     if waves is None or not problem.is_causal:
         return None
     return max(1, ceil_div(int(waves * problem.multiprocessors), key_blocks))
+
+
+def dq_from_spread(dq_acc: torch.Tensor, dq: torch.Tensor):
+    """Cast ``dq_acc`` (contiguous float32 (B, Lq, Hq, 128), every 32 columns spread as
+    ``hopper_device.dq_columns`` says) into ``dq`` (same shape, last dim contiguous), the
+    columns back in order. One launch (``_dq_from_spread_kernel``)."""
+    batch, seqlen, heads, head_dim = dq_acc.shape
+    rows = batch * seqlen * heads
+    launch(_dq_from_spread_kernel, (ceil_div(rows, DQ_CAST_ROWS),), dq_acc, dq, rows, seqlen,
+           heads, *dq.stride()[:3], HEAD_DIM=head_dim, BLOCK_R=DQ_CAST_ROWS, num_warps=4)
 
 
 def loader_rows(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

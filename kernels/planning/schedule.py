@@ -99,6 +99,8 @@ OPTION_NAMES = {
                           "(varlen) each in its own key blocks, True or False",
     "dkdv_wide_tile": "whether dkdv takes its 64 x 128 tile (16-bit, 64 < head dim <= 128), "
                       "True or False",
+    "backward_dq_spread": "whether the Hopper backward stages dQ with its columns spread over "
+                          "the shared memory banks (head dim 128), True or False",
 }
 
 
@@ -129,7 +131,7 @@ def normalize_options(options) -> dict:
                 raise ValueError(f"kernel_options['backward']: expected one of 'fused', "
                                  f"'dq+dkdv', 'packed', 'hopper', got {value!r}") from None
         elif name in ("forward_key_scan", "dkdv_wide_tile", "forward_documents",
-                      "backward_documents"):
+                      "backward_documents", "backward_dq_spread"):
             if type(value) is not bool:
                 raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "
                                  f"got {value!r}")
