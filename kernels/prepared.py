@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .masks.found_documents import find_documents
 from .masks.intervals import KeyIntervals
 from .planning.activity import ActivityMap
 from .planning.backward import prepare_backward_lists
@@ -88,6 +89,20 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     return _prepare(attn_mask, query, key, is_causal, count_shares=True)
 
 
+def _named_documents(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) -> KeyIntervals:
+    """``intervals``, or the same start and end naming the packed documents they are
+    (``masks.found_documents``; only with ``tuning.FIND_DOCUMENTS``): the calls with the
+    preparation then see them as ``dmattn_varlen_func``'s own."""
+    if (not tuning.FIND_DOCUMENTS or intervals._documents is not None
+            or intervals.key_order is not None or intervals._kept_lists is not None):
+        return intervals
+    documents = find_documents(intervals, seqlen_q, is_causal)
+    if documents is None:
+        return intervals
+    return KeyIntervals(intervals.start, intervals.end, max_kept=intervals.max_kept,
+                        _documents=documents)
+
+
 # Call forms whose preparations one KeyIntervals keeps (a model calls with one or two).
 MAX_INTERVAL_PREPARATIONS = 4
 
@@ -122,6 +137,9 @@ def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMa
     check_flags(is_causal=is_causal)
     # The key stands in for the value: same shape by contract, and only shapes are read.
     checked = check_inputs(query, key, key, attn_mask, None, None)
+    if isinstance(attn_mask, KeyIntervals):
+        attn_mask = _named_documents(attn_mask, checked.shape.seqlen_q, is_causal)
+        checked = check_inputs(query, key, key, attn_mask, None, None)
     ensure_runnable(_attn_fwd_kernel, query.device)
     # The map serves the tiles of any bias and backward options (``activity_tiles``); the
     # forward's lists are built here for each tile a call's bias may pick.

@@ -208,6 +208,11 @@ HOPPER_FORWARD_MIN_QUERIES = 512
 # over Hopper route in one process: D128 B2 H16/4 L8192 causal 1.23x, non-causal 1.30x; with a
 # prepared band, B1 H32/8 L8192 W2048 1.20x, L16384 W4096 1.37x; D64 B1 H16/4 L4096 causal 0.72x.
 HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
+# Whether preparing KeyIntervals recognizes those that are exactly packed documents
+# (``masks.found_documents``), so that the Hopper kernels walk them as they walk varlen's own:
+# off until its calls have run on a GPU (the kernels' documents path has, through
+# dmattn_varlen_func).
+FIND_DOCUMENTS = False
 
 
 # -- the Hopper route's backward (``hopper_device.attention_backward``)
