@@ -77,9 +77,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .attention_forward import MASK_TILE, NO_MASK
-from .backward_consumer import CONSUMER_WARPS, first_consumer, second_consumer
+from .backward_consumer import first_consumer, second_consumer
 from .bias import BiasRow
+from .forms import CONSUMER_WARPS, MASK_TILE, NO_MASK
 from .gluon_compat import tma_load
 from .ring import QueryRing, copy_view
 from .output_rows import OutputRows

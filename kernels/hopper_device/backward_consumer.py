@@ -8,13 +8,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .attention_forward import INTERVAL_WORDS, MASK_TILE, NO_MASK
 from .dq_columns import spread_columns
+from .forms import CONSUMER_WARPS, INTERVAL_WORDS, MASK_TILE, NO_MASK
 from .gluon_compat import (reinterpret, store_wait_written, thread_barrier, tma_atomic_add,
                            tma_store)
 from .ring import copy_view, plane_view
-
-CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup
 
 
 @gluon.jit
