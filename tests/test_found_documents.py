@@ -101,6 +101,30 @@ def test_prepared_intervals_name_their_documents_only_where_asked(monkeypatch, f
     assert call_problem(checked, q, True).documents == 3
 
 
+def test_calls_with_found_documents_match_the_reference_off_hopper(monkeypatch, device):
+    """Where the Hopper kernels do not run (here: the interpreter), named documents change
+    nothing: the call and its gradients match the fp64 reference as unnamed intervals do."""
+    from kernels import attention_reference, dmattn_func
+
+    monkeypatch.setattr(tuning, "FIND_DOCUMENTS", True)
+    torch.manual_seed(2)
+    _, intervals = _documents([9, 0, 17, 6], causal_form=False, device=device)
+    q, k, v = (torch.randn(1, 32, heads, 16, device=device).requires_grad_()
+               for heads in (4, 2, 2))
+    prepared = prepare_mask(intervals, q, k, is_causal=True)
+    assert prepared.mask._documents is not None
+    out = dmattn_func(q, k, v, attn_mask=prepared, is_causal=True)
+    want = attention_reference(q, k, v, attn_mask=intervals, is_causal=True, upcast=True)
+    low = attention_reference(q, k, v, attn_mask=intervals, is_causal=True, upcast=False)
+    assert_close_to_reference("out", out, want, low, q.dtype)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref = torch.autograd.grad(want, (q, k, v), grad.double())
+    eager = torch.autograd.grad(low, (q, k, v), grad)
+    for name, a, r, e in zip(("dq", "dk", "dv"), got, ref, eager):
+        assert_close_to_reference(name, a, r, e, q.dtype)
+
+
 # -- device side: a Hopper GPU
 @pytest.mark.hopper
 @pytest.mark.parametrize("causal_form", [False, True])
