@@ -147,8 +147,8 @@ def test_found_documents_walk_on_the_hopper_kernels(device, monkeypatch, causal_
             if with_bias else None)
     prepared = prepare_mask(intervals, q, k, is_causal=False)
     checked = check_inputs(q, k, v, prepared.mask, bias, None)
-    problem = call_problem(checked, q, False)
-    assert schedule(problem).forward.documents
+    problem = call_problem(checked, q, False, activity=prepared.activity, key=k, value=v)
+    assert problem.prepared and schedule(problem).forward.documents
     leaves = [t.detach().requires_grad_() for t in (q, k, v) + ((bias,) if with_bias else ())]
     options = {"backward_documents": True}
     with record_routes() as routes:
