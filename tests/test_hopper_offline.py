@@ -233,6 +233,13 @@ def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     if "backward" not in str(masked):
         assert {(op, number) for op, number, _ in ours} == {
             (op, first_free + w) for op in ("sync", "arrive") for w in (0, 1)}
+    # dQ's staging stores (``hopper_device.dq_columns``): a 64-bit store of a warp takes 2
+    # wavefronts at best; the 128-byte swizzle alone leaves a two-way conflict (ncu on the
+    # H200: 4 per STS.64), which the spread columns remove.
+    if masked == "backward" and head_dim == 128:
+        assert compiled["staging_wavefronts"] == 4.0
+    if masked == "spread-backward":
+        assert compiled["staging_wavefronts"] == 2.0
 
 
 if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child process
@@ -257,6 +264,11 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     ptx = kernel.asm["ptx"]
     barriers = [(op, int(number), int(threads or 0)) for op, number, threads in re.findall(
         r"\bbar(?:rier)?\.(sync|arrive)\s+(\d+)(?:,\s*(\d+))?;", ptx)]
+    staging = None
+    if form in ("backward", "spread-backward"):  # dQ's 16 staging stores per consumer step
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from ptx_banks import wavefronts_per_store
+        staging = wavefronts_per_store(ptx, 16)
     print(json.dumps({"target": ".target sm_90a" in ptx, "wgmma": "wgmma.mma_async" in ptx,
                       "tma": "cp.async.bulk.tensor" in ptx, "shared": kernel.metadata.shared,
-                      "barriers": sorted(set(barriers))}))
+                      "barriers": sorted(set(barriers)), "staging_wavefronts": staging}))
