@@ -265,7 +265,7 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     barriers = [(op, int(number), int(threads or 0)) for op, number, threads in re.findall(
         r"\bbar(?:rier)?\.(sync|arrive)\s+(\d+)(?:,\s*(\d+))?;", ptx)]
     staging = None
-    if form in ("backward", "spread-backward"):  # dQ's 16 staging stores per consumer step
+    if form in ("backward", "spread-backward") and dim == "128":  # dQ's 16 staging stores
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from ptx_banks import wavefronts_per_store
         staging = wavefronts_per_store(ptx, 16)
