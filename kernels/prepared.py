@@ -138,8 +138,10 @@ def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMa
     # The key stands in for the value: same shape by contract, and only shapes are read.
     checked = check_inputs(query, key, key, attn_mask, None, None)
     if isinstance(attn_mask, KeyIntervals):
-        attn_mask = _named_documents(attn_mask, checked.shape.seqlen_q, is_causal)
-        checked = check_inputs(query, key, key, attn_mask, None, None)
+        named = _named_documents(attn_mask, checked.shape.seqlen_q, is_causal)
+        if named is not attn_mask:  # the same start and end, now naming their documents
+            attn_mask = named
+            checked = check_inputs(query, key, key, attn_mask, None, None)
     ensure_runnable(_attn_fwd_kernel, query.device)
     # The map serves the tiles of any bias and backward options (``activity_tiles``); the
     # forward's lists are built here for each tile a call's bias may pick.
