@@ -220,9 +220,13 @@ def test_the_spread_dq_staging_is_the_hopper_backwards_at_head_dim_128(options, 
             schedule(problem, options)
         return
     assert schedule(problem, options).backward.dq_spread
-    assert not schedule(problem, HOPPER_OPTIONS).backward.dq_spread  # off by default
+    assert schedule(problem, HOPPER_OPTIONS).backward.dq_spread  # on by default at 128
+    off = normalize_options({**HOPPER_OPTIONS, "backward_dq_spread": False})
+    assert not schedule(problem, off).backward.dq_spread
+    narrow = dense_problem(shape=sized(head_dim=64))
+    assert not schedule(narrow, HOPPER_OPTIONS).backward.dq_spread
     with pytest.raises(ValueError, match="head dim 128's columns, not 64's"):
-        schedule(dense_problem(shape=sized(head_dim=64)), options)
+        schedule(narrow, options)
 
 
 def test_the_backward_option_names_the_hopper_route():
@@ -452,11 +456,11 @@ def test_hopper_backward_fuzz_of_every_form(device, part):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("part", [0, 1], ids=lambda p: f"part{p}")
-def test_the_spread_dq_staging_on_every_form(device, part):
-    """``kernel_options['backward_dq_spread']``: 120 of the fuzz's backwards at head dim 128
-    (the spread's), in two parts of 60."""
+def test_the_unspread_dq_staging_on_every_form(device, part):
+    """``kernel_options['backward_dq_spread']`` False, the staging head dim 128 takes without
+    the spread: 120 of the fuzz's backwards at head dim 128, in two parts of 60."""
     _fuzz_every_form(random.Random(760 + part), 60, device, head_dim=128,
-                     options={"backward_dq_spread": True})
+                     options={"backward_dq_spread": False})
 
 
 def _fuzz_every_form(rng, count, device, head_dim=None, options=None):

@@ -162,14 +162,26 @@ def test_asking_for_documents_where_they_cannot_be_walked_says_why(changes, opti
         schedule(_documents_problem(**changes), {"forward_documents": True, **options})
 
 
-def test_the_backward_walks_documents_only_when_asked():
+def test_the_backward_walks_prepared_documents_by_default():
     problem = _documents_problem()
-    assert not schedule(problem).backward.documents  # off until measured on a GPU
-    backward = schedule(problem, {"backward_documents": True}).backward
-    assert backward.route.value == "hopper" and backward.documents
+    for options in ({}, {"backward_documents": True}, {"backward": "hopper"}):
+        backward = schedule(problem, normalize_options(options)).backward
+        assert backward.route.value == "hopper" and backward.documents
+    assert not schedule(problem, {"backward_documents": False}).backward.documents
     # the first call with new offsets: not prepared, the schedule's own route
     first = _documents_problem(prepared=False)
+    assert not schedule(first).backward.documents
     assert schedule(first, {"backward_documents": True}).backward == schedule(first).backward
+
+
+@pytest.mark.parametrize("changes, options", [
+    ({"deterministic": True}, {}),  # dQ's adds over documents come in any order
+    ({"shape": sized(batch=1, seqlen_q=511, seqlen_k=511)}, {}),  # below the packed rows' floor
+    ({}, {"backward": "dq+dkdv"}),
+])
+def test_the_backward_keeps_documents_off_where_it_should(changes, options):
+    problem = _documents_problem(**changes)
+    assert not schedule(problem, normalize_options(options)).backward.documents
 
 
 @pytest.mark.parametrize("changes, options, message", [
