@@ -189,7 +189,7 @@ def equiv(sweep: Annotated[Optional[Path], typer.Argument(help="Sweep YAML file 
 @app.command(epilog=EXIT_CODES_HELP)
 def plot(csv: Annotated[Path, typer.Argument(help="Results CSV from fwd, bwd or merge.")],
          out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="Folder for the PNGs (default: next to the CSV).")] = None,
-         baseline: Annotated[Optional[str], typer.Option("--baseline", help="Backend to compute speedups against (default: fdma, else sdpa, else reference).")] = None,
+         baseline: Annotated[Optional[str], typer.Option("--baseline", help="Backend to compute speedups against (default: the first with rows of fdma, sdpa, flex, fa4, reference).")] = None,
          metrics: Annotated[str, typer.Option("--metrics", help="Charts to draw, a comma-separated subset of speedup, tflops, memory, build.")] = "speedup,tflops,memory,build"):
     """Draw speedup and TFLOP/s charts (PNG) against each swept axis, from the CSV only."""
     from .plot import plot_rows

@@ -41,7 +41,7 @@ AXES = ("window", "seqlen_k", "head_dim", "heads", "batch", "mask", "mask_format
 PARAMS = ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "window", "causal", "dtype",
           "mask", "mask_format", "documents", "bias", "seed")
 COMMAND_SUFFIXES = ("-fwd", "-bwd", "-equiv")
-BASELINE_FALLBACKS = ("fdma", "sdpa", "reference")
+BASELINE_FALLBACKS = ("fdma", "sdpa", "flex", "fa4", "reference")
 MAX_PANELS = 12
 # Numeric x values up to this many get a tick each; past it matplotlib places the ticks.
 MAX_X_TICKS = 12
@@ -381,6 +381,10 @@ def plot_rows(rows: list[Row], out_dir: Path, stem: str, baseline: str | None,
     for timing in sorted({r.timing for r in timed}, key=lambda t: (t != "eager", t)):
         written += _plot_timed([r for r in timed if r.timing == timing], out_dir, stem, baseline,
                                timing, metrics)
+    if not written:
+        raise ConfigError(f"{stem}: nothing to draw for --metrics {','.join(metrics)}: speedup "
+                          f"needs a baseline (none of {', '.join(BASELINE_FALLBACKS)} has timed "
+                          f"rows; name one with --baseline), the others rows that record them")
     return written
 
 

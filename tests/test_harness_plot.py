@@ -181,6 +181,19 @@ def test_metrics_choose_the_charts_drawn(charted, tmp_path):
     assert names == ["smoke-bwd-bwd-seqlen_k-speedup.png"]
 
 
+def test_speedup_takes_the_first_peer_with_rows_and_says_when_there_is_none(charted, tmp_path):
+    """Without --baseline the speedup charts are over the first of ``BASELINE_FALLBACKS`` with
+    rows (fa4 where only it ran beside ours); with none of them, asking for speedup alone is a
+    ConfigError that names --baseline, not a run that writes nothing."""
+    rows = _rows(backends=("triton", "triton-base", "fa4"), modes=("bwd",))
+    paths = plot.plot_rows(rows, tmp_path, "smoke-bwd", None, ("speedup",))
+    assert [p.name for p in paths] == ["smoke-bwd-bwd-seqlen_k-speedup.png"]
+    ours = _rows(backends=("triton", "triton-base"), modes=("bwd",))
+    with pytest.raises(ConfigError, match="--baseline"):
+        plot.plot_rows(ours, tmp_path, "smoke-bwd", None, ("speedup",))
+    assert plot.plot_rows(ours, tmp_path, "smoke-bwd", None, ("speedup", "tflops"))
+
+
 @pytest.mark.parametrize("metrics", [(), ("speedup", "colour")])
 def test_unknown_or_no_metrics_are_refused(tmp_path, metrics):
     with pytest.raises(ConfigError, match="--metrics"):
