@@ -16,12 +16,13 @@ def _dq_from_spread_kernel(acc_ptr, dq_ptr, rows, seqlen, heads, dq_stride_b, dq
     given strides; ``rows`` = B x Lq x Hq."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col = tl.arange(0, HEAD_DIM)
+    # column g * 32 + j * 8 + a * 4 + b is stored at g * 32 + a * 16 + j * 4 + b: the loads
+    # take the columns in dQ's order (4 consecutive ones stay adjacent, so each thread still
+    # reads 16 bytes at once), with no exchange between threads.
+    stored = (col // 32) * 32 + ((col // 4) % 2) * 16 + ((col // 8) % 4) * 4 + col % 4
     inside = (row < rows)[:, None]
-    acc = tl.load(acc_ptr + row[:, None].to(tl.int64) * HEAD_DIM + col[None, :], mask=inside,
-                  other=0.0)
-    # stored column g * 32 + a * 16 + j * 4 + b holds column g * 32 + j * 8 + a * 4 + b
-    acc = tl.reshape(acc, [BLOCK_R, HEAD_DIM // 32, 2, 4, 4])
-    acc = tl.reshape(tl.permute(acc, (0, 1, 3, 2, 4)), [BLOCK_R, HEAD_DIM])
+    acc = tl.load(acc_ptr + row[:, None].to(tl.int64) * HEAD_DIM + stored[None, :],
+                  mask=inside, other=0.0)
     batch = row // (seqlen * heads)
     position = (row // heads) % seqlen
     head = row % heads
