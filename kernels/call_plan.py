@@ -50,12 +50,15 @@ class CallPlan(NamedTuple):
     # For intervals the gather route reads as given, the kept-key lists their selection wrote
     # (``KeyIntervals._kept_lists``), else None.
     kept_lists: tuple[torch.Tensor, torch.Tensor] | None
+    # For unprepared KeyIntervals of packed documents (``KeyIntervals._documents``), their
+    # offsets (cu_q, cu_k): a plan that walks the documents makes their tables per call.
+    document_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def run(self, bias: torch.Tensor | None, keep_lse: bool = True):
         """(out, lse, or None without ``keep_lse``) of the call's forward."""
         return self.plan.run(self.query, self.key, self.value, self.mask, bias,
                              keep_lse=keep_lse, activity=self.activity,
-                             kept_lists=self.kept_lists)
+                             kept_lists=self.kept_lists, document_offsets=self.document_offsets)
 
 
 # Forward plans of calls without a mask, by call signature (a prepared mask keeps its own).
@@ -98,11 +101,15 @@ def call_signature(query, key, value, attn_bias, is_causal, softmax_scale, deter
 
 def interval_form(intervals: KeyIntervals, for_backward: bool) -> tuple:
     """What a plan with lists per call follows from besides the signature: the intervals'
-    layout (which axes collapse, the checks against the call's sizes and device) and the
-    activity map's tile (finer where a backward follows); never their values."""
+    layout (which axes collapse, the checks against the call's sizes and device), the
+    activity map's tile (finer where a backward follows) and, for a packed batch's
+    documents, how many there are and their causality (the Hopper kernels' grids); never
+    their values."""
     start, end = intervals.start, intervals.end
+    documents = intervals._documents
+    packed = (documents[0].shape, documents[1].shape, documents[2]) if documents else None
     return (start.shape, start.stride(), start.dtype, end.stride(), end.dtype, start.device,
-            intervals.max_kept, for_backward)
+            intervals.max_kept, for_backward, packed)
 
 
 def mask_form(mask: torch.Tensor, for_backward: bool) -> tuple:
@@ -247,7 +254,8 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
             plan, read = kept
             # tuple.__new__ skips the NamedTuple's Python-level __new__: 0.25 us of the kept
             # path's ~3 us on the development CPU (timeit).
-            return _make_call_plan(CallPlan, (plan, query, key, value, *read(per_call)))
+            return _make_call_plan(CallPlan, (plan, query, key, value, *read(per_call),
+                                              document_offsets(intervals)))
 
     checked = check_inputs(query, key, value, attn_mask, attn_bias, softmax_scale)
     options = normalize_options(kernel_options)
@@ -291,7 +299,14 @@ def plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
     if checked.mask is not None and checked.mask.interval_pairs is not None:
         mask = checked.mask.view
     return CallPlan(plan, query, key, value, mask, activity if per_call is not None else None,
-                    None)
+                    None, document_offsets(intervals))
+
+
+def document_offsets(intervals: KeyIntervals | None) -> tuple | None:
+    """The offsets (cu_q, cu_k) of unprepared ``intervals`` that are a packed batch's
+    documents, else None."""
+    documents = intervals._documents if intervals is not None else None
+    return documents[:2] if documents is not None else None
 
 
 def needs_grad(*tensors) -> bool:

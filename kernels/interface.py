@@ -44,6 +44,7 @@ class _DMAttnFunction(torch.autograd.Function):
         ctx.save_for_backward(call.query, call.key, call.value, out, lse, call.mask, attn_bias)
         ctx.plan = call.plan
         ctx.activity = call.activity  # the call's own map, whose lists the backward walks too
+        ctx.document_offsets = call.document_offsets  # unprepared packed documents' offsets
         ctx.deterministic = deterministic
         if not return_lse:
             return out
@@ -61,7 +62,7 @@ class _DMAttnFunction(torch.autograd.Function):
         dq, dk, dv, dbias = attention_backward(
             ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
             ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
-            activity=ctx.activity,
+            activity=ctx.activity, document_offsets=ctx.document_offsets,
         )
         return dq, dk, dv, None, dbias, None, None, None, None, None
 

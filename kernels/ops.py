@@ -3,9 +3,11 @@
 Two ops, both opaque to the compiler (Inductor calls them as they are):
 
 * ``dmattn::fwd(query, key, value, is_causal, softmax_scale, deterministic, plan_backward,
-  bias_needs_grad, max_kept, attn_mask, attn_bias, bias_base) -> (out, lse)``
+  bias_needs_grad, max_kept, documents_causal, attn_mask, mask_start, mask_end,
+  cu_seqlens_q, cu_seqlens_k, attn_bias, bias_base) -> (out, lse)``
 * ``dmattn::bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
-  deterministic, bias_needs_grad, attn_mask, attn_bias, bias_base) -> (dq, dk, dv, dbias)``
+  deterministic, bias_needs_grad, documents_causal, attn_mask, mask_start, mask_end,
+  cu_seqlens_q, cu_seqlens_k, attn_bias, bias_base) -> (dq, dk, dv, dbias)``
 
 Each has a fake implementation (output shapes, strides and dtypes without running a kernel, and
 the eager input checks), and ``fwd`` has its autograd formula, which calls ``bwd``.
@@ -89,9 +91,14 @@ MASK_FORMS = (
     (Tensor, BOOL_MASK, lambda mask: (mask,)),
     (KeyIntervals, INTERVAL_MASK, lambda mask: (mask.start, mask.end)),
 )
+# The offsets of KeyIntervals that are a packed batch's documents (``KeyIntervals._documents``,
+# ``dmattn_varlen_func``'s), so that the Hopper kernels walk them in compiled calls too; their
+# causality crosses as the ops' ``documents_causal``.
+DOCUMENT_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k")
 # The ops' optional tensor arguments, in schema order, after the scalars. ``bias_base`` is the
 # tensor ``attn_bias`` is an expand() of, where the traced call could tell (``bias_base_of``).
-OPERANDS = (*(name for carrier in MASK_ARGS for name in carrier.names), "attn_bias", "bias_base")
+OPERANDS = (*(name for carrier in MASK_ARGS for name in carrier.names), *DOCUMENT_OFFSETS,
+            "attn_bias", "bias_base")
 Operands = namedtuple("Operands", OPERANDS)
 
 
@@ -109,15 +116,38 @@ def operands_of(attn_mask, attn_bias) -> Operands:
         else:  # eager's message (``_checks``), which names the tensor it would take
             raise TypeError(f"attn_mask must be a bool torch.Tensor, KeyIntervals or None, got "
                             f"{type(attn_mask).__name__}")
+        documents = getattr(attn_mask, "_documents", None)
+        if documents is not None:
+            slots.update(zip(DOCUMENT_OFFSETS, documents[:2]))
     return Operands(**slots)
 
 
-def host_mask(operands: Operands):
-    """The host layer's ``attn_mask``: from the first carrier whose tensors all arrived."""
+def documents_causal_of(attn_mask) -> bool:
+    """The ops' ``documents_causal``: the causality of KeyIntervals' packed documents (False
+    where the mask names none)."""
+    if isinstance(attn_mask, PreparedMask):
+        attn_mask = attn_mask.mask
+    documents = getattr(attn_mask, "_documents", None)
+    return bool(documents[2]) if documents is not None else False
+
+
+def host_mask(operands: Operands, documents_causal: bool = False, max_kept: int | None = None):
+    """The host layer's ``attn_mask``: from the first carrier whose tensors all arrived;
+    KeyIntervals with their ``max_kept`` and, where their offsets arrived, naming their
+    packed documents (of causality ``documents_causal``)."""
     for carrier in MASK_ARGS:
         tensors = [getattr(operands, name) for name in carrier.names]
         if all(t is not None for t in tensors):
-            return carrier.to_host(*tensors)
+            mask = carrier.to_host(*tensors)
+            if isinstance(mask, KeyIntervals):
+                documents = None
+                if operands.cu_seqlens_q is not None and operands.cu_seqlens_k is not None:
+                    documents = (operands.cu_seqlens_q, operands.cu_seqlens_k,
+                                 bool(documents_causal))
+                if documents is not None or max_kept is not None:
+                    mask = KeyIntervals(mask.start, mask.end, max_kept=max_kept,
+                                        _documents=documents)
+            return mask
     return None
 
 
@@ -183,7 +213,8 @@ def _backward_impl(grad_out, query, key, value, out, lse, attn_mask, attn_bias, 
     with allocated_per_call():
         return attention_backward(call.plan, grad_out, call.query, call.key, call.value, out,
                                   lse, call.mask, attn_bias, deterministic,
-                                  bias_needs_grad=bias_needs_grad, activity=call.activity)
+                                  bias_needs_grad=bias_needs_grad, activity=call.activity,
+                                  document_offsets=call.document_offsets)
 
 
 # -- schemas
@@ -199,10 +230,10 @@ _OPTIONAL = tuple(("Tensor?", name) for name in OPERANDS)
 # by (the backward never reads it). All three steer the plan, as in eager calls.
 _FWD_PARAMS = (("Tensor", "query"), ("Tensor", "key"), ("Tensor", "value"), *_FLAGS,
                ("bool", "plan_backward"), ("bool", "bias_needs_grad"), ("int?", "max_kept"),
-               *_OPTIONAL)
+               ("bool", "documents_causal"), *_OPTIONAL)
 _BWD_PARAMS = (("Tensor", "grad_out"), ("Tensor", "query"), ("Tensor", "key"),
                ("Tensor", "value"), ("Tensor", "out"), ("Tensor", "lse"), *_FLAGS,
-               ("bool", "bias_needs_grad"), *_OPTIONAL)
+               ("bool", "bias_needs_grad"), ("bool", "documents_causal"), *_OPTIONAL)
 FWD_SCHEMA = _schema(_FWD_PARAMS, "(Tensor, Tensor)")
 BWD_SCHEMA = _schema(_BWD_PARAMS, "(Tensor, Tensor, Tensor, Tensor)")
 _FWD_INPUTS = tuple(name for _, name in _FWD_PARAMS)  # the order of ``needs_input_grad``
@@ -215,22 +246,21 @@ def _no_dbias(query: Tensor) -> Tensor:
 
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=(), schema=FWD_SCHEMA)
 def attention_fwd(query, key, value, is_causal, softmax_scale, deterministic, plan_backward,
-                  bias_needs_grad, max_kept, *operands):
+                  bias_needs_grad, max_kept, documents_causal, *operands):
     optional = Operands(*operands)
-    mask = host_mask(optional)
-    if max_kept is not None and isinstance(mask, KeyIntervals):
-        mask = KeyIntervals(mask.start, mask.end, max_kept=max_kept)
+    mask = host_mask(optional, documents_causal, max_kept)
     return _forward_impl(query, key, value, mask, host_bias(optional), is_causal,
                          softmax_scale, deterministic, plan_backward, bias_needs_grad)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::bwd", mutates_args=(), schema=BWD_SCHEMA)
 def attention_bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
-                  deterministic, bias_needs_grad, *operands):
+                  deterministic, bias_needs_grad, documents_causal, *operands):
     optional = Operands(*operands)
     dq, dk, dv, dbias = _backward_impl(grad_out, query, key, value, out, lse,
-                                       host_mask(optional), host_bias(optional), is_causal,
-                                       softmax_scale, deterministic, bias_needs_grad)
+                                       host_mask(optional, documents_causal),
+                                       host_bias(optional), is_causal, softmax_scale,
+                                       deterministic, bias_needs_grad)
     return dq, dk, dv, _no_dbias(query) if dbias is None else dbias
 
 
@@ -263,7 +293,7 @@ def _check_fake(query, key, value, optional: Operands, softmax_scale) -> None:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, is_causal, softmax_scale, deterministic,
-                        plan_backward, bias_needs_grad, max_kept, *operands):
+                        plan_backward, bias_needs_grad, max_kept, documents_causal, *operands):
     _check_fake(query, key, value, Operands(*operands), softmax_scale)
     batch, seqlen_q, heads_q, head_dim = query.shape
     out = query.new_empty((batch, seqlen_q, heads_q, head_dim))
@@ -279,7 +309,7 @@ def _grad_like(t: Tensor) -> Tensor:
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
-                        deterministic, bias_needs_grad, *operands):
+                        deterministic, bias_needs_grad, documents_causal, *operands):
     optional = Operands(*operands)
     dq, dk, dv = (_grad_like(t) for t in (query, key, value))
     if not bias_needs_grad:
@@ -291,10 +321,12 @@ def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softma
 # -- autograd
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, is_causal, softmax_scale, deterministic, _, _, _, *operands = inputs
+    (query, key, value, is_causal, softmax_scale, deterministic, _, _, _, documents_causal,
+     *operands) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *operands)
     ctx.flags = (is_causal, softmax_scale, deterministic)
+    ctx.documents_causal = documents_causal
     ctx.mark_non_differentiable(lse)
 
 
@@ -305,7 +337,7 @@ def _backward(ctx, grad_out, grad_lse):
     bias_needs_grad = (getattr(optional, slot) is not None
                        and ctx.needs_input_grad[_FWD_INPUTS.index(slot)])
     dq, dk, dv, dbias = attention_bwd(grad_out, query, key, value, out, lse, *ctx.flags,
-                                      bias_needs_grad, *operands)
+                                      bias_needs_grad, ctx.documents_causal, *operands)
     grads = dict.fromkeys(_FWD_INPUTS)
     grads.update(query=dq, key=dk, value=dv)
     grads[slot] = dbias if bias_needs_grad else None
@@ -339,5 +371,6 @@ def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
     max_kept = given.max_kept if isinstance(given, KeyIntervals) else None
     out, lse = attention_fwd(query, key, value, is_causal, _scale_arg(softmax_scale),
                              deterministic, plan_backward,
-                             getattr(bias, "requires_grad", False), max_kept, *optional)
+                             getattr(bias, "requires_grad", False), max_kept,
+                             documents_causal_of(attn_mask), *optional)
     return (out, lse) if return_lse else out

@@ -214,9 +214,10 @@ def dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen
             query's dtype; trainable (its gradient has its shape).
         is_causal: bottom-right per sequence: its row i sees its key j iff j <= i + Lk_s - Lq_s.
         softmax_scale, deterministic, kernel_options: as in ``dmattn_func``
-            (on a Hopper GPU the forward walks each sequence's own tiles once the packed
-            mask is prepared, from the second call with these offsets; ``forward_documents``
-            True or False forces that either way).
+            (on a Hopper GPU the forward and backward walk each sequence's own tiles, their
+            tables kept with the packed mask from the second call with these offsets, made
+            per call before and in compiled or captured calls; ``forward_documents`` and
+            ``backward_documents`` True or False force that either way).
         return_lse: also return the float32 LSE of shape (heads_q, total_q).
 
     Each sequence attends only to its own keys; a row that sees no key gives output 0 and LSE

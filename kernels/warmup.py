@@ -245,7 +245,8 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     visible and a scattered half (once with a ``window``: the selection's). ``mask`` is
     "none", "bool", "intervals" or "documents" (``dmattn_varlen_func`` over ``batch`` x the
     length tokens packed as documents, called twice with the same offsets, as a model's
-    layers: the second call's packed mask is prepared, which takes other kernels), ``bias``
+    layers: the first makes its documents' tables itself, the second's packed mask is
+    prepared, which takes other kernels), ``bias``
     "none", "kv_row" (B, Hk, 1, L; documents: (Hk, tokens)) or "full" (B, Hk,
     L, L); the call has the form a model's call of the same description has. Give the
     shortest and longest length a model uses: each schedule decision that follows the length

@@ -142,12 +142,14 @@ def test_a_bias_row_at_wide_heads_walks_the_documents():
     assert schedule(problem).forward.documents
 
 
-def test_documents_not_yet_prepared_take_the_usual_route():
-    """The first call with new offsets: no kept table yet, so the schedule's own choice."""
+def test_documents_not_yet_prepared_walk_them_too():
+    """The first call with new offsets, a torch.compile'd call, one in a CUDA graph capture:
+    no kept table, so the plan makes it per call; the schedule is the prepared call's."""
     problem = _documents_problem(prepared=False)
-    forward = schedule(problem, {"forward_documents": True}).forward
-    assert not forward.documents
-    assert forward == schedule(problem).forward
+    for options in ({}, {"forward_documents": True}):
+        forward = schedule(problem, options).forward
+        assert forward.route == "hopper" and forward.documents
+    assert schedule(problem).forward == schedule(_documents_problem()).forward
 
 
 @pytest.mark.parametrize("changes, options, message", [
@@ -162,15 +164,15 @@ def test_asking_for_documents_where_they_cannot_be_walked_says_why(changes, opti
         schedule(_documents_problem(**changes), {"forward_documents": True, **options})
 
 
-def test_the_backward_walks_prepared_documents_by_default():
+def test_the_backward_walks_documents_by_default():
     problem = _documents_problem()
     for options in ({}, {"backward_documents": True}, {"backward": "hopper"}):
         backward = schedule(problem, normalize_options(options)).backward
         assert backward.route.value == "hopper" and backward.documents
     assert not schedule(problem, {"backward_documents": False}).backward.documents
-    # the first call with new offsets: not prepared, the schedule's own route
+    # the first call with new offsets (not prepared) walks them too, its table made per call
     first = _documents_problem(prepared=False)
-    assert not schedule(first).backward.documents
+    assert schedule(first).backward.documents
     assert schedule(first, {"backward_documents": True}).backward == schedule(first).backward
 
 
@@ -310,10 +312,11 @@ def test_documents_match_the_reference(device, lengths, causal, head_dim, heads,
 @pytest.mark.hopper
 @pytest.mark.parametrize("options", [{}, {"forward_documents": True}])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_calls_walk_their_documents_from_the_second_call(device, causal, options):
-    """``dmattn_varlen_func``, by default and with ``forward_documents``: the first call with
-    new offsets takes the usual route, later ones the Hopper forward over the documents, each
-    matching the reference; the backward (the Triton route) reads the Hopper forward's LSE."""
+def test_varlen_calls_walk_their_documents_from_the_first_call(device, causal, options):
+    """``dmattn_varlen_func``, by default and with ``forward_documents``: every call walks the
+    documents on the Hopper forward, the first with new offsets too (its table made for the
+    call, the later ones' kept with the prepared mask), each matching the reference; the
+    backward reads the Hopper forward's LSE."""
     from kernels import dmattn_varlen_func, record_routes
 
     torch.manual_seed(3)
@@ -330,12 +333,73 @@ def test_varlen_calls_walk_their_documents_from_the_second_call(device, causal, 
                                           return_lse=True, kernel_options=options)
         walked.append(set(routes.forward))
         _assert_matches(out, lse, references, torch.bfloat16)
-    assert walked[1] == walked[2] == {"hopper"}
+    assert walked[0] == walked[1] == walked[2] == {"hopper"}
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = dmattn_varlen_func(*leaves, cu_q, cu_q, 2048, 2048, is_causal=causal,
                              kernel_options=options)
     out.float().square().sum().backward()
     assert all(t.grad is not None and t.grad.isfinite().all() for t in leaves)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_and_captured_varlen_calls_walk_their_documents(device, causal):
+    """torch.compile(fullgraph=True) of a packed call, and a CUDA graph of one: nothing is
+    prepared in either (the custom ops carry the offsets; a capture keeps no packed mask), so
+    each makes its documents' tables in the call with no read-back. Both take the Hopper
+    forward and backward over the documents and give the eager call's output, dK and dV bit
+    for bit (one program writes each), dQ within two bf16 roundings (its adds over documents
+    come in any order)."""
+    from kernels import dmattn_varlen_func, record_routes
+
+    torch.manual_seed(5)
+    lengths = [(700, 700), (1, 1), (129, 129), (1500, 1500), (333, 333)]
+    cu_q, _ = _offsets(lengths, device)
+    total = int(cu_q[-1])
+    q, k, v = (torch.randn(total, heads, 128, device=device, dtype=torch.bfloat16)
+               for heads in (8, 2, 2))
+    grad_out = torch.randn_like(q)
+
+    def attend(q, k, v):
+        return dmattn_varlen_func(q, k, v, cu_q, cu_q, 1500, 1500, is_causal=causal)
+
+    def step(fn, leaves):
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+    def same(got, want, what):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            if name == "dq":
+                torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5)
+            else:
+                assert torch.equal(a, b), f"{what}: {name} differs from the eager call's"
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    eager = step(attend, leaves)
+    torch._dynamo.reset()
+    try:
+        compiled_attend = torch.compile(attend, fullgraph=True)
+        step(compiled_attend, leaves)  # compiles
+        with record_routes() as routes:
+            compiled = step(compiled_attend, leaves)
+    finally:
+        torch._dynamo.reset()
+    assert set(routes.forward) == set(routes.backward) == {"hopper"}, routes.describe()
+    same(compiled, eager, "compiled")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm outside the capture
+        step(attend, leaves)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with record_routes() as routes:
+        with torch.cuda.graph(graph):
+            captured = step(attend, leaves)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert set(routes.forward) == set(routes.backward) == {"hopper"}, routes.describe()
+    same(captured, eager, "captured")
 
 
 def _random_batch(rng, device, bias_rows_aligned: bool):
@@ -384,14 +448,15 @@ def test_documents_on_random_batches(device):
         longest_q = max(q for q, _ in lengths)
         longest_k = max(k for _, k in lengths)
         options = {"forward_documents": True}
-        for call in range(2):
+        references = _references(q, k, v, cu_q, cu_k, bias, causal)
+        for call in range(2):  # the first call's table is its own, the second's kept
             with record_routes() as routes:
                 out, lse = dmattn_varlen_func(q, k, v, cu_q, cu_k, longest_q, longest_k,
                                               attn_bias=bias, is_causal=causal,
                                               return_lse=True, kernel_options=options)
-        assert set(routes.forward) == {"hopper"}, (case, lengths, routes.describe())
-        _assert_matches(out, lse, _references(q, k, v, cu_q, cu_k, bias, causal), dtype,
-                        f"case {case} {lengths} D{head_dim} causal={causal}: ")
+            assert set(routes.forward) == {"hopper"}, (case, call, lengths, routes.describe())
+            _assert_matches(out, lse, references, dtype,
+                            f"case {case} call {call} {lengths} D{head_dim} causal={causal}: ")
 
 
 # -- the backward over documents (``kernel_options['backward_documents']``), on a Hopper GPU
@@ -409,20 +474,22 @@ def _gradient_check(q, k, v, cu_q, cu_k, bias, causal, context="", options=None)
         leaves.append(bias.detach().requires_grad_())
     grad_out = torch.randn_like(q)
     options = {"backward_documents": True, **(options or {})}
-    for _ in range(2):
+    calls = []
+    for _ in range(2):  # the first call's tables are its own, the second's kept
         with record_routes() as routes:
             out = dmattn_varlen_func(*leaves[:3], cu_q, cu_k, longest_q, longest_k,
                                      attn_bias=leaves[3] if bias is not None else None,
                                      is_causal=causal, kernel_options=options)
-            got = torch.autograd.grad(out, leaves, grad_out)
+            calls.append(torch.autograd.grad(out, leaves, grad_out))
     runs = [attention_varlen_reference(*leaves[:3], cu_q, cu_k,
                                        attn_bias=leaves[3] if bias is not None else None,
                                        is_causal=causal, upcast=upcast)
             for upcast in (True, False)]
     want, low = (torch.autograd.grad(run, leaves, grad_out.to(run.dtype)) for run in runs)
-    for name, a, r, e in zip(("dq", "dk", "dv", "dbias"), got, want, low):
-        assert a.isfinite().all(), f"{context}{name} not finite"
-        assert_close_to_reference(f"{context}{name}", a, r, e, q.dtype)
+    for call, got in enumerate(calls):
+        for name, a, r, e in zip(("dq", "dk", "dv", "dbias"), got, want, low):
+            assert a.isfinite().all(), f"{context}call {call} {name} not finite"
+            assert_close_to_reference(f"{context}call {call} {name}", a, r, e, q.dtype)
     return routes.backward
 
 

@@ -336,3 +336,50 @@ def test_varlen_compiles_whole_with_eager_bits(is_causal, device):
         torch._dynamo.reset()
     for name, got, want in zip(("out", "dq", "dk", "dv", "dbias"), *results):
         assert torch.equal(got, want), f"{name} differs between compiled and eager runs"
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL)
+def test_compiled_varlen_calls_hand_the_host_layer_their_documents(is_causal, monkeypatch,
+                                                                   device):
+    """Under torch.compile the packed mask crosses the custom ops with its offsets and their
+    own causality (the packed call itself is not causal here: its two offsets tensors are
+    not one), so the host layer gets KeyIntervals naming their documents, forward and
+    backward, as an eager call does (on a Hopper GPU the kernels walk them, their tables made
+    per call); outputs and gradients are eager's bit for bit."""
+    from kernels import ops
+    problem, _, bias = kernel_problem(torch.float16, device)
+    q, k, v, cu_q, cu_k, max_q, max_k = problem
+    cu_k = cu_k.clone()  # cross-attention offsets: the packed call cannot be causal
+    grad_out = torch.randn_like(q)
+    seen = []
+
+    def spy(real, mask_at):
+        def call(*args):
+            seen.append((real.__name__, args[mask_at], args[mask_at + 2]))
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(ops, "_forward_impl", spy(ops._forward_impl, 3))
+    monkeypatch.setattr(ops, "_backward_impl", spy(ops._backward_impl, 6))
+
+    def attend(q, k, v, bias):
+        return dmattn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, attn_bias=bias,
+                                  is_causal=is_causal)
+
+    results = []
+    torch._dynamo.reset()
+    try:
+        for fn in (torch.compile(attend, backend="aot_eager", fullgraph=True), attend):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+            out = fn(*leaves)
+            results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    finally:
+        torch._dynamo.reset()
+    assert [name for name, _, _ in seen] == ["_forward_impl", "_backward_impl"]
+    for _, mask, packed_causal in seen:
+        assert isinstance(mask, KeyIntervals) and packed_causal is False
+        documents_q, documents_k, documents_causal = mask._documents
+        assert torch.equal(documents_q, cu_q) and torch.equal(documents_k, cu_k)
+        assert documents_causal is is_causal
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dbias"), *results):
+        assert torch.equal(got, want), f"{name} differs between compiled and eager runs"

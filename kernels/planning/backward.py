@@ -245,13 +245,16 @@ def _triton_fallback(fwd, problem, grad_out, query, key, value, dq, dk, dv, acti
 
 def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
                        deterministic: bool, bias_needs_grad: bool,
-                       activity: ActivityMap | None = None):
+                       activity: ActivityMap | None = None,
+                       document_offsets: tuple | None = None):
     """Launch the backward of a forward run with plan ``fwd`` (a ``forward.ForwardPlan``) on
     these saved tensors. Returns (dq, dk, dv, dbias or None).
 
     With a mask, both kernels' lists come from the forward's activity map (made fine enough
     for the backward's tiles), never from the mask itself: the plan's, or the forward call's
-    own ``activity`` for a plan with lists per call.
+    own ``activity`` for a plan with lists per call. ``document_offsets``: the forward
+    call's (``call_plan.CallPlan.document_offsets``), for a Hopper backward over unprepared
+    packed documents.
     """
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
@@ -275,5 +278,10 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
                           else BackwardPlan)
             plan = plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
         fwd.backward_plans[signature] = plan
-    dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv, activity)
+    if document_offsets is not None and isinstance(plan, HopperBackwardPlan):
+        dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
+                         activity, document_offsets)
+    else:
+        dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
+                         activity)
     return dq, dk, dv, dbias

@@ -334,13 +334,12 @@ def backward_documents(problem: Problem, options: dict) -> bool:
     documents of median 256 and 1024 tokens, causal, D128, with and without a kv_row bias,
     GQA 4): 0.69-0.91x the backward time of the Hopper backward over the intervals' lists in
     fifteen rows of sixteen (the sixteenth, 16k tokens of median 256 with the bias, read
-    1.0x in the sweep and 0.61x of the kernel's time profiled alone).
-    As for the forward's (``forward_schedule.forward_documents``), only a call whose
-    intervals are prepared walks them; another takes the route the schedule chooses without
-    them."""
+    1.0x in the sweep and 0.61x of the kernel's time profiled alone). As for the forward's
+    (``forward_schedule.forward_documents``), prepared intervals' plan keeps the key blocks'
+    table and a call of unprepared ones makes it from its offsets."""
     asked = options.get("backward_documents")
     if asked is None:
-        return (options.get("backward") in (None, BackwardRoute.HOPPER) and problem.prepared
+        return (options.get("backward") in (None, BackwardRoute.HOPPER)
                 and problem.shape.seqlen_q >= tuning.HOPPER_FORWARD_MIN_QUERIES
                 and documents_backward_gap(problem) is None)
     if not asked:
@@ -350,7 +349,7 @@ def backward_documents(problem: Problem, options: dict) -> bool:
     if gap is not None:
         raise ValueError(f"kernel_options['backward_documents']: the Hopper backward cannot "
                          f"walk this call's documents: {gap}")
-    return problem.prepared
+    return True
 
 
 def dq_spread(problem: Problem, options: dict) -> bool:

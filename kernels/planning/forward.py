@@ -164,19 +164,24 @@ class ForwardPlan:
                  if self.splits > 1 else ())
         self._scratch = Scratch(query.device, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *parts)
-        self.hopper = self.hopper_documents = None
+        self.hopper = self.hopper_documents = self.document_tiling = None
         # A prepared mask of packed documents: their offsets and causality, for the backward's
-        # key blocks (``HopperBackwardPlan``); the plan is the prepared intervals' own.
+        # key blocks (``HopperBackwardPlan``); the plan is the prepared intervals' own. A plan
+        # of unprepared ones (lists per call) keeps neither: each call brings its offsets.
         self.documents = (checked.mask.documents if problem.documents is not None
-                          and problem.prepared else None)
-        if fwd.documents:  # the plan is the prepared intervals' own: it keeps their table
-            cu_q, cu_k, causal = self.documents
+                          and not lists_per_call else None)
+        # The documents' own causality, for either kernel that walks them
+        self.document_causal = (checked.mask.documents[2] if problem.documents is not None
+                                else None)
+        if fwd.documents:
+            causal = self.document_causal
             self.hopper = HopperForwardLaunch(problem, fwd.hopper, None, checked.bias,
                                               fwd.tile_order, sequences=problem.documents,
                                               causal=causal)
-            self.hopper_documents = (document_tiles(cu_q, cu_k, shape.seqlen_q,
-                                                    2 * fwd.hopper.rows, fwd.hopper.block_n,
-                                                    causal), cu_q, cu_k)
+            # (rows, keys per block, causality) of ``document_tiles``' table
+            self.document_tiling = (2 * fwd.hopper.rows, fwd.hopper.block_n, causal)
+            if self.documents is not None:  # kept: the prepared intervals' own table
+                self.hopper_documents = self.call_documents(self.documents[:2])
         elif fwd.hopper is not None:
             self.hopper = HopperForwardLaunch(problem, fwd.hopper, checked.mask, checked.bias,
                                               fwd.tile_order)
@@ -188,6 +193,13 @@ class ForwardPlan:
             self.gather = GatherDecodePlan(problem, fwd.gather, query, key, value,
                                            self.mask_layout, self.bias_layout, kind, scan_rows)
 
+    def call_documents(self, offsets: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        """(the tile table, cu_q, cu_k) that the Hopper forward walks packed documents by,
+        for int32 ``offsets`` (cu_q, cu_k): ``document_tiles`` on their device, no read-back."""
+        cu_q, cu_k = offsets
+        rows, block_n, causal = self.document_tiling
+        return document_tiles(cu_q, cu_k, self.shape.seqlen_q, rows, block_n, causal), cu_q, cu_k
+
     @property
     def bias_one_row(self) -> bool:
         return self.bias_shape is not None and self.bias_shape[2] == 1
@@ -198,16 +210,18 @@ class ForwardPlan:
         return call_activity(activity) if self.lists_per_call else self.activity
 
     def run(self, query, key, value, mask_operand, bias, keep_lse: bool = True,
-            activity: ActivityMap | None = None, kept_lists: tuple | None = None
+            activity: ActivityMap | None = None, kept_lists: tuple | None = None,
+            document_offsets: tuple | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out (B, Lq, Hq, D), lse (B, Hq, Lq) float32, or None without ``keep_lse``) for
         tensors of this plan's signature; ``mask_operand`` is what the kernel reads of the call's
         mask (``call_plan.MaskOperand``: the bool mask, a KeyIntervals mask's words, or None) and
         ``bias`` the bias, either may be None; ``activity``: the call's own activity map, for a
         plan with ``lists_per_call``; ``kept_lists``: on the gather route, the kept-key lists
-        that intervals read as given came with (``KeyIntervals._kept_lists``), or None. With
-        ``scan_keys``, ``mask_operand`` is the intervals' (start, end) as given, of the plan's
-        layout."""
+        that intervals read as given came with (``KeyIntervals._kept_lists``), or None;
+        ``document_offsets``: the offsets (cu_q, cu_k) of unprepared packed documents, for a
+        plan that walks them (its table is made per call), else None. With ``scan_keys``,
+        ``mask_operand`` is the intervals' (start, end) as given, of the plan's layout."""
         if self.gather is not None:
             note_route("forward", "gather")
             return self.gather.run(query, key, value, mask_operand, bias, keep_lse,
@@ -218,12 +232,15 @@ class ForwardPlan:
         kept = None if keep_lse else self._scratch_with_lse.buffers()
         lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
                if keep_lse else kept[0])
-        documents = self.hopper_documents
-        hopper_mask = None if mask_operand is None or documents is not None else mask_operand
+        walks_documents = self.document_tiling is not None
+        hopper_mask = None if mask_operand is None or walks_documents else mask_operand
         if self.hopper is not None and self.hopper.takes(
                 query, key, value, *(() if hopper_mask is None else (hopper_mask,)),
                 *(() if bias is None else (bias,))):
             note_route("forward", "hopper")
+            documents = self.hopper_documents
+            if walks_documents and documents is None:  # unprepared: this call's table
+                documents = self.call_documents(document_offsets)
             table = self.hopper_table
             if self.hopper_compaction is not None:  # compacted from the call's map
                 table = call_activity(activity).compacted(self.hopper_compaction).table

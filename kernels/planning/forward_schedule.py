@@ -152,15 +152,16 @@ def forward_documents(problem: Problem, options: dict) -> bool:
     """Whether the Hopper forward walks the mask's packed documents in their own tiles.
     ``options['forward_documents']`` True forces it (a ValueError says why where it never
     can, or where another route is forced), False keeps it off; by default it does where
-    ``takes_documents``. The plan of prepared intervals keeps the documents' tile table, so
-    a call whose intervals are not yet prepared (the first with these offsets, or one in a
-    CUDA graph capture) takes the route the schedule chooses without it."""
+    ``takes_documents``. Prepared intervals' plan keeps the documents' tile table; a call
+    whose intervals are not prepared (the first with these offsets, a torch.compile'd call,
+    one in a CUDA graph capture) makes it from its offsets (``ForwardPlan.call_documents``:
+    a few torch ops on the device, no read-back)."""
     asked = options.get("forward_documents")
     forced_route = options.get("forward_route")
     if asked is None:  # other options that rule the documents out keep them off
         return (forced_route in (None, "hopper") and not options.get("forward_key_scan")
                 and options.get("forward_tile_order") in (None, "balanced")
-                and problem.prepared and takes_documents(problem))
+                and takes_documents(problem))
     if not asked:
         return False
     if forced_route not in (None, "hopper"):
@@ -170,7 +171,7 @@ def forward_documents(problem: Problem, options: dict) -> bool:
     if gap is not None:
         raise ValueError(f"kernel_options['forward_documents']: the Hopper forward cannot walk "
                          f"this call's documents: {gap}")
-    return problem.prepared
+    return True
 
 
 def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:

@@ -195,21 +195,22 @@ class HopperBackwardPlan:
         order_group = causal_order_group(problem, key_blocks)
         causal = problem.is_causal
         # Packed documents: every sequence's key blocks (``document_key_blocks``' order), built
-        # once (the plan is the prepared intervals' own); the grid is their bound, key heads
-        # inner.
-        self.documents = None
+        # once for prepared intervals (the plan is theirs), else per call from its offsets;
+        # the grid is their bound, key heads inner.
+        self.documents = self.document_blocks = None
         if bwd.documents:
             self.kind, order_group = NO_MASK, None
-            cu_q, cu_k, causal = fwd.documents
+            causal = fwd.document_causal
             key_blocks = tile_bound(shape.seqlen_k, problem.documents, tile.block_n)
-            self.documents = (document_key_blocks(cu_q, cu_k, shape.seqlen_k, tile.block_n,
-                                                  tile.block_m, causal), cu_q, cu_k)
+            self.document_blocks = (shape.seqlen_k, tile.block_n, tile.block_m, causal)
+            if fwd.documents is not None:
+                self.documents = self.call_documents(fwd.documents[:2])
         self.launch = DescriptorLaunch(
             attention_backward, (shape.batch * shape.heads_kv * key_blocks,),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              order_group or 1, problem.softmax_scale * LOG2E, problem.softmax_scale),
             num_warps=4, CAUSAL=causal, GROUPED_ORDER=order_group is not None,
-            DOCUMENTS=self.documents is not None, MASK_KIND=self.kind,
+            DOCUMENTS=self.document_blocks is not None, MASK_KIND=self.kind,
             DETERMINISTIC=problem.deterministic, HAS_BIAS=self.bias_layout is not None,
             BIAS_GRAD=dbias is not None, BIAS_GROUP_SUM=bool(dbias and dbias.sum_group),
             DQ_SPREAD=bwd.dq_spread,
@@ -226,16 +227,25 @@ class HopperBackwardPlan:
         self._make_fallback = make_fallback
         self._fallback = None
 
+    def call_documents(self, offsets: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        """(the key blocks' table, cu_q, cu_k) that the kernel walks packed documents by, for
+        int32 ``offsets`` (cu_q, cu_k): ``document_key_blocks`` on their device, no
+        read-back."""
+        cu_q, cu_k = offsets
+        return document_key_blocks(cu_q, cu_k, *self.document_blocks), cu_q, cu_k
+
     def run(self, grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
-            activity=None):
+            activity=None, document_offsets=None):
         """Fill ``dq``, ``dk``, ``dv``; return the bias gradient (or None). A masked
         call reads ``mask`` (the bool mask's (B, H, Lq, Lk) broadcast view) and the lists of
         the forward's activity map (``activity``: the call's own, for a plan with lists per
-        call)."""
+        call); a plan of unprepared packed documents their ``document_offsets`` (cu_q,
+        cu_k)."""
+        walks_documents = self.document_blocks is not None
         # KeyIntervals the forward read as given (start and end, no lists) go to the fallback.
         if (not HopperForwardLaunch.takes(grad_out, query, key, value, dq, dk, dv)
                 or not tma_strides(grad_out) or isinstance(mask, tuple)
-                or (self.documents is not None  # last keys written from registers
+                or (walks_documents  # last keys written from registers
                     and not (dk.is_contiguous() and dv.is_contiguous()))):
             if self._fallback is None:
                 self._fallback = self._make_fallback()
@@ -253,8 +263,9 @@ class HopperBackwardPlan:
                  if self.lock_count else rows)  # rows: a stand-in never read
         bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
         bias_args = self._bias_args(bias, bias_grad, rows)
-        if self.documents is not None:
-            document_args = (*self.documents, dk, dv, dk.stride(1), self.shape.head_dim)
+        if walks_documents:
+            documents = self.documents or self.call_documents(document_offsets)
+            document_args = (*documents, dk, dv, dk.stride(1), self.shape.head_dim)
         else:  # stand-ins the kernel never reads
             document_args = (rows, rows, rows, rows, rows, 0, 0)
         self.launch(self.q_spec(query), self.kv_spec(key), self.kv_spec(value),

@@ -77,9 +77,8 @@ def bias_row_gap(problem: Problem) -> str | None:
 def documents_gap(problem: Problem) -> str | None:
     """Why the Hopper forward cannot walk ``problem``'s mask as documents (one line), or None:
     it takes a packed batch's documents (``dmattn_varlen_func`` without a mask of the
-    caller's). Their tile table is kept by the plan of their prepared intervals
-    (``ForwardPlan``), so only a prepared call walks them (``forward_schedule
-    .forward_documents``)."""
+    caller's). Their tile table is kept by the plan of prepared intervals, or made per
+    call from the offsets of unprepared ones (``ForwardPlan.call_documents``)."""
     if problem.documents is None:
         return ("its mask is not a packed batch's documents (dmattn_varlen_func without "
                 "attn_mask)")
