@@ -325,17 +325,7 @@ def test_varlen_compiles_whole_with_eager_bits(is_causal, device):
         return dmattn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, attn_mask=mask,
                                   attn_bias=bias, is_causal=is_causal)
 
-    results = []
-    torch._dynamo.reset()
-    try:
-        for fn in (torch.compile(attend, backend="aot_eager", fullgraph=True), attend):
-            leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
-            out = fn(*leaves)
-            results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
-    finally:
-        torch._dynamo.reset()
-    for name, got, want in zip(("out", "dq", "dk", "dv", "dbias"), *results):
-        assert torch.equal(got, want), f"{name} differs between compiled and eager runs"
+    _assert_compiled_matches_eager(attend, (q, k, v, bias), grad_out)
 
 
 @pytest.mark.parametrize("is_causal", CAUSAL)
@@ -366,20 +356,26 @@ def test_compiled_varlen_calls_hand_the_host_layer_their_documents(is_causal, mo
         return dmattn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, attn_bias=bias,
                                   is_causal=is_causal)
 
-    results = []
-    torch._dynamo.reset()
-    try:
-        for fn in (torch.compile(attend, backend="aot_eager", fullgraph=True), attend):
-            leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
-            out = fn(*leaves)
-            results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
-    finally:
-        torch._dynamo.reset()
+    _assert_compiled_matches_eager(attend, (q, k, v, bias), grad_out)
     assert [name for name, _, _ in seen] == ["_forward_impl", "_backward_impl"]
     for _, mask, packed_causal in seen:
         assert isinstance(mask, KeyIntervals) and packed_causal is False
         documents_q, documents_k, documents_causal = mask._documents
         assert torch.equal(documents_q, cu_q) and torch.equal(documents_k, cu_k)
         assert documents_causal is is_causal
+
+
+def _assert_compiled_matches_eager(attend, inputs, grad_out) -> None:
+    """``attend`` compiled whole (aot_eager, fullgraph) and eager, on fresh leaves of
+    ``inputs``: outputs and gradients equal bit for bit."""
+    results = []
+    torch._dynamo.reset()
+    try:
+        for fn in (torch.compile(attend, backend="aot_eager", fullgraph=True), attend):
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            out = fn(*leaves)
+            results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    finally:
+        torch._dynamo.reset()
     for name, got, want in zip(("out", "dq", "dk", "dv", "dbias"), *results):
         assert torch.equal(got, want), f"{name} differs between compiled and eager runs"
