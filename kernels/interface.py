@@ -13,6 +13,7 @@ from .masks.intervals import KeyIntervals
 from .masks.key_order import reorder_keys
 from .planning.backward import attention_backward
 from .planning.inputs import check_flags, check_inputs
+from .prepared import PreparedMask
 
 
 # Bound once: the lookup through ``torch.compiler`` cost another ~40 ns per call (70 against
@@ -146,6 +147,8 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     Under ``torch.compile`` a call is the custom ops ``dmattn::fwd`` and ``dmattn::bwd``
     (``kernels.ops``): one graph, no breaks, bit for bit the eager results.
     """
+    if attn_mask.__class__ is PreparedMask and attn_mask.intervals is not None:
+        attn_mask = attn_mask.intervals_for(query, key, is_causal)  # the same pairs
     if isinstance(attn_mask, KeyIntervals) and attn_mask.key_order is not None:
         query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(
             query, key, value, attn_mask, attn_bias, is_causal, softmax_scale)
@@ -188,6 +191,8 @@ def schedule_for(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fa
     check_flags(is_causal=is_causal, deterministic=deterministic)
     if bias_requires_grad is None:
         bias_requires_grad = attn_bias is not None and attn_bias.requires_grad
+    if isinstance(attn_mask, PreparedMask) and attn_mask.intervals is not None:
+        attn_mask = attn_mask.intervals_for(query, key, is_causal)
     if isinstance(attn_mask, KeyIntervals) and attn_mask.key_order is not None:
         query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(
             query, key, value, attn_mask, attn_bias, is_causal, softmax_scale)

@@ -19,6 +19,7 @@ import torch
 
 from .masks.found_documents import find_documents
 from .masks.intervals import KeyIntervals
+from .masks.key_runs import key_runs, order_that_pays
 from .planning.activity import ActivityMap
 from .planning.backward import prepare_backward_lists
 from .planning.forward import call_problem, mask_activity
@@ -52,6 +53,10 @@ class PreparedMask:
     kept_keys: int | None = None
     # Forward plans of the calls made with this mask, by call signature (see interface).
     plans: dict = field(default_factory=dict, compare=False, repr=False)
+    # A bool mask whose keys are each kept by one run of rows (``tuning.BOOL_MASK_RUNS``):
+    # the same pairs as KeyIntervals (with a key order where it pays), which calls read in
+    # its place (``intervals_for``); its own activity is then None.
+    intervals: KeyIntervals | None = field(default=None, compare=False, repr=False)
 
     def check_fresh(self) -> None:
         """Refuse a mask written in place since it was prepared: its lists would be stale."""
@@ -60,8 +65,25 @@ class PreparedMask:
             raise ValueError("attn_mask: the mask was written in place after prepare_mask, so "
                              "its prepared tile lists are stale; call prepare_mask again")
 
+    def intervals_for(self, query, key, is_causal) -> KeyIntervals:
+        """The intervals a call with this query and key reads in the mask's place, after
+        checking that it is a call the mask was prepared for (shapes, dtype, device,
+        causality; a ValueError says what differs) and that the mask was not written since.
+        The call's own checks follow. A traced call (torch.compile) skips these checks, as it
+        does for any prepared mask (``kernels.ops``): a version counter is not traceable."""
+        if torch.compiler.is_compiling():
+            return self.intervals
+        if is_causal.__class__ is not bool:
+            check_flags(is_causal=is_causal)
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
+            check_inputs(query, key, key, self.intervals, None, None)  # its TypeError
+        batch, seqlen_q, heads_q, head_dim = query.shape
+        shape = AttnShape(batch, seqlen_q, key.shape[1], heads_q, key.shape[2], head_dim)
+        self.activity_for(shape, query.dtype, query.device, is_causal, check_map=False)
+        return self.intervals
+
     def activity_for(self, shape: AttnShape, dtype: torch.dtype, device: torch.device,
-                     is_causal: bool) -> ActivityMap:
+                     is_causal: bool, check_map: bool = True) -> ActivityMap:
         """The prepared activity map, after checking that the call (its checked ``shape`` and
         the query's dtype and device) is one it was made for; a ValueError says what differs."""
         expected = (self.shape, self.dtype, self.device, self.is_causal)
@@ -71,6 +93,9 @@ class PreparedMask:
                 raise ValueError(f"attn_mask: the mask was prepared for {name} {want}, but the "
                                  f"call has {got}; call prepare_mask for this call")
         self.check_fresh()
+        if check_map and self.activity is None:  # read as intervals (``intervals_for``)
+            raise ValueError("attn_mask: this prepared mask is read as its KeyIntervals; pass it "
+                             "to dmattn_func")
         return self.activity
 
 
@@ -87,6 +112,26 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
         raise TypeError(f"attn_mask must be a bool torch.Tensor or KeyIntervals to prepare, got "
                         f"{type(attn_mask).__name__}")
     return _prepare(attn_mask, query, key, is_causal, count_shares=True)
+
+
+def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
+    """A bool mask as the KeyIntervals of the same pairs (``masks.key_runs``), with a key
+    order where it cuts the rows its key blocks span by ``tuning.BOOL_MASK_RUNS_ORDER_GAIN``,
+    or None: only with ``tuning.BOOL_MASK_RUNS``, for calls of more than
+    ``tuning.GATHER_MAX_ROWS`` query rows (decode keeps its prepared bool mask), a mask
+    whose key axis is not broadcast and whose every key is kept by one run of rows; never
+    during a CUDA graph capture (the test reads back)."""
+    shape = checked.shape
+    if (not tuning.BOOL_MASK_RUNS or not isinstance(attn_mask, torch.Tensor)
+            or shape.seqlen_q <= tuning.GATHER_MAX_ROWS or graph_capturing(query.device)):
+        return None
+    if attn_mask.shape[3] != shape.seqlen_k:  # one key broadcast along the key axis
+        return None
+    runs = key_runs(attn_mask, shape.seqlen_q, shape.seqlen_k, is_causal)
+    if runs is None:
+        return None
+    order = order_that_pays(*runs, tuning.BOOL_MASK_RUNS_ORDER_GAIN)
+    return KeyIntervals(*runs, order)
 
 
 def _named_documents(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) -> KeyIntervals:
@@ -137,6 +182,10 @@ def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMa
     check_flags(is_causal=is_causal)
     # The key stands in for the value: same shape by contract, and only shapes are read.
     checked = check_inputs(query, key, key, attn_mask, None, None)
+    runs = _as_intervals(attn_mask, checked, query, is_causal) if count_shares else None
+    if runs is not None:
+        return PreparedMask(attn_mask, attn_mask, checked.shape, query.dtype, query.device,
+                            bool(is_causal), None, tensor_version(attn_mask), intervals=runs)
     if isinstance(attn_mask, KeyIntervals):
         named = _named_documents(attn_mask, checked.shape.seqlen_q, is_causal)
         if named is not attn_mask:  # the same start and end, now naming their documents

@@ -214,6 +214,14 @@ HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
 # a bias), fwd+bwd: 0.79-0.84x the time of the Triton forward and the Hopper backward over the
 # intervals' lists, measured with the backward over documents.
 FIND_DOCUMENTS = True
+# Whether preparing a bool mask whose every key is kept by one run of query rows (causal,
+# sliding windows, documents, a top-W mask of a per-key bias) gives calls the KeyIntervals of
+# the same pairs (``masks.key_runs``), with a key order where it cuts the rows their key blocks
+# span by at least BOOL_MASK_RUNS_ORDER_GAIN. Off until measured on a GPU. H200 models-fwd at
+# W2048 causal, the Triton route: the top-W mask as key-ordered intervals took 0.540 ms against
+# 0.934 for the bool mask at 8k, 2.14 against 14.5 at 32k (bwd 7.6 against 24.2).
+BOOL_MASK_RUNS = False
+BOOL_MASK_RUNS_ORDER_GAIN = 1.5
 
 
 # -- the Hopper route's backward (``hopper_device.attention_backward``)

@@ -1,0 +1,94 @@
+"""Bool masks whose every key is kept by one run of query rows, found so that they can be read
+as ``KeyIntervals``.
+
+A key's kept rows form one run under many masks: causal, sliding windows, packed documents,
+and flash-dmattn's top-W mask of a per-key bias with causality (once W keys with a larger
+bias are visible to a row, they stay visible to every later row, so a key that leaves never
+returns). Such a mask is exactly KeyIntervals (start, end) per key, O(Lk) where the mask is
+O(Lq x Lk), and the intervals can carry a key order (``KeyIntervals.with_key_order``) that
+makes the work of a top-W mask follow its kept pairs.
+
+``key_runs`` reads the mask once, in chunks of query rows (no mask-sized temporary), with the
+call's causality applied: the runs are those of the pairs the call keeps.
+``order_that_pays`` gives the intervals a key order where it gathers blocks of keys whose rows
+spread far beyond their kept pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .grouping import grouping_order
+
+# Query rows per chunk of the scan: a (Bm, Hm, ROWS, Lk) bool temporary at most.
+ROWS = 1024
+# Keys per block of ``scattered``'s count (the kernels' key tiles).
+BLOCK_KEYS = 128
+
+
+def key_runs(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """int32 (start, end) of shape (Bm, Hm, Lk) such that row r keeps key j iff start <= r <
+    end (and, with ``is_causal``, j <= r + Lk - Lq), for a 4-D bool ``mask`` (Bm, Hm, Lqm,
+    Lk) with Lqm 1 or ``seqlen_q``; None where some key's kept rows are not one run. Keys
+    kept by no row get start = end = 0. One read of the mask and one read-back (the test)."""
+    batch, heads, rows, keys = mask.shape
+    if keys != seqlen_k or rows not in (1, seqlen_q):
+        raise ValueError(f"key_runs: expected a mask of (Bm, Hm, 1 or {seqlen_q}, {seqlen_k}), "
+                         f"got {tuple(mask.shape)}")
+    device = mask.device
+    key = torch.arange(seqlen_k, device=device)
+    # the first row that sees key j: j - (Lk - Lq) with causality, else 0
+    visible_from = (key - (seqlen_k - seqlen_q)).clamp(min=0) if is_causal else key * 0
+    if rows == 1:  # every row keeps the same keys: a run from the first row that sees it
+        kept = mask[:, :, 0, :] & (visible_from < seqlen_q)
+        start = torch.where(kept, visible_from, 0)
+        end = torch.where(kept, seqlen_q, 0)
+        return start.to(torch.int32), end.to(torch.int32)
+    first = torch.full((batch, heads, seqlen_k), seqlen_q, dtype=torch.int64, device=device)
+    last = torch.full_like(first, -1)
+    count = torch.zeros_like(first)
+    for lo in range(0, seqlen_q, ROWS):
+        row = torch.arange(lo, min(lo + ROWS, seqlen_q), device=device)[:, None]
+        kept = mask[:, :, lo:lo + row.shape[0], :]
+        if is_causal:
+            kept = kept & (row >= visible_from)
+        count += kept.sum(2)
+        first = torch.minimum(first, torch.where(kept, row, seqlen_q).amin(2))
+        last = torch.maximum(last, torch.where(kept, row, -1).amax(2))
+    seen = count > 0
+    if not bool(((count == last - first + 1) | ~seen).all()):
+        return None
+    start = torch.where(seen, first, 0).to(torch.int32)
+    end = torch.where(seen, last + 1, 0).to(torch.int32)
+    return start, end
+
+
+def block_spans(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """The query rows that blocks of ``BLOCK_KEYS`` consecutive keys of (.., Lk) intervals
+    span, summed (the latest end less the earliest start of a block's kept keys): the rows
+    a kernel walks per key block in the keys' own order, a long int tensor."""
+    keys = start.shape[-1]
+    pad = -keys % BLOCK_KEYS
+    seen = end > start
+    never = torch.iinfo(torch.int32).max
+    first = torch.where(seen, start, never)
+    last = torch.where(seen, end, 0)
+    if pad:
+        first = torch.nn.functional.pad(first, (0, pad), value=never)
+        last = torch.nn.functional.pad(last, (0, pad), value=0)
+    first = first.unflatten(-1, (-1, BLOCK_KEYS)).amin(-1).long()
+    last = last.unflatten(-1, (-1, BLOCK_KEYS)).amax(-1).long()
+    return (last - first).clamp(min=0).sum()
+
+
+def order_that_pays(start: torch.Tensor, end: torch.Tensor, least_gain: float
+                    ) -> torch.Tensor | None:
+    """``grouping_order``'s key order of these intervals where it cuts the rows their key
+    blocks span (``block_spans``) to at most 1 / ``least_gain`` of the keys' own order's,
+    else None. A sliding window's blocks span about W + 128 rows in either order; a top-W
+    mask's, in key order, from their first key to the last row keeping any of them. One
+    read-back."""
+    order = grouping_order(start, end)
+    ordered = block_spans(torch.gather(start, -1, order), torch.gather(end, -1, order))
+    return order if bool(block_spans(start, end) >= least_gain * ordered) else None

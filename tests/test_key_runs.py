@@ -1,0 +1,200 @@
+"""Bool masks whose every key is kept by one run of rows, read as KeyIntervals
+(``kernels.masks.key_runs``; ``prepare_mask`` with ``tuning.BOOL_MASK_RUNS``): the runs found
+exactly, the key order where it pays, and calls with the prepared mask against the fp64
+reference of the bool mask. Interpreted on the CPU; on a GPU the same calls run compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_helpers import Dims, assert_close_to_reference, random_bias, random_qkv
+from kernels import attention_reference, dmattn_func, prepare_mask
+from kernels.masks.key_runs import block_spans, key_runs, order_that_pays
+from kernels.planning import tuning
+
+
+def _effective(mask, seqlen_q, seqlen_k, is_causal):
+    """The pairs a call keeps: the mask, with causality where asked, at full size."""
+    mask = mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
+    if not is_causal:
+        return mask
+    row = torch.arange(seqlen_q)[:, None]
+    return mask & (torch.arange(seqlen_k) <= row + seqlen_k - seqlen_q)
+
+
+def _from_runs(start, end, seqlen_q):
+    row = torch.arange(seqlen_q)[:, None]
+    return (start[:, :, None, :] <= row) & (row < end[:, :, None, :])
+
+
+def _top_window(bias, window, seqlen_q, is_causal):
+    """flash-dmattn's top-``window`` bool mask of a per-key bias (B, H, 1, Lk)."""
+    seqlen_k = bias.shape[-1]
+    visible = _effective(torch.ones(1, 1, 1, seqlen_k, dtype=torch.bool), seqlen_q, seqlen_k,
+                         is_causal)
+    scores = bias.float().expand(-1, -1, seqlen_q, -1).masked_fill(~visible, float("-inf"))
+    kept = torch.zeros(scores.shape, dtype=torch.bool)
+    kept.scatter_(-1, scores.topk(min(window, seqlen_k), dim=-1).indices, True)
+    return kept & visible
+
+
+def _sliding(seqlen_q, seqlen_k, window):
+    row = torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+    key = torch.arange(seqlen_k)
+    return ((key <= row) & (key > row - window))[None, None]
+
+
+MASKS = {
+    "sliding": lambda: _sliding(300, 300, 37),
+    "top-W": lambda: _top_window(torch.randn(2, 3, 1, 300), 24, 300, True),
+    "top-W cross": lambda: _top_window(torch.randn(1, 2, 1, 333), 40, 257, True),
+    "one row": lambda: torch.rand(2, 1, 1, 300) < 0.3,
+    "all": lambda: torch.ones(1, 1, 300, 300, dtype=torch.bool),
+}
+
+
+@pytest.mark.parametrize("name", MASKS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_runs_are_found_exactly(name, is_causal, monkeypatch):
+    monkeypatch.setattr("kernels.masks.key_runs.ROWS", 64)  # several chunks
+    mask = MASKS[name]()
+    seqlen_q, seqlen_k = (257, 333) if name == "top-W cross" else (300, 300)
+    runs = key_runs(mask, seqlen_q, seqlen_k, is_causal)
+    assert runs is not None
+    start, end = runs
+    assert start.dtype == end.dtype == torch.int32
+    assert start.shape == (*mask.shape[:2], seqlen_k)
+    want = _effective(mask, seqlen_q, seqlen_k, is_causal)
+    assert torch.equal(_from_runs(start, end, seqlen_q) & want, want)
+    assert torch.equal(_effective(_from_runs(start, end, seqlen_q), seqlen_q, seqlen_k,
+                                  is_causal), want)
+    assert ((start == 0) & (end == 0) | (start < end)).all()  # empty keys as (0, 0)
+
+
+def test_a_key_kept_by_two_runs_is_not_intervals():
+    mask = torch.zeros(1, 1, 50, 60, dtype=torch.bool)
+    mask[0, 0, 3:9, 7] = True
+    mask[0, 0, 12:20, 7] = True
+    assert key_runs(mask, 50, 60, False) is None
+    # causality hides rows 10..19 from key 30 (row r sees keys up to r): one run remains
+    within = torch.zeros(1, 1, 50, 50, dtype=torch.bool)
+    within[0, 0, 10:20, 30] = True
+    within[0, 0, 35:40, 30] = True
+    assert key_runs(within, 50, 50, False) is None
+    start, end = key_runs(within, 50, 50, True)
+    assert (start[0, 0, 30], end[0, 0, 30]) == (35, 40)
+
+
+def test_a_key_order_is_given_where_it_gathers_scattered_keys():
+    top = key_runs(_top_window(torch.randn(1, 2, 1, 2048), 64, 2048, True), 2048, 2048, True)
+    order = order_that_pays(*top, 1.5)
+    assert order is not None and order.shape == top[0].shape
+    ordered = [torch.gather(t, -1, order) for t in top]
+    assert block_spans(*ordered) * 1.5 <= block_spans(*top)
+    sliding = key_runs(_sliding(2048, 2048, 256), 2048, 2048, True)
+    assert order_that_pays(*sliding, 1.5) is None
+
+
+def _call(q, k, v, mask, bias, is_causal, grad_out):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    out = dmattn_func(*leaves[:3], attn_mask=mask, attn_bias=leaves[3], is_causal=is_causal)
+    return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+
+@pytest.mark.parametrize("name", ["sliding", "top-W", "top-W cross"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_prepared_calls_read_the_runs_and_match_the_reference(name, is_causal, monkeypatch,
+                                                              device):
+    """With the option on, ``prepare_mask`` of a bool mask of runs gives calls the intervals
+    of the same pairs: out, dq, dk, dv and a kv_row bias's gradient against the fp64
+    reference of the bool mask, with the accuracy rule."""
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    mask = MASKS[name]().to(device)
+    seqlen_q, seqlen_k = (257, 333) if name == "top-W cross" else (300, 300)
+    heads = max(mask.shape[1], 2)  # the mask's heads are the key heads (or one for all)
+    dims = Dims(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=2 * heads,
+                heads_kv=heads, head_dim=16)
+    dtype = torch.float16
+    q, k, v = random_qkv(dims, dtype, device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), dtype, device)
+    prepared = prepare_mask(mask, q, k, is_causal=is_causal)
+    assert prepared.intervals is not None and prepared.activity is None
+    assert (prepared.intervals.key_order is not None) == name.startswith("top-W")
+    grad_out = torch.randn_like(q)
+    got = _call(q, k, v, prepared, bias, is_causal, grad_out)
+    # the truth: float64 from float32 copies of the inputs (exact for every dtype)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
+    ref = attention_reference(*ref_leaves[:3], mask, ref_leaves[3], is_causal)
+    want = (ref, *torch.autograd.grad(ref, ref_leaves, grad_out.to(ref.dtype)))
+    low_leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    low = attention_reference(*low_leaves[:3], mask, low_leaves[3], is_causal, upcast=False)
+    baseline = (low, *torch.autograd.grad(low, low_leaves, grad_out))
+    for what, a, r, e in zip(("out", "dq", "dk", "dv", "dbias"), got, want, baseline):
+        assert a.isfinite().all(), what
+        assert_close_to_reference(what, a, r, e, dtype)
+
+
+def test_prepared_runs_refuse_another_call_form_and_a_written_mask(monkeypatch):
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    dims = Dims(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, "cpu")
+    mask = _sliding(64, 64, 9)
+    prepared = prepare_mask(mask, q, k, is_causal=True)
+    assert prepared.intervals is not None
+    with pytest.raises(ValueError, match="prepared for is_causal True"):
+        dmattn_func(q, k, v, attn_mask=prepared, is_causal=False)
+    longer = random_qkv(Dims(1, 80, 80, 2, 1, 16), torch.float16, "cpu")
+    with pytest.raises(ValueError, match="prepared for shapes"):
+        dmattn_func(*longer, attn_mask=prepared, is_causal=True)
+    mask[0, 0, 5, 5] = False
+    with pytest.raises(ValueError, match="written in place"):
+        dmattn_func(q, k, v, attn_mask=prepared, is_causal=True)
+
+
+def test_masks_that_stay_bool(monkeypatch):
+    """Off by default; with it on: a mask whose keys are not runs, one broadcast along the
+    keys, and decode-sized calls (the gather route's prepared bool mask) stay bool masks."""
+    dims = Dims(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, _ = random_qkv(dims, torch.float16, "cpu")
+    sliding = _sliding(64, 64, 9)
+    assert prepare_mask(sliding, q, k, is_causal=True).intervals is None  # the default
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    scattered = torch.rand(1, 1, 64, 64) < 0.5
+    assert prepare_mask(scattered, q, k).intervals is None
+    assert prepare_mask(torch.ones(1, 1, 64, 1, dtype=torch.bool), q, k).intervals is None
+    decode = random_qkv(Dims(1, 1, 64, 2, 1, 16), torch.float16, "cpu")[0]
+    assert prepare_mask(sliding[:, :, -1:], decode, k, is_causal=True).intervals is None
+
+
+def test_a_compiled_call_reads_the_runs_as_the_eager_call(monkeypatch, device):
+    """torch.compile(fullgraph=True) of a call with a prepared top-W mask read as key-ordered
+    intervals: one graph, the eager call's outputs and gradients bit for bit."""
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    dims = Dims(batch=1, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.float16, device)
+    scores = torch.randn(1, 2, 1, 300)  # float32: no ties, whose top-W picks may differ
+    prepared = prepare_mask(_top_window(scores, 24, 300, True).to(device), q, k,
+                            is_causal=True)
+    assert prepared.intervals.key_order is not None
+    grad_out = torch.randn_like(q)
+
+    def attend(q, k, v, bias):
+        return dmattn_func(q, k, v, attn_mask=prepared, attn_bias=bias, is_causal=True)
+
+    torch._dynamo.reset()
+    try:
+        compiled = _call_with(torch.compile(attend, backend="aot_eager", fullgraph=True),
+                              q, k, v, bias, grad_out)
+    finally:
+        torch._dynamo.reset()
+    for what, a, b in zip(("out", "dq", "dk", "dv", "dbias"), compiled,
+                          _call_with(attend, q, k, v, bias, grad_out)):
+        assert torch.equal(a, b), f"{what} differs between compiled and eager calls"
+
+
+def _call_with(fn, q, k, v, bias, grad_out):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, grad_out))
