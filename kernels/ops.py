@@ -122,15 +122,6 @@ def operands_of(attn_mask, attn_bias) -> Operands:
     return Operands(**slots)
 
 
-def documents_causal_of(attn_mask) -> bool:
-    """The ops' ``documents_causal``: the causality of KeyIntervals' packed documents (False
-    where the mask names none)."""
-    if isinstance(attn_mask, PreparedMask):
-        attn_mask = attn_mask.mask
-    documents = getattr(attn_mask, "_documents", None)
-    return bool(documents[2]) if documents is not None else False
-
-
 def host_mask(operands: Operands, documents_causal: bool = False, max_kept: int | None = None):
     """The host layer's ``attn_mask``: from the first carrier whose tensors all arrived;
     KeyIntervals with their ``max_kept`` and, where their offsets arrived, naming their
@@ -369,8 +360,10 @@ def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
     plan_backward = call_plan.needs_grad(query, key, value, bias)
     given = attn_mask.mask if isinstance(attn_mask, PreparedMask) else attn_mask
     max_kept = given.max_kept if isinstance(given, KeyIntervals) else None
+    documents = given._documents if isinstance(given, KeyIntervals) else None
+    documents_causal = bool(documents[2]) if documents is not None else False
     out, lse = attention_fwd(query, key, value, is_causal, _scale_arg(softmax_scale),
                              deterministic, plan_backward,
                              getattr(bias, "requires_grad", False), max_kept,
-                             documents_causal_of(attn_mask), *optional)
+                             documents_causal, *optional)
     return (out, lse) if return_lse else out

@@ -182,7 +182,7 @@ def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMa
     check_flags(is_causal=is_causal)
     # The key stands in for the value: same shape by contract, and only shapes are read.
     checked = check_inputs(query, key, key, attn_mask, None, None)
-    runs = _as_intervals(attn_mask, checked, query, is_causal) if count_shares else None
+    runs = _as_intervals(attn_mask, checked, query, is_causal)
     if runs is not None:
         return PreparedMask(attn_mask, attn_mask, checked.shape, query.dtype, query.device,
                             bool(is_causal), None, tensor_version(attn_mask), intervals=runs)

@@ -22,7 +22,7 @@ from .grouping import grouping_order
 
 # Query rows per chunk of the scan: a (Bm, Hm, ROWS, Lk) bool temporary at most.
 ROWS = 1024
-# Keys per block of ``scattered``'s count (the kernels' key tiles).
+# Keys per block of ``block_spans``' count (the kernels' key tiles).
 BLOCK_KEYS = 128
 
 
@@ -39,7 +39,7 @@ def key_runs(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool
     device = mask.device
     key = torch.arange(seqlen_k, device=device)
     # the first row that sees key j: j - (Lk - Lq) with causality, else 0
-    visible_from = (key - (seqlen_k - seqlen_q)).clamp(min=0) if is_causal else key * 0
+    visible_from = (key - (seqlen_k - seqlen_q)).clamp(min=0) if is_causal else torch.zeros_like(key)
     if rows == 1:  # every row keeps the same keys: a run from the first row that sees it
         kept = mask[:, :, 0, :] & (visible_from < seqlen_q)
         start = torch.where(kept, visible_from, 0)

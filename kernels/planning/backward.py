@@ -278,10 +278,8 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
                           else BackwardPlan)
             plan = plan_class(fwd, bwd, grad_out, query, key, value, dq, dk, dv, activity)
         fwd.backward_plans[signature] = plan
-    if document_offsets is not None and isinstance(plan, HopperBackwardPlan):
-        dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
-                         activity, document_offsets)
-    else:
-        dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv,
-                         activity)
+    # Only the Hopper backward walks packed documents (its table per call where unprepared)
+    documents = (document_offsets,) if isinstance(plan, HopperBackwardPlan) else ()
+    dbias = plan.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk, dv, activity,
+                     *documents)
     return dq, dk, dv, dbias
