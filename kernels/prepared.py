@@ -28,6 +28,7 @@ from .planning.forward_schedule import forward_list_tiles
 from .planning.hopper_forward import list_tile as hopper_list_tile, may_take_masks
 from .planning.gather_decode import count_kept_keys
 from .planning.inputs import AttnShape, check_flags, check_inputs
+from .planning.problem import tma_mask
 from .planning.schedule import schedule
 from .runtime.launch import ensure_runnable
 from .runtime.scratch import graph_capturing, tensor_version
@@ -120,7 +121,8 @@ def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
     or None: only with ``tuning.BOOL_MASK_RUNS``, for calls of more than
     ``tuning.GATHER_MAX_ROWS`` query rows (decode keeps its prepared bool mask), a mask
     whose key axis is not broadcast and whose every key is kept by one run of rows; never
-    during a CUDA graph capture (the test reads back)."""
+    during a CUDA graph capture (the test reads back), nor where the Hopper kernels could read
+    the bool mask and not the intervals (an odd Lk)."""
     shape = checked.shape
     if (not tuning.BOOL_MASK_RUNS or not isinstance(attn_mask, torch.Tensor)
             or shape.seqlen_q <= tuning.GATHER_MAX_ROWS or graph_capturing(query.device)):
@@ -129,6 +131,10 @@ def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
         return None
     runs = key_runs(attn_mask, shape.seqlen_q, shape.seqlen_k, is_causal)
     if runs is None:
+        return None
+    if shape.seqlen_k % 2 and max(runs[0].shape[:2]) > 1 and tma_mask(checked.mask):
+        # The Hopper kernels read the bool mask's rows through TMA, but not the intervals'
+        # words, whose (batch, head) rows are then 8 x Lk bytes apart, not a multiple of 16.
         return None
     order = order_that_pays(*runs, tuning.BOOL_MASK_RUNS_ORDER_GAIN)
     return KeyIntervals(*runs, order)
@@ -165,8 +171,7 @@ def prepared_intervals(intervals: KeyIntervals, query: torch.Tensor, key: torch.
     outlive it: such a call reads the intervals itself."""
     if graph_capturing(query.device):
         return None
-    form = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, is_causal,
-            tensor_version(intervals.start), tensor_version(intervals.end))
+    form = _call_form(intervals, query, key, is_causal)
     kept = intervals._preparations
     if form not in kept:  # the first call of this form
         kept[form] = None
@@ -178,12 +183,25 @@ def prepared_intervals(intervals: KeyIntervals, query: torch.Tensor, key: torch.
     return kept[form]
 
 
+def _call_form(intervals: KeyIntervals, query, key, is_causal) -> tuple:
+    """What a preparation kept on ``intervals`` is for: the call's shapes, dtype, device,
+    causality, and the versions of start and end."""
+    return (tuple(query.shape), tuple(key.shape), query.dtype, query.device, is_causal,
+            tensor_version(intervals.start), tensor_version(intervals.end))
+
+
 def _prepare(attn_mask, query, key, is_causal, count_shares: bool) -> PreparedMask:
     check_flags(is_causal=is_causal)
     # The key stands in for the value: same shape by contract, and only shapes are read.
     checked = check_inputs(query, key, key, attn_mask, None, None)
     runs = _as_intervals(attn_mask, checked, query, is_causal)
     if runs is not None:
+        # The intervals keep their own preparation, made here with its shares counted (this
+        # is prepare_mask, which reads the mask back anyway): the calls reading them walk
+        # prepared lists from the first, and the Hopper forward's default can weigh their
+        # partial tiles (``few_partial_tiles``) as it does the bool mask's.
+        runs._preparations[_call_form(runs, query, key, is_causal)] = _prepare(
+            runs, query, key, is_causal, count_shares)
         return PreparedMask(attn_mask, attn_mask, checked.shape, query.dtype, query.device,
                             bool(is_causal), None, tensor_version(attn_mask), intervals=runs)
     if isinstance(attn_mask, KeyIntervals):

@@ -387,6 +387,10 @@ def test_compiled_and_captured_varlen_calls_walk_their_documents(device, causal)
     assert set(routes.forward) == set(routes.backward) == {"hopper"}, routes.describe()
     same(compiled, eager, "compiled")
 
+    # Fresh leaves, first used on the side stream: autograd keeps the stream a leaf was first
+    # used on, and the engine's closing wait on the default (legacy) stream is illegal in a
+    # capture.
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm outside the capture

@@ -11,6 +11,7 @@ import torch
 from attn_helpers import Dims, assert_close_to_reference, random_bias, random_qkv
 from kernels import attention_reference, dmattn_func, prepare_mask
 from kernels.masks.key_runs import block_spans, key_runs, order_that_pays
+from kernels.prepared import prepared_intervals
 from kernels.planning import tuning
 
 
@@ -135,16 +136,16 @@ def test_prepared_calls_read_the_runs_and_match_the_reference(name, is_causal, m
         assert_close_to_reference(what, a, r, e, dtype)
 
 
-def test_prepared_runs_refuse_another_call_form_and_a_written_mask(monkeypatch):
+def test_prepared_runs_refuse_another_call_form_and_a_written_mask(monkeypatch, device):
     monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
     dims = Dims(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_kv=1, head_dim=16)
-    q, k, v = random_qkv(dims, torch.float16, "cpu")
-    mask = _sliding(64, 64, 9)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = _sliding(64, 64, 9).to(device)
     prepared = prepare_mask(mask, q, k, is_causal=True)
     assert prepared.intervals is not None
     with pytest.raises(ValueError, match="prepared for is_causal True"):
         dmattn_func(q, k, v, attn_mask=prepared, is_causal=False)
-    longer = random_qkv(Dims(1, 80, 80, 2, 1, 16), torch.float16, "cpu")
+    longer = random_qkv(Dims(1, 80, 80, 2, 1, 16), torch.float16, device)
     with pytest.raises(ValueError, match="prepared for shapes"):
         dmattn_func(*longer, attn_mask=prepared, is_causal=True)
     mask[0, 0, 5, 5] = False
@@ -152,19 +153,47 @@ def test_prepared_runs_refuse_another_call_form_and_a_written_mask(monkeypatch):
         dmattn_func(q, k, v, attn_mask=prepared, is_causal=True)
 
 
-def test_masks_that_stay_bool(monkeypatch):
-    """Off by default; with it on: a mask whose keys are not runs, one broadcast along the
-    keys, and decode-sized calls (the gather route's prepared bool mask) stay bool masks."""
+def test_masks_that_stay_bool(monkeypatch, device):
+    """With the option off every mask stays bool; with it on: a mask whose keys are not runs,
+    one broadcast along the keys, and decode-sized calls (the gather route's prepared bool
+    mask) stay bool masks."""
     dims = Dims(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_kv=1, head_dim=16)
-    q, k, _ = random_qkv(dims, torch.float16, "cpu")
-    sliding = _sliding(64, 64, 9)
-    assert prepare_mask(sliding, q, k, is_causal=True).intervals is None  # the default
+    q, k, _ = random_qkv(dims, torch.float16, device)
+    sliding = _sliding(64, 64, 9).to(device)
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", False)
+    assert prepare_mask(sliding, q, k, is_causal=True).intervals is None
     monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
-    scattered = torch.rand(1, 1, 64, 64) < 0.5
+    assert prepare_mask(sliding, q, k, is_causal=True).intervals is not None
+    scattered = torch.rand(1, 1, 64, 64, device=device) < 0.5
     assert prepare_mask(scattered, q, k).intervals is None
-    assert prepare_mask(torch.ones(1, 1, 64, 1, dtype=torch.bool), q, k).intervals is None
-    decode = random_qkv(Dims(1, 1, 64, 2, 1, 16), torch.float16, "cpu")[0]
+    keys = torch.ones(1, 1, 64, 1, dtype=torch.bool, device=device)
+    assert prepare_mask(keys, q, k).intervals is None
+    decode = random_qkv(Dims(1, 1, 64, 2, 1, 16), torch.float16, device)[0]
     assert prepare_mask(sliding[:, :, -1:], decode, k, is_causal=True).intervals is None
+    # An odd Lk over two key heads: rows padded to 16 bytes are TMA-readable as a bool mask,
+    # not as intervals (8 x 63 bytes apart), so that mask stays bool; a contiguous one is read
+    # by neither and becomes intervals.
+    odd = Dims(batch=1, seqlen_q=64, seqlen_k=63, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, _ = random_qkv(odd, torch.float16, device)
+    window = _sliding(64, 63, 9).expand(1, 2, 64, 63).to(device)
+    padded = torch.zeros(1, 2, 64, 64, dtype=torch.bool, device=device)[..., :63]
+    padded.copy_(window)
+    assert prepare_mask(padded, q, k, is_causal=True).intervals is None
+    assert prepare_mask(window.contiguous(), q, k, is_causal=True).intervals is not None
+
+
+def test_the_runs_keep_a_counted_preparation(monkeypatch, device):
+    """``prepare_mask`` of a mask of runs prepares its intervals for the call too, with their
+    partial tiles counted, so the first call walks prepared lists and the Hopper forward's
+    default weighs those tiles as it does the bool mask's."""
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    dims = Dims(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, _ = random_qkv(dims, torch.float16, device)
+    prepared = prepare_mask(_sliding(64, 64, 9).to(device), q, k, is_causal=True)
+    kept = [p for p in prepared.intervals._preparations.values() if p is not None]
+    assert len(kept) == 1 and kept[0].activity is not None
+    assert kept[0].mask is prepared.intervals
+    assert prepared_intervals(prepared.intervals, q, k, True) is kept[0]
 
 
 def test_a_compiled_call_reads_the_runs_as_the_eager_call(monkeypatch, device):

@@ -91,8 +91,10 @@ class PackedKeys:
         cu_q = cu_seqlens_q.to(torch.int64)
         positions = torch.arange(total_k, device=cu_k.device)
         # A key at p belongs to the last sequence that starts at or before p; empty sequences
-        # share their start with the next one, and right=True skips past them.
-        seq = torch.searchsorted(cu_k[1:], positions, right=True)
+        # share their start with the next one, and right=True skips past them. The offsets
+        # are searched as given (int32, starting at 0): torch 2.11's inductor cannot lower a
+        # search in a slice of them (``NotImplementedError: SliceView``).
+        seq = torch.searchsorted(cu_seqlens_k, positions.to(cu_seqlens_k.dtype), right=True) - 1
         key_start = cu_k[seq]
         query_start = cu_q[seq]
         return cls(seq=seq, local=positions - key_start, key_start=key_start,

@@ -217,10 +217,12 @@ FIND_DOCUMENTS = True
 # Whether preparing a bool mask whose every key is kept by one run of query rows (causal,
 # sliding windows, documents, a top-W mask of a per-key bias) gives calls the KeyIntervals of
 # the same pairs (``masks.key_runs``), with a key order where it cuts the rows their key blocks
-# span by at least BOOL_MASK_RUNS_ORDER_GAIN. Off until measured on a GPU. H200 models-fwd at
-# W2048 causal, the Triton route: the top-W mask as key-ordered intervals took 0.540 ms against
-# 0.934 for the bool mask at 8k, 2.14 against 14.5 at 32k (bwd 7.6 against 24.2).
-BOOL_MASK_RUNS = False
+# span by at least BOOL_MASK_RUNS_ORDER_GAIN. H200, forward of a prepared causal top-W mask
+# of a kv_row bias, D128 bf16, one process: B2 H16/4 L8192 W1024 0.846 ms read as runs against
+# 2.077 as a bool mask (the dense Hopper forward 0.881), B1 H16/4 L8192 W2048 0.733 against
+# 1.059; models-fwd at 32k W2048: the same mask as key-ordered intervals 2.14 ms against 14.5
+# (bwd 7.6 against 24.2).
+BOOL_MASK_RUNS = True
 BOOL_MASK_RUNS_ORDER_GAIN = 1.5
 
 
