@@ -87,14 +87,16 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
         # The mask bytes are read after the wait: read before it (beside the score product)
         # they cost as much or more (H200: 1556-1767 against 1569-1683 us on three masks).
+        # The bias row before the mask: the other way round ptxas (sm_90a, offline) kept a
+        # KeyIntervals block's 64 word registers beside it and spilled 22 words a block.
+        bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
         keep = None
         if MASKED and TESTED:
             keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
-        bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
         kv.free_keys(slot)
         p_next, m_i, l_i, alpha = fold_scores(
             s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row, TESTED,
-            CAUSAL, s_layout, o_layout, p_layout, q_tile.dtype)
+            CAUSAL, s_layout, o_layout, p_layout, q_tile.dtype, MASKED)
         # P's registers are the PV product's operand until it retires. Passing the softmax's
         # results through the wait as well keeps LLVM from sinking the softmax below it, which
         # would serialize the two (measured: +1-3% at head dim 128, +6% at 64, H100).
@@ -197,7 +199,7 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
         kv.free_keys(slot)
         p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k,
                                          diagonal, keep, bias_row, True, CAUSAL, s_layout,
-                                         o_layout, p_layout, dtype)
+                                         o_layout, p_layout, dtype, MASKED)
 
         acc, p, m_i, l_i = _key_blocks(
             1, unmasked_blocks, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
