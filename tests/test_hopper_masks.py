@@ -121,6 +121,18 @@ def test_the_mask_descriptor_reads_a_stride_0_axis_at_index_0():
     assert mask_geometry(own, heads_q=8) == ([3, 4, 64, 64], list(own.stride()), 2, 1)
 
 
+def test_the_mask_descriptor_ends_at_the_last_key():
+    """The descriptor's key axis is the keys' own length, not their row's padding: TMA fills a
+    box's keys past it with 0, which is all that hides keys past Lk in the forward's
+    non-causal masked blocks (``softmax.fold_scores``' KEEP_ENDS_KEYS)."""
+    padded = torch.ones(2, 4, 64, 80, dtype=torch.bool)[..., :63]  # rows padded to 80 bytes
+    shape, strides, _, _ = mask_geometry(padded, heads_q=8)
+    assert shape == [2, 4, 64, 63] and strides == [4 * 64 * 80, 64 * 80, 80, 1]
+    words = torch.zeros(2, 4, 64, dtype=torch.int64)[..., :63]  # KeyIntervals' words
+    view = words[:, :, None, :].expand(2, 4, 64, 63)  # their query stride is 0
+    assert mask_geometry(view, heads_q=8, words=True)[0] == [2, 4, 63]
+
+
 def test_key_row_masks_are_covered():
     for mask in (OperandLayout((2, 4, 1, 4096), 4), OperandLayout((1, 4, 4096, 4096), 4)):
         changes = {"mask": mask, "tma_mask": True, "intervals": mask.shape[2] == 4096}
