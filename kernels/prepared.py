@@ -129,12 +129,12 @@ def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
         return None
     if attn_mask.shape[3] != shape.seqlen_k:  # one key broadcast along the key axis
         return None
+    if shape.seqlen_k % 2 and max(attn_mask.shape[:2]) > 1 and tma_mask(checked.mask):
+        # The Hopper kernels read the bool mask's rows through TMA, but not the intervals'
+        # words (one row per mask batch and head), 8 x Lk bytes apart, not a multiple of 16.
+        return None
     runs = key_runs(attn_mask, shape.seqlen_q, shape.seqlen_k, is_causal)
     if runs is None:
-        return None
-    if shape.seqlen_k % 2 and max(runs[0].shape[:2]) > 1 and tma_mask(checked.mask):
-        # The Hopper kernels read the bool mask's rows through TMA, but not the intervals'
-        # words, whose (batch, head) rows are then 8 x Lk bytes apart, not a multiple of 16.
         return None
     order = order_that_pays(*runs, tuning.BOOL_MASK_RUNS_ORDER_GAIN)
     return KeyIntervals(*runs, order)

@@ -16,27 +16,26 @@ LOG2E = gl.constexpr(1.4426950408889634)
 def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row,
                 MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
                 o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr,
-                KEEP_ENDS_KEYS: gl.constexpr = False):
+                KEEP_ENDS_KEYS: gl.constexpr):
     """Fold one key block's scores ``s`` into (m_i, l_i). Returns P in the PV product's operand
     layout, the new m_i and l_i, and the factor that rescales the output rows. MASKED blocks
     hide keys past ``seqlen_k`` (not tested where KEEP_ENDS_KEYS and not CAUSAL: ``keep`` is
     then a mask's, read through TMA, which fills keys past the tensor's end with 0), with
-    CAUSAL keys past row +
-    ``diagonal``, and where ``keep`` is not None (the block's mask in ``s_layout``) the pairs
-    it does not keep. Where ``bias_row`` is not None (the block's [1, BLOCK_N] bias row, in
-    its dtype), it is added, x log2 e, to the scaled scores."""
+    CAUSAL keys past row + ``diagonal``, and where ``keep`` is not None (the block's mask in
+    ``s_layout``) the pairs it does not keep. Where ``bias_row`` is not None (the block's
+    [1, BLOCK_N] bias row, in its dtype), it is added, x log2 e, to the scaled scores."""
     BLOCK_N: gl.constexpr = s.shape[1]
     if bias_row is not None:  # scaled here; the folds below multiply by 1.0, which folds away
         s = s * qk_scale + bias_row.to(gl.float32) * LOG2E
         qk_scale = 1.0
     if MASKED:
-        cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if KEEP_ENDS_KEYS and not CAUSAL:  # a mask's keep, already a bool tensor
             # Offline sm_90a, a tested block's loop: bool tile 1116 -> 898 instructions, mask
             # row 774 -> 699, KeyIntervals 966 -> 743 (with a bias row 1264 -> 1044, 913 ->
             # 836, 1114 -> 895). Causal forms keep the test: without it theirs grew 8-9%.
             visible = keep
         else:
+            cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             visible = cols[None, :] < seqlen_k
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
