@@ -3,7 +3,7 @@
 Two ops, both opaque to the compiler (Inductor calls them as they are):
 
 * ``dmattn::fwd(query, key, value, is_causal, softmax_scale, deterministic, plan_backward,
-  bias_needs_grad, max_kept, documents_causal, attn_mask, mask_start, mask_end,
+  bias_needs_grad, max_kept, row_kept, documents_causal, attn_mask, mask_start, mask_end,
   cu_seqlens_q, cu_seqlens_k, attn_bias, bias_base) -> (out, lse)``
 * ``dmattn::bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
   deterministic, bias_needs_grad, documents_causal, attn_mask, mask_start, mask_end,
@@ -122,10 +122,11 @@ def operands_of(attn_mask, attn_bias) -> Operands:
     return Operands(**slots)
 
 
-def host_mask(operands: Operands, documents_causal: bool = False, max_kept: int | None = None):
+def host_mask(operands: Operands, documents_causal: bool = False, max_kept: int | None = None,
+              row_kept: int | None = None):
     """The host layer's ``attn_mask``: from the first carrier whose tensors all arrived;
-    KeyIntervals with their ``max_kept`` and, where their offsets arrived, naming their
-    packed documents (of causality ``documents_causal``)."""
+    KeyIntervals with their ``max_kept`` and ``_row_kept`` and, where their offsets arrived,
+    naming their packed documents (of causality ``documents_causal``)."""
     for carrier in MASK_ARGS:
         tensors = [getattr(operands, name) for name in carrier.names]
         if all(t is not None for t in tensors):
@@ -135,9 +136,9 @@ def host_mask(operands: Operands, documents_causal: bool = False, max_kept: int 
                 if operands.cu_seqlens_q is not None and operands.cu_seqlens_k is not None:
                     documents = (operands.cu_seqlens_q, operands.cu_seqlens_k,
                                  bool(documents_causal))
-                if documents is not None or max_kept is not None:
+                if documents is not None or max_kept is not None or row_kept is not None:
                     mask = KeyIntervals(mask.start, mask.end, max_kept=max_kept,
-                                        _documents=documents)
+                                        _row_kept=row_kept, _documents=documents)
             return mask
     return None
 
@@ -218,10 +219,11 @@ _FLAGS = (("bool", "is_causal"), ("float?", "softmax_scale"), ("bool", "determin
 _OPTIONAL = tuple(("Tensor?", name) for name in OPERANDS)
 # ``plan_backward``: a backward will follow; ``bias_needs_grad``: it will make a bias gradient;
 # ``max_kept``: a KeyIntervals mask's ``max_kept``, which decode's gather route sizes its lists
-# by (the backward never reads it). All three steer the plan, as in eager calls.
+# by; ``row_kept``: its ``_row_kept``, which the Hopper forward's route reads (the backward
+# reads neither). All four steer the plan, as in eager calls.
 _FWD_PARAMS = (("Tensor", "query"), ("Tensor", "key"), ("Tensor", "value"), *_FLAGS,
                ("bool", "plan_backward"), ("bool", "bias_needs_grad"), ("int?", "max_kept"),
-               ("bool", "documents_causal"), *_OPTIONAL)
+               ("int?", "row_kept"), ("bool", "documents_causal"), *_OPTIONAL)
 _BWD_PARAMS = (("Tensor", "grad_out"), ("Tensor", "query"), ("Tensor", "key"),
                ("Tensor", "value"), ("Tensor", "out"), ("Tensor", "lse"), *_FLAGS,
                ("bool", "bias_needs_grad"), ("bool", "documents_causal"), *_OPTIONAL)
@@ -237,9 +239,9 @@ def _no_dbias(query: Tensor) -> Tensor:
 
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=(), schema=FWD_SCHEMA)
 def attention_fwd(query, key, value, is_causal, softmax_scale, deterministic, plan_backward,
-                  bias_needs_grad, max_kept, documents_causal, *operands):
+                  bias_needs_grad, max_kept, row_kept, documents_causal, *operands):
     optional = Operands(*operands)
-    mask = host_mask(optional, documents_causal, max_kept)
+    mask = host_mask(optional, documents_causal, max_kept, row_kept)
     return _forward_impl(query, key, value, mask, host_bias(optional), is_causal,
                          softmax_scale, deterministic, plan_backward, bias_needs_grad)
 
@@ -284,7 +286,8 @@ def _check_fake(query, key, value, optional: Operands, softmax_scale) -> None:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, is_causal, softmax_scale, deterministic,
-                        plan_backward, bias_needs_grad, max_kept, documents_causal, *operands):
+                        plan_backward, bias_needs_grad, max_kept, row_kept, documents_causal,
+                        *operands):
     _check_fake(query, key, value, Operands(*operands), softmax_scale)
     batch, seqlen_q, heads_q, head_dim = query.shape
     out = query.new_empty((batch, seqlen_q, heads_q, head_dim))
@@ -312,7 +315,7 @@ def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softma
 # -- autograd
 
 def _setup_context(ctx, inputs, output):
-    (query, key, value, is_causal, softmax_scale, deterministic, _, _, _, documents_causal,
+    (query, key, value, is_causal, softmax_scale, deterministic, _, _, _, _, documents_causal,
      *operands) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *operands)
@@ -360,10 +363,11 @@ def dmattn_traced(query, key, value, attn_mask, attn_bias, is_causal, softmax_sc
     plan_backward = call_plan.needs_grad(query, key, value, bias)
     given = attn_mask.mask if isinstance(attn_mask, PreparedMask) else attn_mask
     max_kept = given.max_kept if isinstance(given, KeyIntervals) else None
+    row_kept = given._row_kept if isinstance(given, KeyIntervals) else None
     documents = given._documents if isinstance(given, KeyIntervals) else None
     documents_causal = bool(documents[2]) if documents is not None else False
     out, lse = attention_fwd(query, key, value, is_causal, _scale_arg(softmax_scale),
                              deterministic, plan_backward,
-                             getattr(bias, "requires_grad", False), max_kept,
+                             getattr(bias, "requires_grad", False), max_kept, row_kept,
                              documents_causal, *optional)
     return (out, lse) if return_lse else out

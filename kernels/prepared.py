@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .masks.found_documents import find_documents
-from .masks.intervals import KeyIntervals
+from .masks.intervals import KeyIntervals, most_kept_in_a_row
 from .masks.key_runs import key_runs, order_that_pays
 from .planning.activity import ActivityMap
 from .planning.backward import prepare_backward_lists
@@ -137,7 +137,7 @@ def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
     if runs is None:
         return None
     order = order_that_pays(*runs, tuning.BOOL_MASK_RUNS_ORDER_GAIN)
-    return KeyIntervals(*runs, order)
+    return KeyIntervals(*runs, order, _row_kept=most_kept_in_a_row(*runs, shape.seqlen_q))
 
 
 def _named_documents(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) -> KeyIntervals:
@@ -151,6 +151,7 @@ def _named_documents(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) ->
     if documents is None:
         return intervals
     return KeyIntervals(intervals.start, intervals.end, max_kept=intervals.max_kept,
+                        _row_kept=intervals._row_kept,
                         _documents=documents)
 
 

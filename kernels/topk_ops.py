@@ -76,7 +76,8 @@ def topk_intervals(bias, window, seqlen_q=None, is_causal=True, cu_seqlens_q=Non
             intervals = KeyIntervals(*torch.ops.dmattn.topk_intervals(bias, window, seqlen_q,
                                                                       bool(is_causal)),
                                      max_kept=kept_union(window, seqlen_q, bias.shape[-1],
-                                                         bool(is_causal)))
+                                                         bool(is_causal)),
+                                     _row_kept=min(window, bias.shape[-1]))
             return intervals.with_key_order() if order_keys else intervals
         return _dense(bias, window, seqlen_q, bool(is_causal), order_keys)
     if order_keys:
@@ -124,7 +125,8 @@ def _dense(bias, window, seqlen_q, is_causal, ordered=False) -> KeyIntervals:
     else:
         rows = _select_rows(flat, window, seqlen_q, is_causal, ordered)
     return KeyIntervals(*(t.reshape(b, h, lk) for t in rows),
-                        max_kept=kept_union(window, seqlen_q, lk, is_causal), _kept_lists=lists)
+                        max_kept=kept_union(window, seqlen_q, lk, is_causal),
+                        _row_kept=min(window, lk), _kept_lists=lists)
 
 
 def _lists_few_rows(rows, window, seqlen_q, is_causal, ordered) -> bool:

@@ -360,14 +360,14 @@ def test_fake_implementations_agree_with_the_kernels(device):
     q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
     for biases in ((bias, None), (expanded(bias, q, k), bias)):
         torch.library.opcheck(torch.ops.dmattn.fwd.default,
-                              (q, k, v, True, None, False, True, True, None, False,
+                              (q, k, v, True, None, False, True, True, None, None, False,
                                *operands(mask, *biases)))
     # The backward op has no backward of its own (no double backward): plain tensors.
     q, k, v, bias = (t.detach() for t in (q, k, v, bias))
-    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, True, True, None, False,
+    out, lse = torch.ops.dmattn.fwd(q, k, v, True, None, False, True, True, None, None, False,
                                     *operands(mask, bias, None))
     assert_fake_matches_real(torch.ops.dmattn.fwd.default,
-                             (q, k, v, True, None, False, True, True, None, False,
+                             (q, k, v, True, None, False, True, True, None, None, False,
                               *operands(mask, bias, None)))
     for biases in ((bias, None), (expanded(bias, q, k), bias)):
         for bias_needs_grad in (True, False):
@@ -390,14 +390,14 @@ def test_ops_never_wait_for_the_device(device):
     q, k, v, mask, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
     flags, optional = (True, None, True), operands(mask, bias, None)
     with SyncWatch() as watch:
-        out, lse = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, None, False, *optional)
+        out, lse = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, None, None, False, *optional)
         grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *flags, True, False, *optional)
     assert not watch.syncs, f"ops that wait for the device: {watch.syncs}"
     if device.type != "cuda":
         return
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, None, False, *optional)
+        captured = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, None, None, False, *optional)
         captured += torch.ops.dmattn.bwd(grad_out, q, k, v, *captured, *flags, True, False,
                                              *optional)
     graph.replay()

@@ -86,6 +86,7 @@ def test_ordered_intervals_reach_the_baseline_ordered(tmp_path, monkeypatch):
         given = backend.adapt(problem)["mask"]
         assert torch.equal(given.start, intervals.start) and torch.equal(given.end, intervals.end)
         assert given.max_kept == intervals.max_kept is not None
+        assert given._row_kept == intervals._row_kept == 8
         if intervals.key_order is None:
             assert given.key_order is None
         else:

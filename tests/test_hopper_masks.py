@@ -53,6 +53,31 @@ def test_a_bool_mask_takes_the_hopper_route_where_its_tiles_are_mostly_full(part
     assert forced.forward.hopper == tuning.HOPPER_FORWARD
 
 
+INTERVALS = {"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True}
+
+
+@pytest.mark.parametrize("seqlen, causal, row_kept, route", [
+    (4096, False, None, "triton"),   # no bound, no count: the Triton route as before
+    (4096, False, 1024, "hopper"),   # key-ordered top-W1024 (calls fold causality): 9 blocks
+    (2048, False, 256, "triton"),    # W256: 3 blocks
+    (1024, True, 1024, "triton"),    # W >= L: the causal walk, 4.5 blocks
+    (2048, True, 1024, "hopper"),    # unordered causal top-W1024: 8.5 blocks
+    (4096, False, 512, "triton"),    # 5 blocks
+    (4096, False, 513, "hopper"),    # 6 blocks
+], ids=["unbounded", "w1024", "w256", "w-covers-l", "causal-w1024", "below", "at-limit"])
+def test_intervals_that_keep_w_keys_per_row_take_the_hopper_route_where_tiles_walk_far(
+        seqlen, causal, row_kept, route):
+    """Intervals built per call are never counted; their row bound W (top-W selections, bool
+    masks read as runs) estimates a tile's walk as min(the unmasked walk, W / 128 + 1)."""
+    problem = hopper_problem(**INTERVALS, row_kept=row_kept, is_causal=causal,
+                             shape=sized(seqlen_q=seqlen, seqlen_k=seqlen))
+    assert hopper_gap(problem) is None
+    assert schedule(problem).forward.route == route
+    assert tuning.HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS == 6  # the cases above sit on it
+    bool_mask = replace(problem, intervals=False, mask=BOOL_MASK["mask"])
+    assert schedule(bool_mask).forward.route == "triton"  # a bool mask's bound is unread
+
+
 def test_the_masked_hopper_forward_lists_are_built_with_the_others():
     problem = hopper_problem(**BOOL_MASK)
     forced = schedule(problem, normalize_options({"forward_route": "hopper"})).forward

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import KeyIntervals
+from kernels.masks.intervals import most_kept_in_a_row
 from kernels.runtime.arith import INT32_MAX, INT32_MIN
 
 INDEX_DTYPES = (pytest.param(torch.int32, id="int32"), pytest.param(torch.int64, id="int64"))
@@ -228,3 +229,16 @@ def test_tiles_of_a_causal_band():
 def test_block_bounds_rejects_bad_block_sizes(block_n):
     with pytest.raises(ValueError, match="block_n must be a positive int"):
         random_intervals((1, 1, 5), 3).block_bounds(block_n)
+
+
+# -- the most keys one row keeps
+@pytest.mark.parametrize("seqlen_q", SEQLEN_Q)
+def test_most_kept_in_a_row_follows_the_definition(seqlen_q):
+    """Starts before row 0, ends past the last row, empty and reversed intervals."""
+    torch.manual_seed(seqlen_q)
+    for shape in ((2, 3, 17), (1, 1, 97), (1, 2, 1)):
+        intervals = random_intervals(shape, seqlen_q)
+        expected = int(dense_by_definition(intervals, seqlen_q).sum(-1).max())
+        assert most_kept_in_a_row(intervals.start, intervals.end, seqlen_q) == expected
+    nothing = torch.zeros(1, 1, 5, dtype=torch.int32)
+    assert most_kept_in_a_row(nothing, nothing, seqlen_q) == 0

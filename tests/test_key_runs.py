@@ -227,3 +227,23 @@ def _call_with(fn, q, k, v, bias, grad_out):
     leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
     out = fn(*leaves)
     return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+
+@pytest.mark.parametrize("name", ["sliding", "top-W", "top-W cross", "all"])
+def test_the_runs_know_the_most_keys_a_row_keeps(name, monkeypatch):
+    """The runs' row bound (``KeyIntervals._row_kept``, which the Hopper forward's route
+    reads) is the most keys any row of the mask keeps, causality included, and the reordered
+    intervals of a call keep it."""
+    from kernels.masks.key_order import reordered_intervals
+
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    mask = MASKS[name]()
+    seqlen_q, seqlen_k = mask.shape[2], mask.shape[3]
+    dims = Dims(batch=mask.shape[0], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                heads_q=mask.shape[1], heads_kv=mask.shape[1], head_dim=16)
+    q, k, _ = random_qkv(dims, torch.float32, "cpu")
+    runs = prepare_mask(mask, q, k, is_causal=True).intervals
+    assert runs is not None
+    assert runs._row_kept == int(_effective(mask, seqlen_q, seqlen_k, True).sum(-1).max())
+    if runs.key_order is not None:
+        assert reordered_intervals(runs, seqlen_q, True)._row_kept == runs._row_kept

@@ -251,8 +251,10 @@ class BaselineBackend(TritonBackend):
             own_class = self.kernels().KeyIntervals
             # Their bound on the kept keys goes along where the baseline has one: without it,
             # decode rows the bound sends to the gather route would take another route there.
-            bound = ({"max_kept": mask.max_kept} if mask.max_kept is not None
-                     and "max_kept" in inspect.signature(own_class).parameters else {})
+            # Likewise their bound on the keys one row keeps, which the forward's route reads.
+            accepts = inspect.signature(own_class).parameters
+            bound = {name: getattr(mask, name) for name in ("max_kept", "_row_kept")
+                     if getattr(mask, name, None) is not None and name in accepts}
             intervals = own_class(mask.start, mask.end, **bound)
             # A key order is not copied across packages: the baseline orders the keys its own
             # way, as its topk_intervals would (an older one without orders reads them plain).

@@ -110,6 +110,12 @@ class KeyIntervals:
     # route sizes its kept-key lists by it and takes the route where they hold a small share
     # of the keys. A bound that is wrong drops keys past it.
     max_kept: int | None = field(default=None, compare=False)
+    # At most this many keys kept by any one query row, per (batch, head), where known
+    # (``topk_intervals`` sets its window W; ``prepare_mask`` the most a bool mask read as
+    # runs keeps in a row). Only the Hopper forward's default route reads it: a tile of
+    # key-ordered intervals walks about W / 128 key blocks (``hopper_forward.takes_hopper``).
+    # A wrong bound changes a route, never a result. Set there, never from outside.
+    _row_kept: int | None = field(default=None, compare=False, repr=False)
     # The kept keys of every (batch, head) in key order, (Bm x Hm, max_kept) int32, and their
     # counts, (Bm x Hm,) int32, as the selection wrote them (``topk_intervals`` of one window
     # per row, at decode sizes): decode's gather route reads them instead of building its
@@ -167,7 +173,7 @@ class KeyIntervals:
         of the visible keys are kept. ``topk_intervals`` sets it by that rule.
         """
         return KeyIntervals(self.start, self.end, grouping_order(self.start, self.end),
-                            max_kept=self.max_kept)
+                            max_kept=self.max_kept, _row_kept=self._row_kept)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -232,6 +238,19 @@ class KeyIntervals:
         O(Bm' * Hm' * Lk) torch ops (the last block padded with neutral values)."""
         start, end = self.kernel_operand().unbind(-1)
         return block_bounds(start, end, block_n)
+
+
+def most_kept_in_a_row(start: torch.Tensor, end: torch.Tensor, seqlen_q: int) -> int:
+    """The most keys any one of rows 0..``seqlen_q``-1 keeps under intervals ``start`` and
+    ``end`` (..., Lk), over every leading index: +1 at each key's first row and -1 past its
+    last, summed down the rows. O(leading x (Lq + Lk)) work and one device sync."""
+    first = start.long().clamp(0, seqlen_q)
+    past = torch.maximum(end.long().clamp(0, seqlen_q), first)
+    lead = start.shape[:-1]
+    steps = torch.zeros(*lead, seqlen_q + 1, dtype=torch.int32, device=start.device)
+    steps.scatter_add_(-1, first, torch.ones_like(first, dtype=torch.int32))
+    steps.scatter_add_(-1, past, torch.full_like(past, -1, dtype=torch.int32))
+    return int(steps.cumsum(-1).amax())
 
 
 def block_bounds(start: torch.Tensor, end: torch.Tensor, block_n: int) -> IntervalBlockBounds:

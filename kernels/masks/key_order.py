@@ -153,7 +153,8 @@ def _reorder(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) -> KeyInte
         first_row = torch.arange(seqlen_k, device=start.device) + (seqlen_q - seqlen_k)
         start = torch.maximum(start.long(), first_row)
     # the order has the intervals' own shape
-    return KeyIntervals(torch.gather(start, -1, order), torch.gather(end, -1, order))
+    return KeyIntervals(torch.gather(start, -1, order), torch.gather(end, -1, order),
+                        _row_kept=intervals._row_kept)
 
 
 def reordered_intervals(intervals: KeyIntervals, seqlen_q: int,

@@ -168,11 +168,26 @@ def few_partial_tiles(problem: Problem) -> bool:
     return share is not None and share <= tuning.HOPPER_FORWARD_MASK_PARTIAL_SHARE
 
 
+def long_kept_walks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FORWARD
+                    ) -> bool:
+    """Whether KeyIntervals that keep at most W keys per row (``Problem.row_kept``) give each
+    tile of the Hopper forward at least ``tuning.HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS`` key
+    blocks by the estimate min(the unmasked walk, W / block_n + 1): no sync, so it holds for
+    intervals built per call (``topk_intervals`` in a model's layers)."""
+    if not problem.intervals or problem.row_kept is None:
+        return False
+    blocks = min(mean_key_blocks(problem, tile), ceil_div(problem.row_kept, tile.block_n) + 1)
+    return blocks >= tuning.HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS
+
+
 def takes_hopper(problem: Problem) -> bool:
     """The schedule's default: the Hopper forward where it covers the problem, the query rows
     fill its tiles and each tile walks enough key blocks to hide its prologue and epilogue; a
-    bias row at head dims where it leads (``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``)."""
-    if problem.mask is not None and not few_partial_tiles(problem):
+    bias row at head dims where it leads (``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``). A mask
+    takes it where its counted tiles are mostly full (``few_partial_tiles``) or its intervals'
+    kept keys make long walks (``long_kept_walks``)."""
+    if (problem.mask is not None
+            and not (few_partial_tiles(problem) or long_kept_walks(problem))):
         return False
     if (problem.bias is not None
             and problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM):

@@ -58,11 +58,14 @@ class BroadcastOperand:
     # with query stride 0, where both have one dtype and layout (None otherwise): a forward
     # that reads them itself (``forward_schedule.ForwardSchedule.scan_keys``) reads these.
     interval_pair: tuple[torch.Tensor, torch.Tensor] | None = None
-    # ``KeyIntervals.max_kept``: at most this many keys kept per query row, where known.
+    # ``KeyIntervals.max_kept``: at most this many distinct keys kept by all query rows
+    # together, per (batch, head), where known.
     max_kept: int | None = None
     # ``KeyIntervals._documents``: (cu_seqlens_q, cu_seqlens_k, causal) of intervals that are
     # exactly a packed batch's documents, else None.
     documents: tuple | None = None
+    # ``KeyIntervals._row_kept``: at most this many keys kept by any one query row, where known.
+    row_kept: int | None = None
 
 
 def _check_qkv(query, key, value) -> AttnShape:
@@ -148,7 +151,7 @@ def _check_intervals(intervals, shape: AttnShape, device) -> BroadcastOperand:
     view = words.as_strided(size, (0 if batch == 1 else words.stride(0), words.stride(1), 0, 1))
     return BroadcastOperand(view, shape.heads_q // heads, size, pairs,
                             (intervals.start, intervals.end), _pair_views(intervals, size),
-                            intervals.max_kept, intervals._documents)
+                            intervals.max_kept, intervals._documents, intervals._row_kept)
 
 
 def _pair_views(intervals, size: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:

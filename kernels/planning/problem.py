@@ -65,7 +65,8 @@ class Problem:
     tma_operands: bool = False
     # The mask's bytes or interval words can be read by a TMA descriptor (``tma_mask``).
     tma_mask: bool = False
-    # ``KeyIntervals.max_kept`` of the mask: at most this many keys kept per query row.
+    # ``KeyIntervals.max_kept`` of the mask: at most this many distinct keys kept by all query
+    # rows together, per (batch, mask head).
     max_kept: int | None = None
     # The mask is prepared (``prepare_mask``, or intervals a former call prepared): the call
     # brings its activity map, and a KeyIntervals mask arrives as its words.
@@ -79,6 +80,8 @@ class Problem:
     # many sequences the offsets pack; else None. Their causality is their own (a packed call
     # over cross-attention offsets may be non-causal while each sequence is causal).
     documents: int | None = None
+    # ``KeyIntervals._row_kept`` of the mask: at most this many keys kept by one query row.
+    row_kept: int | None = None
 
     @property
     def block_d(self) -> int:
@@ -153,4 +156,5 @@ def problem_of(checked: CheckedInputs, dtype: torch.dtype, device: torch.device,
                    bool(deterministic), bool(bias_grad), activity, pair, bool(forward_only),
                    intervals, capability, bool(tma_operands), tma_mask(checked.mask),
                    checked.mask.max_kept if checked.mask is not None else None,
-                   activity is not None, kept_keys, tma_bias(checked.bias), documents)
+                   activity is not None, kept_keys, tma_bias(checked.bias), documents,
+                   checked.mask.row_kept if checked.mask is not None else None)

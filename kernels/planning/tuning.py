@@ -298,6 +298,14 @@ HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64
 # partial) 0.76-1.09x, a random 10% (1, Hq) mask at D64 0.55x.
 HOPPER_FORWARD_MASK_PARTIAL_SHARE = 0.15
 HOPPER_FORWARD_MIN_KEY_BLOCKS = 4
+# KeyIntervals whose rows keep at most W keys each (``KeyIntervals._row_kept``: top-W selections,
+# bool masks read as runs) take the Hopper forward, shares uncounted, where a tile walks at least
+# this many key blocks by the estimate min(the unmasked walk, W / 128 + 1): with a key order the
+# kept keys are block-dense. H200, bf16, causal, kv_row bias, intervals.yaml forward, one process
+# per shard, Hopper over Triton route: D80-D128 W1024 at L2048-32k (estimate 8.5-9) 0.73-0.97x;
+# W256 at L2048 (estimate 3; counted 4.0 with the order, 2.8 sliding) 1.12-1.86x; L1024 W1024
+# (4.5) 1.20-2.77x. D64 and D32 lost at W <= 1024 (1.08-1.37x; the bias rule keeps them off).
+HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS = 6
 # A causal Hopper forward deals its tiles longest first, heads inner, back and forth over the
 # programs (``hopper_device.tiles.ORDER_BALANCED``) where K and V take at most this many bytes
 # (B x Hk x Lk x D x 2 x element size), else a head's tiles consecutively (ORDER_HEADS: K and V
