@@ -230,7 +230,7 @@ def _call_with(fn, q, k, v, bias, grad_out):
 
 
 @pytest.mark.parametrize("name", ["sliding", "top-W", "top-W cross", "all"])
-def test_the_runs_know_the_most_keys_a_row_keeps(name, monkeypatch):
+def test_the_runs_know_the_most_keys_a_row_keeps(name, monkeypatch, device):
     """The runs' row bound (``KeyIntervals._row_kept``, which the Hopper forward's route
     reads) is the most keys any row of the mask keeps, causality included, and the reordered
     intervals of a call keep it."""
@@ -241,8 +241,8 @@ def test_the_runs_know_the_most_keys_a_row_keeps(name, monkeypatch):
     seqlen_q, seqlen_k = mask.shape[2], mask.shape[3]
     dims = Dims(batch=mask.shape[0], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                 heads_q=mask.shape[1], heads_kv=mask.shape[1], head_dim=16)
-    q, k, _ = random_qkv(dims, torch.float32, "cpu")
-    runs = prepare_mask(mask, q, k, is_causal=True).intervals
+    q, k, _ = random_qkv(dims, torch.float32, device)
+    runs = prepare_mask(mask.to(device), q, k, is_causal=True).intervals
     assert runs is not None
     assert runs._row_kept == int(_effective(mask, seqlen_q, seqlen_k, True).sum(-1).max())
     if runs.key_order is not None:

@@ -411,21 +411,22 @@ def test_other_causal_selections_take_the_general_path(seqlen_q, window, seqlen_
 
 
 @pytest.mark.parametrize("order_keys", [False, True])
-def test_a_selection_bounds_the_keys_one_row_keeps(order_keys):
+def test_a_selection_bounds_the_keys_one_row_keeps(order_keys, device):
     """``topk_intervals`` notes W (at most Lk) as the most keys one row keeps
     (``KeyIntervals._row_kept``, read by the Hopper forward's route); it holds for every row,
     and a key order and the compiled op's mask keep it."""
     from kernels import ops
     from kernels.masks.key_order import reordered_intervals
 
-    bias = torch.randn(2, 2, 1, 90)
+    bias = torch.randn(2, 2, 1, 90, device=device)
     for window, causal in ((7, True), (12, False), (200, True)):
         chosen = topk_intervals(bias, window, seqlen_q=40, is_causal=causal,
                                 order_keys=order_keys and window < 90)
         assert chosen._row_kept == min(window, 90)
         rows = chosen.to_dense(40)
         if causal:
-            rows = rows & (torch.arange(90) <= torch.arange(40)[:, None] + 50)
+            rows = rows & (torch.arange(90, device=device)
+                           <= torch.arange(40, device=device)[:, None] + 50)
         assert int(rows.sum(-1).max()) <= chosen._row_kept
         if chosen.key_order is not None:
             assert reordered_intervals(chosen, 40, causal)._row_kept == chosen._row_kept
