@@ -247,3 +247,30 @@ def test_the_runs_know_the_most_keys_a_row_keeps(name, monkeypatch, device):
     assert runs._row_kept == int(_effective(mask, seqlen_q, seqlen_k, True).sum(-1).max())
     if runs.key_order is not None:
         assert reordered_intervals(runs, seqlen_q, True)._row_kept == runs._row_kept
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_and_gaps_at_chunk_edges(seed, monkeypatch):
+    """Random runs (some crossing an edge of the scan's chunks, some one row long, some keys
+    empty) are found exactly; a key given a second run anywhere, in its first run's chunk or a
+    later one, refuses the mask."""
+    monkeypatch.setattr("kernels.masks.key_runs.ROWS", 16)
+    gen = torch.Generator().manual_seed(seed)
+    seqlen_q, seqlen_k = 70, 40
+    start = torch.randint(0, seqlen_q, (2, 3, seqlen_k), generator=gen)
+    end = torch.minimum(start + torch.randint(0, 20, start.shape, generator=gen),
+                        torch.tensor(seqlen_q))
+    start[0, 0, 5], end[0, 0, 5] = 10, 22    # crosses the edge at row 16
+    start[0, 0, 6], end[0, 0, 6] = 31, 33    # ends at the edge at row 32
+    start[0, 0, 7], end[0, 0, 7] = 64, 65    # one row
+    mask = _from_runs(start, end, seqlen_q)
+    found = key_runs(mask, seqlen_q, seqlen_k, False)
+    assert found is not None
+    assert torch.equal(_from_runs(*found, seqlen_q), mask)
+    for gap in (2, 27, 30):  # a second run in its chunk, at a chunk's first row, later
+        torn = mask.clone()
+        key = int(torch.randint(0, seqlen_k, (), generator=gen))
+        torn[1, 2, :, key] = False
+        torn[1, 2, 3:5, key] = True
+        torn[1, 2, 5 + gap:7 + gap, key] = True
+        assert key_runs(torn, seqlen_q, seqlen_k, False) is None
