@@ -151,8 +151,7 @@ def _named_documents(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) ->
     if documents is None:
         return intervals
     return KeyIntervals(intervals.start, intervals.end, max_kept=intervals.max_kept,
-                        _row_kept=intervals._row_kept,
-                        _documents=documents)
+                        _row_kept=intervals._row_kept, _documents=documents)
 
 
 # Call forms whose preparations one KeyIntervals keeps (a model calls with one or two).
