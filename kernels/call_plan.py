@@ -102,14 +102,15 @@ def call_signature(query, key, value, attn_bias, is_causal, softmax_scale, deter
 def interval_form(intervals: KeyIntervals, for_backward: bool) -> tuple:
     """What a plan with lists per call follows from besides the signature: the intervals'
     layout (which axes collapse, the checks against the call's sizes and device), the
-    activity map's tile (finer where a backward follows) and, for a packed batch's
-    documents, how many there are and their causality (the Hopper kernels' grids); never
-    their values."""
+    activity map's tile (finer where a backward follows), the bounds on the kept keys that
+    steer the routes (``max_kept``: the gather route; ``_row_kept``: the Hopper forward) and,
+    for a packed batch's documents, how many there are and their causality (the Hopper
+    kernels' grids); never their values."""
     start, end = intervals.start, intervals.end
     documents = intervals._documents
     packed = (documents[0].shape, documents[1].shape, documents[2]) if documents else None
     return (start.shape, start.stride(), start.dtype, end.stride(), end.dtype, start.device,
-            intervals.max_kept, for_backward, packed)
+            intervals.max_kept, intervals._row_kept, for_backward, packed)
 
 
 def mask_form(mask: torch.Tensor, for_backward: bool) -> tuple:

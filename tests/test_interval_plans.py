@@ -167,6 +167,20 @@ def test_each_form_of_intervals_gets_its_own_plan(device, monkeypatch):
     assert len(call_plan._interval_plans) == len(cases)
 
 
+def test_a_bound_on_the_keys_a_row_keeps_gets_its_own_plan(device, monkeypatch):
+    """``KeyIntervals._row_kept`` steers the forward's route (``hopper_forward.long_kept_walks``):
+    intervals of one layout with another bound, or none, never take the plan made for it."""
+    dims = Dims(2, 21, 37, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, device)
+    base = random_intervals(dims, "Hk", "B", device, seed=3)
+    monkeypatch.setattr(call_plan, "MAX_INTERVAL_PLANS", 4)
+    for bound in (None, 8, 9, None, 8, 9):
+        with torch.no_grad():
+            dmattn_func(q, k, v, KeyIntervals(base.start, base.end, _row_kept=bound), None,
+                        True)
+    assert len(call_plan._interval_plans) == 3
+
+
 def test_values_beyond_int32_keep_their_meaning(device):
     """int64 intervals with values past int32 (a start far before row 0, an end far past the
     last row) mean what their values clamped to the rows mean, in the call that plans their
