@@ -135,6 +135,22 @@ def test_causal_calls_of_up_to_the_bound_of_k_and_v_bytes_deal_their_tiles_balan
     assert "tile_order=balanced" in str(schedule(causal))
 
 
+def test_key_intervals_deal_their_tiles_balanced_and_bool_masks_by_heads():
+    """KeyIntervals' walks follow the rows' kept keys (key-ordered top-W intervals run with
+    is_causal False): dealt balanced up to the bound of K and V bytes, as causal calls are; a
+    bool mask that is not causal keeps a head's tiles consecutive."""
+    intervals = OperandLayout((1, 4, 1, 4096), 4)
+    problem = hopper_problem(mask=intervals, tma_mask=True, intervals=True,
+                             interval_pair=True, row_kept=1024)
+    assert hopper_forward.tile_order(problem, {}) == "balanced"
+    assert hopper_forward.tile_order(replace(problem, is_causal=True), {}) == "balanced"
+    big = replace(problem, shape=sized(batch=8, seqlen_q=16384, seqlen_k=16384))
+    assert hopper_forward.tile_order(big, {}) == "heads"
+    assert hopper_forward.tile_order(problem, {"forward_tile_order": "heads"}) == "heads"
+    bool_row = replace(problem, intervals=False, interval_pair=False, row_kept=None)
+    assert hopper_forward.tile_order(bool_row, {}) == "heads"
+
+
 @pytest.mark.parametrize("value", ["snake", None, 1])
 def test_the_tile_order_option_takes_an_order_name(value):
     with pytest.raises(ValueError, match=r"kernel_options\['forward_tile_order'\]: expected "

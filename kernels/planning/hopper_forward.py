@@ -215,16 +215,18 @@ def takes_documents(problem: Problem) -> bool:
 def tile_order(problem: Problem, options: dict) -> str:
     """How the Hopper forward deals its work tiles to its programs: 'balanced' (causal tiles
     longest first, heads inner, dealt back and forth) or 'heads' (a head's tiles consecutive);
-    ``options['forward_tile_order']`` forces it, else 'balanced' for a causal call whose K and
-    V take at most ``tuning.HOPPER_FORWARD_BALANCED_MAX_KV_BYTES``."""
+    ``options['forward_tile_order']`` forces it, else 'balanced' for a causal call, or one
+    with KeyIntervals (whose walks grow and shrink with the rows' kept keys), whose K and V
+    take at most ``tuning.HOPPER_FORWARD_BALANCED_MAX_KV_BYTES``."""
     forced = options.get("forward_tile_order")
     if forced is not None:
         return forced
     shape = problem.shape
     kv_bytes = (2 * shape.batch * shape.heads_kv * shape.seqlen_k * shape.head_dim
                 * problem.dtype.itemsize)
-    return ("balanced" if problem.is_causal
-            and kv_bytes <= tuning.HOPPER_FORWARD_BALANCED_MAX_KV_BYTES else "heads")
+    uneven = problem.is_causal or problem.intervals
+    return ("balanced" if uneven and kv_bytes <= tuning.HOPPER_FORWARD_BALANCED_MAX_KV_BYTES
+            else "heads")
 
 
 def block_head_dim(head_dim: int) -> int:

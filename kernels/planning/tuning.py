@@ -312,7 +312,11 @@ HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS = 6
 # shared in L2 by the programs in flight). Of few tiles per program, ORDER_HEADS's longest
 # program walks up to twice the mean. H200, D128 bf16 GQA 4:1, CUDA-graph GPU time, balanced
 # over heads (one process): K+V 2-34 MB 0.56-0.91x (B1 H8/2 L8192 0.373 -> 0.211 ms, 653
-# TFLOP/s; B8 H16/4 L2048 0.82x), 67 MB 0.96, 0.96, 1.01x, 134-268 MB 1.01-1.02x.
+# TFLOP/s; B8 H16/4 L2048 0.82x), 67 MB 0.96, 0.96, 1.01x, 134-268 MB 1.01-1.02x. KeyIntervals
+# (causal or not) take the same rule: key-ordered top-W intervals (non-causal once causality is
+# folded in) B2 H16/4 L4096 W1024 0.82x, L8192 0.96x (0.99x without a bias), B1 L16384 W2048
+# 0.91x, B1 H32/8 L32768 (K+V 134 MB, over the bound) 1.07x; bool masks not causal (block-sparse,
+# random, a mask row) 0.99-1.01x, so they keep ORDER_HEADS (H200, one process, forced Hopper).
 HOPPER_FORWARD_BALANCED_MAX_KV_BYTES = 96 << 20
 
 
