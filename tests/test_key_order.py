@@ -304,44 +304,6 @@ def test_reordered_intervals_are_kept_per_form_and_bounded(monkeypatch):
     assert len(ordered._reordered) == 2
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "heads first", "one row stride odd"])
-@pytest.mark.parametrize("selection", ["1", "Hk", "Hq", "Hq per batch"])
-def test_keys_read_as_whole_rows_match_the_gather_and_its_gradient(layout, selection):
-    """K and V read as whole rows (``_KeyRows``) equal the gather of the expanded order, and so
-    do their gradients (the inverse order's gather, summed over the heads a key was widened
-    to); a layout whose rows are not whole (a stride that is not a multiple of the head dim)
-    takes the gather."""
-    batch, seqlen_k, heads_kv, heads_q, head_dim = 2, 37, 2, 6, 8
-    order_heads = {"1": 1, "Hk": heads_kv, "Hq": heads_q, "Hq per batch": heads_q}[selection]
-    order_batch = batch if selection == "Hq per batch" else 1
-    generator = torch.Generator().manual_seed(3)
-    order = torch.stack([torch.randperm(seqlen_k, generator=generator)
-                         for _ in range(order_batch * order_heads)])
-    start = torch.zeros(order_batch, order_heads, seqlen_k, dtype=torch.int32)
-    intervals = KeyIntervals(start, start + 5, order.view(order_batch, order_heads, seqlen_k))
-    source = torch.randn(batch, heads_kv, seqlen_k, head_dim + 1, generator=generator)
-    if layout == "contiguous":
-        source = source[..., :head_dim].transpose(1, 2).contiguous()
-    elif layout == "heads first":  # a (B, Hk, Lk, D) tensor read as (B, Lk, Hk, D)
-        source = source[..., :head_dim].contiguous().transpose(1, 2)
-    else:
-        source = source[..., :head_dim].transpose(1, 2)  # rows 9 apart: not whole rows
-    assert (key_order._row_strides(source) is None) == (layout == "one row stride odd")
-    widened_heads = max(heads_kv, order_heads)
-    got_in = source.clone().requires_grad_()
-    got = key_order._in_order(got_in, intervals, widened_heads)
-    want_in = source.clone().requires_grad_()
-    index = key_order._kv_index(key_order._heads_of_order(intervals.key_order, widened_heads),
-                                batch, heads_kv, head_dim)
-    want = key_order._gather_kv(want_in, index)
-    assert got.shape == (batch, seqlen_k, widened_heads, head_dim)
-    assert torch.equal(got, want)
-    grad = torch.randn(got.shape, generator=generator)
-    got.backward(grad)
-    want.backward(grad)
-    assert torch.allclose(got_in.grad, want_in.grad, rtol=0, atol=1e-6)
-
-
 @pytest.mark.parametrize("selection_heads", ["Hk", "Hq"])
 def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
     """An ordered object's calls read K, V and the bias through indices made once per form (the
@@ -355,8 +317,8 @@ def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
     ordered = topk_intervals(_selection(dims, selection_heads, "cpu"), 5, seqlen_q=30,
                              order_keys=True)
     made = []
-    real = key_order._kv_rows
-    monkeypatch.setattr(key_order, "_kv_rows", lambda *a: made.append(1) or real(*a))
+    real = key_order._kv_index
+    monkeypatch.setattr(key_order, "_kv_index", lambda *a: made.append(1) or real(*a))
 
     first = reorder_keys(q, k, v, ordered, bias, True)
     again = reorder_keys(q, k, v, ordered, bias, True)
@@ -379,11 +341,8 @@ def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
     assert len(made) == 2 and torch.equal(written[0][:, 0], first[0][:, -1])
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     kept = dict(ordered._gather_indices)
-    traced = []  # while tracing K and V are one gather each of an index made afresh
-    real_index = key_order._kv_index
-    monkeypatch.setattr(key_order, "_kv_index", lambda *a: traced.append(1) or real_index(*a))
     reorder_keys(q, k, v, ordered, bias, True)
-    assert len(made) == 2 and len(traced) == 2 and ordered._gather_indices == kept
+    assert len(made) == 3 and ordered._gather_indices == kept
 
 
 def test_a_reused_ordered_object_runs_on_its_kept_preparation(device, monkeypatch):

@@ -73,56 +73,6 @@ def _kv_index(order: torch.Tensor, batch: int, own: int, head_dim: int) -> torch
     return index.expand(batch, seqlen_k, own, heads // own, head_dim)
 
 
-def _row_strides(t: torch.Tensor) -> tuple[int, ...] | None:
-    """K or V's strides in rows of its last dim (B, Lk, Hk), or None where its rows are not
-    whole: the last dim not contiguous, or another stride not a multiple of it."""
-    last = t.shape[-1]
-    if t.stride(-1) != 1 or any(stride % last for stride in t.stride()[:-1]):
-        return None
-    return tuple(stride // last for stride in t.stride()[:-1])
-
-
-def _kv_rows(order: torch.Tensor, batch: int, own: int, strides: tuple[int, ...]):
-    """(the rows of K or V, by ``_row_strides``, that its reading in ``order`` (Bm, H, Lk)
-    takes, in the result's (B, Lk, H) order; the rows of that result each key's gradient
-    takes, in (B, Lk, own, H // own) order): int64, flat. The second is the inverse order,
-    so the gradient is a gather, not a scatter."""
-    bm, heads, seqlen_k = order.shape
-    order = order.expand(batch, heads, seqlen_k)
-    head = torch.arange(heads, device=order.device)
-    batch_index = torch.arange(batch, device=order.device)[:, None, None]
-    source_head = (head // (heads // own))[None, None, :]
-    rows = (batch_index * strides[0] + order.transpose(1, 2) * strides[1]
-            + source_head * strides[2])
-    inverse = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(seqlen_k, device=order.device).expand_as(order))
-    grad_rows = (batch_index * seqlen_k + inverse.transpose(1, 2)) * heads + head[None, None, :]
-    return rows.reshape(-1), grad_rows.reshape(-1)
-
-
-class _KeyRows(torch.autograd.Function):
-    """K or V (B, Lk, own, D) read by ``_kv_rows``: (B, Lk, H, D), one row copy per key and
-    head; the gradient read back by the inverse order and summed over the heads a key was
-    widened to."""
-
-    @staticmethod
-    def forward(ctx, t, rows, grad_rows, heads):
-        batch, seqlen_k, own, last = t.shape
-        ctx.save_for_backward(grad_rows)
-        ctx.shape = (batch, seqlen_k, own, heads // own, last)
-        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-        storage_rows = torch.as_strided(t, (extent // last, last), (last, 1))
-        return storage_rows.index_select(0, rows).view(batch, seqlen_k, heads, last)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (grad_rows,) = ctx.saved_tensors
-        batch, seqlen_k, own, share, last = ctx.shape
-        taken = grad.contiguous().view(-1, last).index_select(0, grad_rows)
-        taken = taken.view(ctx.shape)
-        return (taken[:, :, :, 0] if share == 1 else taken.sum(3)), None, None, None
-
-
 def _bias_index(order: torch.Tensor, batch: int, own: int, rows: int) -> torch.Tensor:
     """The gather index of a bias (batch, ``own`` heads, ``rows``, Lk) read in ``order``
     (Bm, H, Lk), H a multiple of ``own``: (batch, own, rows, Lk) where H is ``own``, else
@@ -180,27 +130,6 @@ def _gather_index(intervals: KeyIntervals, kind: str, order_heads: int, batch: i
     return _kept_per_form(intervals, intervals._gather_indices, form, MAX_GATHER_INDICES, make)
 
 
-def _in_order(t: torch.Tensor, intervals: KeyIntervals, order_heads: int) -> torch.Tensor:
-    """K or V (B, Lk, Hk, D) with its keys in ``intervals.key_order`` widened to
-    ``order_heads`` heads: (B, Lk, order_heads, D). Rows copied whole by ``_KeyRows`` where
-    they are (``_row_strides``), the gradient gathered by the inverse order (H200, B2 Lk8192
-    Hk4 D128 bf16: see ``MAX_GATHER_INDICES``); else, and while ``torch.compile`` traces, one
-    ``torch.gather`` of the expanded order (its gradient a scatter)."""
-    batch, _, own, last = t.shape
-    strides = _row_strides(t)
-    if strides is None or torch.compiler.is_compiling():
-        return _gather_kv(t, _gather_index(intervals, "kv", order_heads, batch, own, last))
-    order = intervals.key_order
-
-    def make():
-        return _kv_rows(_heads_of_order(order, order_heads), batch, own, strides)
-
-    form = ("rows", tensor_version(order), order_heads, batch, own, strides)
-    rows, grad_rows = _kept_per_form(intervals, intervals._gather_indices, form,
-                                     MAX_GATHER_INDICES, make)
-    return _KeyRows.apply(t, rows, grad_rows, order_heads)
-
-
 def _kept_per_form(intervals: KeyIntervals, kept: dict, form, bound: int, make):
     """``make()``, kept in ``kept`` (a store on ``intervals``) under ``form``, at most
     ``bound`` forms, the oldest dropped first; made afresh, and not kept, while
@@ -253,7 +182,12 @@ def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     bm, hm, _ = intervals.shape
     reordered = reordered_intervals(intervals, query.shape[1], is_causal)
     kv_heads = max(heads_kv, hm)
-    key, value = (_in_order(t, intervals, kv_heads) for t in (key, value))
+    index = _gather_index(intervals, "kv", kv_heads, batch, heads_kv, key.shape[3])
+    if value.shape[3] != key.shape[3]:  # else V is read by K's index
+        value_index = _gather_index(intervals, "kv", kv_heads, batch, heads_kv, value.shape[3])
+    else:
+        value_index = index
+    key, value = _gather_kv(key, index), _gather_kv(value, value_index)
     if attn_bias is not None and attn_bias.shape[-1] != 1:
         for axis in (0, 1, 2):  # a broadcast (stride-0) axis stays one slice, not a copy
             if attn_bias.shape[axis] > 1 and attn_bias.stride(axis) == 0:
