@@ -306,10 +306,11 @@ def test_reordered_intervals_are_kept_per_form_and_bounded(monkeypatch):
 
 @pytest.mark.parametrize("selection_heads", ["Hk", "Hq"])
 def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
-    """An ordered object's calls read K, V and the bias through indices made once per form (the
-    order's heads, the batch, the operand's heads and last size, the order's version): a repeat
-    call gathers the same keys without making them again; a write into the order makes new
-    ones; none are kept while tracing. The gathers equal indexing each head by its order."""
+    """An ordered object's calls read the bias through an index made once per form (the
+    order's heads, the batch, the operand's heads and rows, the order's version): a repeat
+    call gathers the same keys without making it again; a write into the order makes a new
+    one; none is kept while tracing. K and V (row copies in eager calls) and the bias equal
+    indexing each head by its order."""
     from kernels.masks.key_order import reorder_keys
     dims = Dims(2, 30, 40, heads_q=4, heads_kv=2, head_dim=8)
     q, k, v = random_qkv(dims, torch.float32, "cpu")
@@ -317,12 +318,13 @@ def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
     ordered = topk_intervals(_selection(dims, selection_heads, "cpu"), 5, seqlen_q=30,
                              order_keys=True)
     made = []
-    real = key_order._kv_index
-    monkeypatch.setattr(key_order, "_kv_index", lambda *a: made.append(1) or real(*a))
+    real = key_order._bias_index
+    monkeypatch.setattr(key_order, "_bias_index", lambda *a: made.append(1) or real(*a))
 
     first = reorder_keys(q, k, v, ordered, bias, True)
     again = reorder_keys(q, k, v, ordered, bias, True)
-    assert len(made) == 1 and len(ordered._gather_indices) == 2  # K and V's, the bias's
+    # the bias's index (K and V's too where Triton cannot run on CPU tensors: no interpreter)
+    assert len(made) == 1 and [f[0] for f in ordered._gather_indices].count("bias") == 1
     order = ordered.key_order
     heads = order.shape[1]
     for got, source in ((first[0], k), (first[1], v)):
@@ -343,6 +345,73 @@ def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
     kept = dict(ordered._gather_indices)
     reorder_keys(q, k, v, ordered, bias, True)
     assert len(made) == 3 and ordered._gather_indices == kept
+
+
+# (batch, selection batch, selection heads, Hq, Hk, K's head dim, V's, K and V transposed views)
+COPIES = [
+    pytest.param(2, 2, "Hq", 4, 2, 16, 16, False, id="order-per-query-head"),
+    pytest.param(2, 1, "Hk", 6, 3, 40, 40, True, id="one-batch-order-transposed-d40"),
+    pytest.param(3, 3, "1", 8, 1, 8, 24, False, id="mqa-one-order-v-wider"),
+    pytest.param(1, 1, "Hq", 6, 1, 80, 80, True, id="mqa-order-per-query-head-d80"),
+]
+
+
+@pytest.mark.parametrize("batch,order_batch,heads,heads_q,heads_kv,k_dim,v_dim,transposed",
+                         COPIES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_keys_copied_in_order_equal_the_gathers(batch, order_batch, heads, heads_q, heads_kv,
+                                                k_dim, v_dim, transposed, dtype, device,
+                                                monkeypatch):
+    """K and V read in key order by row copies (eager calls) equal the ``torch.gather``s a
+    traced call makes, bit for bit. Their gradients sum over the heads that widened a K/V
+    head in fp32, in head order, rounded once: bit for bit the gathers' gradients in fp64
+    rounded once where at most two fp32 heads or any bf16 heads add (a GPU's rounding; the
+    interpreter truncates), else within fp32 rounding."""
+    from kernels.masks.key_order import reorder_keys
+    seqlen_k = 97
+    generator = torch.Generator().manual_seed(3)
+    count = {"1": 1, "Hk": heads_kv, "Hq": heads_q}[heads]
+    selection = torch.randn(order_batch, count, 1, seqlen_k, generator=generator).to(device)
+    ordered = topk_intervals(selection, 9, seqlen_q=seqlen_k, order_keys=True)
+
+    def operand(dim):
+        shape = (batch, heads_kv, seqlen_k, dim) if transposed else (batch, seqlen_k, heads_kv,
+                                                                     dim)
+        t = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+        t = t.transpose(1, 2) if transposed else t
+        return t.requires_grad_()
+
+    q = torch.randn(batch, seqlen_k, heads_q, k_dim).to(device=device, dtype=dtype)
+    k, v = operand(k_dim), operand(v_dim)
+    results = []
+    for traced in (False, True):  # the gathers in fp64, rounded once to the dtype
+        if traced:
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+            k, v = (t.detach().double().requires_grad_() for t in (k, v))
+        key, value, _, _ = reorder_keys(q, k, v, ordered, None, True)
+        grad_k = torch.randn(key.shape, generator=torch.Generator().manual_seed(5))
+        grad_v = torch.randn(value.shape, generator=torch.Generator().manual_seed(6))
+        grads = (grad_k.to(key.dtype).to(key), grad_v.to(key.dtype).to(key))
+        if traced:
+            grads = tuple(g.to(dtype).double() for g in grads)
+        dk, dv = torch.autograd.grad((key, value), (k, v), grads)
+        results.append(tuple(t.to(dtype) for t in (key, value, dk, dv)))
+    # eager kept the inverse order for the gradient; the traced calls kept nothing
+    assert [form[0] for form in ordered._gather_indices] == ["inverse"]
+    widened_by = results[0][0].shape[2] // heads_kv
+    for name, copied, gathered in zip(("key", "value", "dk", "dv"), *results):
+        assert copied.shape == gathered.shape, name
+        assert torch.isfinite(copied).all(), name
+        if name in ("key", "value") or widened_by == 1:
+            assert torch.equal(copied, gathered), name
+        elif dtype == torch.float32:  # a sum of two is exact in any order
+            tolerance = 0 if widened_by == 2 else 1e-6
+            torch.testing.assert_close(copied, gathered, rtol=tolerance, atol=tolerance,
+                                       msg=name)
+        elif device.type == "cuda":
+            assert torch.equal(copied, gathered), name
+        else:  # Triton's interpreter truncates fp32 to bf16 (a GPU rounds to nearest even)
+            torch.testing.assert_close(copied, gathered, rtol=2**-7, atol=0, msg=name)
 
 
 def test_a_reused_ordered_object_runs_on_its_kept_preparation(device, monkeypatch):

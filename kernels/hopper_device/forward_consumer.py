@@ -10,11 +10,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from . import named_barriers
-from .forms import (BIAS_KEY_ALIGN, CONSUMER_THREADS, CONSUMER_WARPS, MASK_ROW, MASK_TILE,
-                    NO_MASK)
+from .forms import (BIAS_KEY_ALIGN, CONSUMER_THREADS, CONSUMER_WARPS, INTERVAL_WORDS, MASK_ROW,
+                    MASK_TILE, NO_MASK)
 from .gluon_compat import reinterpret, tma_store
 from .ring import copy_view
-from .softmax import finish_rows, fold_scores
+from .softmax import LOG2E, finish_rows, fold_scores
 
 
 @gluon.jit
@@ -71,6 +71,9 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = kv.keys.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
+    # A tested block of KeyIntervals not causal (key-ordered intervals, causality folded in):
+    # one select per score (``_hidden_outside_intervals``).
+    ONE_SELECT: gl.constexpr = (MASK_KIND == INTERVAL_WORDS) and TESTED and not CAUSAL
     for j in range(first, stop):
         if MASKED and TESTED:
             first_col = lists.block(row, j, count) * BLOCK_N
@@ -90,13 +93,25 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
         # The bias row before the mask: the other way round ptxas (sm_90a, offline) kept a
         # KeyIntervals block's 64 word registers beside it and spilled 22 words a block.
         bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
-        keep = None
-        if MASKED and TESTED:
-            keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
-        kv.free_keys(slot)
-        p_next, m_i, l_i, alpha = fold_scores(
-            s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row, TESTED,
-            CAUSAL, s_layout, o_layout, p_layout, q_tile.dtype, MASKED)
+        if ONE_SELECT:
+            scale = qk_scale
+            if HAS_BIAS:  # as fold_scores adds it, before the words are read
+                s = s * qk_scale + bias_row.to(gl.float32) * LOG2E
+                scale = 1.0
+            words = _interval_words(masks, slot, s_layout)
+            kv.free_keys(slot)
+            s = _hidden_outside_intervals(s, words, rows)
+            p_next, m_i, l_i, alpha = fold_scores(
+                s, m_i, l_i, scale, rows, first_col, seqlen_k, diagonal, None, None, False,
+                CAUSAL, s_layout, o_layout, p_layout, q_tile.dtype, MASKED)
+        else:
+            keep = None
+            if MASKED and TESTED:
+                keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
+            kv.free_keys(slot)
+            p_next, m_i, l_i, alpha = fold_scores(
+                s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row,
+                TESTED, CAUSAL, s_layout, o_layout, p_layout, q_tile.dtype, MASKED)
         # P's registers are the PV product's operand until it retires. Passing the softmax's
         # results through the wait as well keeps LLVM from sinking the softmax below it, which
         # would serialize the two (measured: +1-3% at head dim 128, +6% at 64, H100).
@@ -130,14 +145,35 @@ def _keeps(masks, slot, rows, WARPGROUP: gl.constexpr, ROWS: gl.constexpr,
     elif MASK_KIND == MASK_ROW:
         keep = masks.index(slot).load(s_layout) != 0
     else:  # the low half of a word is the key's first row, the high half one past its last
-        BLOCK_N: gl.constexpr = masks.shape[2] // 2
-        words = reinterpret(masks.index(slot), gl.int64, [1, BLOCK_N],
-                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64,
-                                                 rank=2)).load(s_layout)
+        words = _interval_words(masks, slot, s_layout)
         start = (words & 0xFFFFFFFF).to(gl.int32)
         end = (words >> 32).to(gl.int32)
         keep = (start <= rows[:, None]) & (rows[:, None] < end)
     return keep
+
+
+@gluon.jit
+def _interval_words(masks, slot, s_layout: gl.constexpr):
+    """The [1, BLOCK_N] int64 interval words of the key block in ``slot``, in the score
+    layout."""
+    BLOCK_N: gl.constexpr = masks.shape[2] // 2
+    return reinterpret(masks.index(slot), gl.int64, [1, BLOCK_N],
+                       gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64,
+                                            rank=2)).load(s_layout)
+
+
+@gluon.jit
+def _hidden_outside_intervals(s, words, rows):
+    """``s`` with -inf where row ``rows`` is outside the key's [start, end) (``words``): two
+    compares and one select per score. Written as ``gl.where`` of the two compares' and, LLVM
+    splits the select in two (sm_90a: 128 ISETP and 128 FSEL per thread and block, here 128
+    and 64)."""
+    start = (words & 0xFFFFFFFF).to(gl.int32)
+    end = (words >> 32).to(gl.int32)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.le.s32 p, $2, $4; setp.lt.and.s32 p, $4, $3, p; "
+        "selp.f32 $0, $1, 0fFF800000, p; }",
+        "=r,r,r,r,r", [s, start, end, rows[:, None]], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit

@@ -30,9 +30,12 @@ On an H100 (B1 H16/4 D128 bf16, one process) the widening buckets took the forwa
 ``reorder_keys`` applies an order to one call: it folds causality into the intervals (a
 permuted key no longer sits at its position), gathers K, V, the bias and the intervals along
 the key axis, and widens each to the heads the order needs (an order per query head gives K
-and V a head per query head). Every step is a differentiable torch op, so autograd carries the
-gradients back: a gather's gradient is a scatter of each key to one place (exact, any order of
-execution), a widening's is a sum over the heads it copied to.
+and V a head per query head). Eager calls copy K and V's rows in one launch
+(``triton_device.key_order_kernels``), whose gradient reads each key's rows back through the
+inverse order and sums the heads it was widened to; traced calls, and the bias and intervals
+always, use ``torch.gather``, whose gradient autograd makes (a scatter of each key to one
+place, then the widening's sum). On the H200 ``torch.gather`` of K and V (an int64 index read
+per element) ran at 0.8-1.0 TB/s (B2 H16/4 L8192 D128 bf16: ~70 us of a 0.61 ms top-W call).
 
 The reordered intervals depend only on the intervals, the order, causality and the lengths,
 not on K, V or the heads they are widened to, so ``reordered_intervals`` keeps them on the
@@ -45,7 +48,11 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.arith import ceil_div, next_power_of_2
+from ..runtime.launch import PlannedLaunch, is_interpreted
 from ..runtime.scratch import graph_capturing, tensor_version
+from ..triton_device.key_order_kernels import (_keys_in_order_grad_kernel,
+                                               _keys_in_order_kernel)
 from .intervals import KeyIntervals
 
 
@@ -93,6 +100,120 @@ def _gather_kv(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     batch, seqlen_k, own, share, head_dim = index.shape
     out = torch.gather(t.unsqueeze(3).expand(index.shape), 1, index)
     return out.reshape(batch, seqlen_k, own * share, head_dim)
+
+
+def _vector_width(tensors, head_dims) -> int:
+    """The elements per vector of the row copies' loads and stores: 16 bytes' worth, halved
+    until every tensor's address and non-unit strides and every head dim are multiples of
+    it."""
+    vec = 16 // tensors[0].element_size()
+    while vec > 1:
+        widths = [t.data_ptr() // t.element_size() for t in tensors]
+        widths += [s for t in tensors for s in t.stride()[:3]] + list(head_dims)
+        if all(w % vec == 0 for w in widths):
+            break
+        vec //= 2
+    return vec
+
+
+# Positions per program of the row copies, and warps. H200, bf16 D128, K and V (B2 L8192 Hk4,
+# 67 MB read and written) forward / gradient: 8 rows on 1 warp 20 / 20 us (3.3 TB/s), 16 on 2
+# 23 / 21, 32 on 2 32 / 26, 64 on 4 63 / 30, 128 on 8 73 / 41; torch.gather's forward and
+# scatter_add gradient 98 us together. Under the interpreter, whose cost is per program, 128.
+ROWS_PER_PROGRAM = 8
+COPY_WARPS = 1
+INTERPRETED_ROWS_PER_PROGRAM = 128
+# Row-copy launches planned per form (kernel, layouts, heads, addresses' 16-byte alignment):
+# a model's calls use a few. A plan's launch skips Triton's per-call dispatch.
+MAX_COPY_PLANS = 32
+_copy_plans: dict = {}
+
+
+def _copy_plan(kernel, sources, copies, order, heads: int) -> PlannedLaunch:
+    """The planned launch of ``kernel`` for ``sources`` (K and V, or their gradients: (B, Lk,
+    Hk, D)), ``copies`` (the (B, Lk, heads, D) reads in order, or their gradients) and
+    ``order`` (Bm, Hm, Lk), stride 1 on keys: the order, or its inverse."""
+    tensors = (*sources, *copies)
+    form = (kernel, order.shape, order.stride(), heads,
+            *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors))
+    plan = _copy_plans.get(form)
+    if plan is not None:
+        return plan
+    key, value = sources
+    batch, seqlen_k, heads_kv = key.shape[:3]
+    bm, hm = order.shape[:2]
+    k_dim, v_dim = key.shape[3], value.shape[3]
+    scalars = (seqlen_k, *key.stride()[:3], *value.stride()[:3], *copies[0].stride()[:3],
+               *copies[1].stride()[:3], order.stride(0) if bm > 1 else 0, order.stride(1),
+               heads // heads_kv, heads // hm)
+    rows = INTERPRETED_ROWS_PER_PROGRAM if is_interpreted(kernel) else ROWS_PER_PROGRAM
+    grid = (ceil_div(seqlen_k, rows), heads if kernel is _keys_in_order_kernel else heads_kv,
+            batch)
+    plan = PlannedLaunch(kernel, grid, None, scalars, num_warps=COPY_WARPS, num_stages=1,
+                         K_DIM=k_dim, V_DIM=v_dim, BLOCK_K=next_power_of_2(k_dim),
+                         BLOCK_V=next_power_of_2(v_dim), BLOCK_L=rows,
+                         VEC=_vector_width(tensors, (k_dim, v_dim)))
+    _copy_plans[form] = plan
+    while len(_copy_plans) > MAX_COPY_PLANS:
+        del _copy_plans[next(iter(_copy_plans))]  # the oldest
+    return plan
+
+
+class _KeysInOrder(torch.autograd.Function):
+    """K and V (B, Lk, Hk, D) read in ``order`` (Bm, Hm, Lk) and widened to ``heads`` (a
+    multiple of Hk and of Hm): (B, Lk, heads, D) each, by row copies
+    (``triton_device.key_order_kernels``); the gradient a copy through ``inverse``."""
+
+    @staticmethod
+    def forward(ctx, key, value, order, inverse, heads):
+        ctx.save_for_backward(inverse)
+        ctx.shapes = key.shape, value.shape, heads
+        return _copy_in_order(key, value, order, heads)
+
+    @staticmethod
+    def backward(ctx, dk_out, dv_out):
+        (inverse,) = ctx.saved_tensors
+        key_shape, value_shape, heads = ctx.shapes
+        # a gradient with its head dim strided (none the attention backward makes) is copied
+        dk_out = dk_out if dk_out.stride(3) == 1 else dk_out.contiguous()
+        dv_out = dv_out if dv_out.stride(3) == 1 else dv_out.contiguous()
+        dk = dk_out.new_empty(key_shape)
+        dv = dv_out.new_empty(value_shape)
+        _copy_plan(_keys_in_order_grad_kernel, (dk, dv), (dk_out, dv_out), inverse, heads)(
+            dk_out, dv_out, dk, dv, inverse)
+        return dk, dv, None, None, None
+
+
+def _copy_in_order(key, value, order, heads):
+    batch, seqlen_k = key.shape[:2]
+    k_out = key.new_empty(batch, seqlen_k, heads, key.shape[3])
+    v_out = value.new_empty(batch, seqlen_k, heads, value.shape[3])
+    _copy_plan(_keys_in_order_kernel, (key, value), (k_out, v_out), order, heads)(
+        key, value, k_out, v_out, order)
+    return k_out, v_out
+
+
+def _inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """int32 ``inverse`` of the permutations ``order`` (Bm, Hm, Lk): inverse[..., order[..., j]]
+    = j, contiguous."""
+    positions = torch.arange(order.shape[-1], dtype=torch.int32, device=order.device)
+    return torch.empty(order.shape, dtype=torch.int32, device=order.device).scatter_(
+        -1, order, positions.expand(order.shape))
+
+
+def _keys_in_order(key, value, intervals: KeyIntervals, heads: int):
+    """(K, V) read in ``intervals.key_order`` and widened to ``heads``, as ``_gather_kv`` of
+    ``_gather_index`` gives them, by ``_KeysInOrder``. The order is made contiguous and its
+    inverse (for the gradient) kept on ``intervals`` per version, as the gather indices."""
+    order = intervals.key_order
+    if order.stride(-1) != 1:
+        order = order.contiguous()
+    if not (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)):
+        return _copy_in_order(key, value, order, heads)  # no graph: no autograd.Function
+    inverse = _kept_per_form(intervals, intervals._gather_indices,
+                             ("inverse", tensor_version(intervals.key_order)),
+                             MAX_GATHER_INDICES, lambda: _inverse_order(order))
+    return _KeysInOrder.apply(key, value, order, inverse, heads)
 
 
 def _gather_bias(bias: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -173,6 +294,16 @@ def reordered_intervals(intervals: KeyIntervals, seqlen_q: int,
                           lambda: _reorder(intervals, seqlen_q, is_causal))
 
 
+def _copies_rows(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """K and V are read in key order by ``_KeysInOrder``'s row copies where Triton runs (CUDA
+    tensors, or CPU ones under its interpreter); not while ``torch.compile`` traces (the graph
+    holds ``torch.gather``s, which Inductor compiles), nor for empty tensors or a head dim
+    with a stride other than 1."""
+    return ((key.is_cuda or is_interpreted(_keys_in_order_kernel))
+            and not torch.compiler.is_compiling() and key.numel() > 0 and value.numel() > 0
+            and key.stride(3) == 1 and value.stride(3) == 1)
+
+
 def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  intervals: KeyIntervals, attn_bias, is_causal: bool):
     """(key, value, intervals, attn_bias) of ``intervals.key_order`` for one call, whose
@@ -182,12 +313,16 @@ def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     bm, hm, _ = intervals.shape
     reordered = reordered_intervals(intervals, query.shape[1], is_causal)
     kv_heads = max(heads_kv, hm)
-    index = _gather_index(intervals, "kv", kv_heads, batch, heads_kv, key.shape[3])
-    if value.shape[3] != key.shape[3]:  # else V is read by K's index
-        value_index = _gather_index(intervals, "kv", kv_heads, batch, heads_kv, value.shape[3])
+    if _copies_rows(key, value):
+        key, value = _keys_in_order(key, value, intervals, kv_heads)
     else:
-        value_index = index
-    key, value = _gather_kv(key, index), _gather_kv(value, value_index)
+        index = _gather_index(intervals, "kv", kv_heads, batch, heads_kv, key.shape[3])
+        if value.shape[3] != key.shape[3]:  # else V is read by K's index
+            value_index = _gather_index(intervals, "kv", kv_heads, batch, heads_kv,
+                                        value.shape[3])
+        else:
+            value_index = index
+        key, value = _gather_kv(key, index), _gather_kv(value, value_index)
     if attn_bias is not None and attn_bias.shape[-1] != 1:
         for axis in (0, 1, 2):  # a broadcast (stride-0) axis stays one slice, not a copy
             if attn_bias.shape[axis] > 1 and attn_bias.stride(axis) == 0:
