@@ -309,7 +309,7 @@ def test_gather_indices_are_kept_per_form(monkeypatch, selection_heads):
     """An ordered object's calls read the bias through an index made once per form (the
     order's heads, the batch, the operand's heads and rows, the order's version): a repeat
     call gathers the same keys without making it again; a write into the order makes a new
-    one; none is kept while tracing. K and V (row copies in eager calls) and the bias equal
+    one; none is kept while tracing. K and V (row copies of CUDA tensors) and the bias equal
     indexing each head by its order."""
     from kernels.masks.key_order import reorder_keys
     dims = Dims(2, 30, 40, heads_q=4, heads_kv=2, head_dim=8)
@@ -368,6 +368,7 @@ def test_keys_copied_in_order_equal_the_gathers(batch, order_batch, heads, heads
     rounded once where at most two fp32 heads or any bf16 heads add (a GPU's rounding; the
     interpreter truncates), else within fp32 rounding."""
     from kernels.masks.key_order import reorder_keys
+    monkeypatch.setattr(key_order, "INTERPRETED_COPIES", True)  # on CPU tensors too
     seqlen_k = 97
     generator = torch.Generator().manual_seed(3)
     count = {"1": 1, "Hk": heads_kv, "Hq": heads_q}[heads]

@@ -30,7 +30,7 @@ On an H100 (B1 H16/4 D128 bf16, one process) the widening buckets took the forwa
 ``reorder_keys`` applies an order to one call: it folds causality into the intervals (a
 permuted key no longer sits at its position), gathers K, V, the bias and the intervals along
 the key axis, and widens each to the heads the order needs (an order per query head gives K
-and V a head per query head). Eager calls copy K and V's rows in one launch
+and V a head per query head). Eager calls on CUDA tensors copy K and V's rows in one launch
 (``triton_device.key_order_kernels``), whose gradient reads each key's rows back through the
 inverse order and sums the heads it was widened to; traced calls, and the bias and intervals
 always, use ``torch.gather``, whose gradient autograd makes (a scatter of each key to one
@@ -294,12 +294,18 @@ def reordered_intervals(intervals: KeyIntervals, seqlen_q: int,
                           lambda: _reorder(intervals, seqlen_q, is_causal))
 
 
+# Row copies of CPU tensors under Triton's interpreter: off, as its cost is per program and
+# operation (a fwd+bwd of Lk 300 to 1024, 2 KV heads: 0.35-1.4 s, against 12-17 ms for the
+# gathers); the copies' own tests turn it on.
+INTERPRETED_COPIES = False
+
+
 def _copies_rows(key: torch.Tensor, value: torch.Tensor) -> bool:
-    """K and V are read in key order by ``_KeysInOrder``'s row copies where Triton runs (CUDA
-    tensors, or CPU ones under its interpreter); not while ``torch.compile`` traces (the graph
-    holds ``torch.gather``s, which Inductor compiles), nor for empty tensors or a head dim
-    with a stride other than 1."""
-    return ((key.is_cuda or is_interpreted(_keys_in_order_kernel))
+    """K and V are read in key order by ``_KeysInOrder``'s row copies on CUDA tensors (on CPU
+    ones under Triton's interpreter where ``INTERPRETED_COPIES``); not while
+    ``torch.compile`` traces (the graph holds ``torch.gather``s, which Inductor compiles),
+    nor for empty tensors or a head dim with a stride other than 1."""
+    return ((key.is_cuda or (INTERPRETED_COPIES and is_interpreted(_keys_in_order_kernel)))
             and not torch.compiler.is_compiling() and key.numel() > 0 and value.numel() > 0
             and key.stride(3) == 1 and value.stride(3) == 1)
 
