@@ -1,9 +1,9 @@
 """K and V read in a KeyIntervals mask's key order (``masks.key_order``), and their gradients.
 
 ``_keys_in_order_kernel``: out[b, j, h] = src[b, order[b, h, j], h // (H // Hk)] for K and V
-(the order's batch 0 where it has one batch) in one launch, one program per (block of BLOCK_L positions j, output head h, batch b). An
-output head reads the order of head h // (H // Hm) (the order may have fewer heads than the
-output) and the K/V head its query heads share (the output may have more heads than K and V:
+(the order's batch 0 where it has one batch) in one launch, one program per (block of BLOCK_L
+positions j, output head h, batch b). An output head reads the order of head h // (H // Hm)
+(the order may have fewer heads than the output) and the K/V head its query heads share (the output may have more heads than K and V:
 an order per query head widens them). Each row is head_dim contiguous elements, loaded as
 vectors of VEC elements (every stride of a row's start is a multiple of VEC).
 
