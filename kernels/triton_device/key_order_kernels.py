@@ -3,9 +3,10 @@
 ``_keys_in_order_kernel``: out[b, j, h] = src[b, order[b, h, j], h // (H // Hk)] for K and V
 (the order's batch 0 where it has one batch) in one launch, one program per (block of BLOCK_L
 positions j, output head h, batch b). An output head reads the order of head h // (H // Hm)
-(the order may have fewer heads than the output) and the K/V head its query heads share (the output may have more heads than K and V:
-an order per query head widens them). Each row is head_dim contiguous elements, loaded as
-vectors of VEC elements (every stride of a row's start is a multiple of VEC).
+(the order may have fewer heads than the output) and the K/V head its query heads share (the
+output may have more heads than K and V: an order per query head widens them). Each row is
+head_dim contiguous elements, loaded as vectors of VEC elements (every stride of a row's start
+is a multiple of VEC).
 
 ``_keys_in_order_grad_kernel``: the gradient of that gather. The order is a permutation of the
 keys per (batch, head), so every source row is read by exactly one position per output head
