@@ -180,7 +180,9 @@ class AllocationWatch(TorchDispatchMode):
       (Lq, Lk)-shaped temporaries and bound the largest allocation. It sees torch allocations
       only; the interpreter's per-tile numpy scratch is invisible, and bounded by the tiles.
     * Records every op that reads one of the ``watched`` tensors (the mask and the bias) and
-      returns fresh storage: a copy, pad, cast, expansion or gather of them.
+      returns fresh storage: a copy, pad, cast, expansion or gather of them. A gather of no
+      more elements than the tensor holds (a bias read in a mask's key order,
+      ``kernels.masks.key_order``) is a reordering, recorded apart in ``reorders``.
     """
 
     _EMPTY_OPS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
@@ -189,6 +191,7 @@ class AllocationWatch(TorchDispatchMode):
         super().__init__()
         self.fresh: list[tuple[str, tuple[int, ...], int]] = []
         self.copies: list[str] = []
+        self.reorders: list[str] = []
         self._watched = {t.untyped_storage().data_ptr() for t in watched
                          if isinstance(t, torch.Tensor)}
 
@@ -205,7 +208,10 @@ class AllocationWatch(TorchDispatchMode):
                 continue
             self.fresh.append((str(func), tuple(t.shape), storage.nbytes()))
             if inputs & self._watched:
-                self.copies.append(f"{func} -> {tuple(t.shape)}")
+                source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                reorder = (func.overloadpacket.__name__ == "gather" and source is not None
+                           and t.numel() <= source.numel())
+                (self.reorders if reorder else self.copies).append(f"{func} -> {tuple(t.shape)}")
             if func.overloadpacket.__name__ in self._EMPTY_OPS:
                 _poison(t)
         return result

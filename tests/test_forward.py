@@ -284,18 +284,23 @@ def test_forward_allocates_nothing_of_size_lq_lk(operands, form, device):
 
 def test_allocation_checks_can_fail():
     """The watch is not blind: it flags an expand().contiguous() of the mask as an (Lq, Lk)
-    temporary and as a copy, a padded bias as a copy, a flattened fp16 score matrix by its
-    size, and it poisons fresh allocations."""
+    temporary and as a copy, a padded bias as a copy and a gather that widens it too, a
+    flattened fp16 score matrix by its size, and it poisons fresh allocations. A gather of the
+    bias in a key order is a reordering, not a copy."""
     dims = ALLOC_DIMS
     mask = random_mask(dims.operand_shape("1", "1", "1", "Lk"), "cpu")
     bias = random_bias(dims.operand_shape("1", "1", "1", "Lk"), torch.float16, "cpu")
     with AllocationWatch(watched=(mask, bias)) as watch:
         expand_operand(mask, dims).contiguous()
         F.pad(bias, (0, 15))
+        order = torch.randperm(bias.shape[-1]).expand(bias.shape)
+        torch.gather(bias, -1, order)
+        torch.gather(bias, -1, torch.cat((order, order), -1))
         fresh = torch.empty(4)
     with pytest.raises(AssertionError, match="shaped"):
         assert_no_lq_lk_allocation(watch, dims)
-    assert len(watch.copies) == 2, watch.copies
+    assert len(watch.copies) == 3, watch.copies
+    assert watch.reorders == [f"aten.gather.default -> {tuple(bias.shape)}"], watch.reorders
     assert torch.isnan(fresh).all()
 
     scores = dims.batch * dims.heads_q * dims.seqlen_q * dims.seqlen_k

@@ -229,6 +229,42 @@ def test_the_spread_dq_staging_is_the_hopper_backwards_at_head_dim_128(options, 
         schedule(narrow, options)
 
 
+@pytest.mark.parametrize("changes, options, message", [
+    ({}, {"backward_split_heads": True, "backward": "fused"}, "'backward' 'fused' conflict"),
+    ({"deterministic": True}, {"backward_split_heads": True}, "deterministic=True"),
+    ({"shape": sized(heads_q=4, heads_kv=4)}, {"backward_split_heads": True},
+     "a group of 1"),
+    ({}, {"backward_split_heads": True}, None),
+])
+def test_split_heads_are_the_hopper_backwards_where_a_group_splits(changes, options, message):
+    problem = dense_problem(**changes)
+    options = normalize_options({"backward": "hopper", **options})
+    if message:
+        with pytest.raises(ValueError, match=message):
+            schedule(problem, options)
+        return
+    sched = schedule(problem, options)
+    assert sched.backward.split_heads and "split_heads=True" in str(sched)
+    assert not schedule(problem, HOPPER_OPTIONS).backward.split_heads  # no mask: off
+
+
+def test_split_heads_are_the_default_for_key_ordered_top_w_intervals(monkeypatch):
+    """Key-ordered top-W intervals (``row_kept`` known, causality folded in) split; the same
+    intervals causal (not ordered), a bool mask and no mask keep whole groups."""
+    intervals = dict(mask=OperandLayout((2, 4, 1, 4096), 4), tma_mask=True, intervals=True)
+    ordered = dense_problem(**intervals, row_kept=1024, is_causal=False)
+    assert schedule(ordered, HOPPER_OPTIONS).backward.split_heads
+    assert not schedule(replace(ordered, is_causal=True), HOPPER_OPTIONS).backward.split_heads
+    assert not schedule(replace(ordered, row_kept=None), HOPPER_OPTIONS).backward.split_heads
+    bool_mask = dense_problem(mask=OperandLayout((2, 4, 4096, 4096), 4), tma_mask=True,
+                              is_causal=False)
+    assert not schedule(bool_mask, HOPPER_OPTIONS).backward.split_heads
+    off = normalize_options({**HOPPER_OPTIONS, "backward_split_heads": False})
+    assert not schedule(ordered, off).backward.split_heads
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_ORDERED_HEADS", False)
+    assert not schedule(ordered, HOPPER_OPTIONS).backward.split_heads
+
+
 def test_the_backward_option_names_the_hopper_route():
     with pytest.raises(ValueError, match="'hopper'"):
         normalize_options({"backward": "gluon"})
@@ -456,6 +492,16 @@ def test_hopper_backward_fuzz_of_every_form(device, part):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("part", [0, 1], ids=lambda p: f"part{p}")
+def test_split_heads_on_every_form(device, part):
+    """``kernel_options['backward_split_heads']`` True, a program per query head of each key
+    block and dK, dV reduce-added in float32: 200 of the fuzz's backwards, in two parts of
+    100, each with a GQA group of 2-4 heads and no deterministic=True."""
+    _fuzz_every_form(random.Random(860 + part), 100, device,
+                     options={"backward_split_heads": True})
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("part", [0, 1], ids=lambda p: f"part{p}")
 def test_the_unspread_dq_staging_on_every_form(device, part):
     """``kernel_options['backward_dq_spread']`` False, the staging head dim 128 takes without
     the spread: 120 of the fuzz's backwards at head dim 128, in two parts of 60."""
@@ -469,10 +515,13 @@ def _fuzz_every_form(rng, count, device, head_dim=None, options=None):
     options = options or {}
     forced = forcing(backward="hopper", **options)
     both = forcing(forward_route="hopper", backward="hopper", **options)
+    split = options.get("backward_split_heads", False)  # needs a group, not deterministic
     for _ in range(count):
         dims = fuzzed_dims(rng, max_batch=2, max_length=1500)
         if head_dim is not None:
             dims = replace(dims, head_dim=head_dim)
+        if split and dims.heads_q == dims.heads_kv:
+            dims = replace(dims, heads_q=dims.heads_kv * rng.choice([2, 3, 4]))
         dtype = rng.choice([torch.bfloat16, torch.float16])
         q, k, v = random_qkv(dims, dtype, device)
         causal = rng.random() < 0.5
@@ -485,7 +534,7 @@ def _fuzz_every_form(rng, count, device, head_dim=None, options=None):
             shape = dims.operand_shape(rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"]),
                                        "1", "Lk")
             bias = random_bias(shape, dtype, device)
-        deterministic = kind == "none" and rng.random() < 0.3
+        deterministic = kind == "none" and rng.random() < 0.3 and not split
         mask, func = None, forced
         if kind == "bool":
             mask = fuzzed_mask(rng, dims, device)

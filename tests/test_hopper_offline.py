@@ -118,12 +118,12 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
 
 def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
                       deterministic: bool = False, bias: bool = False, grouped: bool = False,
-                      documents: bool = False, spread: bool = False):
+                      documents: bool = False, spread: bool = False, split: bool = False):
     """The backward of MASK_KIND ``kind`` (none, a bool mask's bytes or KeyIntervals' words,
     with lists), its dQ ordered where ``deterministic``, with a bias row and its gradient
     summed over the group where ``bias``, its causal grid ordered in groups where
     ``grouped``, over packed documents where ``documents``, its dQ staged spread where
-    ``spread``."""
+    ``spread``, a program per query head (dK and dV reduce-added) where ``split``."""
     from kernels.planning import hopper_forward as host
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -153,6 +153,8 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
         list_args = (table, *table.stride()[:3], 8, 8, 1, 1024, 1024)
     else:  # stand-ins the kernel never reads
         mask_desc, list_args = flat, (rows, 0, 0, 0, 1, 1, 0, 0, 0)
+    dkv_descs = ((acc_desc, acc_desc) if split
+                 else (describe(tile.block_n // 2), describe(tile.block_n // 2)))
     bias_row = torch.empty(2, 4, 1, 1000, dtype=dtype)
     bias_grad = torch.empty(2, 2, 1, 1000, dtype=torch.float32)
     saved = driver._active
@@ -160,8 +162,7 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
     try:
         return attention_backward.warmup(
             describe(tile.block_m), describe(tile.block_n), describe(tile.block_n),
-            describe(tile.block_m), acc_desc, describe(tile.block_n // 2),
-            describe(tile.block_n // 2), flat, mask_desc, *list_args,
+            describe(tile.block_m), acc_desc, *dkv_descs, flat, mask_desc, *list_args,
             bias_row, 4 * 1000, 1000, 1, 2, bias_grad, 2 * 1000, 1000,
             torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.int32),
             torch.empty(9, dtype=torch.int32), torch.empty(9, dtype=torch.int32),
@@ -171,7 +172,8 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
             num_warps=4, CAUSAL=causal, GROUPED_ORDER=grouped, DOCUMENTS=documents,
             MASK_KIND=kind,
             DETERMINISTIC=deterministic,
-            HAS_BIAS=bias, BIAS_GRAD=bias, BIAS_GROUP_SUM=True, DQ_SPREAD=spread,
+            HAS_BIAS=bias, BIAS_GRAD=bias, BIAS_GROUP_SUM=not split, DQ_SPREAD=spread,
+            SPLIT_HEADS=split,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
@@ -206,7 +208,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("float16", 64, False, "biased-documents-forward"),
     ("bfloat16", 128, True, "documents-backward"),
     ("float16", 64, False, "biased-documents-backward"),
-    ("bfloat16", 128, False, "spread-backward")],
+    ("bfloat16", 128, False, "spread-backward"),
+    ("bfloat16", 128, False, "biased-split-intervals-backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
@@ -216,7 +219,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "biased-forward-bf16-d128-causal",
          "biased-masked-forward-fp16-d64-full", "documents-forward-bf16-d128-causal",
          "biased-documents-forward-fp16-d64-full", "documents-backward-bf16-d128-causal",
-         "biased-documents-backward-fp16-d64-full", "spread-backward-bf16-d128-full"])
+         "biased-documents-backward-fp16-d64-full", "spread-backward-bf16-d128-full",
+         "biased-split-intervals-backward-bf16-d128-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -246,14 +250,14 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     name, dim, is_causal, form = sys.argv[1:5]
     if form.endswith("backward"):
         from kernels.planning import hopper_forward as host
-        kind = {"masked-backward": host.MASK_TILE,
-                "intervals-backward": host.INTERVAL_WORDS}.get(form, host.NO_MASK)
+        kind = (host.MASK_TILE if form == "masked-backward" else
+                host.INTERVAL_WORDS if "intervals" in form else host.NO_MASK)
         kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
                                    deterministic=form == "deterministic-backward",
                                    bias=form.startswith("biased"),
                                    grouped=form == "grouped-backward",
                                    documents="documents" in form,
-                                   spread=form == "spread-backward")
+                                   spread=form == "spread-backward", split="split" in form)
     elif form.endswith("forward"):
         from kernels.planning import hopper_forward as host
         kind = host.MASK_TILE if form == "biased-masked-forward" else host.NO_MASK

@@ -59,6 +59,13 @@ loads its keys' bias once per query head and adds it to the scores, and with BIA
 dS^T over the rows it walks (and, with GROUP_SUM, over the group's heads) in registers,
 writing each gradient row once: no atomics, the same sums whatever the schedule.
 
+With SPLIT_HEADS (``kernel_options['backward_split_heads']``, by default for key-ordered
+top-W intervals) a program walks one query head of its key block's group, not all of them one
+after another: the grid is (key blocks) x B x Hq, and dK and dV, partials of one head, are
+reduce-added through the staging tiles into float32 accumulators (``dk_desc`` and ``dv_desc``
+then see them as (B, Hk, Lk, D) with dQ's boxes), converted by the host; the bias gradient is a
+row per query head (BIAS_GROUP_SUM off), summed over the group by the host.
+
 With DOCUMENTS (``kernel_options['backward_documents']``: sequences packed end to end, no
 mask) a program owns one key block of one sequence (``tiles.document_key_block``) and walks
 that sequence's query blocks only, in its own coordinates: no key block spans two documents
@@ -99,7 +106,8 @@ def _loader(q_desc, k_desc, v_desc, do_desc, rows_desc, mask_desc, k_tile, v_til
     tma_load(k_desc, [batch, packed_key, kv_head, 0], kv_ready.index(0), copy_view(k_tile))
     tma_load(v_desc, [batch, packed_key, kv_head, 0], kv_ready.index(0), copy_view(v_tile))
     position = 0
-    for g in range(work.group):
+    first_g, stop_g = work.group_heads()
+    for g in range(first_g, stop_g):
         q_head = kv_head * work.group + g
         lse_row = batch * work.heads_q + q_head
         delta_row = lse_row + work.batch_heads() * work.group  # past the B x Hq LSE rows
@@ -139,7 +147,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                        CAUSAL: gl.constexpr, GROUPED_ORDER: gl.constexpr, DOCUMENTS: gl.constexpr,
                        MASK_KIND: gl.constexpr, DETERMINISTIC: gl.constexpr, HAS_BIAS: gl.constexpr,
                        BIAS_GRAD: gl.constexpr, BIAS_GROUP_SUM: gl.constexpr,
-                       DQ_SPREAD: gl.constexpr, STAGES: gl.constexpr,
+                       DQ_SPREAD: gl.constexpr, SPLIT_HEADS: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Lk, BLOCK_N) x B x Hk,), ordered as ``tiles.KeyBlockWork`` says
     (``order_group``: its (batch, key head)s per group with GROUPED_ORDER). ``rows_desc``: a [1,
@@ -215,6 +223,9 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
                    bias_grad_ptr, bias_grad_stride_b, bias_grad_stride_h, BIAS_GROUP_SUM)
     gl.static_assert(not DOCUMENTS or (MASK_KIND == NO_MASK and not DETERMINISTIC),
                      "documents take no mask and add dQ in any order")
+    gl.static_assert(not SPLIT_HEADS or not (DOCUMENTS or DETERMINISTIC or BIAS_GROUP_SUM),
+                     "split heads add dK and dV in any order, and write a bias gradient row "
+                     "per query head")
     if DOCUMENTS:
         kv_head, key_block, q_base, k_base, q_shift, seqlen_q, seqlen_k = document_key_block(
             documents, cu_q, cu_k, heads_kv, BLOCK_N, LOADER_ROW_ALIGN)
@@ -222,7 +233,7 @@ def attention_backward(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_des
         kv_head, key_block, q_base, k_base, q_shift = group, group, group, group, group
     work = KeyBlockWork(seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, kv_head,
                         key_block, q_base, k_base, q_shift, BLOCK_M, BLOCK_N, CAUSAL,
-                        GROUPED_ORDER, DOCUMENTS)
+                        GROUPED_ORDER, DOCUMENTS, SPLIT_HEADS)
     dk_rows = OutputRows(dk_ptr, dkv_row_stride, head_dim)
     dv_rows = OutputRows(dv_ptr, dkv_row_stride, head_dim)
 

@@ -1,7 +1,8 @@
 """The Hopper backward's consumer warpgroups (``attention_backward`` describes the kernel):
 per query block S^T, dP^T, P^T and dS^T, the products dV += P^T dO and dK += dS^T Q, dQ's
 partial over both warpgroups' keys staged and reduce-added into the float32 accumulator; then
-dK and dV written. Warpgroup w owns keys [w * 64, (w + 1) * 64) of the program's key block."""
+dK and dV written (with SPLIT_HEADS reduce-added into float32 accumulators). Warpgroup w owns
+keys [w * 64, (w + 1) * 64) of the program's key block."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -54,7 +55,8 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
     if BIAS_GRAD:  # dS summed over the rows (and, with GROUP_SUM, the group's heads)
         bias_grad = gl.zeros([KEYS], gl.float32, key_layout)
     position = 0
-    for g in range(work.group):
+    first_g, stop_g = work.group_heads()
+    for g in range(first_g, stop_g):
         q_head = kv_head * work.group + g
         if HAS_BIAS:
             bias_row = bias.load(batch, q_head, work.packed_key(keys),
@@ -183,7 +185,11 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
             bias.store_grad(batch, kv_head, work.packed_key(keys), work.packed_key(seqlen_k),
                             bias_grad)
     dk = dk * softmax_scale
-    if work.DOCUMENTS:
+    if work.SPLIT_HEADS:  # one query head's partials: added into float32 accumulators
+        _add_rows(stage, dk, dk_desc, batch, kv_head, my_first_key)
+        _add_rows(stage, dv, dv_desc, batch, kv_head, my_first_key)
+        tma.store_wait(pendings=0)
+    elif work.DOCUMENTS:
         if my_first_key + KEYS > seqlen_k:
             # A sequence's last keys: a TMA box would write the next sequence's rows, which
             # another program writes.
@@ -196,6 +202,31 @@ def _consumer(k_tile, v_tile, ds_tiles, ds_ready, stage, kv_ready, ring, work, l
                         kv_head)
     else:
         _store_keys(stage, dk, dv, dk_desc, dv_desc, batch, my_first_key, kv_head)
+
+
+@gluon.jit
+def _add_rows(stage, acc, desc, batch, head, first_row):
+    """Reduce-add ``acc`` (float32 [rows, D], in the products' layout) into rows
+    [first_row, first_row + rows) of (batch, head) of the float32 accumulator ``desc`` sees as
+    (B, H, L, D), through the two staging tiles, a quarter of D per reduce-add as dQ's
+    partials go: rows past L are not added."""
+    HALF_D: gl.constexpr = acc.shape[1] // 2
+    low, high = acc.reshape([acc.shape[0], 2, HALF_D]).permute((0, 2, 1)).split()
+    _add_half(stage, low, desc, batch, head, first_row, 0)
+    _add_half(stage, high, desc, batch, head, first_row, HALF_D)
+
+
+@gluon.jit
+def _add_half(stage, half, desc, batch, head, first_row, FIRST_COLUMN: gl.constexpr):
+    QUARTER_D: gl.constexpr = half.shape[1] // 2
+    low, high = half.reshape([half.shape[0], 2, QUARTER_D]).permute((0, 2, 1)).split()
+    tma.store_wait(pendings=0)  # the staging tiles' last reduce-adds have read them
+    stage.index(0).store(low)
+    stage.index(1).store(high)
+    fence_async_shared()
+    tma_atomic_add(desc, [batch, head, first_row, FIRST_COLUMN], plane_view(stage.index(0)))
+    tma_atomic_add(desc, [batch, head, first_row, FIRST_COLUMN + QUARTER_D],
+                   plane_view(stage.index(1)))
 
 
 @gluon.jit

@@ -230,7 +230,10 @@ class KeyBlockWork:
     GROUPED_ORDER (causal, ``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``) the (batch, key
     head)s go in groups of ``order_group``, each group's programs in the order of their key
     block: the programs in flight add dQ into fewer heads' rows (H200, B8 H16 L2048 D128:
-    1.26 -> 0.92 ms)."""
+    1.26 -> 0.92 ms). With SPLIT_HEADS a program walks one query head of the group (a grid of
+    (key blocks) x (batch x query heads), ordered as above with query heads in place of key
+    heads): a key block's walks over the group's heads, otherwise one after another in one
+    program, run in parallel programs, and its dK and dV are the sums of their partials."""
     seqlen_q: gl.tensor
     seqlen_k: gl.tensor
     heads_q: gl.tensor
@@ -247,11 +250,12 @@ class KeyBlockWork:
     CAUSAL: gl.constexpr
     GROUPED_ORDER: gl.constexpr
     DOCUMENTS: gl.constexpr
+    SPLIT_HEADS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, seqlen_q, seqlen_k, heads_q, heads_kv, group, order_group, kv_head,
                  key_block, q_base, k_base, q_shift, BLOCK_M, BLOCK_N, CAUSAL, GROUPED_ORDER,
-                 DOCUMENTS):
+                 DOCUMENTS, SPLIT_HEADS):
         """With DOCUMENTS, the program's sequence as ``document_key_block`` gives it: its
         query rows from query block 0's first (``seqlen_q``) and its keys (``seqlen_k``), the
         program's key head and key block, query block 0's first packed row (``q_base``), the
@@ -273,6 +277,7 @@ class KeyBlockWork:
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.GROUPED_ORDER = gl.constexpr(GROUPED_ORDER)
         self.DOCUMENTS = gl.constexpr(DOCUMENTS)
+        self.SPLIT_HEADS = gl.constexpr(SPLIT_HEADS)
 
     @gluon.jit
     def coordinates(self):
@@ -285,24 +290,48 @@ class KeyBlockWork:
         return result
 
     @gluon.jit
-    def _grid_coordinates(self):
+    def _grid_unit(self):
+        """(the program's unit, its key block): the unit is its (batch, key head), or with
+        SPLIT_HEADS its (batch, query head), counted batch-major."""
         key_blocks = gl.cdiv(self.seqlen_k, self.BLOCK_N)
         pid = gl.program_id(0)
+        units = gl.num_programs(0) // key_blocks
         if self.CAUSAL and self.GROUPED_ORDER:
-            batch_heads = self.batch_heads()
             programs = self.order_group * key_blocks  # a full group's
-            first_bh = (pid // programs) * self.order_group
-            heads_here = gl.minimum(batch_heads - first_bh, self.order_group)  # the last: fewer
+            first_unit = (pid // programs) * self.order_group
+            units_here = gl.minimum(units - first_unit, self.order_group)  # the last: fewer
             local = pid % programs
-            bh = first_bh + local % heads_here
-            key_block = local // heads_here
+            unit = first_unit + local % units_here
+            key_block = local // units_here
         elif self.CAUSAL:
-            bh = pid % self.batch_heads()
-            key_block = pid // self.batch_heads()
+            unit = pid % units
+            key_block = pid // units
         else:
-            bh = pid // key_blocks
+            unit = pid // key_blocks
             key_block = pid % key_blocks
-        return bh // self.heads_kv, bh % self.heads_kv, key_block * self.BLOCK_N
+        return unit, key_block
+
+    @gluon.jit
+    def _grid_coordinates(self):
+        unit, key_block = self._grid_unit()
+        if self.SPLIT_HEADS:
+            result = (unit // self.heads_q, (unit % self.heads_q) // self.group,
+                      key_block * self.BLOCK_N)
+        else:
+            result = (unit // self.heads_kv, unit % self.heads_kv, key_block * self.BLOCK_N)
+        return result
+
+    @gluon.jit
+    def group_heads(self):
+        """[first, stop) of the GQA group's query heads (0 .. group - 1) this program walks:
+        all of them, or with SPLIT_HEADS its own one."""
+        first = 0
+        stop = self.group
+        if self.SPLIT_HEADS:
+            unit, key_block = self._grid_unit()
+            first = (unit % self.heads_q) % self.group
+            stop = first + 1
+        return first, stop
 
     @gluon.jit
     def batch_heads(self):
@@ -311,6 +340,8 @@ class KeyBlockWork:
             result = self.heads_kv
         else:
             result = gl.num_programs(0) // gl.cdiv(self.seqlen_k, self.BLOCK_N)
+            if self.SPLIT_HEADS:
+                result = result // self.group
         return result
 
     @gluon.jit

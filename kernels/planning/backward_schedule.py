@@ -76,6 +76,8 @@ class BackwardSchedule:
     documents: bool = False
     # The Hopper backward stages dQ with its columns spread (``dq_spread``).
     dq_spread: bool = False
+    # The Hopper backward's programs walk one query head each (``split_heads``).
+    split_heads: bool = False
 
     def __post_init__(self):
         if (self.route is BackwardRoute.PACKED) != isinstance(self.launches, PackedBackward):
@@ -372,10 +374,46 @@ def dq_spread(problem: Problem, options: dict) -> bool:
     return True
 
 
+def ordered_walks(problem: Problem) -> bool:
+    """Whether the call's mask is KeyIntervals of at most W keys a row read in their key
+    order (``topk_intervals``' top-W form: causality folded in, so the call runs non-causal):
+    the order puts the keys most rows keep in the first key blocks, which walk nearly every
+    query block, and the rest in blocks of short walks."""
+    return problem.intervals and problem.row_kept is not None and not problem.is_causal
+
+
+def split_heads(problem: Problem, options: dict, documents: bool) -> bool:
+    """Whether the Hopper backward, where it runs, gives each query head of a GQA group its
+    own programs (``tiles.KeyBlockWork``'s SPLIT_HEADS: dK and dV reduce-added into float32
+    accumulators, a bias gradient row per query head summed after): by default for
+    ``ordered_walks`` (``tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS``), whose key blocks walk
+    very different numbers of query blocks while a program walks its block once per head of
+    the group, so that the longest walks outlast the grid; ``options['backward_split_heads']``
+    True forces it (a ValueError where it cannot: no group to split, deterministic
+    gradients, packed documents, or another route forced), False keeps it off."""
+    asked = options.get("backward_split_heads")
+    splittable = (problem.shape.group_size > 1 and not problem.deterministic
+                  and not documents)
+    if asked is None:
+        return (tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS and splittable
+                and ordered_walks(problem))
+    if not asked:
+        return False
+    _refuse_other_route("backward_split_heads", options)
+    if not splittable:
+        raise ValueError("kernel_options['backward_split_heads']: splits a GQA group of more "
+                         "than one query head, without deterministic=True or packed "
+                         f"documents; this call has a group of {problem.shape.group_size}"
+                         f"{', deterministic=True' if problem.deterministic else ''}"
+                         f"{', packed documents' if documents else ''}")
+    return True
+
+
 def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
     route = options.get("backward")
     spread = dq_spread(problem, options)
     documents = backward_documents(problem, options)
+    split = split_heads(problem, options, documents)
     if documents:
         route = BackwardRoute.HOPPER
     elif route is BackwardRoute.HOPPER:
@@ -391,7 +429,7 @@ def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
             dbias = plan_dbias(problem.bias.shape, problem.bias.head_div, problem.shape,
                                problem.dtype, problem.deterministic, problem.interpreted)
         return BackwardSchedule(BackwardRoute.HOPPER, dbias, tuning.HOPPER_BACKWARD,
-                                documents, spread)
+                                documents, spread, split)
     if route in (None, BackwardRoute.PACKED):
         packs, dbias = packed_route(problem)
         if packs:

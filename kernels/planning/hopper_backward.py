@@ -207,15 +207,21 @@ class HopperBackwardPlan:
             self.document_blocks = (shape.seqlen_k, tile.block_n, tile.block_m, causal)
             if fwd.documents is not None:
                 self.documents = self.call_documents(fwd.documents[:2])
+        # Split heads: a program per query head of each key block, dK and dV reduce-added into
+        # float32 accumulators, the bias gradient a row per query head summed by ``finish``.
+        self.split_heads = bwd.split_heads
+        units = shape.heads_q if self.split_heads else shape.heads_kv
+        self.group_rows = bool(self.split_heads and dbias and dbias.sum_group)
         self.launch = DescriptorLaunch(
-            attention_backward, (shape.batch * shape.heads_kv * key_blocks,),
+            attention_backward, (shape.batch * units * key_blocks,),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              order_group or 1, problem.softmax_scale * LOG2E, problem.softmax_scale),
             num_warps=4, CAUSAL=causal, GROUPED_ORDER=order_group is not None,
             DOCUMENTS=self.document_blocks is not None, MASK_KIND=self.kind,
             DETERMINISTIC=problem.deterministic, HAS_BIAS=self.bias_layout is not None,
-            BIAS_GRAD=dbias is not None, BIAS_GROUP_SUM=bool(dbias and dbias.sum_group),
-            DQ_SPREAD=bwd.dq_spread,
+            BIAS_GRAD=dbias is not None,
+            BIAS_GROUP_SUM=bool(dbias and dbias.sum_group) and not self.split_heads,
+            DQ_SPREAD=bwd.dq_spread, SPLIT_HEADS=self.split_heads,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
         # Deterministic: a zeroed lock per (batch x query head, query block) orders dQ's adds.
@@ -263,17 +269,31 @@ class HopperBackwardPlan:
             mask_args = (rows_desc, rows, 0, 0, 0, 1, 1, 0, 0, 0)
         locks = (torch.zeros(self.lock_count, dtype=torch.int32, device=query.device)
                  if self.lock_count else rows)  # rows: a stand-in never read
-        bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
+        if self.group_rows:  # a row per query head, summed over the group by ``finish``
+            bias_grad = torch.empty((self.shape.batch, self.shape.heads_q, 1,
+                                     self.shape.seqlen_k), dtype=torch.float32,
+                                    device=query.device)
+        else:
+            bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
         bias_args = self._bias_args(bias, bias_grad, rows)
         if walks_documents:
             documents = self.documents or self.call_documents(document_offsets)
             document_args = (*documents, dk, dv, dk.stride(1), self.shape.head_dim)
         else:  # stand-ins the kernel never reads
             document_args = (rows, rows, rows, rows, rows, 0, 0)
+        if self.split_heads:  # float32 accumulators in dK's and dV's (B, Lk, Hk, D) order
+            dk_acc = torch.zeros(dk.shape, dtype=torch.float32, device=dk.device)
+            dv_acc = torch.zeros(dv.shape, dtype=torch.float32, device=dv.device)
+            dkv_descs = (self.acc_spec(dk_acc.transpose(1, 2)),
+                         self.acc_spec(dv_acc.transpose(1, 2)))
+        else:
+            dkv_descs = (self.half_spec(dk), self.half_spec(dv))
         self.launch(self.q_spec(query), self.kv_spec(key), self.kv_spec(value),
-                    self.q_spec(grad_out), self.acc_spec(dq_acc.transpose(1, 2)),
-                    self.half_spec(dk), self.half_spec(dv), rows_desc, *mask_args, *bias_args,
-                    locks, *document_args)
+                    self.q_spec(grad_out), self.acc_spec(dq_acc.transpose(1, 2)), *dkv_descs,
+                    rows_desc, *mask_args, *bias_args, locks, *document_args)
+        if self.split_heads:
+            dk.copy_(dk_acc)
+            dv.copy_(dv_acc)
         if self.dq_spread:
             dq_from_spread(dq_acc, dq)
         else:

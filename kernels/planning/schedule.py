@@ -51,7 +51,8 @@ def backward_items(backward: BackwardSchedule) -> list[tuple[str, object]]:
     tile, key splits and skipping, or the general route, bias-gradient mode and launches."""
     launches = backward.launches
     if isinstance(launches, tuning.HopperBackwardTile):
-        return [("route", backward.route), ("tile", launches)]
+        split = [("split_heads", True)] if backward.split_heads else []
+        return [("route", backward.route), ("tile", launches), *split]
     if isinstance(launches, PackedBackward):
         return [("packed", launches.tile), ("packed_key_splits", launches.key_splits),
                 ("packed_skips_dead_blocks", launches.skips_dead_blocks)]
@@ -101,6 +102,8 @@ OPTION_NAMES = {
                       "True or False",
     "backward_dq_spread": "whether the Hopper backward stages dQ with its columns spread over "
                           "the shared memory banks (head dim 128), True or False",
+    "backward_split_heads": "whether the Hopper backward gives each query head of a GQA group "
+                            "its own programs, True or False",
 }
 
 
@@ -131,7 +134,7 @@ def normalize_options(options) -> dict:
                 raise ValueError(f"kernel_options['backward']: expected one of 'fused', "
                                  f"'dq+dkdv', 'packed', 'hopper', got {value!r}") from None
         elif name in ("forward_key_scan", "dkdv_wide_tile", "forward_documents",
-                      "backward_documents", "backward_dq_spread"):
+                      "backward_documents", "backward_dq_spread", "backward_split_heads"):
             if type(value) is not bool:
                 raise ValueError(f"kernel_options[{name!r}]: expected {OPTION_NAMES[name]}, "
                                  f"got {value!r}")

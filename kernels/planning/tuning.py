@@ -285,6 +285,16 @@ HOPPER_BACKWARD_WIDE_MIN_QUERY_BLOCKS = 8  # head dims > 64
 # Hopper's in one run: D32 0.81x, D64 0.88x, D80 0.98x, D96 0.98x, D128 0.93x; models.yaml at
 # shares of about 1.0 (B1 H16/4, H28/4, H32/8, H64/8 at L8192, D128 causal): 1.25-1.41x.
 HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE = 1.5
+# Whether the Hopper backward of key-ordered top-W intervals gives each query head of a GQA
+# group its own programs (``backward_schedule.split_heads``). Counted on the CPU (one program
+# per multiprocessor, in query-block steps): B2 H16/4 L8192 W1024 the grid's last program ends
+# at 688 steps where the even share is 371, with one head per program at 461; Doge's B1 H12/4
+# L32768 D64 W2048 at 1987 against 1011, split 1291. H200, bf16, a kv_row bias, backward GPU
+# time split over whole groups in one process: B2 H16/4 L8192 D128 W1024 1628 / 1979 us
+# (fwd+bwd 2119 / 2465), B1 H16/4 L16384 W1024 1975 / 2702, B1 H12/4 D64 L8192 W2048 602 /
+# 752, L32768 2632 / 3611 (fwd+bwd 3730 / 4707); unordered intervals (B2 L4096 W1024,
+# causal) lose, 1042 / 876, so they keep whole groups.
+HOPPER_BACKWARD_SPLIT_ORDERED_HEADS = True
 # deterministic=True (dQ's adds ordered by a lock per query block): non-causal walk 32 (L2048)
 # 0.96x, 128 (L8192) 1.13x; causal 0.79x (L2048) and 0.89x (L8192) stay on Triton's.
 HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64
