@@ -14,7 +14,7 @@ from .forms import (BIAS_KEY_ALIGN, CONSUMER_THREADS, CONSUMER_WARPS, INTERVAL_W
                     MASK_TILE, NO_MASK)
 from .gluon_compat import reinterpret, tma_store
 from .ring import copy_view
-from .softmax import LOG2E, finish_rows, fold_scores
+from .softmax import finish_rows, fold_scores, join_bias
 
 
 @gluon.jit
@@ -94,10 +94,7 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
         # KeyIntervals block's 64 word registers beside it and spilled 22 words a block.
         bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
         if ONE_SELECT:
-            scale = qk_scale
-            if HAS_BIAS:  # as fold_scores adds it, before the words are read
-                s = s * qk_scale + bias_row.to(gl.float32) * LOG2E
-                scale = 1.0
+            s, scale = join_bias(s, qk_scale, bias_row)  # before the words are read
             words = _interval_words(masks, slot, s_layout)
             kv.free_keys(slot)
             s = _hidden_outside_intervals(s, words, rows)
@@ -144,10 +141,8 @@ def _keeps(masks, slot, rows, WARPGROUP: gl.constexpr, ROWS: gl.constexpr,
         keep = masks.index(slot).slice(WARPGROUP * ROWS, ROWS, dim=0).load(s_layout) != 0
     elif MASK_KIND == MASK_ROW:
         keep = masks.index(slot).load(s_layout) != 0
-    else:  # the low half of a word is the key's first row, the high half one past its last
-        words = _interval_words(masks, slot, s_layout)
-        start = (words & 0xFFFFFFFF).to(gl.int32)
-        end = (words >> 32).to(gl.int32)
+    else:
+        start, end = _interval_bounds(_interval_words(masks, slot, s_layout))
         keep = (start <= rows[:, None]) & (rows[:, None] < end)
     return keep
 
@@ -163,13 +158,19 @@ def _interval_words(masks, slot, s_layout: gl.constexpr):
 
 
 @gluon.jit
+def _interval_bounds(words):
+    """(start, end) of interval words: the low half of a word is the key's first row, the high
+    half one past its last."""
+    return (words & 0xFFFFFFFF).to(gl.int32), (words >> 32).to(gl.int32)
+
+
+@gluon.jit
 def _hidden_outside_intervals(s, words, rows):
     """``s`` with -inf where row ``rows`` is outside the key's [start, end) (``words``): two
     compares and one select per score. Written as ``gl.where`` of the two compares' and, LLVM
     splits the select in two (sm_90a: 128 ISETP and 128 FSEL per thread and block, here 128
     and 64)."""
-    start = (words & 0xFFFFFFFF).to(gl.int32)
-    end = (words >> 32).to(gl.int32)
+    start, end = _interval_bounds(words)
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.le.s32 p, $2, $4; setp.lt.and.s32 p, $4, $3, p; "
         "selp.f32 $0, $1, 0fFF800000, p; }",

@@ -13,6 +13,17 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
+def join_bias(s, qk_scale, bias_row):
+    """(the scores, the scale still to apply to them): where ``bias_row`` is not None (a key
+    block's [1, BLOCK_N] bias row, in its dtype), ``s`` scaled with the row added, x log2 e,
+    and 1.0, which the folds' multiplications fold away; else ``s`` and ``qk_scale``."""
+    if bias_row is not None:
+        s = s * qk_scale + bias_row.to(gl.float32) * LOG2E
+        qk_scale = 1.0
+    return s, qk_scale
+
+
+@gluon.jit
 def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row,
                 MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
                 o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr,
@@ -25,9 +36,7 @@ def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep
     ``s_layout``) the pairs it does not keep. Where ``bias_row`` is not None (the block's
     [1, BLOCK_N] bias row, in its dtype), it is added, x log2 e, to the scaled scores."""
     BLOCK_N: gl.constexpr = s.shape[1]
-    if bias_row is not None:  # scaled here; the folds below multiply by 1.0, which folds away
-        s = s * qk_scale + bias_row.to(gl.float32) * LOG2E
-        qk_scale = 1.0
+    s, qk_scale = join_bias(s, qk_scale, bias_row)
     if MASKED:
         if KEEP_ENDS_KEYS and not CAUSAL:  # a mask's keep, already a bool tensor
             # Offline sm_90a, a tested block's loop: bool tile 1116 -> 898 instructions, mask
