@@ -261,6 +261,12 @@ def test_split_heads_are_the_default_for_key_ordered_top_w_intervals(monkeypatch
     assert not schedule(bool_mask, HOPPER_OPTIONS).backward.split_heads
     off = normalize_options({**HOPPER_OPTIONS, "backward_split_heads": False})
     assert not schedule(ordered, off).backward.split_heads
+    # A kv_row bias's gradient: rows summed over the group, or split, a row per query head.
+    biased = replace(ordered, bias=OperandLayout((2, 4, 1, 4096), 4), bias_grad=True)
+    split_rows = schedule(biased, HOPPER_OPTIONS).backward.dbias
+    assert not split_rows.sum_group and split_rows.buffer_shape == (2, 16, 1, 4096)
+    assert split_rows.buffer_dtype == torch.float32 and split_rows.bias_shape == (2, 4, 1, 4096)
+    assert schedule(biased, off).backward.dbias.sum_group
     monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_ORDERED_HEADS", False)
     assert not schedule(ordered, HOPPER_OPTIONS).backward.split_heads
 

@@ -15,7 +15,7 @@ import torch
 
 from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
-from .dbias import DbiasMode, DbiasPlan, plan_dbias, plan_packed_dbias
+from .dbias import DbiasMode, DbiasPlan, per_query_head_rows, plan_dbias, plan_packed_dbias
 from .grids import key_splits
 from .hopper_backward import (documents_backward_gap, hopper_backward_gap,
                               takes_hopper_backward)
@@ -428,6 +428,8 @@ def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
         if problem.bias_grad:  # one row per (batch, head): rows summed in the program
             dbias = plan_dbias(problem.bias.shape, problem.bias.head_div, problem.shape,
                                problem.dtype, problem.deterministic, problem.interpreted)
+            if split and dbias.sum_group:  # each program sees one head of the group
+                dbias = per_query_head_rows(dbias, problem.shape)
         return BackwardSchedule(BackwardRoute.HOPPER, dbias, tuning.HOPPER_BACKWARD,
                                 documents, spread, split)
     if route in (None, BackwardRoute.PACKED):

@@ -172,6 +172,15 @@ def plan_dbias(bias_shape: tuple[int, ...], head_div: int, shape: AttnShape, bia
                      serialize_heads=bh == 1 and shape.heads_kv > 1, **common)
 
 
+def per_query_head_rows(plan: DbiasPlan, shape: AttnShape) -> DbiasPlan:
+    """``plan`` (rows summed over the GQA group, ``sum_group``) written instead as a float32
+    row per (batch, query head), which ``finish`` sums over the group: for programs that each
+    walk one query head of a group (the Hopper backward's split heads)."""
+    rows = (shape.batch, shape.heads_q, 1, shape.seqlen_k)
+    return DbiasPlan(DbiasMode.DKDV_ROWS, rows, torch.float32, broadcast_args(rows, rows, 1),
+                     plan.bias_shape, plan.bias_dtype)
+
+
 # The packed backward's bias gradient (``backward_packed``): its programs own whole (batch, kv
 # head) groups of rows and whole key blocks, so each element of its (B, heads, rows, Lk) buffer
 # has one writer and is stored once, never accumulated:

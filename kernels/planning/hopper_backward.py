@@ -208,10 +208,9 @@ class HopperBackwardPlan:
             if fwd.documents is not None:
                 self.documents = self.call_documents(fwd.documents[:2])
         # Split heads: a program per query head of each key block, dK and dV reduce-added into
-        # float32 accumulators, the bias gradient a row per query head summed by ``finish``.
+        # float32 accumulators (the bias gradient's plan is then a row per query head).
         self.split_heads = bwd.split_heads
         units = shape.heads_q if self.split_heads else shape.heads_kv
-        self.group_rows = bool(self.split_heads and dbias and dbias.sum_group)
         self.launch = DescriptorLaunch(
             attention_backward, (shape.batch * units * key_blocks,),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
@@ -219,8 +218,7 @@ class HopperBackwardPlan:
             num_warps=4, CAUSAL=causal, GROUPED_ORDER=order_group is not None,
             DOCUMENTS=self.document_blocks is not None, MASK_KIND=self.kind,
             DETERMINISTIC=problem.deterministic, HAS_BIAS=self.bias_layout is not None,
-            BIAS_GRAD=dbias is not None,
-            BIAS_GROUP_SUM=bool(dbias and dbias.sum_group) and not self.split_heads,
+            BIAS_GRAD=dbias is not None, BIAS_GROUP_SUM=bool(dbias and dbias.sum_group),
             DQ_SPREAD=bwd.dq_spread, SPLIT_HEADS=self.split_heads,
             STAGES=tile.stages,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
@@ -269,12 +267,7 @@ class HopperBackwardPlan:
             mask_args = (rows_desc, rows, 0, 0, 0, 1, 1, 0, 0, 0)
         locks = (torch.zeros(self.lock_count, dtype=torch.int32, device=query.device)
                  if self.lock_count else rows)  # rows: a stand-in never read
-        if self.group_rows:  # a row per query head, summed over the group by ``finish``
-            bias_grad = torch.empty((self.shape.batch, self.shape.heads_q, 1,
-                                     self.shape.seqlen_k), dtype=torch.float32,
-                                    device=query.device)
-        else:
-            bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
+        bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
         bias_args = self._bias_args(bias, bias_grad, rows)
         if walks_documents:
             documents = self.documents or self.call_documents(document_offsets)
