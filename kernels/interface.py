@@ -74,7 +74,12 @@ def _compact_bias(attn_bias):
     Autograd gives an expanded view a dense gradient of the view's full (B, H, Lq, Lk) shape
     before reducing it to the base. Handing the kernel the base itself (the broadcast rule
     covers it) lets the backward reduce over the broadcast axes with no such temporary.
+    A traced call reads sizes and strides only (``ops.bias_base_of``): there a view's base
+    may be known to the trace and absent from the graph it makes.
     """
+    if _is_compiling():
+        base = ops.bias_base_of(attn_bias)
+        return attn_bias if base is None else base
     base = getattr(attn_bias, "_base", None)
     if base is None or base.dim() != 4 or not attn_bias.requires_grad:
         return attn_bias

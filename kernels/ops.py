@@ -219,14 +219,16 @@ _FLAGS = (("bool", "is_causal"), ("float?", "softmax_scale"), ("bool", "determin
 _OPTIONAL = tuple(("Tensor?", name) for name in OPERANDS)
 # ``plan_backward``: a backward will follow; ``bias_needs_grad``: it will make a bias gradient;
 # ``max_kept``: a KeyIntervals mask's ``max_kept``, which decode's gather route sizes its lists
-# by; ``row_kept``: its ``_row_kept``, which the Hopper forward's route reads (the backward
-# reads neither). All four steer the plan, as in eager calls.
+# by; ``row_kept``: its ``_row_kept``, which the Hopper forward's route reads, and the backward
+# (``backward_schedule.split_heads``: key-ordered top-W walks). All steer the plan, as in eager
+# calls.
 _FWD_PARAMS = (("Tensor", "query"), ("Tensor", "key"), ("Tensor", "value"), *_FLAGS,
                ("bool", "plan_backward"), ("bool", "bias_needs_grad"), ("int?", "max_kept"),
                ("int?", "row_kept"), ("bool", "documents_causal"), *_OPTIONAL)
 _BWD_PARAMS = (("Tensor", "grad_out"), ("Tensor", "query"), ("Tensor", "key"),
                ("Tensor", "value"), ("Tensor", "out"), ("Tensor", "lse"), *_FLAGS,
-               ("bool", "bias_needs_grad"), ("bool", "documents_causal"), *_OPTIONAL)
+               ("bool", "bias_needs_grad"), ("int?", "row_kept"), ("bool", "documents_causal"),
+               *_OPTIONAL)
 FWD_SCHEMA = _schema(_FWD_PARAMS, "(Tensor, Tensor)")
 BWD_SCHEMA = _schema(_BWD_PARAMS, "(Tensor, Tensor, Tensor, Tensor)")
 _FWD_INPUTS = tuple(name for _, name in _FWD_PARAMS)  # the order of ``needs_input_grad``
@@ -248,10 +250,10 @@ def attention_fwd(query, key, value, is_causal, softmax_scale, deterministic, pl
 
 @torch.library.custom_op(f"{NAMESPACE}::bwd", mutates_args=(), schema=BWD_SCHEMA)
 def attention_bwd(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
-                  deterministic, bias_needs_grad, documents_causal, *operands):
+                  deterministic, bias_needs_grad, row_kept, documents_causal, *operands):
     optional = Operands(*operands)
     dq, dk, dv, dbias = _backward_impl(grad_out, query, key, value, out, lse,
-                                       host_mask(optional, documents_causal),
+                                       host_mask(optional, documents_causal, row_kept=row_kept),
                                        host_bias(optional), is_causal, softmax_scale,
                                        deterministic, bias_needs_grad)
     return dq, dk, dv, _no_dbias(query) if dbias is None else dbias
@@ -303,7 +305,7 @@ def _grad_like(t: Tensor) -> Tensor:
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softmax_scale,
-                        deterministic, bias_needs_grad, documents_causal, *operands):
+                        deterministic, bias_needs_grad, row_kept, documents_causal, *operands):
     optional = Operands(*operands)
     dq, dk, dv = (_grad_like(t) for t in (query, key, value))
     if not bias_needs_grad:
@@ -315,12 +317,12 @@ def _attention_bwd_fake(grad_out, query, key, value, out, lse, is_causal, softma
 # -- autograd
 
 def _setup_context(ctx, inputs, output):
-    (query, key, value, is_causal, softmax_scale, deterministic, _, _, _, _, documents_causal,
-     *operands) = inputs
+    (query, key, value, is_causal, softmax_scale, deterministic, _, _, _, row_kept,
+     documents_causal, *operands) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *operands)
     ctx.flags = (is_causal, softmax_scale, deterministic)
-    ctx.documents_causal = documents_causal
+    ctx.row_kept, ctx.documents_causal = row_kept, documents_causal
     ctx.mark_non_differentiable(lse)
 
 
@@ -331,7 +333,8 @@ def _backward(ctx, grad_out, grad_lse):
     bias_needs_grad = (getattr(optional, slot) is not None
                        and ctx.needs_input_grad[_FWD_INPUTS.index(slot)])
     dq, dk, dv, dbias = attention_bwd(grad_out, query, key, value, out, lse, *ctx.flags,
-                                      bias_needs_grad, ctx.documents_causal, *operands)
+                                      bias_needs_grad, ctx.row_kept, ctx.documents_causal,
+                                      *operands)
     grads = dict.fromkeys(_FWD_INPUTS)
     grads.update(query=dq, key=dk, value=dv)
     grads[slot] = dbias if bias_needs_grad else None

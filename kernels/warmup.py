@@ -38,7 +38,7 @@ import torch
 from .interface import dmattn_func
 from .masks.intervals import KeyIntervals
 from .masks.topk import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, kept_union, orders_keys
-from .planning.backward_schedule import dkdv_takes_wide_tile
+from .planning.backward_schedule import dkdv_takes_wide_tile, split_heads
 from .planning.forward import interpreted
 from .planning.forward_schedule import interval_tile_rows
 from .planning.gather_decode import lists_pay
@@ -137,15 +137,24 @@ def wide_tile_threshold(batch: int, heads_q: int, heads_kv: int, head_dim: int, 
 
 
 def hopper_backward_threshold(batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
-                              device, is_causal: bool, limit: int) -> int | None:
+                              device, is_causal: bool, limit: int,
+                              whole_groups: bool = False) -> int | None:
     """The shortest length L <= ``limit`` from which a call with L query rows and L keys takes
     the Hopper backward by default (``hopper_backward.takes_hopper_backward``: its query blocks
-    walked per key block grow with L), or None (never, or not on this GPU)."""
+    walked per key block grow with L), or with ``whole_groups`` takes it with a program per GQA
+    group rather than per query head (``backward_schedule.split_heads``: the longest walk's
+    share falls with L); None: never, or not on this GPU."""
     gpu = capability(torch.device(device), interpreted())
     if gpu is None:
         return None
-    return first_length(lambda seqlen: takes_hopper_backward(square_problem(
-        seqlen, batch, heads_q, heads_kv, head_dim, dtype, device, is_causal, gpu)), limit)
+
+    def holds(seqlen: int) -> bool:
+        problem = square_problem(seqlen, batch, heads_q, heads_kv, head_dim, dtype, device,
+                                 is_causal, gpu)
+        split = split_heads(problem, {}, documents=False)
+        return takes_hopper_backward(problem, split) and not (whole_groups and split)
+
+    return first_length(holds, limit)
 
 
 def threshold_lengths(lengths, threshold: int | None) -> tuple[int, ...]:
@@ -200,9 +209,12 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
         for kv_heads in {heads_kv, heads_q if selection_heads == heads_q else heads_kv}:
             lengths = list(threshold_lengths(lengths, wide_tile_threshold(
                 batch, heads_q, kv_heads, head_dim, dtype, device, max(lengths))))
-        # and the Hopper backward takes over at one length
-        lengths = list(threshold_lengths(lengths, hopper_backward_threshold(
-            batch, heads_q, heads_kv, head_dim, dtype, device, is_causal, max(lengths))))
+        # and the Hopper backward takes over at one length, its programs whole GQA groups
+        # (rather than query heads) from another
+        for whole_groups in (False, True):
+            lengths = list(threshold_lengths(lengths, hopper_backward_threshold(
+                batch, heads_q, heads_kv, head_dim, dtype, device, is_causal, max(lengths),
+                whole_groups)))
     return tuple(lengths)
 
 

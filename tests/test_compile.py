@@ -10,6 +10,7 @@ under Triton's interpreter), and one case runs Inductor, to which the ops are op
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 from kernels import KeyIntervals, attention_reference, dmattn_func, ops, prepare_mask
-from kernels import topk_intervals
+from kernels import call_plan, topk_intervals
+from kernels.planning import backward_schedule
 
 from attn_helpers import (Dims, SyncWatch, assert_close_to_reference, grads_of, random_bias,
                           random_mask, random_qkv)
@@ -372,7 +374,7 @@ def test_fake_implementations_agree_with_the_kernels(device):
     for biases in ((bias, None), (expanded(bias, q, k), bias)):
         for bias_needs_grad in (True, False):
             args = (torch.randn_like(out), q, k, v, out, lse, True, None, False,
-                    bias_needs_grad, False, *operands(mask, *biases))
+                    bias_needs_grad, None, False, *operands(mask, *biases))
             torch.library.opcheck(torch.ops.dmattn.bwd.default, args)
             assert_fake_matches_real(torch.ops.dmattn.bwd.default, args)
 
@@ -391,15 +393,16 @@ def test_ops_never_wait_for_the_device(device):
     flags, optional = (True, None, True), operands(mask, bias, None)
     with SyncWatch() as watch:
         out, lse = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, None, None, False, *optional)
-        grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *flags, True, False, *optional)
+        grads = torch.ops.dmattn.bwd(grad_out, q, k, v, out, lse, *flags, True, None, False,
+                                     *optional)
     assert not watch.syncs, f"ops that wait for the device: {watch.syncs}"
     if device.type != "cuda":
         return
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = torch.ops.dmattn.fwd(q, k, v, *flags, True, True, None, None, False, *optional)
-        captured += torch.ops.dmattn.bwd(grad_out, q, k, v, *captured, *flags, True, False,
-                                             *optional)
+        captured += torch.ops.dmattn.bwd(grad_out, q, k, v, *captured, *flags, True, None,
+                                             False, *optional)
     graph.replay()
     for got, want in zip(captured, (out, lse, *grads)):
         assert torch.equal(got, want)
@@ -444,6 +447,43 @@ def test_given_ordered_intervals_are_reordered_inside_the_graph(device):
     assert counter.frame_count == 1 and not ordered._reordered
     assert not torch.equal(first["out"], second["out"])
     assert_bitwise_equal(second, run(module, q, k, v, ordered, grad_out))
+
+
+def test_ordered_intervals_take_a_bias_expanded_inside_the_graph(device):
+    """Ordered KeyIntervals with a bias parameter expand()ed inside the compiled function (the
+    trace sees the view's base, the graph it makes does not): one graph, eager's bits."""
+    q, k, v, _, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+    selection = torch.randn(1, DIMS.heads_kv, 1, DIMS.seqlen_k,
+                            generator=torch.Generator().manual_seed(6)).to(device)
+    ordered = topk_intervals(selection, 5, seqlen_q=DIMS.seqlen_q, order_keys=True)
+    module = Attention(bias, bias_view=expanded, is_causal=True, return_lse=True,
+                       deterministic=True)
+    compiled, counter = compile_counted(module)
+    got = run(compiled, q, k, v, ordered, grad_out)
+    assert counter.frame_count == 1
+    assert_bitwise_equal(got, run(module, q, k, v, ordered, grad_out))
+
+
+def test_the_backward_op_plans_with_the_intervals_row_bound(device, monkeypatch):
+    """The bwd op rebuilds the intervals with their row bound (``_row_kept``) as the fwd op
+    does, so both plan the eager call's schedule: the backward's reads it
+    (``backward_schedule.split_heads``: key-ordered top-W walks split a GQA group's heads)."""
+    bounds = []
+    split_heads = backward_schedule.split_heads
+
+    def recording(problem, options, documents):
+        bounds.append(problem.row_kept)
+        return split_heads(problem, options, documents)
+
+    monkeypatch.setattr(backward_schedule, "split_heads", recording)
+    monkeypatch.setattr(call_plan, "_interval_plans", OrderedDict())  # no plan of another test
+    q, k, v, _, bias, grad_out = problem(DIMS, "BxHkx1xLk", device)
+    selection = torch.randn(1, DIMS.heads_kv, 1, DIMS.seqlen_k,
+                            generator=torch.Generator().manual_seed(5)).to(device)
+    ordered = topk_intervals(selection, 5, seqlen_q=DIMS.seqlen_q, order_keys=True)
+    compiled, _ = compile_counted(Attention(bias, is_causal=True))
+    run(compiled, q, k, v, ordered, grad_out)
+    assert bounds and set(bounds) == {5}
 
 
 @pytest.mark.parametrize("mask_kind", ("none", "bool", "intervals", "top_window"))

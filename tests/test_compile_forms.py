@@ -18,8 +18,8 @@ from kernels.runtime import launch as _launch
 from kernels import topk_intervals
 from kernels.planning.inputs import AttnShape
 from kernels.planning import tuning
-from kernels.planning.backward_schedule import dkdv_takes_wide_tile
-from kernels.planning.hopper_backward import takes_hopper_backward
+from kernels.planning.backward_schedule import (BackwardRoute, dkdv_takes_wide_tile,
+                                                 schedule_backward)
 from kernels.planning.forward_schedule import forward_tile, interval_tile_rows
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.masks.topk import orders_keys
@@ -282,29 +282,35 @@ def test_wide_tile_threshold_is_where_dkdv_changes_tiles(monkeypatch, batch, hea
 
 
 @pytest.mark.parametrize("head_dim, is_causal", [(128, False), (128, True), (64, False)])
-def test_warmup_lengths_straddle_the_hopper_backwards_threshold(monkeypatch, head_dim,
-                                                                is_causal):
+def test_warmup_lengths_straddle_the_hopper_backwards_thresholds(monkeypatch, head_dim,
+                                                                 is_causal):
     """On a Hopper GPU the default backward turns to the Hopper route at one length
-    (``hopper_backward.takes_hopper_backward``); a warm-up across it calls on both sides."""
+    (``hopper_backward.takes_hopper_backward``), its programs a query head each first where the
+    grid is short (``backward_schedule.split_heads``) and whole GQA groups from another length;
+    a warm-up across them calls on both sides of each."""
     warmup_module = importlib.import_module("kernels.warmup")
     monkeypatch.setattr(warmup_module, "interpreted", lambda: False)
     monkeypatch.setattr(warmup_module, "multiprocessors", lambda device, interpreted: 132)
     monkeypatch.setattr(warmup_module, "capability", lambda device, interpreted: (9, 0))
 
-    def hopper(seqlen):
-        return takes_hopper_backward(warmup_module.square_problem(
-            seqlen, 2, 16, 4, head_dim, torch.bfloat16, "cuda", is_causal, (9, 0)))
+    def route(seqlen):
+        backward = schedule_backward(warmup_module.square_problem(
+            seqlen, 2, 16, 4, head_dim, torch.bfloat16, "cuda", is_causal, (9, 0)), {})
+        hopper = backward.route is BackwardRoute.HOPPER
+        return hopper, hopper and not backward.split_heads
 
-    threshold = warmup_module.hopper_backward_threshold(2, 16, 4, head_dim, torch.bfloat16,
-                                                        "cuda", is_causal, 1 << 16)
-    assert threshold is not None and hopper(threshold) and not hopper(threshold - 1)
     lengths = warmup_module.call_lengths((256, 1 << 16), batch=2, heads_q=16, heads_kv=4,
                                          head_dim=head_dim, dtype=torch.bfloat16,
                                          device="cuda", mask="none", backward=True,
                                          window=None, selection_heads=None,
                                          is_causal=is_causal)
-    near = sorted(n for n in lengths if abs(n - threshold) < 17)
-    assert {hopper(n) for n in near} == {True, False}
+    for whole_groups in (False, True):
+        threshold = warmup_module.hopper_backward_threshold(
+            2, 16, 4, head_dim, torch.bfloat16, "cuda", is_causal, 1 << 16, whole_groups)
+        assert threshold is not None
+        assert route(threshold)[whole_groups] and not route(threshold - 1)[whole_groups]
+        near = sorted(n for n in lengths if abs(n - threshold) < 17)
+        assert {route(n)[whole_groups] for n in near} == {True, False}
     monkeypatch.setattr(warmup_module, "capability", lambda device, interpreted: (8, 0))
     assert warmup_module.hopper_backward_threshold(2, 16, 4, head_dim, torch.bfloat16, "cuda",
                                                    is_causal, 1 << 16) is None

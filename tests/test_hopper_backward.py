@@ -73,16 +73,25 @@ def test_the_default_takes_the_hopper_backward_where_it_was_measured_ahead(seqle
     assert (schedule(problem).backward.route is BackwardRoute.HOPPER) == hopper
 
 
-@pytest.mark.parametrize("batch, heads_kv, seqlen, hopper", [
-    (1, 4, 4096, False),  # headdim.yaml: share 2.0, Hopper 0.81-0.98x Triton's
-    (1, 4, 8192, True),  # models.yaml: about 1.0, 1.25x
-    (2, 4, 4096, True),  # dense.yaml: 1.0
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen, hopper, split", [
+    (1, 16, 4, 4096, True, True),  # headdim.yaml: share 2.0 whole, 0.5 a program per head
+    (1, 4, 4, 4096, False, False),  # 2.0, and a group of one has nothing to split
+    (1, 16, 4, 1024, False, False),  # 7.3 whole, 1.8 split
+    (1, 16, 4, 8192, True, False),  # models.yaml: about 1.0, 1.25x
+    (2, 16, 4, 4096, True, False),  # dense.yaml: 1.0
 ])
-def test_the_default_leaves_grids_waiting_on_their_longest_program_to_triton(batch, heads_kv,
-                                                                             seqlen, hopper):
-    shape = sized(batch=batch, heads_q=16, heads_kv=heads_kv, seqlen_q=seqlen, seqlen_k=seqlen)
+def test_grids_waiting_on_their_longest_program_split_heads_or_take_triton(
+        monkeypatch, batch, heads_q, heads_kv, seqlen, hopper, split):
+    shape = sized(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen,
+                  seqlen_k=seqlen)
     problem = dense_problem(shape=shape)
-    assert (schedule(problem).backward.route is BackwardRoute.HOPPER) == hopper
+    backward = schedule(problem).backward
+    assert (backward.route is BackwardRoute.HOPPER) == hopper
+    assert (hopper and backward.split_heads) == split
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_LONG_WALKS", False)
+    backward = schedule(problem).backward
+    assert (backward.route is BackwardRoute.HOPPER) == (hopper and not split)
+    assert not backward.split_heads
 
 
 def test_the_longest_walk_share_compares_one_program_with_the_even_share():
@@ -90,6 +99,8 @@ def test_the_longest_walk_share_compares_one_program_with_the_even_share():
     (256), the 128 programs together 4 x 4 x 1056 over 132 multiprocessors (128): share 2."""
     causal = dense_problem(shape=sized(batch=1, seqlen_q=4096, seqlen_k=4096))
     assert longest_walk_share(causal) == pytest.approx(256 / (16 * 1056 / 132))
+    # A program per query head walks 64 of the 512 programs' 16 x 1056.
+    assert longest_walk_share(causal, split_heads=True) == pytest.approx(64 / (16 * 1056 / 132))
     few = replace(causal, is_causal=False, shape=sized(batch=1, heads_q=4, heads_kv=4))
     assert longest_walk_share(few) == pytest.approx(132 / (4 * 32))  # 128 programs, one wave
     assert longest_walk_share(replace(causal, multiprocessors=4096)) > 30

@@ -18,7 +18,7 @@ from . import tuning
 from .dbias import DbiasMode, DbiasPlan, per_query_head_rows, plan_dbias, plan_packed_dbias
 from .grids import key_splits
 from .hopper_backward import (documents_backward_gap, hopper_backward_gap,
-                              takes_hopper_backward)
+                              splitting_balances, takes_hopper_backward)
 from .problem import Problem
 
 
@@ -385,18 +385,22 @@ def ordered_walks(problem: Problem) -> bool:
 def split_heads(problem: Problem, options: dict, documents: bool) -> bool:
     """Whether the Hopper backward, where it runs, gives each query head of a GQA group its
     own programs (``tiles.KeyBlockWork``'s SPLIT_HEADS: dK and dV reduce-added into float32
-    accumulators, a bias gradient row per query head summed after): by default for
-    ``ordered_walks`` (``tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS``), whose key blocks walk
-    very different numbers of query blocks while a program walks its block once per head of
-    the group, so that the longest walks outlast the grid; ``options['backward_split_heads']``
-    True forces it (a ValueError where it cannot: no group to split, deterministic
-    gradients, packed documents, or another route forced), False keeps it off."""
+    accumulators, a bias gradient row per query head summed after). A program of a whole
+    group walks its key block once per head of the group, so a grid waits on its longest
+    walks where they are long against the even share: by default split for ``ordered_walks``
+    (``tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS``: their first key blocks walk nearly every
+    query block) and where the dense walks' longest share is too long whole and not split
+    (``hopper_backward.splitting_balances``; ``tuning.HOPPER_BACKWARD_SPLIT_LONG_WALKS``);
+    ``options['backward_split_heads']`` True forces it (a ValueError where it cannot: no
+    group to split, deterministic gradients, packed documents, or another route forced),
+    False keeps it off."""
     asked = options.get("backward_split_heads")
     splittable = (problem.shape.group_size > 1 and not problem.deterministic
                   and not documents)
     if asked is None:
-        return (tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS and splittable
-                and ordered_walks(problem))
+        return splittable and (
+            (tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS and ordered_walks(problem))
+            or (tuning.HOPPER_BACKWARD_SPLIT_LONG_WALKS and splitting_balances(problem)))
     if not asked:
         return False
     _refuse_other_route("backward_split_heads", options)
@@ -421,7 +425,7 @@ def schedule_backward(problem: Problem, options: dict) -> BackwardSchedule:
         if gap is not None:
             raise ValueError(f"kernel_options['backward']: 'hopper' does not cover this call: "
                              f"{gap}")
-    elif route is None and takes_hopper_backward(problem):
+    elif route is None and takes_hopper_backward(problem, split):
         route = BackwardRoute.HOPPER
     if route is BackwardRoute.HOPPER:
         dbias = None

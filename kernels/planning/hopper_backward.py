@@ -111,29 +111,43 @@ def mean_query_blocks(problem: Problem, tile: tuning.HopperBackwardTile = tuning
 
 
 def longest_walk_share(problem: Problem,
-                       tile: tuning.HopperBackwardTile = tuning.HOPPER_BACKWARD) -> float:
+                       tile: tuning.HopperBackwardTile = tuning.HOPPER_BACKWARD,
+                       split_heads: bool = False) -> float:
     """The longest program's walk over the mean work of a multiprocessor: a program walks its
-    key block's query blocks for every query head of its GQA group, one after another, so the
-    backward takes at least the longest walk, and at least the total over the multiprocessors.
-    Above 1 the longest program outlasts the even share (a grid of fewer programs than
-    multiprocessors, or a causal grid of long diagonal walks and few heads)."""
-    return _longest_share(problem, query_walks(problem, tile))
+    key block's query blocks for every query head of its GQA group, one after another (with
+    ``split_heads``, for one query head), so the backward takes at least the longest walk, and
+    at least the total over the multiprocessors. Above 1 the longest program outlasts the even
+    share (a grid of fewer programs than multiprocessors, or a causal grid of long diagonal
+    walks and few heads)."""
+    return _longest_share(problem, query_walks(problem, tile), split_heads)
 
 
-def _longest_share(problem: Problem, walks: list[int]) -> float:
+def _longest_share(problem: Problem, walks: list[int], split_heads: bool) -> float:
     if not walks:
         return 0.0
-    # A program walks its key block for each of the group's heads; the group cancels.
-    programs = problem.shape.batch * problem.shape.heads_kv
+    # A whole group's program walks its key block once per head of the group: the group
+    # cancels, leaving the programs of one head's walks.
+    shape = problem.shape
+    programs = shape.batch * (shape.heads_q if split_heads else shape.heads_kv)
     return max(walks) * problem.multiprocessors / (sum(walks) * programs)
 
 
-def takes_hopper_backward(problem: Problem) -> bool:
+def splitting_balances(problem: Problem) -> bool:
+    """Whether a program per query head brings the grid's longest walk within
+    ``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE`` of the even share where whole GQA groups
+    do not (B1 H16/4 L4096 causal: 2.0 whole, 0.5 split)."""
+    most = tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE
+    walks = query_walks(problem)
+    return (_longest_share(problem, walks, False) > most
+            and _longest_share(problem, walks, True) <= most)
+
+
+def takes_hopper_backward(problem: Problem, split_heads: bool = False) -> bool:
     """The schedule's default: the Hopper backward where it covers the problem, each key
     block's program walks enough query blocks to lead the Triton backward
     (``tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS`` and the measurements beside it), and no
-    program's walk outlasts the grid's even share by much
-    (``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE``)."""
+    program's walk (one per query head with ``split_heads``) outlasts the grid's even share by
+    much (``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE``)."""
     if hopper_backward_gap(problem) is not None:
         return False
     if problem.deterministic:
@@ -147,7 +161,8 @@ def takes_hopper_backward(problem: Problem) -> bool:
     walks = query_walks(problem)
     if not walks or sum(walks) / len(walks) < least:
         return False
-    return _longest_share(problem, walks) <= tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE
+    return (_longest_share(problem, walks, split_heads)
+            <= tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE)
 
 
 def backward_list_tile(problem: Problem) -> tuple[int, int] | None:

@@ -295,6 +295,19 @@ HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE = 1.5
 # 752, L32768 2632 / 3611 (fwd+bwd 3730 / 4707); unordered intervals (B2 L4096 W1024,
 # causal) lose, 1042 / 876, so they keep whole groups.
 HOPPER_BACKWARD_SPLIT_ORDERED_HEADS = True
+# Whether a grid whose longest walk outlasts the even share by more than
+# HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE with whole GQA groups, and not with a program per query
+# head, takes the Hopper backward split (``hopper_backward.splitting_balances``) rather than
+# the Triton backward. Counted on the CPU (one program per multiprocessor, in query-block
+# steps): B1 H16/4 L4096 causal, the grid's last program ends at 258 steps whole and 138 split.
+# H200, bf16, backward GPU time in one process, split / the default before (Triton's, or the
+# Hopper backward of whole groups where a mask took it): headdim.yaml's B1 H16/4 L4096 causal
+# top-W1024 bool mask and kv_row bias D32 262 / 468 us, D64 285 / 487, D80 446 / 713, D96
+# 452 / 716, D128 447 / 691; its KeyIntervals D128 542 / 655; gqa.yaml's B2 L2048 337 / 374;
+# window.yaml's B1 H2/1 D64 L16384 W1024 495 / 911; dense causal B1 H16/4 L4096 371 / 489,
+# B2 L2048 245 / 294, B2 L1024 94 / 115; dense B2 H16/4 non-causal L1024 127 / 159, L833 108 /
+# 132, L512 48 / 54.
+HOPPER_BACKWARD_SPLIT_LONG_WALKS = True
 # deterministic=True (dQ's adds ordered by a lock per query block): non-causal walk 32 (L2048)
 # 0.96x, 128 (L8192) 1.13x; causal 0.79x (L2048) and 0.89x (L8192) stay on Triton's.
 HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64
