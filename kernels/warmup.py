@@ -38,11 +38,10 @@ import torch
 from .interface import dmattn_func
 from .masks.intervals import KeyIntervals
 from .masks.topk import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, kept_union, orders_keys
-from .planning.backward_schedule import dkdv_takes_wide_tile, split_heads
+from .planning.backward_schedule import BackwardRoute, dkdv_takes_wide_tile, schedule_backward
 from .planning.forward import interpreted
 from .planning.forward_schedule import interval_tile_rows
 from .planning.gather_decode import lists_pay
-from .planning.hopper_backward import takes_hopper_backward
 from .planning.inputs import AttnShape
 from .planning.problem import Problem
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
@@ -148,11 +147,11 @@ def hopper_backward_threshold(batch: int, heads_q: int, heads_kv: int, head_dim:
     if gpu is None:
         return None
 
-    def holds(seqlen: int) -> bool:
-        problem = square_problem(seqlen, batch, heads_q, heads_kv, head_dim, dtype, device,
-                                 is_causal, gpu)
-        split = split_heads(problem, {}, documents=False)
-        return takes_hopper_backward(problem, split) and not (whole_groups and split)
+    def holds(seqlen: int) -> bool:  # the default schedule's own decision
+        backward = schedule_backward(square_problem(
+            seqlen, batch, heads_q, heads_kv, head_dim, dtype, device, is_causal, gpu), {})
+        return (backward.route is BackwardRoute.HOPPER
+                and not (whole_groups and backward.split_heads))
 
     return first_length(holds, limit)
 
