@@ -23,8 +23,8 @@ from kernels import record_routes
 from kernels.planning import tuning
 from kernels.runtime.arith import LOG2E
 from kernels.planning.backward_schedule import BackwardRoute
-from kernels.planning.hopper_backward import (backward_list_tile, causal_order_group,
-                                              dq_from_spread, hopper_backward_gap,
+from kernels.planning.hopper_backward import (backward_list_tile, dq_from_spread,
+                                              grid_order_group, hopper_backward_gap,
                                               loader_rows, longest_walk_share,
                                               mean_query_blocks)
 from kernels.planning.problem import OperandLayout, Problem
@@ -121,13 +121,27 @@ def test_the_mean_walk_counts_the_query_blocks_each_key_block_sees():
 
 def test_the_causal_grid_orders_in_groups_only_where_asked(monkeypatch):
     causal = dense_problem(shape=sized(seqlen_q=2048, seqlen_k=2048))  # 16 key blocks
-    assert causal_order_group(causal, 16) == 33  # 4 waves by default: 4 x 132 / 16
+    assert grid_order_group(causal, 16, 8) == 33  # 4 waves by default: 4 x 132 / 16
     monkeypatch.setattr(tuning, "HOPPER_BACKWARD_CAUSAL_GROUP_WAVES", None)
-    assert causal_order_group(causal, 16) is None
+    assert grid_order_group(causal, 16, 8) is None
     monkeypatch.setattr(tuning, "HOPPER_BACKWARD_CAUSAL_GROUP_WAVES", 2)
-    assert causal_order_group(causal, 16) == 17  # 2 x 132 programs over 16 key blocks
-    assert causal_order_group(causal, 1000) == 1
-    assert causal_order_group(replace(causal, is_causal=False), 16) is None
+    assert grid_order_group(causal, 16, 8) == 17  # 2 x 132 programs over 16 key blocks
+    assert grid_order_group(causal, 1000, 8) == 1
+    assert grid_order_group(replace(causal, is_causal=False), 16, 8) is None
+
+
+def test_key_ordered_intervals_start_their_longest_walks_first(monkeypatch):
+    """Key-ordered top-W intervals run non-causal with their longest walks in the first key
+    blocks: the grid goes by key block over all units by default, in groups where the tuning
+    asks; the same intervals causal (not ordered) keep the causal groups, and a non-causal
+    grid of intervals without their order goes by unit."""
+    intervals = dict(mask=OperandLayout((2, 4, 1, 4096), 4), tma_mask=True, intervals=True)
+    ordered = dense_problem(**intervals, row_kept=1024, is_causal=False)
+    assert grid_order_group(ordered, 32, 32) == 32
+    assert grid_order_group(replace(ordered, is_causal=True), 32, 32) == 17  # 4 x 132 / 32
+    assert grid_order_group(replace(ordered, row_kept=None), 32, 32) is None
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_ORDERED_GROUP_WAVES", 2)
+    assert grid_order_group(ordered, 32, 32) == 9  # 2 x 132 / 32
 
 
 @pytest.mark.parametrize("changes, reason", [

@@ -209,7 +209,7 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "documents-backward"),
     ("float16", 64, False, "biased-documents-backward"),
     ("bfloat16", 128, False, "spread-backward"),
-    ("bfloat16", 128, False, "biased-split-intervals-backward")],
+    ("bfloat16", 128, False, "biased-split-grouped-intervals-backward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
@@ -220,7 +220,7 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "biased-masked-forward-fp16-d64-full", "documents-forward-bf16-d128-causal",
          "biased-documents-forward-fp16-d64-full", "documents-backward-bf16-d128-causal",
          "biased-documents-backward-fp16-d64-full", "spread-backward-bf16-d128-full",
-         "biased-split-intervals-backward-bf16-d128-full"])
+         "biased-split-grouped-intervals-backward-bf16-d128-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -255,7 +255,7 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
         kernel = _compile_backward(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
                                    deterministic=form == "deterministic-backward",
                                    bias=form.startswith("biased"),
-                                   grouped=form == "grouped-backward",
+                                   grouped="grouped" in form,
                                    documents="documents" in form,
                                    spread=form == "spread-backward", split="split" in form)
     elif form.endswith("forward"):

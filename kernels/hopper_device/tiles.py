@@ -227,10 +227,12 @@ class KeyBlockWork:
     together (its Q and dO rows are read from L2 by all of them); with causality programs
     start in the order of their key block, those walking the most query blocks first (H200,
     B2 H16/4 L4096 D64: 1.08 -> 0.82 ms; with it, non-causal D128 L8192 ran 4% slower). With
-    GROUPED_ORDER (causal, ``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``) the (batch, key
-    head)s go in groups of ``order_group``, each group's programs in the order of their key
-    block: the programs in flight add dQ into fewer heads' rows (H200, B8 H16 L2048 D128:
-    1.26 -> 0.92 ms). With SPLIT_HEADS a program walks one query head of the group (a grid of
+    GROUPED_ORDER the (batch, key head)s go in groups of ``order_group``, each group's
+    programs in the order of their key block: causal, the programs in flight add dQ into fewer
+    heads' rows (``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``; H200, B8 H16 L2048 D128: 1.26
+    -> 0.92 ms); for KeyIntervals in their key order, which run non-causal and whose first key
+    blocks walk the most query blocks, the longest walks start first
+    (``tuning.HOPPER_BACKWARD_ORDERED_GROUP_WAVES``). With SPLIT_HEADS a program walks one query head of the group (a grid of
     (key blocks) x (batch x query heads), ordered as above with query heads in place of key
     heads): a key block's walks over the group's heads, otherwise one after another in one
     program, run in parallel programs, and its dK and dV are the sums of their partials."""
@@ -296,7 +298,7 @@ class KeyBlockWork:
         key_blocks = gl.cdiv(self.seqlen_k, self.BLOCK_N)
         pid = gl.program_id(0)
         units = gl.num_programs(0) // key_blocks
-        if self.CAUSAL and self.GROUPED_ORDER:
+        if self.GROUPED_ORDER:
             programs = self.order_group * key_blocks  # a full group's
             first_unit = (pid // programs) * self.order_group
             units_here = gl.minimum(units - first_unit, self.order_group)  # the last: fewer

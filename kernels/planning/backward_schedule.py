@@ -17,7 +17,7 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .dbias import DbiasMode, DbiasPlan, per_query_head_rows, plan_dbias, plan_packed_dbias
 from .grids import key_splits
-from .hopper_backward import (documents_backward_gap, hopper_backward_gap,
+from .hopper_backward import (documents_backward_gap, hopper_backward_gap, ordered_walks,
                               splitting_balances, takes_hopper_backward)
 from .problem import Problem
 
@@ -372,14 +372,6 @@ def dq_spread(problem: Problem, options: dict) -> bool:
         raise ValueError(f"kernel_options['backward_dq_spread']: spreads head dim 128's "
                          f"columns, not {problem.shape.head_dim}'s")
     return True
-
-
-def ordered_walks(problem: Problem) -> bool:
-    """Whether the call's mask is KeyIntervals of at most W keys a row read in their key
-    order (``topk_intervals``' top-W form: causality folded in, so the call runs non-causal):
-    the order puts the keys most rows keep in the first key blocks, which walk nearly every
-    query block, and the rest in blocks of short walks."""
-    return problem.intervals and problem.row_kept is not None and not problem.is_causal
 
 
 def split_heads(problem: Problem, options: dict, documents: bool) -> bool:

@@ -209,7 +209,8 @@ class HopperBackwardPlan:
             self.list_tile = (tile.block_n, tile.block_m)  # keys on rows (transposed)
         self.lists_activity = fwd.lists_activity  # the map a call's lists come from
         key_blocks = ceil_div(shape.seqlen_k, tile.block_n)
-        order_group = causal_order_group(problem, key_blocks)
+        units = shape.batch * (shape.heads_q if bwd.split_heads else shape.heads_kv)
+        order_group = grid_order_group(problem, key_blocks, units)
         causal = problem.is_causal
         # Packed documents: every sequence's key blocks (``document_key_blocks``' order), built
         # once for prepared intervals (the plan is theirs), else per call from its offsets;
@@ -225,9 +226,8 @@ class HopperBackwardPlan:
         # Split heads: a program per query head of each key block, dK and dV reduce-added into
         # float32 accumulators (the bias gradient's plan is then a row per query head).
         self.split_heads = bwd.split_heads
-        units = shape.heads_q if self.split_heads else shape.heads_kv
         self.launch = DescriptorLaunch(
-            attention_backward, (shape.batch * units * key_blocks,),
+            attention_backward, (units * key_blocks,),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv, shape.group_size,
              order_group or 1, problem.softmax_scale * LOG2E, problem.softmax_scale),
             num_warps=4, CAUSAL=causal, GROUPED_ORDER=order_group is not None,
@@ -342,13 +342,32 @@ class HopperBackwardPlan:
                 *word_strides)
 
 
-def causal_order_group(problem: Problem, key_blocks: int) -> int | None:
-    """(batch, key head)s per group of the causal grid's order
-    (``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES``): enough that a group's programs fill that
-    many waves of one program per multiprocessor. None: one order by key block over all of
-    them (every non-causal grid, or where the tuning asks for none)."""
-    waves = tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES
-    if waves is None or not problem.is_causal:
+def ordered_walks(problem: Problem) -> bool:
+    """Whether the call's mask is KeyIntervals of at most W keys a row read in their key
+    order (``topk_intervals``' top-W form: causality folded in, so the call runs non-causal):
+    the order puts the keys most rows keep in the first key blocks, which walk nearly every
+    query block, and the rest in blocks of short walks."""
+    return problem.intervals and problem.row_kept is not None and not problem.is_causal
+
+
+def grid_order_group(problem: Problem, key_blocks: int, units: int) -> int | None:
+    """Units (a (batch, key head), or a (batch, query head) with split heads) per group of
+    the grid's order by key block (``tiles.KeyBlockWork``'s GROUPED_ORDER), for a grid of
+    ``units`` x ``key_blocks`` programs: causal, enough that a group's programs fill
+    ``tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES`` waves of one program per multiprocessor;
+    for ``ordered_walks``, ``tuning.HOPPER_BACKWARD_ORDERED_GROUP_WAVES`` likewise, all
+    ``units`` where it is None (every unit's first key blocks, the longest walks, start
+    first). None: no groups (a causal grid's one order by key block where its tuning asks
+    for none; a non-causal grid's order by unit)."""
+    if problem.is_causal:
+        waves = tuning.HOPPER_BACKWARD_CAUSAL_GROUP_WAVES
+    elif ordered_walks(problem):
+        waves = tuning.HOPPER_BACKWARD_ORDERED_GROUP_WAVES
+        if waves is None:
+            return units
+    else:
+        return None
+    if waves is None:
         return None
     return max(1, ceil_div(int(waves * problem.multiprocessors), key_blocks))
 

@@ -259,6 +259,15 @@ HOPPER_BACKWARD = HopperBackwardTile(64, 128, 2, 240, 24)
 # Without groups the programs in flight at L2048 spread their reduce-adds over all 128 heads'
 # dQ rows (134 MB of float32, more than the L2 holds).
 HOPPER_BACKWARD_CAUSAL_GROUP_WAVES: float | None = 4
+# KeyIntervals in their key order (``hopper_backward.ordered_walks``) run non-causal, their first
+# key blocks walking nearly every query block: their programs start in the order of their key
+# block, in groups of units filling about this many waves (None: one order over all units).
+# Counted on the CPU (walks of 64-row steps, +2 a program, 132 multiprocessors, split heads),
+# the grid's last program ends at, by unit / by key block over all units / sorted longest
+# first (the even share): B2 H16/4 L8192 W1024 475 / 390 / 390 (389); B1 H16/4 L16384 W1024
+# 583 / 416 / 415 (414); B1 H12/4 D64 L32768 W2048 1374 / 1108 / 1039 (1038); by key block in
+# groups of 4 or 8 units: 462 and 437 at L8192.
+HOPPER_BACKWARD_ORDERED_GROUP_WAVES: float | None = None
 # Where the schedule's default takes the Hopper backward: the mean number of BLOCK_M query
 # blocks a key block's program walks (``hopper_backward.mean_query_blocks``; a mask's lists
 # not counted) at least this. H200, bf16, backward alone, B x L = 16384, H16, Hopper over the
