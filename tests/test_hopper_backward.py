@@ -16,7 +16,7 @@ import torch
 
 from attn_helpers import (Dims, forcing, random_bias, random_intervals, random_mask,
                           random_qkv, run_backward)
-from kernels import prepare_mask
+from kernels import prepare_mask, topk_intervals
 from hopper_helpers import (MASKED_SHAPES, band, fuzzed_dims, fuzzed_mask, hopper_problem,
                             shape_id, sized)
 from kernels import record_routes
@@ -448,6 +448,42 @@ def test_masked_hopper_backward_on_random_shapes(device):
         if rng.random() < 0.3:
             mask = prepare_mask(mask, q, k, is_causal=causal)
         _backward_on_hopper(q, k, v, causal, mask)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes, window", [((2, 1000, 1000, 8, 2, 128), 100),
+                                           ((1, 1537, 1537, 6, 3, 64), 300),
+                                           ((3, 700, 700, 4, 1, 80), 64)],
+                         ids=lambda v: shape_id(v) if isinstance(v, tuple) else f"W{v}")
+@pytest.mark.parametrize("split", [None, False], ids=["default", "whole-groups"])
+def test_key_ordered_top_w_backward_walks_longest_first_and_matches(device, monkeypatch,
+                                                                    no_kept_plans, sizes,
+                                                                    window, split):
+    """Key-ordered top-W intervals of a kv_row bias (the transformers integration's form),
+    whose grid goes by key block over all units (``grid_order_group``): dq, dk, dv and the
+    bias gradient against the reference, split heads (the default) and whole groups."""
+    from kernels.planning import hopper_backward
+
+    groups = []
+    original = hopper_backward.grid_order_group
+
+    def recorded(problem, key_blocks, units):
+        groups.append((original(problem, key_blocks, units), units))
+        return groups[-1][0]
+    monkeypatch.setattr(hopper_backward, "grid_order_group", recorded)
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = random_bias((dims.batch, dims.heads_kv, 1, dims.seqlen_k), torch.bfloat16,
+                       device).requires_grad_()
+    intervals = topk_intervals(bias.detach(), window, order_keys=True)
+    options = {"backward": "hopper"}
+    if split is not None:
+        options["backward_split_heads"] = split
+    with record_routes() as routes:
+        run_backward(q, k, v, intervals, bias, causal=True, func=forcing(**options))
+    assert set(routes.backward) == {"hopper"}, routes.describe()
+    units = dims.batch * (dims.heads_q if split is None else dims.heads_kv)
+    assert groups and all(group == every == units for group, every in groups), groups
 
 
 def assert_backwards_repeat_bitwise(q, k, v, bias, causal, func=FORCED):
