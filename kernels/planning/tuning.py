@@ -266,7 +266,12 @@ HOPPER_BACKWARD_CAUSAL_GROUP_WAVES: float | None = 4
 # the grid's last program ends at, by unit / by key block over all units / sorted longest
 # first (the even share): B2 H16/4 L8192 W1024 475 / 390 / 390 (389); B1 H16/4 L16384 W1024
 # 583 / 416 / 415 (414); B1 H12/4 D64 L32768 W2048 1374 / 1108 / 1039 (1038); by key block in
-# groups of 4 or 8 units: 462 and 437 at L8192.
+# groups of 4 or 8 units: 462 and 437 at L8192. H200, bf16, kv_row bias, split heads, the
+# backward's time in one process (CUDA events around autograd.grad, the key order's gathers
+# included), by unit / all units / 8 waves / 16 waves, us: B2 H16/4 L8192 D128 W1024 2034 /
+# 1979 / 1803 / 1827; B1 H16/4 L16384 D128 W1024 2242 / 1895 / 2230 / 1904; B1 H12/4 D64
+# W2048 L8192 1064 / 950 / 920 / 937, L32768 3103 / 2581 / 3086 / 2938. All units: 1.03-1.20x
+# the order by unit, and within 10% of the best of the four everywhere.
 HOPPER_BACKWARD_ORDERED_GROUP_WAVES: float | None = None
 # Where the schedule's default takes the Hopper backward: the mean number of BLOCK_M query
 # blocks a key block's program walks (``hopper_backward.mean_query_blocks``; a mask's lists
