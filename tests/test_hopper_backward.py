@@ -85,6 +85,7 @@ def test_grids_waiting_on_their_longest_program_split_heads_or_take_triton(
     shape = sized(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen,
                   seqlen_k=seqlen)
     problem = dense_problem(shape=shape)
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_LONG_WALKS", True)
     backward = schedule(problem).backward
     assert (backward.route is BackwardRoute.HOPPER) == hopper
     assert (hopper and backward.split_heads) == split

@@ -381,8 +381,9 @@ def split_heads(problem: Problem, options: dict, documents: bool) -> bool:
     group walks its key block once per head of the group, so a grid waits on its longest
     walks where they are long against the even share: by default split for ``ordered_walks``
     (``tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS``: their first key blocks walk nearly every
-    query block) and where the dense walks' longest share is too long whole and not split
-    (``hopper_backward.splitting_balances``; ``tuning.HOPPER_BACKWARD_SPLIT_LONG_WALKS``);
+    query block), and where ``tuning.HOPPER_BACKWARD_SPLIT_LONG_WALKS`` is on (off by
+    default) where the dense walks' longest share is too long whole and not split
+    (``hopper_backward.splitting_balances``);
     ``options['backward_split_heads']`` True forces it (a ValueError where it cannot: no
     group to split, deterministic gradients, packed documents, or another route forced),
     False keeps it off."""

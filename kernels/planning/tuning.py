@@ -320,8 +320,12 @@ HOPPER_BACKWARD_SPLIT_ORDERED_HEADS = True
 # 452 / 716, D128 447 / 691; its KeyIntervals D128 542 / 655; gqa.yaml's B2 L2048 337 / 374;
 # window.yaml's B1 H2/1 D64 L16384 W1024 495 / 911; dense causal B1 H16/4 L4096 371 / 489,
 # B2 L2048 245 / 294, B2 L1024 94 / 115; dense B2 H16/4 non-causal L1024 127 / 159, L833 108 /
-# 132, L512 48 / 54.
-HOPPER_BACKWARD_SPLIT_LONG_WALKS = True
+# 132, L512 48 / 54. Off by default: in eager dmbench rows (H200, acbbafd, results/nvidia-h200/
+# split-heads-eager) those grids read slower than the Triton backward's published rows, the
+# wall time above the GPU time (gqa B2 L2048 bwd 0.81 against 0.38 ms; headdim fwd+bwd D32-D80
+# 1.06-1.54 against 0.68-1.17 ms): the split path's host cost is not yet measured or bounded.
+# ``kernel_options['backward_split_heads'] = True`` forces it.
+HOPPER_BACKWARD_SPLIT_LONG_WALKS = False
 # deterministic=True (dQ's adds ordered by a lock per query block): non-causal walk 32 (L2048)
 # 0.96x, 128 (L8192) 1.13x; causal 0.79x (L2048) and 0.89x (L8192) stay on Triton's.
 HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64
