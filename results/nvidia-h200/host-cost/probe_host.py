@@ -1,6 +1,6 @@
-"""Host cost of eager calls: wall per call (synchronized, as dmbench's eager rows), host time
+"""Host cost of eager calls: wall per call (synchronized after each call; not dmbench's timing), host time
 to return (GPU idle before), GPU time (torch.profiler kernels), and cProfile's own times.
-python .device/probe_host.py OUTDIR [small]"""
+Run from this folder with the repository on PYTHONPATH: python probe_host.py OUTDIR [small]"""
 import cProfile, io, pstats, statistics, sys, time, json
 import torch
 import kernels

@@ -1,5 +1,5 @@
 """torch.profiler CPU view of eager calls: each aten op's and each wrapped Python function's
-CPU time (inclusive), per call. python .device/probe_host2.py OUTDIR [small]"""
+CPU time (inclusive), per call. Run from this folder (it imports probe_host): python probe_host2.py OUTDIR [small]"""
 import functools, sys, importlib
 import torch
 from torch.profiler import profile, ProfilerActivity, record_function
