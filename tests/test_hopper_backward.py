@@ -21,11 +21,9 @@ from hopper_helpers import (MASKED_SHAPES, band, fuzzed_dims, fuzzed_mask, hoppe
                             shape_id, sized)
 from kernels import record_routes
 from kernels.planning import tuning
-from kernels.runtime.arith import LOG2E
 from kernels.planning.backward_schedule import BackwardRoute
-from kernels.planning.hopper_backward import (backward_list_tile, dq_from_spread,
-                                              grid_order_group, hopper_backward_gap,
-                                              loader_rows, longest_walk_share,
+from kernels.planning.hopper_backward import (backward_list_tile, grid_order_group,
+                                              hopper_backward_gap, longest_walk_share,
                                               mean_query_blocks)
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import activity_tiles, normalize_options, schedule
@@ -181,57 +179,6 @@ def test_a_masked_problem_puts_the_hopper_backwards_list_tile_in_the_activity_ma
     tile = (tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n)
     assert backward_list_tile(problem) == tile
     assert tile in activity_tiles(problem, schedule(problem).forward)
-
-
-@pytest.mark.parametrize("sizes", [(2, 17, 3, 8), (1, 130, 2, 80), (2, 1, 1, 128)],
-                         ids=["Lq17-D8", "Lq130-D80", "Lq1-D128"])
-@pytest.mark.parametrize("layout", ["contiguous", "bhld"])
-def test_the_loader_rows_hold_scaled_lse_and_delta_padded_to_whole_query_blocks(device, sizes,
-                                                                                 layout):
-    """``loader_rows`` (one Triton launch, interpreted on a CPU) against torch: LSE x log2 e, +inf
-    where it is -inf and past Lq; delta = sum over D of dO * O in float32, 0 past Lq."""
-    batch, seqlen_q, heads, head_dim = sizes
-    grad_out, out = (torch.randn(batch, seqlen_q, heads, head_dim, device=device)
-                     .to(torch.bfloat16) for _ in range(2))
-    if layout == "bhld":  # dO as a (B, H, L, D) tensor's transposed view
-        grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
-    lse = torch.randn(batch, heads, seqlen_q, device=device)
-    lse[0, 0, seqlen_q // 2] = float("-inf")  # a row that saw no key
-    rows = loader_rows(grad_out, out, lse, block_m=64)
-    padded = -(-seqlen_q // 64) * 64
-    assert rows.shape == (2, batch * heads, padded) and rows.stride(1) * 4 % 16 == 0
-    scaled = (lse * LOG2E).masked_fill(lse == float("-inf"), float("inf"))
-    torch.testing.assert_close(rows[0, :, :seqlen_q], scaled.reshape(batch * heads, seqlen_q))
-    delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2)
-    torch.testing.assert_close(rows[1, :, :seqlen_q], delta.reshape(batch * heads, seqlen_q))
-    assert (rows[0, :, seqlen_q:] == float("inf")).all() and (rows[1, :, seqlen_q:] == 0).all()
-
-
-def spread_columns(dq: torch.Tensor) -> torch.Tensor:
-    """``hopper_device.dq_columns.spread_columns`` in torch: every 32 columns' column
-    8j + 4a + b moved to a * 16 + j * 4 + b."""
-    *lead, head_dim = dq.shape
-    quarters = dq.reshape(*lead, head_dim // 32, 4, 2, 4)
-    return quarters.transpose(-3, -2).reshape(*lead, head_dim)
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "bhld"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_spread_accumulator_casts_back_to_dq_in_order(device, layout, dtype):
-    """``dq_from_spread`` (one Triton launch, interpreted on a CPU) undoes the kernel's column
-    order into dQ's own strides: float32 exactly, 16-bit within one rounding (the interpreter
-    does not round the cast to nearest as the GPU does)."""
-    acc = torch.randn(2, 37, 3, 128, device=device)
-    dq = torch.empty(2, 37, 3, 128, device=device, dtype=dtype)
-    if layout == "bhld":  # dQ as a (B, H, L, D) tensor's transposed view
-        dq = torch.empty(2, 3, 37, 128, device=device, dtype=dtype).transpose(1, 2)
-    spread = spread_columns(acc).contiguous()
-    assert not torch.equal(spread, acc)
-    dq_from_spread(spread, dq)
-    if dtype == torch.float32:
-        assert torch.equal(dq, acc)
-    else:
-        torch.testing.assert_close(dq.float(), acc, rtol=torch.finfo(dtype).eps, atol=1e-4)
 
 
 @pytest.mark.parametrize("options, message", [

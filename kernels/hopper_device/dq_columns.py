@@ -12,7 +12,7 @@ D128: 4 wavefronts per STS.64 against 2 ideal, 67M excess of 772M shared wavefro
 ``spread_columns`` reorders a quarter's columns to a * 16 + j * 4 + b, so a quad's two chunks
 are j and j + 4: XORed with four rows they give eight distinct chunks, one wavefront per half
 warp. The accumulator in global memory then holds every 32 columns in that order, and the
-cast to dQ puts them back (``triton_device.dq_columns``)."""
+cast to dQ puts them back (``triton_device.backward_finish``)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

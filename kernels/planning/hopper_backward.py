@@ -9,7 +9,8 @@ KeyIntervals (their words, as prepared or as the forward's lists read them; inte
 forward read as given run the Triton backward), each key block walking the activity lists of
 the forward's map (``backward_list_tile`` puts its tile among the map's); ``deterministic=True``
 without a mask, dQ's adds ordered by key block; and a bias of one row per (batch, head) with
-its gradient (the gradient's rows as ``dbias.plan_dbias`` plans them, finished by its plan);
+its gradient (the gradient's rows as ``dbias.plan_dbias`` plans them, summed and cast by the
+launch that casts the accumulators: ``hopper_backward_buffers``);
 with ``kernel_options['backward_documents']``, a prepared packed batch's documents, each key
 block walking its own sequence's query blocks (``documents_backward_gap``).
 The schedule's default takes it where it leads the Triton backward (``takes_hopper_backward``);
@@ -21,23 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.arith import LOG2E, ceil_div, next_power_of_2
-from ..runtime.launch import DescriptorLaunch, launch
+from ..runtime.arith import LOG2E, ceil_div
+from ..runtime.launch import DescriptorLaunch
 from ..runtime.routes import note_route
 from ..runtime.tma import TmaSpec
-from ..triton_device.backward_rows import _loader_rows_kernel
-from ..triton_device.dq_columns import _dq_from_spread_kernel
 from . import tuning
 from .documents import document_key_blocks, tile_bound
+from .hopper_backward_buffers import HopperBackwardBuffers
 from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
                              bias_row_gap, block_head_dim, documents_gap, gluon_dtype,
                              hopper_operands_gap, mask_geometry, mask_kind, nvmma_spec)
 from .problem import Problem, tma_strides
-
-LOADER_ROWS_BLOCK = 64  # query rows per program of the loader rows' launch
-# (batch, row, head)s per program of the spread dQ's cast. H200, B2 H16 D128 float32 to bf16:
-# 16 rows 105 us at L8192, 184 at L16384; 32 rows 110 and 194; 128 rows 682 and 1391.
-DQ_CAST_ROWS = 16
 
 try:
     from triton.experimental.gluon import language as gl
@@ -176,8 +171,9 @@ def backward_list_tile(problem: Problem) -> tuple[int, int] | None:
 class HopperBackwardPlan:
     """The Hopper backward for one forward plan and gradient signature (``problem``, the
     backward's, and ``bwd``, its schedule: the tile and the bias gradient's plan): boxes,
-    layouts, grid and scalars fixed once. A call builds the loader's LSE and delta rows, zeroes
-    the float32 dQ accumulator, makes the descriptors and launches, then converts dQ.
+    layouts, grid and scalars fixed once. A call builds the loader's LSE and delta rows and
+    zeroes the float32 accumulators (one launch), makes the descriptors and launches, then
+    casts the accumulators and finishes the bias gradient (one launch): ``buffers``.
     ``fallback``: the plan of the Triton backward for calls whose addresses a descriptor cannot
     take (made on first need by ``make_fallback``)."""
 
@@ -194,7 +190,6 @@ class HopperBackwardPlan:
         self.half_spec = nvmma_spec([1, tile.block_n // 2, 1, block_d], element)
         # A quarter of D per reduce-add.
         self.acc_spec = nvmma_spec([1, 1, tile.block_m, block_d // 4], gl.float32)
-        self.block_m = tile.block_m
         self.row_spec = TmaSpec([1, tile.block_m], gl.NVMMASharedLayout(
             swizzle_byte_width=0, element_bitwidth=32, rank=2))
         self.kind = mask_kind(problem)  # NO_MASK, MASK_TILE or INTERVAL_WORDS
@@ -241,10 +236,11 @@ class HopperBackwardPlan:
         self.lock_count = (shape.batch * shape.heads_q * ceil_div(shape.seqlen_q, tile.block_m)
                            if problem.deterministic else 0)
         # dQ's float32 accumulator in dQ's own (B, Lq, Hq, D) order, the kernel's descriptor
-        # over its (B, Hq, Lq, D) view: the cast to dQ is a contiguous copy (H200, B1 Lq65536
-        # H16 D128: 189 us, from (B, Hq, Lq, D) 346 us; backward 0.91-0.99x on varlen.yaml).
-        self.dq_acc_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
-        self.dq_spread = bwd.dq_spread  # its columns in ``hopper_device.dq_columns``' order
+        # over its (B, Hq, Lq, D) view: its cast to dQ reads it contiguously (H200, B1 Lq65536
+        # H16 D128: 189 us, from (B, Hq, Lq, D) 346 us; backward 0.91-0.99x on varlen.yaml);
+        # with ``bwd.dq_spread`` its columns in ``hopper_device.dq_columns``' order.
+        self.buffers = HopperBackwardBuffers(shape, tile.block_m, self.split_heads,
+                                             self.lock_count, dbias, bwd.dq_spread, fwd.device)
         self._make_fallback = make_fallback
         self._fallback = None
 
@@ -273,16 +269,17 @@ class HopperBackwardPlan:
             return self._fallback.run(grad_out, query, key, value, out, lse, mask, bias, dq, dk,
                                       dv, activity)
         note_route("backward", self.route)
-        rows = loader_rows(grad_out, out, lse, self.block_m)
-        dq_acc = torch.zeros(self.dq_acc_shape, dtype=torch.float32, device=query.device)
+        buffers = self.buffers
+        views = buffers.views()
+        buffers.fill_rows(grad_out, out, lse, views)
+        rows = views.rows
         rows_desc = self.row_spec(rows.view(-1, rows.shape[-1]))
         if self.kind != NO_MASK:
             mask_args = self._mask_args(mask, activity)
         else:  # stand-ins the kernel never reads
             mask_args = (rows_desc, rows, 0, 0, 0, 1, 1, 0, 0, 0)
-        locks = (torch.zeros(self.lock_count, dtype=torch.int32, device=query.device)
-                 if self.lock_count else rows)  # rows: a stand-in never read
-        bias_grad = self.dbias.allocate(query.device) if self.dbias is not None else None
+        locks = views.locks if views.locks is not None else rows  # rows: never read
+        bias_grad = buffers.bias_buffer(views, query.device)
         bias_args = self._bias_args(bias, bias_grad, rows)
         if walks_documents:
             documents = self.documents or self.call_documents(document_offsets)
@@ -290,23 +287,14 @@ class HopperBackwardPlan:
         else:  # stand-ins the kernel never reads
             document_args = (rows, rows, rows, rows, rows, 0, 0)
         if self.split_heads:  # float32 accumulators in dK's and dV's (B, Lk, Hk, D) order
-            dk_acc = torch.zeros(dk.shape, dtype=torch.float32, device=dk.device)
-            dv_acc = torch.zeros(dv.shape, dtype=torch.float32, device=dv.device)
-            dkv_descs = (self.acc_spec(dk_acc.transpose(1, 2)),
-                         self.acc_spec(dv_acc.transpose(1, 2)))
+            dkv_descs = (self.acc_spec(views.dk_acc.transpose(1, 2)),
+                         self.acc_spec(views.dv_acc.transpose(1, 2)))
         else:
             dkv_descs = (self.half_spec(dk), self.half_spec(dv))
         self.launch(self.q_spec(query), self.kv_spec(key), self.kv_spec(value),
-                    self.q_spec(grad_out), self.acc_spec(dq_acc.transpose(1, 2)), *dkv_descs,
-                    rows_desc, *mask_args, *bias_args, locks, *document_args)
-        if self.split_heads:
-            dk.copy_(dk_acc)
-            dv.copy_(dv_acc)
-        if self.dq_spread:
-            dq_from_spread(dq_acc, dq)
-        else:
-            dq.copy_(dq_acc)
-        return self.dbias.finish(bias_grad) if bias_grad is not None else None
+                    self.q_spec(grad_out), self.acc_spec(views.dq_acc.transpose(1, 2)),
+                    *dkv_descs, rows_desc, *mask_args, *bias_args, locks, *document_args)
+        return buffers.finish(views, dq, dk, dv, bias_grad)
 
     def _bias_args(self, bias, bias_grad, stand_in) -> tuple:
         """(bias, its batch, head and key strides, query heads per bias head; the gradient's
@@ -370,34 +358,3 @@ def grid_order_group(problem: Problem, key_blocks: int, units: int) -> int | Non
     if waves is None:
         return None
     return max(1, ceil_div(int(waves * problem.multiprocessors), key_blocks))
-
-
-def dq_from_spread(dq_acc: torch.Tensor, dq: torch.Tensor):
-    """Cast ``dq_acc`` (contiguous float32 (B, Lq, Hq, 128), every 32 columns spread as
-    ``hopper_device.dq_columns`` says) into ``dq`` (same shape, last dim contiguous), the
-    columns back in order. One launch (``_dq_from_spread_kernel``)."""
-    batch, seqlen, heads, head_dim = dq_acc.shape
-    rows = batch * seqlen * heads
-    launch(_dq_from_spread_kernel, (ceil_div(rows, DQ_CAST_ROWS),), dq_acc, dq, rows, seqlen,
-           heads, *dq.stride()[:3], HEAD_DIM=head_dim, BLOCK_R=DQ_CAST_ROWS, num_warps=4)
-
-
-def loader_rows(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                block_m: int) -> torch.Tensor:
-    """The rows the backward's loader copies a query block of: (2, B x Hq, Lq rounded up to
-    ``block_m``) float32, first LSE x log2 e (+inf where a row saw no key, and past Lq: P = 0
-    there), then delta, the rows' sum of dO * O (0 past Lq). Padded, every query block's rows
-    start 16-byte aligned, as TMA needs. ``grad_out``, ``out``: (B, Lq, Hq, D), last dim
-    contiguous; ``lse``: (B, Hq, Lq) natural-log float32, contiguous. One launch
-    (``_loader_rows_kernel``), reading dO and O in their dtype: torch's einsum over float32
-    copies of both read and wrote about three times their bytes."""
-    batch, heads, seqlen_q = lse.shape
-    padded = ceil_div(seqlen_q, block_m) * block_m
-    rows = torch.empty((2, batch * heads, padded), dtype=torch.float32, device=lse.device)
-    head_dim = grad_out.shape[-1]
-    launch(_loader_rows_kernel, (batch * heads, ceil_div(padded, LOADER_ROWS_BLOCK)),
-           grad_out, out, lse, rows, *grad_out.stride()[:3], *out.stride()[:3], heads,
-           seqlen_q, padded, batch * heads, HEAD_DIM=head_dim,
-           BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_M=LOADER_ROWS_BLOCK, num_warps=4,
-           num_stages=1)
-    return rows
