@@ -162,3 +162,19 @@ def test_the_finishing_launch_sums_the_bias_rows_as_torch_does(device, bias_shap
                                    rtol=torch.finfo(dtype).eps, atol=1e-5)
     else:
         assert grad.data_ptr() == buffer.data_ptr()
+
+
+def test_a_kept_buffer_s_views_are_made_once(device):
+    """Where the scratch buffer is kept (CUDA, below its cap) a call gets the views of the
+    last call on its stream; a buffer made per call gets views of its own."""
+    shape = AttnShape(batch=1, seqlen_q=5, seqlen_k=7, heads_q=2, heads_kv=1, head_dim=16)
+    buffers = buffers_for(device, shape, split_heads=True, lock_count=3)
+    first, second = buffers.views(), buffers.views()
+    same = torch.device(device).type == "cuda"
+    assert (first is second) == same
+    assert (first.dq_acc.data_ptr() == second.dq_acc.data_ptr()) == same
+    for views in (first, second):
+        start = views.rows.data_ptr()
+        assert views.dq_acc.data_ptr() == views.zeroed.data_ptr() > start
+        assert views.locks.data_ptr() < views.zeroed.data_ptr() + views.zeroed.numel() * 4
+        assert all(v.data_ptr() % 256 == start % 256 for v in views if v is not None)

@@ -26,6 +26,8 @@ SHAPES = [
                  ("1", "Hq", "1", "Lk"), id="order-per-kv-head"),
     pytest.param(Dims(2, 40, 70, heads_q=4, heads_kv=1, head_dim=40), "1",
                  ("B", "1", "Lq", "Lk"), id="one-order-mqa-full-bias"),
+    pytest.param(Dims(2, 45, 45, heads_q=4, heads_kv=2, head_dim=16), "Hk",
+                 ("1", "Hk", "1", "Lk"), id="order-per-kv-head-batch-shared-bias"),
 ]
 
 
@@ -264,6 +266,34 @@ def test_a_broadcast_bias_is_gathered_as_one_row():
     order = intervals.key_order[:, :, None, :]
     assert torch.equal(bias, per_key.gather(-1, order))
 
+
+
+@pytest.mark.parametrize("bias_shape, order_heads, gathered_back", [
+    ((2, 2, 1, 60), 2, True), ((1, 2, 1, 60), 2, True), ((2, 4, 5, 60), 2, True),
+    ((2, 2, 1, 60), 4, False)], ids=["per-head", "batch-shared", "rows", "widened"])
+def test_a_bias_read_in_key_order_has_the_gradient_of_the_gather(bias_shape, order_heads,
+                                                                  gathered_back):
+    """The bias's gradient through the key order: a gather back through the inverse order
+    where the bias is not widened to the order's heads, else ``torch.gather``'s own; equal
+    either way to the gradient of the gather in torch."""
+    from kernels.masks.key_order import reorder_keys
+    dims = Dims(2, 5, 60, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float32, "cpu")
+    intervals = topk_intervals(torch.randn(2, order_heads, 1, 60), 8, seqlen_q=5,
+                               order_keys=True)
+    bias = torch.randn(bias_shape, requires_grad=True)
+    _, _, _, ordered = reorder_keys(q, k, v, intervals, bias, True)
+    assert (type(ordered.grad_fn).__name__ == "_BiasInOrderBackward") == gathered_back
+    grad_out = torch.randn(ordered.shape)
+    (grad,) = torch.autograd.grad(ordered, bias, grad_out)
+    plain = bias.detach().requires_grad_()
+    heads = max(bias_shape[1], order_heads)
+    order = intervals.key_order.repeat_interleave(heads // order_heads, 1)[:, :, None, :]
+    widened = plain.expand(2, -1, -1, -1).repeat_interleave(heads // bias_shape[1], 1)
+    expected = widened.gather(3, order.expand(2, heads, bias_shape[2], 60))
+    torch.testing.assert_close(ordered, expected, rtol=0, atol=0)
+    (want,) = torch.autograd.grad(expected, plain, grad_out)
+    torch.testing.assert_close(grad, want)
 
 # -- the reordered intervals an ordered object keeps (``key_order.reordered_intervals``)
 

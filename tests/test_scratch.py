@@ -32,8 +32,10 @@ def test_scratch_has_the_planned_shapes_and_is_kept_per_cuda_stream(device):
     second = scratch.buffers()
     if device.type != "cuda":  # the interpreter: nothing is kept
         assert _distinct(first, second)
+        assert not any(scratch.keeps(t) for t in (*first, *second))
         return
     assert all(a is b for a, b in zip(first, second))
+    assert all(scratch.keeps(t) for t in first) and not scratch.keeps(first[0].clone())
     side = torch.cuda.Stream(device)
     with torch.cuda.stream(side):
         on_side = scratch.buffers()
@@ -44,7 +46,9 @@ def test_scratch_has_the_planned_shapes_and_is_kept_per_cuda_stream(device):
 def test_scratch_over_the_cap_is_allocated_per_call(device, monkeypatch):
     monkeypatch.setattr(_scratch, "MAX_KEPT_BYTES", 15 * 4 + 7 * 4 - 1)
     scratch = Scratch(device, *SPECS)
-    assert _distinct(scratch.buffers(), scratch.buffers())
+    first = scratch.buffers()
+    assert _distinct(first, scratch.buffers())
+    assert not any(scratch.keeps(t) for t in first)
 
 
 def test_scratch_taken_during_a_graph_capture_is_not_kept(device):
@@ -59,6 +63,7 @@ def test_scratch_taken_during_a_graph_capture_is_not_kept(device):
         captured[0].fill_(1.0)  # something to capture
     assert _distinct(kept, captured)
     assert len(scratch._by_stream) == 1
+    assert scratch.keeps(kept[0]) and not scratch.keeps(captured[0])
 
 
 @pytest.mark.usefixtures("no_kept_plans")

@@ -34,7 +34,8 @@ and V a head per query head). Eager calls on CUDA tensors copy K and V's rows in
 (``triton_device.key_order_kernels``), whose gradient reads each key's rows back through the
 inverse order and sums the heads it was widened to; traced calls, and the bias and intervals
 always, use ``torch.gather``, whose gradient autograd makes (a scatter of each key to one
-place, then the widening's sum). On the H200 ``torch.gather`` of K and V (an int64 index read
+place, then the widening's sum), except a bias read with no widening in an eager call: its
+gradient is a gather through the inverse order (``_BiasInOrder``). On the H200 ``torch.gather`` of K and V (an int64 index read
 per element) ran at 0.8-1.0 TB/s (B2 H16/4 L8192 D128 bf16: ~70 us of a 0.61 ms top-W call).
 
 The reordered intervals depend only on the intervals, the order, causality and the lengths,
@@ -210,17 +211,44 @@ def _keys_in_order(key, value, intervals: KeyIntervals, heads: int):
         order = order.contiguous()
     if not (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)):
         return _copy_in_order(key, value, order, heads)  # no graph: no autograd.Function
-    inverse = _kept_per_form(intervals, intervals._gather_indices,
-                             ("inverse", tensor_version(intervals.key_order)),
-                             MAX_GATHER_INDICES, lambda: _inverse_order(order))
-    return _KeysInOrder.apply(key, value, order, inverse, heads)
+    return _KeysInOrder.apply(key, value, order, _kept_inverse(intervals), heads)
 
 
-def _gather_bias(bias: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _kept_inverse(intervals: KeyIntervals) -> torch.Tensor:
+    """``_inverse_order`` of ``intervals.key_order``, kept on ``intervals`` per version."""
+    order = intervals.key_order
+    return _kept_per_form(intervals, intervals._gather_indices,
+                          ("inverse", tensor_version(order)), MAX_GATHER_INDICES,
+                          lambda: _inverse_order(order))
+
+
+class _BiasInOrder(torch.autograd.Function):
+    """A bias (batch, H, Lqb, Lk) with its keys read by ``index`` (``_bias_index``, no
+    widening: a permutation per row); its gradient reads the output's back by ``inverse``
+    (the inverse order's index): one gather, where ``torch.gather``'s gradient zeroes the
+    bias's shape and scatter-adds into it (two launches, ~50 us of the H200 host's time)."""
+
+    @staticmethod
+    def forward(ctx, bias, index, inverse):
+        ctx.save_for_backward(inverse)
+        return torch.gather(bias, 3, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return torch.gather(grad, 3, inverse), None, None
+
+
+def _gather_bias(bias: torch.Tensor, index: torch.Tensor,
+                 inverse: torch.Tensor | None = None) -> torch.Tensor:
     """A bias (Bb, Hb, Lqb, Lk), Bb 1 or the index's batch, with its keys read by ``index``
-    (``_bias_index``): (batch, H, Lqb, Lk), widened like ``_gather_kv``."""
+    (``_bias_index``): (batch, H, Lqb, Lk), widened like ``_gather_kv``. ``inverse``: the
+    inverse order's index, for ``_BiasInOrder``'s gradient (no widening only)."""
     if index.dim() == 4:
-        return torch.gather(bias.expand(index.shape[0], -1, -1, -1), 3, index)
+        widened = bias.expand(index.shape[0], -1, -1, -1)
+        if inverse is not None:
+            return _BiasInOrder.apply(widened, index, inverse)
+        return torch.gather(widened, 3, index)
     batch, own, share, rows, seqlen_k = index.shape
     out = torch.gather(bias.unsqueeze(2).expand(index.shape), 4, index)
     return out.reshape(batch, own * share, rows, seqlen_k)
@@ -235,14 +263,16 @@ MAX_GATHER_INDICES = 8
 def _gather_index(intervals: KeyIntervals, kind: str, order_heads: int, batch: int, own: int,
                   last: int) -> torch.Tensor:
     """``_kv_index`` (``kind`` "kv", ``last`` the head dim) or ``_bias_index`` ("bias", ``last``
-    the bias's rows) of ``intervals.key_order`` widened to ``order_heads`` heads, kept on
+    the bias's rows) of ``intervals.key_order`` (of its inverse: "bias-inverse") widened to
+    ``order_heads`` heads, kept on
     ``intervals`` per form and the order's version counter, at most ``MAX_GATHER_INDICES``.
     Made afresh, and not kept, while ``torch.compile`` traces or a CUDA graph captures (as
     ``reordered_intervals``)."""
     order = intervals.key_order
 
     def make():
-        widened = _heads_of_order(order, order_heads)
+        read = _kept_inverse(intervals).long() if kind == "bias-inverse" else order
+        widened = _heads_of_order(read, order_heads)
         if kind == "kv":
             return _kv_index(widened, batch, own, last)
         return _bias_index(widened, batch, own, last)
@@ -334,6 +364,10 @@ def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             if attn_bias.shape[axis] > 1 and attn_bias.stride(axis) == 0:
                 attn_bias = attn_bias.narrow(axis, 0, 1)
         own, rows = attn_bias.shape[1], attn_bias.shape[2]
-        attn_bias = _gather_bias(attn_bias, _gather_index(
-            intervals, "bias", max(own, hm), max(attn_bias.shape[0], bm), own, rows))
+        form = (max(own, hm), max(attn_bias.shape[0], bm), own, rows)
+        inverse = None
+        if (own >= hm and attn_bias.requires_grad and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):  # no widening: a gather back
+            inverse = _gather_index(intervals, "bias-inverse", *form)
+        attn_bias = _gather_bias(attn_bias, _gather_index(intervals, "bias", *form), inverse)
     return key, value, reordered, attn_bias

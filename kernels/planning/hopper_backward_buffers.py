@@ -93,12 +93,23 @@ class HopperBackwardBuffers:
         self._zeroed = (self._spans["dq_acc"][0], start - self._spans["dq_acc"][0])
         self._scratch = Scratch(device, ((start,), torch.float32))
         self.split_heads = split_heads
+        self._kept_views: tuple | None = None  # (the kept buffer, its views)
         self._row_launches: dict = {}
         self._finish_launches: dict = {}
 
     def views(self) -> BackwardViews:
-        """The call's views of the scratch buffer (the stream's kept one, or its own)."""
+        """The call's views of the scratch buffer (the stream's kept one, or its own); a kept
+        buffer's views are made once (each slice and view a torch op of host time)."""
         (buffer,) = self._scratch.buffers()
+        kept = self._kept_views
+        if kept is not None and kept[0] is buffer:
+            return kept[1]
+        views = self._views_of(buffer)
+        if self._scratch.keeps(buffer):
+            self._kept_views = (buffer, views)
+        return views
+
+    def _views_of(self, buffer: torch.Tensor) -> BackwardViews:
         shape = self.shape
 
         def view(name, *dims):

@@ -93,6 +93,10 @@ class Scratch:
                                                               device=self.device)
                      for shape, dtype, zeroed in self.specs)
 
+    def keeps(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` is one this scratch keeps for a stream's later calls."""
+        return any(buffer is kept for buffers in self._by_stream.values() for kept in buffers)
+
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The buffers for a call enqueued now, on the current stream."""
         if not self.specs:
