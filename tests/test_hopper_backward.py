@@ -356,6 +356,28 @@ def test_masked_hopper_backward_walks_the_full_blocks_of_a_band(device, window, 
     _backward_on_hopper(q, k, v, True, mask)
 
 
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("split_heads", [False, True], ids=["whole", "split"])
+def test_repeated_backwards_of_one_prepared_mask_each_match_the_reference(device, split_heads):
+    """Calls of one plan reuse its kept scratch views and mask arguments: each of three
+    backwards, with new inputs, a new gradient and the bias written in place between them,
+    matches the reference (a stale descriptor or an accumulator not zeroed again fails)."""
+    dims = Dims(2, 700, 700, 4, 2, 128)
+    func = forcing(backward="hopper", backward_split_heads=split_heads)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    mask = prepare_mask(random_mask(dims.operand_shape("B", "Hk", "Lq", "Lk"), device, 0.3),
+                        q, k, is_causal=True)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.bfloat16, device)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        for t in (q, k, v):
+            t.detach().normal_()
+        bias.detach().normal_()
+        with record_routes() as routes:
+            run_backward(q, k, v, mask, bias, causal=True, func=func)
+        assert set(routes.backward) == {"hopper"}, routes.describe()
+
 # Both passes forced: the Hopper forward builds lists for KeyIntervals a call gives (the Triton
 # forward may read them itself, leaving the backward no lists: it then runs the Triton one).
 BOTH = forcing(forward_route="hopper", backward="hopper")

@@ -172,6 +172,7 @@ def test_a_kept_buffer_s_views_are_made_once(device):
     first, second = buffers.views(), buffers.views()
     same = torch.device(device).type == "cuda"
     assert (first is second) == same
+    assert buffers.keeps(second) == same and not buffers.keeps(first._replace())
     assert (first.dq_acc.data_ptr() == second.dq_acc.data_ptr()) == same
     for views in (first, second):
         start = views.rows.data_ptr()

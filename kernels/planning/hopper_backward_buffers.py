@@ -109,6 +109,10 @@ class HopperBackwardBuffers:
             self._kept_views = (buffer, views)
         return views
 
+    def keeps(self, views: BackwardViews) -> bool:
+        """Whether ``views`` are of a kept buffer, so a later call may get them again."""
+        return self._kept_views is not None and self._kept_views[1] is views
+
     def _views_of(self, buffer: torch.Tensor) -> BackwardViews:
         shape = self.shape
 
