@@ -363,7 +363,7 @@ def test_repeated_backwards_of_one_prepared_mask_each_match_the_reference(device
     """Calls of one plan reuse its kept scratch views and mask arguments: each of three
     backwards, with new inputs, a new gradient and the bias written in place between them,
     matches the reference (a stale descriptor or an accumulator not zeroed again fails)."""
-    dims = Dims(2, 700, 700, 4, 2, 128)
+    dims = Dims(2, 720, 720, 4, 2, 128)  # mask rows of 720 bytes: TMA reads them
     func = forcing(backward="hopper", backward_split_heads=split_heads)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     mask = prepare_mask(random_mask(dims.operand_shape("B", "Hk", "Lq", "Lk"), device, 0.3),
