@@ -1,0 +1,242 @@
+"""The Hopper route of the backward, host side, on every machine: when the schedule takes it
+(``planning.hopper_backward``: the walks of its key-block programs, split heads, the grid's
+order, the spread dQ staging), forcing it, and what it refuses with the reason. The kernel
+against the reference is in ``test_hopper_backward.py``; its buffers and Triton launches in
+``test_hopper_backward_buffers.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hopper_helpers import hopper_problem, sized
+from kernels.planning import tuning
+from kernels.planning.backward_schedule import BackwardRoute
+from kernels.planning.hopper_backward import (backward_list_tile, grid_order_group,
+                                              hopper_backward_gap, longest_walk_share,
+                                              mean_query_blocks)
+from kernels.planning.problem import OperandLayout, Problem
+from kernels.planning.schedule import activity_tiles, normalize_options, schedule
+
+HOPPER_OPTIONS = normalize_options({"backward": "hopper"})
+
+
+def dense_problem(**changes) -> Problem:
+    """A causal dense problem the Hopper route covers (``hopper_helpers.hopper_problem``)."""
+    return hopper_problem(**{"is_causal": True, **changes})
+
+
+def test_forcing_the_hopper_backward_schedules_it():
+    sched = schedule(dense_problem(), HOPPER_OPTIONS)
+    assert sched.backward.route is BackwardRoute.HOPPER
+    assert sched.backward.launches == tuning.HOPPER_BACKWARD
+    assert "backward: route=hopper" in str(sched)
+
+
+@pytest.mark.parametrize("seqlen, head_dim, causal, extra, hopper", [
+    (512, 128, False, {}, True),  # walks 8 query blocks: 1.17x the Triton backward (H200)
+    (256, 128, False, {}, False),  # 4: not measured
+    (1024, 128, True, {}, True),  # 9, causal: 1.10x in grouped order
+    (512, 128, True, {}, False),  # 5, causal: 0.76x
+    (2048, 128, True, {}, True),  # 17, causal: about 1.2x in grouped order
+    (4096, 128, True, {}, True),  # 33: 1.37x
+    (1024, 64, False, {}, False),  # 16: 0.74x
+    (2048, 64, False, {}, True),  # 32: 1.02x
+    (2048, 64, True, {}, False),  # 17: 0.93x
+    (8192, 128, True, {"deterministic": True}, False),  # 0.89x
+    (2048, 128, False, {"deterministic": True}, False),  # 32: 0.96x
+    (8192, 128, False, {"deterministic": True}, True),  # 128: 1.13x
+    (8192, 128, True, {"capability": (8, 0)}, False),  # not covered
+], ids=["D128-L512", "D128-L256", "D128-L1024-causal", "D128-L512-causal",
+        "D128-L2048-causal", "D128-L4096-causal", "D64-L1024", "D64-L2048", "D64-L2048-causal",
+        "deterministic-causal", "deterministic-L2048", "deterministic-L8192", "ampere"])
+def test_the_default_takes_the_hopper_backward_where_it_was_measured_ahead(seqlen, head_dim,
+                                                                           causal, extra,
+                                                                           hopper):
+    """The measured grids: B x L = 16384, H16 at D128, H16/4 at D64."""
+    heads_kv = 16 if head_dim > 64 else 4
+    shape = sized(batch=16384 // seqlen, seqlen_q=seqlen, seqlen_k=seqlen, head_dim=head_dim,
+                  heads_q=16, heads_kv=heads_kv)
+    problem = dense_problem(shape=shape, is_causal=causal, **extra)
+    assert (schedule(problem).backward.route is BackwardRoute.HOPPER) == hopper
+
+
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen, hopper, split", [
+    (1, 16, 4, 4096, True, True),  # headdim.yaml: share 2.0 whole, 0.5 a program per head
+    (1, 4, 4, 4096, False, False),  # 2.0, and a group of one has nothing to split
+    (1, 16, 4, 1024, False, False),  # 7.3 whole, 1.8 split
+    (1, 16, 4, 8192, True, False),  # models.yaml: about 1.0, 1.25x
+    (2, 16, 4, 4096, True, False),  # dense.yaml: 1.0
+])
+def test_grids_waiting_on_their_longest_program_split_heads_or_take_triton(
+        monkeypatch, batch, heads_q, heads_kv, seqlen, hopper, split):
+    shape = sized(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen,
+                  seqlen_k=seqlen)
+    problem = dense_problem(shape=shape)
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_LONG_WALKS", True)
+    backward = schedule(problem).backward
+    assert (backward.route is BackwardRoute.HOPPER) == hopper
+    assert (hopper and backward.split_heads) == split
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_LONG_WALKS", False)
+    backward = schedule(problem).backward
+    assert (backward.route is BackwardRoute.HOPPER) == (hopper and not split)
+    assert not backward.split_heads
+
+
+def test_the_longest_walk_share_compares_one_program_with_the_even_share():
+    """B1 H16/4 L4096 causal: key block 0 walks 64 query blocks for each of 4 query heads
+    (256), the 128 programs together 4 x 4 x 1056 over 132 multiprocessors (128): share 2."""
+    causal = dense_problem(shape=sized(batch=1, seqlen_q=4096, seqlen_k=4096))
+    assert longest_walk_share(causal) == pytest.approx(256 / (16 * 1056 / 132))
+    # A program per query head walks 64 of the 512 programs' 16 x 1056.
+    assert longest_walk_share(causal, split_heads=True) == pytest.approx(64 / (16 * 1056 / 132))
+    few = replace(causal, is_causal=False, shape=sized(batch=1, heads_q=4, heads_kv=4))
+    assert longest_walk_share(few) == pytest.approx(132 / (4 * 32))  # 128 programs, one wave
+    assert longest_walk_share(replace(causal, multiprocessors=4096)) > 30
+
+
+def test_the_mean_walk_counts_the_query_blocks_each_key_block_sees():
+    """Causal, bottom-right aligned: key block j of 128 keys is seen from row 128 j - (Lk - Lq)
+    on; key blocks no row sees are not counted."""
+    full = dense_problem(shape=sized(seqlen_q=1000, seqlen_k=300), is_causal=False)
+    assert mean_query_blocks(full) == 16  # ceil(1000 / 64)
+    causal = replace(full, is_causal=True)
+    assert mean_query_blocks(causal) == (6 + 4 + 2) / 3  # key block j from row 700 + 128 j
+    square = dense_problem(shape=sized(seqlen_q=256, seqlen_k=256), is_causal=True)
+    assert mean_query_blocks(square) == (4 + 2) / 2
+    wide = dense_problem(shape=sized(seqlen_q=64, seqlen_k=1024), is_causal=True)
+    assert mean_query_blocks(wide) == 1
+
+
+def test_the_causal_grid_orders_in_groups_only_where_asked(monkeypatch):
+    causal = dense_problem(shape=sized(seqlen_q=2048, seqlen_k=2048))  # 16 key blocks
+    assert grid_order_group(causal, 16, 8) == 33  # 4 waves by default: 4 x 132 / 16
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_CAUSAL_GROUP_WAVES", None)
+    assert grid_order_group(causal, 16, 8) is None
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_CAUSAL_GROUP_WAVES", 2)
+    assert grid_order_group(causal, 16, 8) == 17  # 2 x 132 programs over 16 key blocks
+    assert grid_order_group(causal, 1000, 8) == 1
+    assert grid_order_group(replace(causal, is_causal=False), 16, 8) is None
+
+
+def test_key_ordered_intervals_start_their_longest_walks_first(monkeypatch):
+    """Key-ordered top-W intervals run non-causal with their longest walks in the first key
+    blocks: the grid goes by key block over all units by default, in groups where the tuning
+    asks; the same intervals causal (not ordered) keep the causal groups, and a non-causal
+    grid of intervals without their order goes by unit."""
+    intervals = dict(mask=OperandLayout((2, 4, 1, 4096), 4), tma_mask=True, intervals=True)
+    ordered = dense_problem(**intervals, row_kept=1024, is_causal=False)
+    assert grid_order_group(ordered, 32, 32) == 32
+    assert grid_order_group(replace(ordered, is_causal=True), 32, 32) == 17  # 4 x 132 / 32
+    assert grid_order_group(replace(ordered, row_kept=None), 32, 32) is None
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_ORDERED_GROUP_WAVES", 2)
+    assert grid_order_group(ordered, 32, 32) == 9  # 2 x 132 / 32
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True},
+     "not yet a mask of one row"),
+    ({"bias": OperandLayout((2, 4, 4096, 4096), 4)}, "not yet a bias with a row per query"),
+    ({"deterministic": True, "mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
+     "in any order"),
+    ({"capability": (8, 0)}, "compute capability 9.0"),
+    ({"dtype": torch.float32}, "float16 or bfloat16"),
+    ({"tma_operands": False}, "TMA"),
+], ids=["one-row", "full-bias", "masked-deterministic", "ampere", "fp32", "strides"])
+def test_what_the_hopper_backward_does_not_cover_is_refused_with_the_reason(changes, reason):
+    problem = dense_problem(**changes)
+    assert reason in hopper_backward_gap(problem)
+    with pytest.raises(ValueError, match=f"'hopper' does not cover this call: .*{reason}"):
+        schedule(problem, HOPPER_OPTIONS)
+
+
+@pytest.mark.parametrize("changes", [
+    {"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
+    {"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
+    {"bias": OperandLayout((2, 4, 1, 4096), 4)},
+    {"deterministic": True},
+], ids=["mask", "intervals", "bias-row", "deterministic"])
+def test_masks_intervals_a_bias_row_and_deterministic_take_the_hopper_backward(changes):
+    problem = dense_problem(**changes)
+    assert hopper_backward_gap(problem) is None
+    assert schedule(problem, HOPPER_OPTIONS).backward.route is BackwardRoute.HOPPER
+
+
+def test_a_masked_problem_puts_the_hopper_backwards_list_tile_in_the_activity_map():
+    """A prepared mask's map, built before any call's options are known, divides the Hopper
+    backward's tile."""
+    problem = dense_problem(mask=OperandLayout((2, 4, 4096, 4096), 4), tma_mask=True)
+    tile = (tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n)
+    assert backward_list_tile(problem) == tile
+    assert tile in activity_tiles(problem, schedule(problem).forward)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"backward_dq_spread": True, "backward": "fused"}, "'backward' 'fused' conflict"),
+    ({"backward_dq_spread": True, "backward": "hopper"}, None),
+])
+def test_the_spread_dq_staging_is_the_hopper_backwards_at_head_dim_128(options, message):
+    problem = dense_problem()
+    options = normalize_options(options)
+    if message:
+        with pytest.raises(ValueError, match=message):
+            schedule(problem, options)
+        return
+    assert schedule(problem, options).backward.dq_spread
+    assert schedule(problem, HOPPER_OPTIONS).backward.dq_spread  # on by default at 128
+    off = normalize_options({**HOPPER_OPTIONS, "backward_dq_spread": False})
+    assert not schedule(problem, off).backward.dq_spread
+    narrow = dense_problem(shape=sized(head_dim=64))
+    assert not schedule(narrow, HOPPER_OPTIONS).backward.dq_spread
+    with pytest.raises(ValueError, match="head dim 128's columns, not 64's"):
+        schedule(narrow, options)
+
+
+@pytest.mark.parametrize("changes, options, message", [
+    ({}, {"backward_split_heads": True, "backward": "fused"}, "'backward' 'fused' conflict"),
+    ({"deterministic": True}, {"backward_split_heads": True}, "deterministic=True"),
+    ({"shape": sized(heads_q=4, heads_kv=4)}, {"backward_split_heads": True},
+     "a group of 1"),
+    ({}, {"backward_split_heads": True}, None),
+])
+def test_split_heads_are_the_hopper_backwards_where_a_group_splits(changes, options, message):
+    problem = dense_problem(**changes)
+    options = normalize_options({"backward": "hopper", **options})
+    if message:
+        with pytest.raises(ValueError, match=message):
+            schedule(problem, options)
+        return
+    sched = schedule(problem, options)
+    assert sched.backward.split_heads and "split_heads=True" in str(sched)
+    assert not schedule(problem, HOPPER_OPTIONS).backward.split_heads  # no mask: off
+
+
+def test_split_heads_are_the_default_for_key_ordered_top_w_intervals(monkeypatch):
+    """Key-ordered top-W intervals (``row_kept`` known, causality folded in) split; the same
+    intervals causal (not ordered), a bool mask and no mask keep whole groups."""
+    intervals = dict(mask=OperandLayout((2, 4, 1, 4096), 4), tma_mask=True, intervals=True)
+    ordered = dense_problem(**intervals, row_kept=1024, is_causal=False)
+    assert schedule(ordered, HOPPER_OPTIONS).backward.split_heads
+    assert not schedule(replace(ordered, is_causal=True), HOPPER_OPTIONS).backward.split_heads
+    assert not schedule(replace(ordered, row_kept=None), HOPPER_OPTIONS).backward.split_heads
+    bool_mask = dense_problem(mask=OperandLayout((2, 4, 4096, 4096), 4), tma_mask=True,
+                              is_causal=False)
+    assert not schedule(bool_mask, HOPPER_OPTIONS).backward.split_heads
+    off = normalize_options({**HOPPER_OPTIONS, "backward_split_heads": False})
+    assert not schedule(ordered, off).backward.split_heads
+    # A kv_row bias's gradient: rows summed over the group, or split, a row per query head.
+    biased = replace(ordered, bias=OperandLayout((2, 4, 1, 4096), 4), bias_grad=True)
+    split_rows = schedule(biased, HOPPER_OPTIONS).backward.dbias
+    assert not split_rows.sum_group and split_rows.buffer_shape == (2, 16, 1, 4096)
+    assert split_rows.buffer_dtype == torch.float32 and split_rows.bias_shape == (2, 4, 1, 4096)
+    assert schedule(biased, off).backward.dbias.sum_group
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_ORDERED_HEADS", False)
+    assert not schedule(ordered, HOPPER_OPTIONS).backward.split_heads
+
+
+def test_the_backward_option_names_the_hopper_route():
+    with pytest.raises(ValueError, match="'hopper'"):
+        normalize_options({"backward": "gluon"})
