@@ -35,8 +35,9 @@ and V a head per query head). Eager calls on CUDA tensors copy K and V's rows in
 inverse order and sums the heads it was widened to; traced calls, and the bias and intervals
 always, use ``torch.gather``, whose gradient autograd makes (a scatter of each key to one
 place, then the widening's sum), except a bias read with no widening in an eager call: its
-gradient is a gather through the inverse order (``_BiasInOrder``). On the H200 ``torch.gather`` of K and V (an int64 index read
-per element) ran at 0.8-1.0 TB/s (B2 H16/4 L8192 D128 bf16: ~70 us of a 0.61 ms top-W call).
+gradient is a gather through the inverse order (``_BiasInOrder``). On the H200
+``torch.gather`` of K and V (an int64 index read per element) ran at 0.8-1.0 TB/s (B2 H16/4
+L8192 D128 bf16: ~70 us of a 0.61 ms top-W call).
 
 The reordered intervals depend only on the intervals, the order, causality and the lengths,
 not on K, V or the heads they are widened to, so ``reordered_intervals`` keeps them on the
@@ -264,8 +265,8 @@ def _gather_index(intervals: KeyIntervals, kind: str, order_heads: int, batch: i
                   last: int) -> torch.Tensor:
     """``_kv_index`` (``kind`` "kv", ``last`` the head dim) or ``_bias_index`` ("bias", ``last``
     the bias's rows) of ``intervals.key_order`` (of its inverse: "bias-inverse") widened to
-    ``order_heads`` heads, kept on
-    ``intervals`` per form and the order's version counter, at most ``MAX_GATHER_INDICES``.
+    ``order_heads`` heads, kept on ``intervals`` per form and the order's version counter, at
+    most ``MAX_GATHER_INDICES``.
     Made afresh, and not kept, while ``torch.compile`` traces or a CUDA graph captures (as
     ``reordered_intervals``)."""
     order = intervals.key_order
