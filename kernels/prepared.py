@@ -150,8 +150,7 @@ def _named_documents(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) ->
     documents = find_documents(intervals, seqlen_q, is_causal)
     if documents is None:
         return intervals
-    return KeyIntervals(intervals.start, intervals.end, max_kept=intervals.max_kept,
-                        _row_kept=intervals._row_kept, _documents=documents)
+    return intervals.keeping_subset(intervals.start, intervals.end, documents=documents)
 
 
 # Call forms whose preparations one KeyIntervals keeps (a model calls with one or two).

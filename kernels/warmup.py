@@ -360,9 +360,7 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
                     # itself (``forward_schedule.scan_keys``), a form of its own. New
                     # intervals with the same tensors: a second call with one object would
                     # prepare it.
-                    fresh = KeyIntervals(attn_mask.start, attn_mask.end, attn_mask.key_order,
-                                         max_kept=attn_mask.max_kept,
-                                         _row_kept=attn_mask._row_kept)
+                    fresh = attn_mask.keeping_subset(attn_mask.start, attn_mask.end)
                     with torch.no_grad():
                         dmattn_func(q, k, v, attn_mask=fresh, attn_bias=attn_bias,
                                     is_causal=is_causal)

@@ -242,3 +242,27 @@ def test_most_kept_in_a_row_follows_the_definition(seqlen_q):
         assert most_kept_in_a_row(intervals.start, intervals.end, seqlen_q) == expected
     nothing = torch.zeros(1, 1, 5, dtype=torch.int32)
     assert most_kept_in_a_row(nothing, nothing, seqlen_q) == 0
+
+
+def test_keeping_subset_carries_the_bounds_and_the_order_only():
+    """Intervals rebuilt from narrower rows keep the bounds (max_kept, the most one row keeps)
+    and the key order, or the order given; lists and documents tied to the old start and end
+    are dropped, and documents given are the new intervals' own."""
+    torch.manual_seed(0)
+    start = torch.randint(0, 9, (1, 2, 11), dtype=torch.int32)
+    end = start + 3
+    lists = (torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 4, dtype=torch.int32))
+    old = KeyIntervals(start, end, torch.arange(11).flip(0).expand(1, 2, 11), max_kept=4,
+                       _row_kept=3, _kept_lists=lists)
+    narrower = old.keeping_subset(start + 1, end)
+    assert torch.equal(narrower.start, start + 1) and narrower.end is end
+    assert narrower.max_kept == 4 and narrower._row_kept == 3
+    assert narrower.key_order is old.key_order
+    assert narrower._kept_lists is None and narrower._documents is None
+    order = torch.arange(11).expand(1, 2, 11)
+    offsets = torch.tensor([0, 11], dtype=torch.int32)
+    other = old.keeping_subset(start, end, key_order=order, documents=(offsets, offsets, True))
+    assert other.key_order is order and other._documents == (offsets, offsets, True)
+    ordered = KeyIntervals(start, end, max_kept=4, _row_kept=3).with_key_order()
+    assert ordered.max_kept == 4 and ordered._row_kept == 3
+    assert sorted(ordered.key_order[0, 0].tolist()) == list(range(11))

@@ -185,8 +185,7 @@ def _intersect(a: KeyIntervals, b: KeyIntervals | None) -> KeyIntervals:
     padding only empties or shortens runs, so a's grouping still holds)."""
     if b is None:
         return a
-    return KeyIntervals(torch.maximum(a.start, b.start), torch.minimum(a.end, b.end),
-                        a.key_order, max_kept=a.max_kept, _row_kept=a._row_kept)
+    return a.keeping_subset(torch.maximum(a.start, b.start), torch.minimum(a.end, b.end))
 
 
 def _bool_top_window(visible: Masking, bias: torch.Tensor, seqlen_q: int,

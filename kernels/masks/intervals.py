@@ -172,8 +172,24 @@ class KeyIntervals:
         head) here and copies of K and V (and their gradients) per call; it pays where few
         of the visible keys are kept. ``topk_intervals`` sets it by that rule.
         """
-        return KeyIntervals(self.start, self.end, grouping_order(self.start, self.end),
-                            max_kept=self.max_kept, _row_kept=self._row_kept)
+        return self.keeping_subset(self.start, self.end,
+                                   key_order=grouping_order(self.start, self.end))
+
+    def keeping_subset(self, start: torch.Tensor, end: torch.Tensor, *,
+                       key_order: torch.Tensor | None = None,
+                       documents: tuple | None = None) -> "KeyIntervals":
+        """New intervals ``start``, ``end`` of these intervals' shape whose every row keeps
+        some of the keys these keep (the same intervals, or narrower ones), so the bounds
+        these carry hold for them and are carried: ``max_kept`` and the most keys one row
+        keeps. The key order is ``key_order`` where given, else these intervals' own (any
+        order gives the same attention). Facts that tie the intervals to other tensors (the
+        kept-key lists, a packed batch's documents) are not carried: ``documents`` names the
+        new intervals' own. Every site that rebuilds intervals from these goes through here,
+        so a new bound is carried in one place."""
+        return KeyIntervals(start, end,
+                            self._key_order if key_order is None else key_order,
+                            max_kept=self.max_kept, _row_kept=self._row_kept,
+                            _documents=documents)
 
     @property
     def shape(self) -> tuple[int, int, int]:
