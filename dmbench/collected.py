@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import csv
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
@@ -34,6 +34,9 @@ class Collected:
     # (sweep, mode) -> case label -> backend -> median ms, cases in file order
     tables: dict[tuple[str, str], dict[str, dict[str, float]]]
     interpreted: bool  # CPU rows (Triton's interpreter): no targets
+    # (sweep, mode) -> case label -> the backends whose row spread more than ``WIDE_SPREAD``
+    # between its p20 and p80 times
+    wide: dict[tuple[str, str], dict[str, set[str]]] = field(default_factory=dict)
 
     @property
     def gpu(self) -> str:
@@ -121,10 +124,25 @@ def collect(csv_paths: list[Path]) -> Collected:
         raise ConfigError(f"the CSVs come from {len(devices)} devices ({'; '.join(devices)}); "
                           "ratios are only comparable within one: report one device at a time")
     tables: dict[tuple[str, str], dict[str, dict[str, float]]] = defaultdict(dict)
+    wide: dict[tuple[str, str], dict[str, set[str]]] = defaultdict(dict)
     for row in rows:
-        cases = tables[(sweep_label(row), row.mode)]
-        cases.setdefault(case_label(row), {})[row.backend] = row.ms_p50
-    return Collected(rows, dict(tables), is_interpreter_row(rows[0]))
+        table, label = (sweep_label(row), row.mode), case_label(row)
+        tables[table].setdefault(label, {})[row.backend] = row.ms_p50
+        if spreads_wide(row):
+            wide[table].setdefault(label, set()).add(row.backend)
+    return Collected(rows, dict(tables), is_interpreter_row(rows[0]), dict(wide))
+
+
+# A row whose p80 time exceeds its p20 time by more than this factor: its median says less
+# than the others' (an eager call whose host time exceeds its kernels' takes the host's
+# jitter; a peer's compile or a neighbour's work in the middle of its repeats).
+WIDE_SPREAD = 1.25
+
+
+def spreads_wide(row) -> bool:
+    """Whether ``row``'s p20-p80 times spread more than ``WIDE_SPREAD``."""
+    return (row.ms_p20 is not None and row.ms_p80 is not None and row.ms_p20 > 0
+            and row.ms_p80 > WIDE_SPREAD * row.ms_p20)
 
 
 def shape_label(row) -> str:

@@ -36,8 +36,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from .behind import short_rows_line, short_rows_markdown
-from .collected import (TIMED_MODES, Collected, case_label, collect, other_command,
-                        ratio_to_best_peer, shape_label, sweep_label, timing_suffix)
+from .collected import (TIMED_MODES, WIDE_SPREAD, Collected, case_label, collect,
+                        other_command, ratio_to_best_peer, shape_label, sweep_label,
+                        timing_suffix)
 from .errors import ConfigError
 from .results import Row
 
@@ -309,7 +310,9 @@ def tables_markdown(collected: Collected) -> str:
         parts.append("Median milliseconds, lower is better; **vs best peer** is the fastest of "
                      "sdpa (float mask), flex, fdma and fa4 that has a row, divided by ours (above 1 "
                      "means we are faster), with that peer named; a dash means no row for that "
-                     "backend. sdpa-dense (no mask, no bias) is the dense ceiling, not a peer.")
+                     "backend. sdpa-dense (no mask, no bias) is the dense ceiling, not a peer. "
+                     f"A time marked ~ comes from a row whose p80 exceeds its p20 by more than "
+                     f"{WIDE_SPREAD:g}x: read its median, and any ratio made with it, with care.")
     parts += baseline_markdown(collected)
     if not collected.interpreted:
         parts += short_rows_markdown(collected)
@@ -321,8 +324,11 @@ def tables_markdown(collected: Collected) -> str:
         parts.append(f"\n**{sweep}, {mode}**\n")
         parts.append("| " + " | ".join(["case", *shown, *ratio_column]) + " |")
         parts.append("|---" * (len(shown) + 1 + len(ratio_column)) + "|")
+        wide = {} if collected.interpreted else collected.wide.get((sweep, mode), {})
         for label, times in cases.items():
-            cells = [f"{times[b]:.3f}" if b in times else "–" for b in shown]
+            marked = wide.get(label, ())
+            cells = [f"{times[b]:.3f}{' ~' if b in marked else ''}" if b in times else "–"
+                     for b in shown]
             if ratio_column:
                 best = ratio_to_best_peer(times)
                 cells.append("–" if best is None else f"{best[0]:.2f}× ({best[1]})")

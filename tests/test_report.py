@@ -439,3 +439,22 @@ def test_every_committed_results_folder_still_reports():
     assert len(folders) >= 2
     for folder in folders:
         assert collect(sorted(folder.glob("*.csv"))).rows, folder
+
+
+def test_times_of_rows_that_spread_wide_are_marked_and_the_marker_explained(tmp_path):
+    """A row whose p80 exceeds its p20 by more than WIDE_SPREAD gets ' ~' after its median, in
+    its own cell only; rows at or within the bound and CPU tables get none."""
+    from dmbench.collected import WIDE_SPREAD
+
+    rows = _rows(_masked(0), "win", "fwd", {"triton": 1.0, "sdpa": 2.0})
+    rows[0].ms_p20, rows[0].ms_p80 = 0.8, 0.8 * WIDE_SPREAD * 1.01  # triton: wide
+    rows[1].ms_p20, rows[1].ms_p80 = 1.6, 1.6 * WIDE_SPREAD  # sdpa: at the bound, not wide
+    collected = collect([_csv(tmp_path / "win-fwd.csv", rows)])
+    assert collected.wide == {("win", "fwd"): {"B1 H4/2 L64 D64 topk W32 kv_row causal":
+                                               {"triton"}}}
+    tables = tables_markdown(collected)
+    assert "| B1 H4/2 L64 D64 topk W32 kv_row causal | 1.000 ~ | 2.000 | 2.00× (sdpa) |" in tables
+    assert f"more than {WIDE_SPREAD:g}x" in tables
+    cpu = [Row(**{**vars(r), "gpu": CPU}) for r in rows]
+    cpu_tables = tables_markdown(collect([_csv(tmp_path / "cpu" / "win-fwd.csv", cpu)]))
+    assert " ~" not in cpu_tables
