@@ -184,8 +184,11 @@ class KeyIntervals:
         keeps. The key order is ``key_order`` where given, else these intervals' own (any
         order gives the same attention). Facts that tie the intervals to other tensors (the
         kept-key lists, a packed batch's documents) are not carried: ``documents`` names the
-        new intervals' own. Every site that rebuilds intervals from these goes through here,
-        so a new bound is carried in one place."""
+        new intervals' own. The sites that rebuild intervals keeping some of these's keys
+        come through here (``with_key_order``, ``prepared`` naming documents, warm-up's fresh
+        intervals, the transformers padding intersection), so a new bound is carried in one
+        place; ``key_order._reorder`` (keys moved) and ``ops.host_mask`` (rebuilt from a
+        custom op's arguments) carry what they need themselves."""
         return KeyIntervals(start, end,
                             self._key_order if key_order is None else key_order,
                             max_kept=self.max_kept, _row_kept=self._row_kept,
