@@ -31,7 +31,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,7 +43,7 @@ from .planning.forward import interpreted
 from .planning.forward_schedule import interval_tile_rows
 from .planning.gather_decode import lists_pay
 from .planning.inputs import AttnShape
-from .planning.problem import Problem
+from .planning.problem import OperandLayout, Problem
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
 from .prepared import prepare_mask
 from .runtime.device import capability, multiprocessors
@@ -156,6 +156,25 @@ def hopper_backward_threshold(batch: int, heads_q: int, heads_kv: int, head_dim:
     return first_length(holds, limit)
 
 
+def ordered_backward_threshold(batch: int, heads_q: int, heads_kv: int, head_dim: int, dtype,
+                               device, window: int, limit: int) -> int | None:
+    """The shortest length L <= ``limit`` from which a call with L query rows and L keys under
+    key-ordered top-``window`` intervals takes the Hopper backward by default (it keeps enough
+    pairs: ``tuning.HOPPER_BACKWARD_MIN_ORDERED_PAIRS``); None: never, or not on this GPU."""
+    gpu = capability(torch.device(device), interpreted())
+    if gpu is None:
+        return None
+
+    def holds(seqlen: int) -> bool:  # the default schedule's own decision
+        ordered = replace(square_problem(seqlen, batch, heads_q, heads_kv, head_dim, dtype,
+                                         device, False, gpu),
+                          mask=OperandLayout((batch, heads_kv, 1, seqlen), heads_q // heads_kv),
+                          tma_mask=True, intervals=True, row_kept=window)
+        return schedule_backward(ordered, {}).route is BackwardRoute.HOPPER
+
+    return first_length(holds, limit)
+
+
 def threshold_lengths(lengths, threshold: int | None) -> tuple[int, ...]:
     """``lengths``, and where some lie below ``threshold`` and some at or above it, an aligned
     and an unaligned length on each side next to it: the ends of both forms' ranges."""
@@ -189,7 +208,7 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
     the schedule changes, the two ends of each side (``threshold_lengths``): the ordering
     threshold with a ``window``, the forward's interval tile with interval masks
     (``forward_schedule.interval_tile_rows``), and dkdv's wide tile and the Hopper backward
-    (on a Hopper GPU) with ``backward``. Decode calls (``query_rows``: the lengths are the
+    (on a Hopper GPU; with a ``window``, under key-ordered intervals too) with ``backward``. Decode calls (``query_rows``: the lengths are the
     caches') change form at one cache length only, with a ``window``: where they start to take
     the gather route (``gather_threshold``)."""
     lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
@@ -214,6 +233,9 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
             lengths = list(threshold_lengths(lengths, hopper_backward_threshold(
                 batch, heads_q, heads_kv, head_dim, dtype, device, is_causal, max(lengths),
                 whole_groups)))
+        if window is not None:  # and, under key-ordered top-W intervals, at another
+            lengths = list(threshold_lengths(lengths, ordered_backward_threshold(
+                batch, heads_q, heads_kv, head_dim, dtype, device, window, max(lengths))))
     return tuple(lengths)
 
 

@@ -316,6 +316,31 @@ def test_warmup_lengths_straddle_the_hopper_backwards_thresholds(monkeypatch, he
                                                    is_causal, 1 << 16) is None
 
 
+def test_warmup_lengths_straddle_the_ordered_hopper_backward_threshold(monkeypatch):
+    """Under key-ordered top-W intervals the default backward turns to the Hopper route at the
+    length whose kept pairs reach ``tuning.HOPPER_BACKWARD_MIN_ORDERED_PAIRS``; a warm-up with
+    that ``window`` from below it to above it calls on both sides."""
+    warmup_module = importlib.import_module("kernels.warmup")
+    monkeypatch.setattr(warmup_module, "interpreted", lambda: False)
+    monkeypatch.setattr(warmup_module, "multiprocessors", lambda device, interpreted: 132)
+    monkeypatch.setattr(warmup_module, "capability", lambda device, interpreted: (9, 0))
+    batch, heads_q, heads_kv, window = 1, 8, 2, 256
+    threshold = warmup_module.ordered_backward_threshold(batch, heads_q, heads_kv, 128,
+                                                         torch.bfloat16, "cuda", window, 1 << 16)
+    # B x Hq x L x W kept pairs reach the bound at this L (the other rules hold from far below)
+    assert threshold == -(-tuning.HOPPER_BACKWARD_MIN_ORDERED_PAIRS // (batch * heads_q * window))
+    lengths = warmup_module.call_lengths((1024, 1 << 14), batch=batch, heads_q=heads_q,
+                                         heads_kv=heads_kv, head_dim=128, dtype=torch.bfloat16,
+                                         device="cuda", mask="intervals", backward=True,
+                                         window=window, selection_heads=None, is_causal=True)
+    near = sorted(n for n in lengths if abs(n - threshold) < 17)
+    assert min(near) < threshold <= max(near) and len(near) >= 4, near
+    monkeypatch.setattr(warmup_module, "capability", lambda device, interpreted: (8, 0))
+    assert warmup_module.ordered_backward_threshold(batch, heads_q, heads_kv, 128,
+                                                    torch.bfloat16, "cuda", window,
+                                                    1 << 16) is None
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_warmup_lengths_straddle_the_interval_tile(monkeypatch, bias):
     """On the GPU the forward of KeyIntervals at head dim 128 changes tiles at

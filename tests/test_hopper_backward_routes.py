@@ -17,7 +17,7 @@ from kernels.planning import tuning
 from kernels.planning.backward_schedule import BackwardRoute
 from kernels.planning.hopper_backward import (backward_list_tile, grid_order_group,
                                               hopper_backward_gap, longest_walk_share,
-                                              mean_query_blocks)
+                                              mean_query_blocks, ordered_pairs)
 from kernels.planning.problem import OperandLayout, Problem
 from kernels.planning.schedule import activity_tiles, normalize_options, schedule
 
@@ -235,6 +235,35 @@ def test_split_heads_are_the_default_for_key_ordered_top_w_intervals(monkeypatch
     assert schedule(biased, off).backward.dbias.sum_group
     monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_ORDERED_HEADS", False)
     assert not schedule(ordered, HOPPER_OPTIONS).backward.split_heads
+
+
+@pytest.mark.parametrize("batch, heads_q, seqlen, window, hopper", [
+    (1, 8, 2048, 256, False),  # bias.yaml: 4.2M pairs, the Triton backward 1.44x (H200, eager)
+    (1, 8, 2048, 1024, True),  # 16.8M pairs: the bound itself
+    (1, 16, 4096, 1024, True),  # headdim.yaml: 67M pairs, Hopper 1.24-1.44x
+    (2, 16, 2048, 8192, True),  # W past Lk: every key of every row, 67M pairs
+])
+def test_key_ordered_top_w_takes_the_hopper_backward_from_enough_kept_pairs(
+        monkeypatch, batch, heads_q, seqlen, window, hopper):
+    """Key-ordered top-W intervals walk at most W keys a row: below
+    ``HOPPER_BACKWARD_MIN_ORDERED_PAIRS`` kept pairs the default keeps the Triton backward, whose
+    host path is shorter; forcing the Hopper route still takes it."""
+    shape = sized(batch=batch, heads_q=heads_q, heads_kv=heads_q // 4, seqlen_q=seqlen,
+                  seqlen_k=seqlen)
+    layout = OperandLayout((batch, heads_q // 4, 1, seqlen), 4)
+    ordered = dense_problem(shape=shape, mask=layout, tma_mask=True, intervals=True,
+                            row_kept=window, is_causal=False)
+    assert ordered_pairs(ordered) == batch * heads_q * seqlen * min(window, seqlen)
+    assert (schedule(ordered).backward.route is BackwardRoute.HOPPER) == hopper
+    assert schedule(ordered, HOPPER_OPTIONS).backward.route is BackwardRoute.HOPPER
+    # The bound is what decides, and it reads key-ordered intervals only.
+    unordered = replace(ordered, row_kept=None)
+    unordered_route = schedule(unordered).backward.route
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MIN_ORDERED_PAIRS", 0)
+    assert schedule(ordered).backward.route is BackwardRoute.HOPPER
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_MIN_ORDERED_PAIRS", 1 << 62)
+    assert schedule(ordered).backward.route is not BackwardRoute.HOPPER
+    assert schedule(unordered).backward.route is unordered_route
 
 
 def test_the_backward_option_names_the_hopper_route():

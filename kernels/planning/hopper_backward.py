@@ -140,9 +140,11 @@ def splitting_balances(problem: Problem) -> bool:
 def takes_hopper_backward(problem: Problem, split_heads: bool = False) -> bool:
     """The schedule's default: the Hopper backward where it covers the problem, each key
     block's program walks enough query blocks to lead the Triton backward
-    (``tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS`` and the measurements beside it), and no
-    program's walk (one per query head with ``split_heads``) outlasts the grid's even share by
-    much (``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE``)."""
+    (``tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS`` and the measurements beside it), key-ordered
+    top-W intervals keep enough pairs that the call is not bound by the route's host time
+    (``tuning.HOPPER_BACKWARD_MIN_ORDERED_PAIRS``), and no program's walk (one per query head
+    with ``split_heads``) outlasts the grid's even share by much
+    (``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE``)."""
     if hopper_backward_gap(problem) is not None:
         return False
     if problem.deterministic:
@@ -155,6 +157,9 @@ def takes_hopper_backward(problem: Problem, split_heads: bool = False) -> bool:
         least = tuning.HOPPER_BACKWARD_MIN_QUERY_BLOCKS
     walks = query_walks(problem)
     if not walks or sum(walks) / len(walks) < least:
+        return False
+    if (ordered_walks(problem)
+            and ordered_pairs(problem) < tuning.HOPPER_BACKWARD_MIN_ORDERED_PAIRS):
         return False
     return (_longest_share(problem, walks, split_heads)
             <= tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE)
@@ -356,6 +361,14 @@ class HopperBackwardPlan:
         if self.lists_kept:  # a prepared mask's: its plan's lists, its mask alive with it
             self._kept_mask_args = (table, form, args)
         return args
+
+
+def ordered_pairs(problem: Problem) -> int:
+    """The most (query, key) pairs key-ordered top-W intervals keep over the call: every
+    query row of every batch and query head keeps at most ``row_kept`` keys."""
+    shape = problem.shape
+    return (shape.batch * shape.heads_q * shape.seqlen_q
+            * min(problem.row_kept, shape.seqlen_k))
 
 
 def ordered_walks(problem: Problem) -> bool:

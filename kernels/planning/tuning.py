@@ -299,6 +299,15 @@ HOPPER_BACKWARD_WIDE_MIN_QUERY_BLOCKS = 8  # head dims > 64
 # Hopper's in one run: D32 0.81x, D64 0.88x, D80 0.98x, D96 0.98x, D128 0.93x; models.yaml at
 # shares of about 1.0 (B1 H16/4, H28/4, H32/8, H64/8 at L8192, D128 causal): 1.25-1.41x.
 HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE = 1.5
+# Key-ordered top-W intervals (``hopper_backward.ordered_walks``) take the Hopper backward only
+# where their kept pairs, batch x query heads x query rows x W, are at least this many: below
+# it the eager call is bound by host time, and the Hopper route's (one launch before its kernel
+# and one after, descriptors, split-head accumulators) exceeds the Triton backward's. H200,
+# bf16, D128, top-W bool mask prepared with a kv_row bias, default (Hopper, split heads) against
+# the Triton backward ('dq+dkdv'), eager wall in one process (63dd48d): B1 H8/2 L2048 W256
+# (4.2M pairs) bwd 0.686 against 0.475 ms, fwd+bwd 1.38 against 1.41; B1 H16/4 L4096 W1024
+# (67M pairs) D80 bwd 0.740 against 1.065, D128 0.754 against 0.932.
+HOPPER_BACKWARD_MIN_ORDERED_PAIRS = 1 << 24
 # Whether the Hopper backward of key-ordered top-W intervals gives each query head of a GQA
 # group its own programs (``backward_schedule.split_heads``). Counted on the CPU (one program
 # per multiprocessor, in query-block steps): B2 H16/4 L8192 W1024 the grid's last program ends
