@@ -329,7 +329,7 @@ def test_warmup_lengths_straddle_the_ordered_hopper_backward_threshold(monkeypat
                                                          torch.bfloat16, "cuda", window, 1 << 16)
     # B x Hq x L x W kept pairs reach the bound at this L (the other rules hold from far below)
     assert threshold == -(-tuning.HOPPER_BACKWARD_MIN_ORDERED_PAIRS // (batch * heads_q * window))
-    lengths = warmup_module.call_lengths((1024, 1 << 14), batch=batch, heads_q=heads_q,
+    lengths = warmup_module.call_lengths((1024, 1 << 16), batch=batch, heads_q=heads_q,
                                          heads_kv=heads_kv, head_dim=128, dtype=torch.bfloat16,
                                          device="cuda", mask="intervals", backward=True,
                                          window=window, selection_heads=None, is_causal=True)

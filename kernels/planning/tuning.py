@@ -303,11 +303,14 @@ HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE = 1.5
 # where their kept pairs, batch x query heads x query rows x W, are at least this many: below
 # it the eager call is bound by host time, and the Hopper route's (one launch before its kernel
 # and one after, descriptors, split-head accumulators) exceeds the Triton backward's. H200,
-# bf16, D128, top-W bool mask prepared with a kv_row bias, default (Hopper, split heads) against
-# the Triton backward ('dq+dkdv'), eager wall in one process (63dd48d): B1 H8/2 L2048 W256
-# (4.2M pairs) bwd 0.686 against 0.475 ms, fwd+bwd 1.38 against 1.41; B1 H16/4 L4096 W1024
-# (67M pairs) D80 bwd 0.740 against 1.065, D128 0.754 against 0.932.
-HOPPER_BACKWARD_MIN_ORDERED_PAIRS = 1 << 24
+# bf16, D128, top-W bool mask prepared with a kv_row bias, eager bwd / fwd+bwd ms, the Hopper
+# backward (split heads) against the Triton backward ('dq+dkdv') in one dmbench run (6c02448):
+# B1 H8/2 L2048 W1024 (16.8M pairs) 0.233 / 0.618 against 0.185 / 0.434; L4096 W512 (16.8M)
+# 0.643 / 1.046 against 0.647 / 1.079; L4096 W1024 (33.5M) 0.682 / 1.251 against 0.562 /
+# 1.074; in one process (63dd48d), B1 H8/2 L2048 W256 (4.2M) bwd 0.686 against 0.475, and
+# B1 H16/4 L4096 W1024 (67M) D80 0.740 against 1.065, D128 0.754 against 0.932. The same row
+# read 0.23-0.38 ms across two runs: eager rows this short vary by up to 1.6x.
+HOPPER_BACKWARD_MIN_ORDERED_PAIRS = 1 << 26
 # Whether the Hopper backward of key-ordered top-W intervals gives each query head of a GQA
 # group its own programs (``backward_schedule.split_heads``). Counted on the CPU (one program
 # per multiprocessor, in query-block steps): B2 H16/4 L8192 W1024 the grid's last program ends
