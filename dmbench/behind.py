@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .collected import (TIMED_MODES, Collected, case_label, ratio_to_best_peer, sweep_label,
+from .collected import (TIMED_MODES, Collected, case_label, sweep_label,
                         timing_suffix)
 from .results import row_case
 from .traffic import PEAK_RATES, gbps
@@ -63,7 +63,7 @@ def short_rows(collected: Collected) -> list[ShortRow]:
     found = []
     for (sweep, mode), cases in collected.tables.items():
         for label, times in cases.items():
-            best = ratio_to_best_peer(times)
+            best = collected.best_peer(label, times)
             if best is None or best[0] >= 1:
                 continue
             row = ours[(sweep, mode, label)]

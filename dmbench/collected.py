@@ -24,6 +24,11 @@ from .results import TIMED_MODES, Row, read_rows, row_line
 # The backends we are compared against; sdpa-dense computes a different (dense) function, and
 # triton-base, triton-select and triton-per-call run our own kernels, so none of them is a peer.
 PEERS = ("sdpa", "flex", "fdma", "fa4")
+# ... except in a case with no mask and no bias, where sdpa-dense makes the sdpa peer's own call
+# and computes the same function: there it is a peer too, so that a slow spell of one of the
+# two identical calls is not read as a lead (H200, decode's dense rows: sdpa 0.291 ms against
+# sdpa-dense 0.257, both cuDNN, in one run).
+DENSE_PEER = "sdpa-dense"
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,13 @@ class Collected:
     # (sweep, mode) -> case label -> the backends whose row spread more than ``WIDE_SPREAD``
     # between its p20 and p80 times
     wide: dict[tuple[str, str], dict[str, set[str]]] = field(default_factory=dict)
+    # The labels of cases with no mask and no bias (``DENSE_PEER`` is a peer there)
+    dense_cases: frozenset[str] = frozenset()
+
+    def best_peer(self, label: str, times: dict[str, float]) -> tuple[float, str] | None:
+        """``ratio_to_best_peer`` of one case's times, its label telling whether
+        ``DENSE_PEER`` is a peer there."""
+        return ratio_to_best_peer(times, dense_case=label in self.dense_cases)
 
     @property
     def gpu(self) -> str:
@@ -130,7 +142,8 @@ def collect(csv_paths: list[Path]) -> Collected:
         tables[table].setdefault(label, {})[row.backend] = row.ms_p50
         if spreads_wide(row):
             wide[table].setdefault(label, set()).add(row.backend)
-    return Collected(rows, dict(tables), is_interpreter_row(rows[0]), dict(wide))
+    dense = frozenset(case_label(r) for r in rows if r.mask == "none" and r.bias == "none")
+    return Collected(rows, dict(tables), is_interpreter_row(rows[0]), dict(wide), dense)
 
 
 # A row whose p80 time exceeds its p20 time by more than this factor: its median says less
@@ -162,10 +175,12 @@ def case_label(row) -> str:
     return f"{shape_label(row)} {row.mask}{window}{documents}{mask_format} {row.bias}{causal}"
 
 
-def ratio_to_best_peer(times: dict[str, float]) -> tuple[float, str] | None:
+def ratio_to_best_peer(times: dict[str, float], dense_case: bool = False
+                       ) -> tuple[float, str] | None:
     """The fastest peer's median time over ours, with that peer; None without our time or any
-    peer's."""
-    peers = {p: times[p] for p in PEERS if p in times}
+    peer's. ``dense_case``: the case has no mask and no bias (``DENSE_PEER`` is a peer)."""
+    names = PEERS + (DENSE_PEER,) if dense_case else PEERS
+    peers = {p: times[p] for p in names if p in times}
     if not peers or "triton" not in times:
         return None
     best = min(peers, key=peers.get)

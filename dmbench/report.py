@@ -25,7 +25,8 @@ of a sweep given at once are refused (exit 2) naming both files and lines
 (``dmbench.collected``), before anything is written.
 
 ``sdpa-dense`` is shown as the no-mask ceiling but is not a peer: it computes a different
-(dense) function; nor is ``triton-base``. Rows timed on the CPU under Triton's interpreter get no targets: their
+(dense) function, except in a case with no mask and no bias, where it makes sdpa's own call
+(``collected.DENSE_PEER``); ``triton-base`` is never one. Rows timed on the CPU under Triton's interpreter get no targets: their
 timings are not performance numbers, and both sections say so.
 """
 
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from .behind import short_rows_line, short_rows_markdown
 from .collected import (TIMED_MODES, WIDE_SPREAD, Collected, case_label, collect,
-                        other_command, ratio_to_best_peer, shape_label, sweep_label,
+                        other_command, shape_label, sweep_label,
                         timing_suffix)
 from .errors import ConfigError
 from .results import Row
@@ -113,7 +114,8 @@ def targets_markdown(collected: Collected) -> list[str]:
         cells, fdma_ok, fdma_all = [], 0, 0
         for mode in TIMED_MODES:
             cases = modes.get(mode, {})
-            ratios = [r[0] for r in map(ratio_to_best_peer, cases.values()) if r is not None]
+            ratios = [r[0] for r in (collected.best_peer(label, times)
+                                     for label, times in cases.items()) if r is not None]
             vs_fdma = [t["fdma"] / t["triton"] for t in cases.values()
                        if "fdma" in t and "triton" in t]
             fdma_ok += sum(r >= FDMA_MIN_SPEEDUP for r in vs_fdma)
@@ -164,8 +166,8 @@ def headline_markdown(collected: Collected, tables_link: str | None = None) -> s
     else:
         parts += [f"Against the targets ({TARGETS_DOC}), per mode: the cases where we are faster "
                   "than every peer, and (min – max) the best peer's median time (sdpa with its "
-                  "float mask, flex, fdma or fa4, whichever is fastest) divided by ours, so above 1 "
-                  "means we are faster.", ""]
+                  "float mask, flex, fdma or fa4, whichever is fastest; sdpa-dense too where a case "
+                  "has no mask and no bias) divided by ours, so above 1 means we are faster.", ""]
         parts += targets_markdown(collected)
         parts += sparsity_lines(collected.rows)
         parts += short_rows_line(collected)
@@ -310,7 +312,8 @@ def tables_markdown(collected: Collected) -> str:
         parts.append("Median milliseconds, lower is better; **vs best peer** is the fastest of "
                      "sdpa (float mask), flex, fdma and fa4 that has a row, divided by ours (above 1 "
                      "means we are faster), with that peer named; a dash means no row for that "
-                     "backend. sdpa-dense (no mask, no bias) is the dense ceiling, not a peer. "
+                     "backend. sdpa-dense (no mask, no bias) is the dense ceiling, a peer only in "
+                     "cases without mask and bias, where it makes sdpa's own call. "
                      f"A time marked ~ comes from a row whose p80 exceeds its p20 by more than "
                      f"{WIDE_SPREAD:g}x: read its median, and any ratio made with it, with care.")
     parts += baseline_markdown(collected)
@@ -330,7 +333,7 @@ def tables_markdown(collected: Collected) -> str:
             cells = [f"{times[b]:.3f}{' ~' if b in marked else ''}" if b in times else "–"
                      for b in shown]
             if ratio_column:
-                best = ratio_to_best_peer(times)
+                best = collected.best_peer(label, times)
                 cells.append("–" if best is None else f"{best[0]:.2f}× ({best[1]})")
             parts.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(parts) + "\n"

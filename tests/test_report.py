@@ -83,6 +83,20 @@ def test_headline_summarizes_targets_from_the_rows(tmp_path):
     assert case_row in tables_markdown(collected)
 
 
+def test_sdpa_dense_is_a_peer_only_where_the_case_has_no_mask_and_no_bias(tmp_path):
+    """Without mask and bias sdpa-dense makes sdpa's own call: the faster of the two is the
+    best peer there (a slow spell of one identical call is no lead); a masked case's sdpa-dense
+    computes another function and stays out."""
+    dense = Case(8, 32, 8, 1, 32768, 128, None, True, "bf16", "none", bias="none")
+    rows = (_rows(dense, "decode", "fwd", {"triton": 0.258, "sdpa": 0.291, "sdpa-dense": 0.257})
+            + _rows(_masked(0), "decode", "fwd", {"triton": 1.0, "sdpa": 2.0, "sdpa-dense": 0.5}))
+    collected = collect([_csv(tmp_path / "r.csv", rows)])
+    assert "| decode | 2 | 1 of 2 (1.00× – 2.00×) |" in headline_markdown(collected)
+    tables = tables_markdown(collected)
+    assert "| 0.258 | 0.291 | 0.257 | 1.00× (sdpa-dense) |" in tables
+    assert "| 1.000 | 2.000 | 0.500 | 2.00× (sdpa) |" in tables
+
+
 def test_block_sparse_time_against_the_full_tile_row(tmp_path):
     def sparse(window, fraction, times, seqlen=1024):
         case = Case(2, 4, 2, seqlen, seqlen, 64, window, False, "bf16", "block_sparse")
