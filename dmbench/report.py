@@ -26,8 +26,9 @@ of a sweep given at once are refused (exit 2) naming both files and lines
 
 ``sdpa-dense`` is shown as the no-mask ceiling but is not a peer: it computes a different
 (dense) function, except in a case with no mask and no bias, where it makes sdpa's own call
-(``collected.DENSE_PEER``); ``triton-base`` is never one. Rows timed on the CPU under Triton's interpreter get no targets: their
-timings are not performance numbers, and both sections say so.
+(``collected.DENSE_PEER``); ``triton-base`` is never one. Rows timed on the CPU under Triton's
+interpreter get no targets: their timings are not performance numbers, and both sections say
+so.
 """
 
 from __future__ import annotations

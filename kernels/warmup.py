@@ -208,9 +208,10 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
     the schedule changes, the two ends of each side (``threshold_lengths``): the ordering
     threshold with a ``window``, the forward's interval tile with interval masks
     (``forward_schedule.interval_tile_rows``), and dkdv's wide tile and the Hopper backward
-    (on a Hopper GPU; with a ``window``, under key-ordered intervals too) with ``backward``. Decode calls (``query_rows``: the lengths are the
-    caches') change form at one cache length only, with a ``window``: where they start to take
-    the gather route (``gather_threshold``)."""
+    (on a Hopper GPU; with a ``window``, under key-ordered intervals too) with ``backward``.
+    Decode calls (``query_rows``: the lengths are the caches') change form at one cache length
+    only, with a ``window``: where they start to take the gather route
+    (``gather_threshold``)."""
     lengths = sorted({length for seqlen in seqlens for length in warmup_lengths(int(seqlen))})
     if query_rows is not None:
         if window is not None:
