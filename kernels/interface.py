@@ -10,7 +10,7 @@ import torch
 from . import ops
 from .call_plan import call_signature, interval_form, needs_grad, plan_call, remember
 from .masks.intervals import KeyIntervals
-from .masks.key_order import reorder_keys
+from .masks.key_order import KeyOrderReads, key_order_reads, reorder_keys
 from .planning.backward import attention_backward
 from .planning.inputs import check_flags, check_inputs
 from .prepared import PreparedMask
@@ -68,6 +68,54 @@ class _DMAttnFunction(torch.autograd.Function):
         return dq, dk, dv, None, dbias, None, None, None, None, None
 
 
+class _KeyOrderedFunction(torch.autograd.Function):
+    """``_DMAttnFunction`` of a call whose ordered intervals' key reads ``reads`` (a
+    ``KeyOrderReads``) makes: K, V and the bias are read in key order in its forward, and
+    their gradients go back through the inverse order in its backward, in this one node."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, reads: KeyOrderReads, attn_bias, softmax_scale,
+                deterministic, return_lse, kernel_options):
+        bias_grad = attn_bias is not None and attn_bias.requires_grad
+        ordered_key, ordered_value, ordered_bias = reads.read(key, value, attn_bias)
+        call = plan_call(query, ordered_key, ordered_value, reads.reordered, ordered_bias,
+                         False, softmax_scale, True, deterministic, bias_grad, kernel_options)
+        out, lse = call.run(ordered_bias)
+        ctx.save_for_backward(call.query, call.key, call.value, out, lse, call.mask,
+                              ordered_bias)
+        ctx.plan = call.plan
+        ctx.activity = call.activity
+        ctx.document_offsets = call.document_offsets
+        ctx.deterministic = deterministic
+        ctx.reads = reads
+        ctx.shapes = key.shape, value.shape, None if attn_bias is None else attn_bias.shape[0]
+        if not return_lse:
+            return out
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, *grad_lse):
+        if grad_out is None:
+            return (None,) * 9
+        query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
+        key_shape, value_shape, bias_batch = ctx.shapes
+        bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dbias = attention_backward(
+            ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
+            ctx.deterministic, bias_needs_grad=bias_grad, activity=ctx.activity,
+            document_offsets=ctx.document_offsets,
+        )
+        if ctx.reads.inverse is not None:
+            dk, dv = ctx.reads.keys_back(dk, dv, key_shape, value_shape)
+        else:
+            dk = dv = None
+        if bias_grad:
+            dbias = ctx.reads.bias_back(dbias, bias_batch)
+        return dq, dk, dv, None, dbias, None, None, None, None
+
+
 def _compact_bias(attn_bias):
     """The tensor an ``expand()``ed bias view was made from, when that is all it is.
 
@@ -104,22 +152,44 @@ def _ordered_form(query, key, value, intervals, attn_bias, is_causal, softmax_sc
             (order.shape, order.stride(), order.dtype, order.device))
 
 
+def _check_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_scale):
+    """Checks an ordered call's inputs, once per form (``_ordered_forms``); traced calls are
+    checked by the custom ops."""
+    if _is_compiling():
+        return
+    form = _ordered_form(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
+    if form is not None and form in _ordered_forms:
+        _ordered_forms.move_to_end(form)
+    else:
+        check_flags(is_causal=is_causal)
+        check_inputs(query, key, value, intervals, attn_bias, softmax_scale)
+        if form is not None:
+            remember(_ordered_forms, form, True, MAX_ORDERED_FORMS)
+
+
 def _in_key_order(query, key, value, intervals, attn_bias, is_causal, softmax_scale):
     """The call's arguments with its keys read in ``intervals.key_order``
     (``kernels.masks.key_order``): the same attention, with causality folded into the intervals.
-    The inputs are checked first, once per form (``_ordered_forms``)."""
-    if not _is_compiling():  # traced calls are checked by the custom ops
-        form = _ordered_form(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
-        if form is not None and form in _ordered_forms:
-            _ordered_forms.move_to_end(form)
-        else:
-            check_flags(is_causal=is_causal)
-            check_inputs(query, key, value, intervals, attn_bias, softmax_scale)
-            if form is not None:
-                remember(_ordered_forms, form, True, MAX_ORDERED_FORMS)
+    The inputs are checked first."""
+    _check_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
     key, value, intervals, attn_bias = reorder_keys(query, key, value, intervals,
                                                     _compact_bias(attn_bias), is_causal)
     return query, key, value, intervals, attn_bias, False
+
+
+def _key_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_scale,
+                 return_lse, deterministic, kernel_options):
+    """An eager ordered call with gradients in one autograd node (``_KeyOrderedFunction``),
+    or None where ``key_order_reads`` leaves it to ``reorder_keys``'s graph."""
+    _check_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
+    if return_lse.__class__ is not bool or deterministic.__class__ is not bool:
+        check_flags(return_lse=return_lse, deterministic=deterministic)
+    attn_bias = _compact_bias(attn_bias)
+    reads = key_order_reads(query, key, value, intervals, attn_bias, is_causal)
+    if reads is None:
+        return None
+    return _KeyOrderedFunction.apply(query, key, value, reads, attn_bias, softmax_scale,
+                                      deterministic, return_lse, kernel_options)
 
 
 def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
@@ -155,6 +225,11 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     if attn_mask.__class__ is PreparedMask and attn_mask.intervals is not None:
         attn_mask = attn_mask.intervals_for(query, key, is_causal)  # the same pairs
     if isinstance(attn_mask, KeyIntervals) and attn_mask.key_order is not None:
+        if not _is_compiling() and needs_grad(query, key, value, attn_bias):
+            result = _key_ordered(query, key, value, attn_mask, attn_bias, is_causal,
+                                  softmax_scale, return_lse, deterministic, kernel_options)
+            if result is not None:
+                return result
         query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(
             query, key, value, attn_mask, attn_bias, is_causal, softmax_scale)
     # A call torch.compile or torch.export traces becomes the custom ops; eager calls never

@@ -445,6 +445,69 @@ def test_keys_copied_in_order_equal_the_gathers(batch, order_batch, heads, heads
             torch.testing.assert_close(copied, gathered, rtol=2**-7, atol=0, msg=name)
 
 
+# (dims, order heads, bias axes or None, bias gradient, K and V gradients, one autograd node)
+ONE_NODE = [
+    pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hq",
+                 ("B", "Hq", "1", "Lk"), True, True, True, id="order-per-query-head"),
+    pytest.param(Dims(2, 45, 45, heads_q=4, heads_kv=2, head_dim=16), "Hk",
+                 ("1", "Hk", "1", "Lk"), True, True, True, id="batch-shared-bias"),
+    pytest.param(Dims(1, 40, 70, heads_q=4, heads_kv=1, head_dim=40), "1",
+                 ("1", "1", "Lq", "Lk"), False, True, True, id="mqa-bias-without-grad"),
+    pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hk", None, False,
+                 False, True, id="query-grad-only"),
+    pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hq",
+                 ("B", "Hk", "1", "Lk"), True, True, False, id="bias-widened-to-the-order"),
+]
+
+
+@pytest.mark.parametrize("dims,heads,bias_axes,bias_grad,kv_grad,one_node", ONE_NODE)
+def test_an_ordered_call_with_gradients_is_one_autograd_node(dims, heads, bias_axes, bias_grad,
+                                                             kv_grad, one_node, device,
+                                                             monkeypatch):
+    """An eager ordered call whose K and V are copied by rows reads K, V and the bias in key
+    order inside the attention's own node, and sends their gradients back through the inverse
+    order there: outputs, LSE and every gradient asked for match the fp64 reference. A bias
+    that needs a gradient through a widening to the order's heads keeps the graph of
+    ``reorder_keys``."""
+    monkeypatch.setattr(key_order, "INTERPRETED_COPIES", True)  # on CPU tensors too
+    dtype = torch.float16
+    q, k, v = random_qkv(dims, dtype, device)
+    bias = None if bias_axes is None else _bias(dims, bias_axes, dtype, device)
+    q.requires_grad_()
+    k.requires_grad_(kv_grad), v.requires_grad_(kv_grad)
+    if bias is not None:
+        bias.requires_grad_(bias_grad)
+    intervals = topk_intervals(_selection(dims, heads, device), 7, seqlen_q=dims.seqlen_q,
+                               is_causal=True, order_keys=True)
+    out, lse = dmattn_func(q, k, v, intervals, bias, True, return_lse=True)
+    assert (type(out.grad_fn).__name__ == "_KeyOrderedFunctionBackward") == one_node
+    leaves = [t for t in (q, k, v, bias) if t is not None and t.requires_grad]
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(device)
+    got = torch.autograd.grad(out, leaves, grad_out.to(dtype))
+    runs = []
+    for upcast in (True, False):
+        inputs = [None if t is None else t.detach().float() if upcast else t.detach()
+                  for t in (q, k, v, bias)]
+        for t, leaf in zip(inputs, (q, k, v, bias)):
+            if t is not None and leaf.requires_grad:
+                t.requires_grad_()
+        ref_out, ref_lse = attention_reference(*inputs[:3], intervals, inputs[3], True,
+                                               return_lse=True, upcast=upcast)
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        upstream = grad_out.double() if upcast else grad_out.to(dtype)
+        runs.append((ref_out, ref_lse, torch.autograd.grad(ref_out, wanted,
+                                                            upstream.to(ref_out.dtype))))
+    (truth_out, truth_lse, truth), (low_out, low_lse, low) = runs
+    assert torch.isfinite(out).all()
+    assert_close_to_reference("out", out, truth_out, low_out, dtype)
+    assert_close_to_reference("lse", lse, truth_lse, low_lse, dtype)
+    for name, a, t, lo in zip(("dq", "dk", "dv", "dbias") if kv_grad else ("dq", "dbias"),
+                              got, truth, low):
+        assert a.shape == t.shape, name
+        assert torch.isfinite(a).all(), f"{name} has NaN or Inf"
+        assert_close_to_reference(name, a, t, lo, dtype)
+
+
 def test_a_reused_ordered_object_runs_on_its_kept_preparation(device, monkeypatch):
     """A model's layers share one ordered mask: the second call with it gets the reordered
     intervals of the first, and so prepares them (``prepared.prepared_intervals``); the third

@@ -35,9 +35,13 @@ and V a head per query head). Eager calls on CUDA tensors copy K and V's rows in
 inverse order and sums the heads it was widened to; traced calls, and the bias and intervals
 always, use ``torch.gather``, whose gradient autograd makes (a scatter of each key to one
 place, then the widening's sum), except a bias read with no widening in an eager call: its
-gradient is a gather through the inverse order (``_BiasInOrder``). On the H200
-``torch.gather`` of K and V (an int64 index read per element) ran at 0.8-1.0 TB/s (B2 H16/4
-L8192 D128 bf16: ~70 us of a 0.61 ms top-W call).
+gradient is a gather through the inverse order (``_BiasInOrder``). An eager call with
+gradients makes the row copies and the bias's gather, and their gradients' way back, inside
+the attention's own autograd node instead (``KeyOrderReads``): the two nodes this saves (K
+and V's, the bias's) cost the H200 host 60-110 us each a direction, against a fwd+bwd of
+0.49 ms of kernels (top-W, B1 H16/4 L4096 D80). On the H200 ``torch.gather`` of K and V (an
+int64 index read per element) ran at 0.8-1.0 TB/s (B2 H16/4 L8192 D128 bf16: ~70 us of a
+0.61 ms top-W call).
 
 The reordered intervals depend only on the intervals, the order, causality and the lengths,
 not on K, V or the heads they are widened to, so ``reordered_intervals`` keeps them on the
@@ -341,15 +345,105 @@ def _copies_rows(key: torch.Tensor, value: torch.Tensor) -> bool:
             and key.stride(3) == 1 and value.stride(3) == 1)
 
 
+def _bias_rows(attn_bias):
+    """``attn_bias`` with each broadcast (stride-0) axis of batch, heads and rows narrowed to
+    one slice, so that a gather reads it once, not as a copy per slice."""
+    for axis in (0, 1, 2):
+        if attn_bias.shape[axis] > 1 and attn_bias.stride(axis) == 0:
+            attn_bias = attn_bias.narrow(axis, 0, 1)
+    return attn_bias
+
+
+def _bias_form(attn_bias, intervals: KeyIntervals):
+    """The ``_gather_index`` form (heads, batch, own heads, rows) of ``attn_bias`` read in
+    ``intervals.key_order``."""
+    bm, hm, _ = intervals.shape
+    own, rows = attn_bias.shape[1], attn_bias.shape[2]
+    return max(own, hm), max(attn_bias.shape[0], bm), own, rows
+
+
+class KeyOrderReads:
+    """One eager call's reads of ordered intervals' keys, made inside the attention's own
+    autograd node (``interface._KeyOrderedFunction``) with their gradients' way back, where
+    ``reorder_keys`` would add a node for K and V and one for the bias: each node costs the
+    H200 host 60-110 us a direction. K and V are copied in order by rows and widened to
+    ``heads``; their gradients are copied back through the inverse order, summing the widened
+    heads (``_keys_in_order_grad_kernel``). The bias is gathered in order, and its gradient
+    gathered back through the inverse order, summed over a batch it was widened to.
+    ``key_order_reads`` says which calls this serves."""
+
+    __slots__ = ("reordered", "order", "inverse", "heads", "bias_index", "bias_inverse")
+
+    def __init__(self, reordered, order, inverse, heads, bias_index, bias_inverse):
+        self.reordered = reordered  # the call's intervals, in key order, causality folded in
+        self.order = order  # contiguous on keys
+        self.inverse = inverse  # None: no gradient goes back to K or V
+        self.heads = heads  # K and V's heads in order
+        self.bias_index = bias_index  # None: the bias (if any) is read as it is
+        self.bias_inverse = bias_inverse  # None: no bias gradient goes back through the order
+
+    def read(self, key, value, attn_bias):
+        """(K, V, bias) in key order, as ``reorder_keys`` makes them (no graph)."""
+        key, value = _copy_in_order(key, value, self.order, self.heads)
+        if self.bias_index is not None:
+            attn_bias = _gather_bias(_bias_rows(attn_bias), self.bias_index)
+        return key, value, attn_bias
+
+    def keys_back(self, grad_key, grad_value, key_shape, value_shape):
+        """The gradients of K and V (``key_shape``, ``value_shape``) from those of their reads
+        in order."""
+        # a gradient with its head dim strided (none the attention backward makes) is copied
+        grad_key = grad_key if grad_key.stride(3) == 1 else grad_key.contiguous()
+        grad_value = grad_value if grad_value.stride(3) == 1 else grad_value.contiguous()
+        dk = grad_key.new_empty(key_shape)
+        dv = grad_value.new_empty(value_shape)
+        _copy_plan(_keys_in_order_grad_kernel, (dk, dv), (grad_key, grad_value), self.inverse,
+                   self.heads)(grad_key, grad_value, dk, dv, self.inverse)
+        return dk, dv
+
+    def bias_back(self, grad_bias, bias_batch: int):
+        """The gradient of a bias of ``bias_batch`` from that of its read in order."""
+        if self.bias_index is None:
+            return grad_bias
+        grad = torch.gather(grad_bias, 3, self.bias_inverse)
+        return grad.sum(0, keepdim=True) if grad.shape[0] != bias_batch else grad
+
+
+def key_order_reads(query, key, value, intervals: KeyIntervals, attn_bias,
+                    is_causal: bool) -> KeyOrderReads | None:
+    """The ``KeyOrderReads`` of an eager call with gradients whose K and V ``reorder_keys``
+    copies by rows (``_copies_rows``); None where its bias needs what ``reorder_keys``'s
+    graph does: a gradient through a widening to the order's heads, or to a broadcast
+    (stride-0) axis."""
+    if not _copies_rows(key, value):
+        return None
+    bias_index = bias_inverse = None
+    if attn_bias is not None and attn_bias.shape[-1] != 1:
+        needs_grad = attn_bias.requires_grad
+        rows = _bias_rows(attn_bias)
+        form = _bias_form(rows, intervals)
+        if needs_grad and (rows is not attn_bias or form[0] != rows.shape[1]):
+            return None
+        bias_index = _gather_index(intervals, "bias", *form)
+        if needs_grad:
+            bias_inverse = _gather_index(intervals, "bias-inverse", *form)
+    order = intervals.key_order
+    if order.stride(-1) != 1:
+        order = order.contiguous()
+    inverse = _kept_inverse(intervals) if key.requires_grad or value.requires_grad else None
+    return KeyOrderReads(reordered_intervals(intervals, query.shape[1], is_causal), order,
+                         inverse, max(key.shape[2], intervals.shape[1]), bias_index,
+                         bias_inverse)
+
+
 def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  intervals: KeyIntervals, attn_bias, is_causal: bool):
     """(key, value, intervals, attn_bias) of ``intervals.key_order`` for one call, whose
     attention equals the call's with ``is_causal`` False (causality is folded into the
     intervals). The returned intervals carry no order (``reordered_intervals``)."""
     batch, heads_kv = key.shape[0], key.shape[2]
-    bm, hm, _ = intervals.shape
     reordered = reordered_intervals(intervals, query.shape[1], is_causal)
-    kv_heads = max(heads_kv, hm)
+    kv_heads = max(heads_kv, intervals.shape[1])
     if _copies_rows(key, value):
         key, value = _keys_in_order(key, value, intervals, kv_heads)
     else:
@@ -361,13 +455,11 @@ def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             value_index = index
         key, value = _gather_kv(key, index), _gather_kv(value, value_index)
     if attn_bias is not None and attn_bias.shape[-1] != 1:
-        for axis in (0, 1, 2):  # a broadcast (stride-0) axis stays one slice, not a copy
-            if attn_bias.shape[axis] > 1 and attn_bias.stride(axis) == 0:
-                attn_bias = attn_bias.narrow(axis, 0, 1)
-        own, rows = attn_bias.shape[1], attn_bias.shape[2]
-        form = (max(own, hm), max(attn_bias.shape[0], bm), own, rows)
+        attn_bias = _bias_rows(attn_bias)
+        form = _bias_form(attn_bias, intervals)
         inverse = None
-        if (own >= hm and attn_bias.requires_grad and torch.is_grad_enabled()
+        if (form[0] == attn_bias.shape[1] and attn_bias.requires_grad
+                and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):  # no widening: a gather back
             inverse = _gather_index(intervals, "bias-inverse", *form)
         attn_bias = _gather_bias(attn_bias, _gather_index(intervals, "bias", *form), inverse)
