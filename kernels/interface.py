@@ -88,7 +88,7 @@ class _KeyOrderedFunction(torch.autograd.Function):
         ctx.document_offsets = call.document_offsets
         ctx.deterministic = deterministic
         ctx.reads = reads
-        ctx.shapes = key.shape, value.shape, None if attn_bias is None else attn_bias.shape[0]
+        ctx.shapes = key.shape, value.shape, None if attn_bias is None else attn_bias.shape
         if not return_lse:
             return out
         ctx.mark_non_differentiable(lse)
@@ -100,19 +100,13 @@ class _KeyOrderedFunction(torch.autograd.Function):
         if grad_out is None:
             return (None,) * 9
         query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
-        key_shape, value_shape, bias_batch = ctx.shapes
         bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
         dq, dk, dv, dbias = attention_backward(
             ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
             ctx.deterministic, bias_needs_grad=bias_grad, activity=ctx.activity,
             document_offsets=ctx.document_offsets,
         )
-        if ctx.reads.inverse is not None:
-            dk, dv = ctx.reads.keys_back(dk, dv, key_shape, value_shape)
-        else:
-            dk = dv = None
-        if bias_grad:
-            dbias = ctx.reads.bias_back(dbias, bias_batch)
+        dk, dv, dbias = ctx.reads.back(dk, dv, dbias if bias_grad else None, *ctx.shapes)
         return dq, dk, dv, None, dbias, None, None, None, None
 
 

@@ -445,28 +445,37 @@ def test_keys_copied_in_order_equal_the_gathers(batch, order_batch, heads, heads
             torch.testing.assert_close(copied, gathered, rtol=2**-7, atol=0, msg=name)
 
 
-# (dims, order heads, bias axes or None, bias gradient, K and V gradients, one autograd node)
+# (dims, order heads, bias axes or None, bias gradient, K and V gradients, one autograd node,
+# the bias read by the row copies)
 ONE_NODE = [
     pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hq",
-                 ("B", "Hq", "1", "Lk"), True, True, True, id="order-per-query-head"),
+                 ("B", "Hq", "1", "Lk"), True, True, True, True, id="order-per-query-head"),
+    pytest.param(Dims(2, 40, 64, heads_q=4, heads_kv=2, head_dim=16), "Hk",
+                 ("B", "Hk", "1", "Lk"), True, True, True, True, id="kv-row-bias"),
+    pytest.param(Dims(2, 40, 64, heads_q=4, heads_kv=2, head_dim=16), "Hk",
+                 ("B", "Hk", "1", "Lk"), False, True, True, True, id="kv-row-bias-without-grad"),
+    pytest.param(Dims(2, 40, 64, heads_q=4, heads_kv=2, head_dim=16), "Hk",
+                 ("B", "Hk", "1", "Lk"), True, False, True, False, id="bias-grad-only"),
     pytest.param(Dims(2, 45, 45, heads_q=4, heads_kv=2, head_dim=16), "Hk",
-                 ("1", "Hk", "1", "Lk"), True, True, True, id="batch-shared-bias"),
+                 ("1", "Hk", "1", "Lk"), True, True, True, False, id="batch-shared-bias"),
     pytest.param(Dims(1, 40, 70, heads_q=4, heads_kv=1, head_dim=40), "1",
-                 ("1", "1", "Lq", "Lk"), False, True, True, id="mqa-bias-without-grad"),
+                 ("1", "1", "Lq", "Lk"), False, True, True, False, id="mqa-bias-without-grad"),
     pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hk", None, False,
-                 False, True, id="query-grad-only"),
+                 False, True, False, id="query-grad-only"),
     pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hq",
-                 ("B", "Hk", "1", "Lk"), True, True, False, id="bias-widened-to-the-order"),
+                 ("B", "Hk", "1", "Lk"), True, True, False, False,
+                 id="bias-widened-to-the-order"),
 ]
 
 
-@pytest.mark.parametrize("dims,heads,bias_axes,bias_grad,kv_grad,one_node", ONE_NODE)
+@pytest.mark.parametrize("dims,heads,bias_axes,bias_grad,kv_grad,one_node,folded", ONE_NODE)
 def test_an_ordered_call_with_gradients_is_one_autograd_node(dims, heads, bias_axes, bias_grad,
-                                                             kv_grad, one_node, device,
+                                                             kv_grad, one_node, folded, device,
                                                              monkeypatch):
     """An eager ordered call whose K and V are copied by rows reads K, V and the bias in key
     order inside the attention's own node, and sends their gradients back through the inverse
-    order there: outputs, LSE and every gradient asked for match the fp64 reference. A bias
+    order there; a bias of one row per (batch, head of the copies) rides in the row copies
+    both ways. Outputs, LSE and every gradient asked for match the fp64 reference. A bias
     that needs a gradient through a widening to the order's heads keeps the graph of
     ``reorder_keys``."""
     monkeypatch.setattr(key_order, "INTERPRETED_COPIES", True)  # on CPU tensors too
@@ -479,6 +488,9 @@ def test_an_ordered_call_with_gradients_is_one_autograd_node(dims, heads, bias_a
         bias.requires_grad_(bias_grad)
     intervals = topk_intervals(_selection(dims, heads, device), 7, seqlen_q=dims.seqlen_q,
                                is_causal=True, order_keys=True)
+    reads = key_order.key_order_reads(q, k, v, intervals, bias, True)
+    assert (reads is not None) == one_node
+    assert reads is None or reads.fold_bias == folded
     out, lse = dmattn_func(q, k, v, intervals, bias, True, return_lse=True)
     assert (type(out.grad_fn).__name__ == "_KeyOrderedFunctionBackward") == one_node
     leaves = [t for t in (q, k, v, bias) if t is not None and t.requires_grad]
@@ -501,8 +513,10 @@ def test_an_ordered_call_with_gradients_is_one_autograd_node(dims, heads, bias_a
     assert torch.isfinite(out).all()
     assert_close_to_reference("out", out, truth_out, low_out, dtype)
     assert_close_to_reference("lse", lse, truth_lse, low_lse, dtype)
-    for name, a, t, lo in zip(("dq", "dk", "dv", "dbias") if kv_grad else ("dq", "dbias"),
-                              got, truth, low):
+    names = [name for name, wanted in (("dq", True), ("dk", kv_grad), ("dv", kv_grad),
+                                       ("dbias", bias is not None and bias_grad)) if wanted]
+    assert len(got) == len(names)
+    for name, a, t, lo in zip(names, got, truth, low):
         assert a.shape == t.shape, name
         assert torch.isfinite(a).all(), f"{name} has NaN or Inf"
         assert_close_to_reference(name, a, t, lo, dtype)

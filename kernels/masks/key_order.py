@@ -135,13 +135,15 @@ MAX_COPY_PLANS = 32
 _copy_plans: dict = {}
 
 
-def _copy_plan(kernel, sources, copies, order, heads: int) -> PlannedLaunch:
+def _copy_plan(kernel, sources, copies, order, heads: int, biases=None) -> PlannedLaunch:
     """The planned launch of ``kernel`` for ``sources`` (K and V, or their gradients: (B, Lk,
     Hk, D)), ``copies`` (the (B, Lk, heads, D) reads in order, or their gradients) and
-    ``order`` (Bm, Hm, Lk), stride 1 on keys: the order, or its inverse."""
+    ``order`` (Bm, Hm, Lk), stride 1 on keys: the order, or its inverse. ``biases``: None, or
+    the (read, written) bias rows of the launch, each (B, heads, 1, Lk)."""
     tensors = (*sources, *copies)
     form = (kernel, order.shape, order.stride(), heads,
-            *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors))
+            *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors),
+            None if biases is None else tuple((t.shape, t.stride(), t.dtype) for t in biases))
     plan = _copy_plans.get(form)
     if plan is not None:
         return plan
@@ -149,20 +151,33 @@ def _copy_plan(kernel, sources, copies, order, heads: int) -> PlannedLaunch:
     batch, seqlen_k, heads_kv = key.shape[:3]
     bm, hm = order.shape[:2]
     k_dim, v_dim = key.shape[3], value.shape[3]
+    bias_strides = (0,) * 6 if biases is None else tuple(
+        stride for t in biases for stride in (t.stride(0), t.stride(1), t.stride(3)))
     scalars = (seqlen_k, *key.stride()[:3], *value.stride()[:3], *copies[0].stride()[:3],
                *copies[1].stride()[:3], order.stride(0) if bm > 1 else 0, order.stride(1),
-               heads // heads_kv, heads // hm)
+               *bias_strides, heads // heads_kv, heads // hm)
     rows = INTERPRETED_ROWS_PER_PROGRAM if is_interpreted(kernel) else ROWS_PER_PROGRAM
     grid = (ceil_div(seqlen_k, rows), heads if kernel is _keys_in_order_kernel else heads_kv,
             batch)
     plan = PlannedLaunch(kernel, grid, None, scalars, num_warps=COPY_WARPS, num_stages=1,
                          K_DIM=k_dim, V_DIM=v_dim, BLOCK_K=next_power_of_2(k_dim),
                          BLOCK_V=next_power_of_2(v_dim), BLOCK_L=rows,
-                         VEC=_vector_width(tensors, (k_dim, v_dim)))
+                         VEC=_vector_width(tensors, (k_dim, v_dim)),
+                         HAS_BIAS=biases is not None)
     _copy_plans[form] = plan
     while len(_copy_plans) > MAX_COPY_PLANS:
         del _copy_plans[next(iter(_copy_plans))]  # the oldest
     return plan
+
+
+def _copy_rows(kernel, sources, copies, order, heads: int, biases=None) -> None:
+    """Launches ``kernel``'s ``_copy_plan``: the sources read into the copies in ``order``, or
+    (the gradient kernel) the copies read back into the sources through the inverse order;
+    ``biases`` (read, written) ride along."""
+    plan = _copy_plan(kernel, sources, copies, order, heads, biases)
+    read, written = (sources, copies) if kernel is _keys_in_order_kernel else (copies, sources)
+    bias_read, bias_written = (read[0], written[0]) if biases is None else biases
+    plan(*read, *written, order, bias_read, bias_written)
 
 
 class _KeysInOrder(torch.autograd.Function):
@@ -174,29 +189,40 @@ class _KeysInOrder(torch.autograd.Function):
     def forward(ctx, key, value, order, inverse, heads):
         ctx.save_for_backward(inverse)
         ctx.shapes = key.shape, value.shape, heads
-        return _copy_in_order(key, value, order, heads)
+        return _copy_in_order(key, value, order, heads)[:2]
 
     @staticmethod
     def backward(ctx, dk_out, dv_out):
         (inverse,) = ctx.saved_tensors
         key_shape, value_shape, heads = ctx.shapes
-        # a gradient with its head dim strided (none the attention backward makes) is copied
-        dk_out = dk_out if dk_out.stride(3) == 1 else dk_out.contiguous()
-        dv_out = dv_out if dv_out.stride(3) == 1 else dv_out.contiguous()
-        dk = dk_out.new_empty(key_shape)
-        dv = dv_out.new_empty(value_shape)
-        _copy_plan(_keys_in_order_grad_kernel, (dk, dv), (dk_out, dv_out), inverse, heads)(
-            dk_out, dv_out, dk, dv, inverse)
+        dk, dv, _ = _copy_back(dk_out, dv_out, None, key_shape, value_shape, None, inverse,
+                               heads)
         return dk, dv, None, None, None
 
 
-def _copy_in_order(key, value, order, heads):
+def _copy_in_order(key, value, order, heads, bias=None):
+    """(K, V, bias or None) read in ``order`` and widened to ``heads``: the bias, of one row
+    per (batch, output head), only read in order."""
     batch, seqlen_k = key.shape[:2]
     k_out = key.new_empty(batch, seqlen_k, heads, key.shape[3])
     v_out = value.new_empty(batch, seqlen_k, heads, value.shape[3])
-    _copy_plan(_keys_in_order_kernel, (key, value), (k_out, v_out), order, heads)(
-        key, value, k_out, v_out, order)
-    return k_out, v_out
+    bias_out = None if bias is None else bias.new_empty(bias.shape)
+    _copy_rows(_keys_in_order_kernel, (key, value), (k_out, v_out), order, heads,
+               None if bias is None else (bias, bias_out))
+    return k_out, v_out, bias_out
+
+
+def _copy_back(dk_out, dv_out, dbias_out, key_shape, value_shape, bias_shape, inverse, heads):
+    """(dK, dV, dbias or None) from the gradients of ``_copy_in_order``'s reads."""
+    # a gradient with its head dim strided (none the attention backward makes) is copied
+    dk_out = dk_out if dk_out.stride(3) == 1 else dk_out.contiguous()
+    dv_out = dv_out if dv_out.stride(3) == 1 else dv_out.contiguous()
+    dk = dk_out.new_empty(key_shape)
+    dv = dv_out.new_empty(value_shape)
+    dbias = None if dbias_out is None else dbias_out.new_empty(bias_shape)
+    _copy_rows(_keys_in_order_grad_kernel, (dk, dv), (dk_out, dv_out), inverse, heads,
+               None if dbias is None else (dbias_out, dbias))
+    return dk, dv, dbias
 
 
 def _inverse_order(order: torch.Tensor) -> torch.Tensor:
@@ -215,7 +241,7 @@ def _keys_in_order(key, value, intervals: KeyIntervals, heads: int):
     if order.stride(-1) != 1:
         order = order.contiguous()
     if not (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)):
-        return _copy_in_order(key, value, order, heads)  # no graph: no autograd.Function
+        return _copy_in_order(key, value, order, heads)[:2]  # no graph: no autograd.Function
     return _KeysInOrder.apply(key, value, order, _kept_inverse(intervals), heads)
 
 
@@ -368,45 +394,48 @@ class KeyOrderReads:
     ``reorder_keys`` would add a node for K and V and one for the bias: each node costs the
     H200 host 60-110 us a direction. K and V are copied in order by rows and widened to
     ``heads``; their gradients are copied back through the inverse order, summing the widened
-    heads (``_keys_in_order_grad_kernel``). The bias is gathered in order, and its gradient
-    gathered back through the inverse order, summed over a batch it was widened to.
-    ``key_order_reads`` says which calls this serves."""
+    heads (``_keys_in_order_grad_kernel``). A bias of one row per (batch, head of the copies)
+    rides in the same launches (``fold_bias``): each torch op on the H200 host costs 20-50 us,
+    and the bias's gather and its gradient's were two of them. Another bias is gathered in
+    order, and its gradient gathered back through the inverse order, summed over a batch it
+    was widened to. ``key_order_reads`` says which calls this serves."""
 
-    __slots__ = ("reordered", "order", "inverse", "heads", "bias_index", "bias_inverse")
+    __slots__ = ("reordered", "order", "inverse", "heads", "fold_bias", "bias_index",
+                 "bias_inverse")
 
-    def __init__(self, reordered, order, inverse, heads, bias_index, bias_inverse):
+    def __init__(self, reordered, order, inverse, heads, fold_bias, bias_index, bias_inverse):
         self.reordered = reordered  # the call's intervals, in key order, causality folded in
         self.order = order  # contiguous on keys
         self.inverse = inverse  # None: no gradient goes back to K or V
         self.heads = heads  # K and V's heads in order
-        self.bias_index = bias_index  # None: the bias (if any) is read as it is
-        self.bias_inverse = bias_inverse  # None: no bias gradient goes back through the order
+        self.fold_bias = fold_bias  # the bias rides in the row copies, both ways
+        self.bias_index = bias_index  # None: the bias (if any) is not gathered
+        self.bias_inverse = bias_inverse  # None: no bias gradient is gathered back
 
     def read(self, key, value, attn_bias):
         """(K, V, bias) in key order, as ``reorder_keys`` makes them (no graph)."""
-        key, value = _copy_in_order(key, value, self.order, self.heads)
+        if self.fold_bias:
+            return _copy_in_order(key, value, self.order, self.heads, _bias_rows(attn_bias))
+        key, value, _ = _copy_in_order(key, value, self.order, self.heads)
         if self.bias_index is not None:
             attn_bias = _gather_bias(_bias_rows(attn_bias), self.bias_index)
         return key, value, attn_bias
 
-    def keys_back(self, grad_key, grad_value, key_shape, value_shape):
-        """The gradients of K and V (``key_shape``, ``value_shape``) from those of their reads
-        in order."""
-        # a gradient with its head dim strided (none the attention backward makes) is copied
-        grad_key = grad_key if grad_key.stride(3) == 1 else grad_key.contiguous()
-        grad_value = grad_value if grad_value.stride(3) == 1 else grad_value.contiguous()
-        dk = grad_key.new_empty(key_shape)
-        dv = grad_value.new_empty(value_shape)
-        _copy_plan(_keys_in_order_grad_kernel, (dk, dv), (grad_key, grad_value), self.inverse,
-                   self.heads)(grad_key, grad_value, dk, dv, self.inverse)
-        return dk, dv
-
-    def bias_back(self, grad_bias, bias_batch: int):
-        """The gradient of a bias of ``bias_batch`` from that of its read in order."""
-        if self.bias_index is None:
-            return grad_bias
-        grad = torch.gather(grad_bias, 3, self.bias_inverse)
-        return grad.sum(0, keepdim=True) if grad.shape[0] != bias_batch else grad
+    def back(self, grad_key, grad_value, grad_bias, key_shape, value_shape, bias_shape):
+        """(dK, dV, dbias) from the gradients of the reads in order; dK and dV None where K
+        and V need none, dbias None where ``grad_bias`` is."""
+        dk = dv = None
+        if self.inverse is not None:
+            folded = grad_bias if self.fold_bias else None
+            dk, dv, dbias = _copy_back(grad_key, grad_value, folded, key_shape, value_shape,
+                                       bias_shape, self.inverse, self.heads)
+            if folded is not None:
+                return dk, dv, dbias
+        if grad_bias is not None and self.bias_index is not None:
+            grad_bias = torch.gather(grad_bias, 3, self.bias_inverse)
+            if grad_bias.shape[0] != bias_shape[0]:
+                grad_bias = grad_bias.sum(0, keepdim=True)
+        return dk, dv, grad_bias
 
 
 def key_order_reads(query, key, value, intervals: KeyIntervals, attn_bias,
@@ -417,6 +446,9 @@ def key_order_reads(query, key, value, intervals: KeyIntervals, attn_bias,
     (stride-0) axis."""
     if not _copies_rows(key, value):
         return None
+    kv_grad = key.requires_grad or value.requires_grad
+    heads = max(key.shape[2], intervals.shape[1])
+    fold_bias = False
     bias_index = bias_inverse = None
     if attn_bias is not None and attn_bias.shape[-1] != 1:
         needs_grad = attn_bias.requires_grad
@@ -424,16 +456,17 @@ def key_order_reads(query, key, value, intervals: KeyIntervals, attn_bias,
         form = _bias_form(rows, intervals)
         if needs_grad and (rows is not attn_bias or form[0] != rows.shape[1]):
             return None
-        bias_index = _gather_index(intervals, "bias", *form)
-        if needs_grad:
-            bias_inverse = _gather_index(intervals, "bias-inverse", *form)
+        fold_bias = (rows.shape[:3] == (key.shape[0], heads, 1) and (kv_grad or not needs_grad))
+        if not fold_bias:
+            bias_index = _gather_index(intervals, "bias", *form)
+            if needs_grad:
+                bias_inverse = _gather_index(intervals, "bias-inverse", *form)
     order = intervals.key_order
     if order.stride(-1) != 1:
         order = order.contiguous()
-    inverse = _kept_inverse(intervals) if key.requires_grad or value.requires_grad else None
     return KeyOrderReads(reordered_intervals(intervals, query.shape[1], is_causal), order,
-                         inverse, max(key.shape[2], intervals.shape[1]), bias_index,
-                         bias_inverse)
+                         _kept_inverse(intervals) if kv_grad else None, heads, fold_bias,
+                         bias_index, bias_inverse)
 
 
 def reorder_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

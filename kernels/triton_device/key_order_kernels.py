@@ -8,11 +8,16 @@ output may have more heads than K and V: an order per query head widens them). E
 head_dim contiguous elements, loaded as vectors of VEC elements (every stride of a row's start
 is a multiple of VEC).
 
+With ``HAS_BIAS`` the same launch reads a per-key bias row in order too: bias_out[b, h, j] =
+bias_in[b, h, order[b, h, j]] (a bias of one row per (batch, output head), as the Doge models'
+is; no widening, so no sums in its gradient).
+
 ``_keys_in_order_grad_kernel``: the gradient of that gather. The order is a permutation of the
 keys per (batch, head), so every source row is read by exactly one position per output head
 that reads it: dsrc[b, i, hk] = sum over the output heads h of K/V head hk of
 dout[b, inverse[b, h, i], h], summed in fp32 in the order of h and rounded once, with no
-atomics: bitwise reproducible.
+atomics: bitwise reproducible. With ``HAS_BIAS`` it also reads the ordered bias's gradient
+back: bias_out[b, h, i] = bias_in[b, h, inverse[b, h, i]] for each output head h.
 
 Against ``torch.gather`` with an index expanded over the head dim (one int64 index read per
 element) and its ``scatter_add`` gradient, a row copy moves only the rows' bytes: H200, bf16
@@ -25,7 +30,8 @@ import triton
 import triton.language as tl
 
 _LENGTHS = ("seqlen_k", "src_b", "src_l", "src_h", "vsrc_b", "vsrc_l", "vsrc_h", "out_b",
-            "out_l", "out_h", "vout_b", "vout_l", "vout_h", "order_b", "order_h")
+            "out_l", "out_h", "vout_b", "vout_l", "vout_h", "order_b", "order_h", "bin_b",
+            "bin_h", "bin_l", "bout_b", "bout_h", "bout_l")
 
 
 @triton.jit
@@ -57,13 +63,25 @@ def _store_rows(out_ptr, b, positions, head, stride_b, stride_l, stride_h, ok, r
     tl.store(ptrs, rows, mask=mask)
 
 
+@triton.jit
+def _bias_entries(bias_in_ptr, bias_out_ptr, b, head, read, write, ok, bin_b, bin_h, bin_l,
+                  bout_b, bout_h, bout_l):
+    """bias_out[b, head, write] = bias_in[b, head, read] (one row per (batch, head))."""
+    head = head.to(tl.int64)
+    values = tl.load(bias_in_ptr + b * bin_b + head * bin_h + read * bin_l, mask=ok, other=0)
+    tl.store(bias_out_ptr + b * bout_b + head * bout_h + write * bout_l, values, mask=ok)
+
+
 @triton.jit(do_not_specialize=_LENGTHS)
-def _keys_in_order_kernel(k_ptr, v_ptr, k_out_ptr, v_out_ptr, order_ptr, seqlen_k,
+def _keys_in_order_kernel(k_ptr, v_ptr, k_out_ptr, v_out_ptr, order_ptr, bias_in_ptr,
+                          bias_out_ptr, seqlen_k,
                           src_b, src_l, src_h, vsrc_b, vsrc_l, vsrc_h,
                           out_b, out_l, out_h, vout_b, vout_l, vout_h, order_b, order_h,
+                          bin_b, bin_h, bin_l, bout_b, bout_h, bout_l,
                           src_share, order_share,
                           K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, VEC: tl.constexpr):
+                          BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr, VEC: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):
     block = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -80,6 +98,9 @@ def _keys_in_order_kernel(k_ptr, v_ptr, k_out_ptr, v_out_ptr, order_ptr, seqlen_
                 VEC)
     _store_rows(v_out_ptr, b, positions, head, vout_b, vout_l, vout_h, ok, v_rows, V_DIM,
                 BLOCK_V, VEC)
+    if HAS_BIAS:
+        _bias_entries(bias_in_ptr, bias_out_ptr, b, head, keys, positions.to(tl.int64), ok,
+                      bin_b, bin_h, bin_l, bout_b, bout_h, bout_l)
 
 
 @triton.jit
@@ -99,15 +120,19 @@ def _summed_rows(dout_ptr, inverse_row, b, keys, first_head, src_share, order_sh
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
-def _keys_in_order_grad_kernel(dk_out_ptr, dv_out_ptr, dk_ptr, dv_ptr, inverse_ptr, seqlen_k,
+def _keys_in_order_grad_kernel(dk_out_ptr, dv_out_ptr, dk_ptr, dv_ptr, inverse_ptr,
+                               bias_in_ptr, bias_out_ptr, seqlen_k,
                                src_b, src_l, src_h, vsrc_b, vsrc_l, vsrc_h,
                                out_b, out_l, out_h, vout_b, vout_l, vout_h, order_b, order_h,
+                               bin_b, bin_h, bin_l, bout_b, bout_h, bout_l,
                                src_share, order_share,
                                K_DIM: tl.constexpr, V_DIM: tl.constexpr,
                                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                               BLOCK_L: tl.constexpr, VEC: tl.constexpr):
+                               BLOCK_L: tl.constexpr, VEC: tl.constexpr,
+                               HAS_BIAS: tl.constexpr):
     """dk, dv (the sources' shapes; strides src_*, vsrc_*) from the gradients of the ordered
-    K and V (strides out_*, vout_*), through the inverse order (the order's strides)."""
+    K and V (strides out_*, vout_*), through the inverse order (the order's strides); with
+    ``HAS_BIAS`` the bias's gradient (bout_*) from the ordered bias's (bin_*)."""
     block = tl.program_id(0)
     source = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -123,3 +148,10 @@ def _keys_in_order_grad_kernel(dk_out_ptr, dv_out_ptr, dk_ptr, dv_ptr, inverse_p
                 dk.to(dk_ptr.dtype.element_ty), K_DIM, BLOCK_K, VEC)
     _store_rows(dv_ptr, b, keys, source, vsrc_b, vsrc_l, vsrc_h, ok,
                 dv.to(dv_ptr.dtype.element_ty), V_DIM, BLOCK_V, VEC)
+    if HAS_BIAS:
+        for s in range(0, src_share):
+            head = first_head + s
+            positions = tl.load(inverse_row + (head // order_share).to(tl.int64) * order_h
+                                + keys, mask=ok, other=0).to(tl.int64)
+            _bias_entries(bias_in_ptr, bias_out_ptr, b, head, positions, keys.to(tl.int64), ok,
+                          bin_b, bin_h, bin_l, bout_b, bout_h, bout_l)
