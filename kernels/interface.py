@@ -30,6 +30,37 @@ MAX_ORDERED_FORMS = 8
 _ordered_forms: OrderedDict = OrderedDict()
 
 
+def _run_and_save(ctx, call, attn_bias, deterministic, return_lse):
+    """Runs ``call`` (a ``call_plan.CallPlan``) with ``attn_bias`` and saves on ``ctx`` what
+    ``_attention_grads`` reads: the outputs of an autograd Function's forward."""
+    out, lse = call.run(attn_bias)
+    # The LSE is saved either way; it is an output only when asked for. Each output is one
+    # more tensor for autograd to wrap and track on every call.
+    ctx.save_for_backward(call.query, call.key, call.value, out, lse, call.mask, attn_bias)
+    ctx.plan = call.plan
+    ctx.activity = call.activity  # the call's own map, whose lists the backward walks too
+    ctx.document_offsets = call.document_offsets  # unprepared packed documents' offsets
+    ctx.deterministic = deterministic
+    if not return_lse:
+        return out
+    ctx.mark_non_differentiable(lse)
+    # The LSE's gradient is never used: without this, autograd fills a zero tensor for it on
+    # every backward (a torch op of host time).
+    ctx.set_materialize_grads(False)
+    return out, lse
+
+
+def _attention_grads(ctx, grad_out):
+    """(dq, dk, dv, dbias or None) of what ``_run_and_save`` saved; the bias is the
+    Function's fifth input."""
+    query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
+    return attention_backward(
+        ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias, ctx.deterministic,
+        bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
+        activity=ctx.activity, document_offsets=ctx.document_offsets,
+    )
+
+
 class _DMAttnFunction(torch.autograd.Function):
     """Saves what the backward needs and calls the launchers; nothing else lives here."""
 
@@ -39,32 +70,13 @@ class _DMAttnFunction(torch.autograd.Function):
         bias_grad = attn_bias is not None and attn_bias.requires_grad
         call = plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, True,
                          deterministic, bias_grad, kernel_options)
-        out, lse = call.run(attn_bias)
-        # The LSE is saved either way; it is an output only when asked for. Each output is
-        # one more tensor for autograd to wrap and track on every call.
-        ctx.save_for_backward(call.query, call.key, call.value, out, lse, call.mask, attn_bias)
-        ctx.plan = call.plan
-        ctx.activity = call.activity  # the call's own map, whose lists the backward walks too
-        ctx.document_offsets = call.document_offsets  # unprepared packed documents' offsets
-        ctx.deterministic = deterministic
-        if not return_lse:
-            return out
-        ctx.mark_non_differentiable(lse)
-        # The LSE's gradient is never used: without this, autograd fills a zero tensor for it
-        # on every backward (a torch op of host time).
-        ctx.set_materialize_grads(False)
-        return out, lse
+        return _run_and_save(ctx, call, attn_bias, deterministic, return_lse)
 
     @staticmethod
     def backward(ctx, grad_out, *grad_lse):
         if grad_out is None:  # only the LSE reached the loss: nothing depends on the inputs
             return (None,) * 10
-        query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
-        dq, dk, dv, dbias = attention_backward(
-            ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
-            ctx.deterministic, bias_needs_grad=attn_bias is not None and ctx.needs_input_grad[4],
-            activity=ctx.activity, document_offsets=ctx.document_offsets,
-        )
+        dq, dk, dv, dbias = _attention_grads(ctx, grad_out)
         return dq, dk, dv, None, dbias, None, None, None, None, None
 
 
@@ -80,33 +92,17 @@ class _KeyOrderedFunction(torch.autograd.Function):
         ordered_key, ordered_value, ordered_bias = reads.read(key, value, attn_bias)
         call = plan_call(query, ordered_key, ordered_value, reads.reordered, ordered_bias,
                          False, softmax_scale, True, deterministic, bias_grad, kernel_options)
-        out, lse = call.run(ordered_bias)
-        ctx.save_for_backward(call.query, call.key, call.value, out, lse, call.mask,
-                              ordered_bias)
-        ctx.plan = call.plan
-        ctx.activity = call.activity
-        ctx.document_offsets = call.document_offsets
-        ctx.deterministic = deterministic
         ctx.reads = reads
         ctx.shapes = key.shape, value.shape, None if attn_bias is None else attn_bias.shape
-        if not return_lse:
-            return out
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
+        return _run_and_save(ctx, call, ordered_bias, deterministic, return_lse)
 
     @staticmethod
     def backward(ctx, grad_out, *grad_lse):
-        if grad_out is None:
+        if grad_out is None:  # only the LSE reached the loss: nothing depends on the inputs
             return (None,) * 9
-        query, key, value, out, lse, mask, attn_bias = ctx.saved_tensors
-        bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dbias = attention_backward(
-            ctx.plan, grad_out, query, key, value, out, lse, mask, attn_bias,
-            ctx.deterministic, bias_needs_grad=bias_grad, activity=ctx.activity,
-            document_offsets=ctx.document_offsets,
-        )
-        dk, dv, dbias = ctx.reads.back(dk, dv, dbias if bias_grad else None, *ctx.shapes)
+        dq, dk, dv, dbias = _attention_grads(ctx, grad_out)
+        dk, dv, dbias = ctx.reads.back(dk, dv, dbias if ctx.needs_input_grad[4] else None,
+                                       *ctx.shapes)
         return dq, dk, dv, None, dbias, None, None, None, None
 
 
