@@ -40,9 +40,9 @@ gradients makes the row copies and the bias's gather, and their gradients' way b
 the attention's own autograd node instead (``KeyOrderReads``): the two nodes this saves (K
 and V's, the bias's) cost the H200 host 60-110 us each a direction, against a fwd+bwd of
 0.49 ms of kernels (top-W, B1 H16/4 L4096 D80). There a bias of one row per (batch, head of
-the copies) rides in the row copies both ways, and needs no gather. On the H200 ``torch.gather`` of K and V (an
-int64 index read per element) ran at 0.8-1.0 TB/s (B2 H16/4 L8192 D128 bf16: ~70 us of a
-0.61 ms top-W call).
+the copies) rides in the row copies both ways, and needs no gather. On the H200
+``torch.gather`` of K and V (an int64 index read per element) ran at 0.8-1.0 TB/s (B2 H16/4
+L8192 D128 bf16: ~70 us of a 0.61 ms top-W call).
 
 The reordered intervals depend only on the intervals, the order, causality and the lengths,
 not on K, V or the heads they are widened to, so ``reordered_intervals`` keeps them on the
