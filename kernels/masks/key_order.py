@@ -31,7 +31,7 @@ On an H100 (B1 H16/4 D128 bf16, one process) the widening buckets took the forwa
 permuted key no longer sits at its position), gathers K, V, the bias and the intervals along
 the key axis, and widens each to the heads the order needs (an order per query head gives K
 and V a head per query head). Eager calls on CUDA tensors copy K and V's rows in one launch
-(``triton_device.key_order_kernels``), whose gradient reads each key's rows back through the
+(``masks.key_copies``), whose gradient reads each key's rows back through the
 inverse order and sums the heads it was widened to; traced calls, and the bias and intervals
 always, use ``torch.gather``, whose gradient autograd makes (a scatter of each key to one
 place, then the widening's sum), except a bias read with no widening in an eager call: its
@@ -55,12 +55,11 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.arith import ceil_div, next_power_of_2
-from ..runtime.launch import PlannedLaunch, is_interpreted
+from ..runtime.launch import is_interpreted
 from ..runtime.scratch import graph_capturing, tensor_version
-from ..triton_device.key_order_kernels import (_keys_in_order_grad_kernel,
-                                               _keys_in_order_kernel)
+from ..triton_device.key_order_kernels import _keys_in_order_kernel
 from .intervals import KeyIntervals
+from .key_copies import KeysInOrder, copy_back, copy_in_order
 
 
 # Call forms whose reordered intervals one ordered KeyIntervals keeps (a model calls with one
@@ -109,123 +108,6 @@ def _gather_kv(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out.reshape(batch, seqlen_k, own * share, head_dim)
 
 
-def _vector_width(tensors, head_dims) -> int:
-    """The elements per vector of the row copies' loads and stores: 16 bytes' worth, halved
-    until every tensor's address and non-unit strides and every head dim are multiples of
-    it."""
-    vec = 16 // tensors[0].element_size()
-    while vec > 1:
-        widths = [t.data_ptr() // t.element_size() for t in tensors]
-        widths += [s for t in tensors for s in t.stride()[:3]] + list(head_dims)
-        if all(w % vec == 0 for w in widths):
-            break
-        vec //= 2
-    return vec
-
-
-# Positions per program of the row copies, and warps. H200, bf16 D128, K and V (B2 L8192 Hk4,
-# 67 MB read and written) forward / gradient: 8 rows on 1 warp 20 / 20 us (3.3 TB/s), 16 on 2
-# 23 / 21, 32 on 2 32 / 26, 64 on 4 63 / 30, 128 on 8 73 / 41; torch.gather's forward and
-# scatter_add gradient 98 us together. Under the interpreter, whose cost is per program, 128.
-ROWS_PER_PROGRAM = 8
-COPY_WARPS = 1
-INTERPRETED_ROWS_PER_PROGRAM = 128
-# Row-copy launches planned per form (kernel, layouts, heads, addresses' 16-byte alignment):
-# a model's calls use a few. A plan's launch skips Triton's per-call dispatch.
-MAX_COPY_PLANS = 32
-_copy_plans: dict = {}
-
-
-def _copy_plan(kernel, sources, copies, order, heads: int, biases=None) -> PlannedLaunch:
-    """The planned launch of ``kernel`` for ``sources`` (K and V, or their gradients: (B, Lk,
-    Hk, D)), ``copies`` (the (B, Lk, heads, D) reads in order, or their gradients) and
-    ``order`` (Bm, Hm, Lk), stride 1 on keys: the order, or its inverse. ``biases``: None, or
-    the (read, written) bias rows of the launch, each (B, heads, 1, Lk)."""
-    tensors = (*sources, *copies)
-    form = (kernel, order.shape, order.stride(), heads,
-            *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors),
-            None if biases is None else tuple((t.shape, t.stride(), t.dtype) for t in biases))
-    plan = _copy_plans.get(form)
-    if plan is not None:
-        return plan
-    key, value = sources
-    batch, seqlen_k, heads_kv = key.shape[:3]
-    bm, hm = order.shape[:2]
-    k_dim, v_dim = key.shape[3], value.shape[3]
-    bias_strides = (0,) * 6 if biases is None else tuple(
-        stride for t in biases for stride in (t.stride(0), t.stride(1), t.stride(3)))
-    scalars = (seqlen_k, *key.stride()[:3], *value.stride()[:3], *copies[0].stride()[:3],
-               *copies[1].stride()[:3], order.stride(0) if bm > 1 else 0, order.stride(1),
-               *bias_strides, heads // heads_kv, heads // hm)
-    rows = INTERPRETED_ROWS_PER_PROGRAM if is_interpreted(kernel) else ROWS_PER_PROGRAM
-    grid = (ceil_div(seqlen_k, rows), heads if kernel is _keys_in_order_kernel else heads_kv,
-            batch)
-    plan = PlannedLaunch(kernel, grid, None, scalars, num_warps=COPY_WARPS, num_stages=1,
-                         K_DIM=k_dim, V_DIM=v_dim, BLOCK_K=next_power_of_2(k_dim),
-                         BLOCK_V=next_power_of_2(v_dim), BLOCK_L=rows,
-                         VEC=_vector_width(tensors, (k_dim, v_dim)),
-                         HAS_BIAS=biases is not None)
-    _copy_plans[form] = plan
-    while len(_copy_plans) > MAX_COPY_PLANS:
-        del _copy_plans[next(iter(_copy_plans))]  # the oldest
-    return plan
-
-
-def _copy_rows(kernel, sources, copies, order, heads: int, biases=None) -> None:
-    """Launches ``kernel``'s ``_copy_plan``: the sources read into the copies in ``order``, or
-    (the gradient kernel) the copies read back into the sources through the inverse order;
-    ``biases`` (read, written) ride along."""
-    plan = _copy_plan(kernel, sources, copies, order, heads, biases)
-    read, written = (sources, copies) if kernel is _keys_in_order_kernel else (copies, sources)
-    bias_read, bias_written = (read[0], written[0]) if biases is None else biases
-    plan(*read, *written, order, bias_read, bias_written)
-
-
-class _KeysInOrder(torch.autograd.Function):
-    """K and V (B, Lk, Hk, D) read in ``order`` (Bm, Hm, Lk) and widened to ``heads`` (a
-    multiple of Hk and of Hm): (B, Lk, heads, D) each, by row copies
-    (``triton_device.key_order_kernels``); the gradient a copy through ``inverse``."""
-
-    @staticmethod
-    def forward(ctx, key, value, order, inverse, heads):
-        ctx.save_for_backward(inverse)
-        ctx.shapes = key.shape, value.shape, heads
-        return _copy_in_order(key, value, order, heads)[:2]
-
-    @staticmethod
-    def backward(ctx, dk_out, dv_out):
-        (inverse,) = ctx.saved_tensors
-        key_shape, value_shape, heads = ctx.shapes
-        dk, dv, _ = _copy_back(dk_out, dv_out, None, key_shape, value_shape, None, inverse,
-                               heads)
-        return dk, dv, None, None, None
-
-
-def _copy_in_order(key, value, order, heads, bias=None):
-    """(K, V, bias or None) read in ``order`` and widened to ``heads``: the bias, of one row
-    per (batch, output head), only read in order."""
-    batch, seqlen_k = key.shape[:2]
-    k_out = key.new_empty(batch, seqlen_k, heads, key.shape[3])
-    v_out = value.new_empty(batch, seqlen_k, heads, value.shape[3])
-    bias_out = None if bias is None else bias.new_empty(bias.shape)
-    _copy_rows(_keys_in_order_kernel, (key, value), (k_out, v_out), order, heads,
-               None if bias is None else (bias, bias_out))
-    return k_out, v_out, bias_out
-
-
-def _copy_back(dk_out, dv_out, dbias_out, key_shape, value_shape, bias_shape, inverse, heads):
-    """(dK, dV, dbias or None) from the gradients of ``_copy_in_order``'s reads."""
-    # a gradient with its head dim strided (none the attention backward makes) is copied
-    dk_out = dk_out if dk_out.stride(3) == 1 else dk_out.contiguous()
-    dv_out = dv_out if dv_out.stride(3) == 1 else dv_out.contiguous()
-    dk = dk_out.new_empty(key_shape)
-    dv = dv_out.new_empty(value_shape)
-    dbias = None if dbias_out is None else dbias_out.new_empty(bias_shape)
-    _copy_rows(_keys_in_order_grad_kernel, (dk, dv), (dk_out, dv_out), inverse, heads,
-               None if dbias is None else (dbias_out, dbias))
-    return dk, dv, dbias
-
-
 def _inverse_order(order: torch.Tensor) -> torch.Tensor:
     """int32 ``inverse`` of the permutations ``order`` (Bm, Hm, Lk): inverse[..., order[..., j]]
     = j, contiguous."""
@@ -236,14 +118,14 @@ def _inverse_order(order: torch.Tensor) -> torch.Tensor:
 
 def _keys_in_order(key, value, intervals: KeyIntervals, heads: int):
     """(K, V) read in ``intervals.key_order`` and widened to ``heads``, as ``_gather_kv`` of
-    ``_gather_index`` gives them, by ``_KeysInOrder``. The order is made contiguous and its
+    ``_gather_index`` gives them, by ``KeysInOrder``. The order is made contiguous and its
     inverse (for the gradient) kept on ``intervals`` per version, as the gather indices."""
     order = intervals.key_order
     if order.stride(-1) != 1:
         order = order.contiguous()
     if not (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)):
-        return _copy_in_order(key, value, order, heads)[:2]  # no graph: no autograd.Function
-    return _KeysInOrder.apply(key, value, order, _kept_inverse(intervals), heads)
+        return copy_in_order(key, value, order, heads)[:2]  # no graph: no autograd.Function
+    return KeysInOrder.apply(key, value, order, _kept_inverse(intervals), heads)
 
 
 def _kept_inverse(intervals: KeyIntervals) -> torch.Tensor:
@@ -363,7 +245,7 @@ INTERPRETED_COPIES = False
 
 
 def _copies_rows(key: torch.Tensor, value: torch.Tensor) -> bool:
-    """K and V are read in key order by ``_KeysInOrder``'s row copies on CUDA tensors (on CPU
+    """K and V are read in key order by ``KeysInOrder``'s row copies on CUDA tensors (on CPU
     ones under Triton's interpreter where ``INTERPRETED_COPIES``); not while
     ``torch.compile`` traces (the graph holds ``torch.gather``s, which Inductor compiles),
     nor for empty tensors or a head dim with a stride other than 1."""
@@ -416,8 +298,8 @@ class KeyOrderReads:
     def read(self, key, value, attn_bias):
         """(K, V, bias) in key order, as ``reorder_keys`` makes them (no graph)."""
         if self.fold_bias:
-            return _copy_in_order(key, value, self.order, self.heads, _bias_rows(attn_bias))
-        key, value, _ = _copy_in_order(key, value, self.order, self.heads)
+            return copy_in_order(key, value, self.order, self.heads, _bias_rows(attn_bias))
+        key, value, _ = copy_in_order(key, value, self.order, self.heads)
         if self.bias_index is not None:
             attn_bias = _gather_bias(_bias_rows(attn_bias), self.bias_index)
         return key, value, attn_bias
@@ -428,7 +310,7 @@ class KeyOrderReads:
         dk = dv = None
         if self.inverse is not None:
             folded = grad_bias if self.fold_bias else None
-            dk, dv, dbias = _copy_back(grad_key, grad_value, folded, key_shape, value_shape,
+            dk, dv, dbias = copy_back(grad_key, grad_value, folded, key_shape, value_shape,
                                        bias_shape, self.inverse, self.heads)
             if folded is not None:
                 return dk, dv, dbias
