@@ -168,18 +168,27 @@ def _in_key_order(query, key, value, intervals, attn_bias, is_causal, softmax_sc
 
 
 def _key_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_scale,
-                 return_lse, deterministic, kernel_options):
-    """An eager ordered call with gradients in one autograd node (``_KeyOrderedFunction``),
-    or None where ``key_order_reads`` leaves it to ``reorder_keys``'s graph."""
+                 return_lse, deterministic, kernel_options, grads: bool):
+    """An eager ordered call whose keys ``key_order_reads`` reads: with ``grads``, in one
+    autograd node (``_KeyOrderedFunction``); without, K, V and the bias read in order (a
+    bias of one row per (batch, head of the copies) in the row copies' launch, not a gather
+    of its own) and the call run with no graph. None where ``key_order_reads`` leaves the
+    call to ``reorder_keys``."""
     _check_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
     if return_lse.__class__ is not bool or deterministic.__class__ is not bool:
         check_flags(return_lse=return_lse, deterministic=deterministic)
     attn_bias = _compact_bias(attn_bias)
-    reads = key_order_reads(query, key, value, intervals, attn_bias, is_causal)
+    reads = key_order_reads(query, key, value, intervals, attn_bias, is_causal, grads=grads)
     if reads is None:
         return None
-    return _KeyOrderedFunction.apply(query, key, value, reads, attn_bias, softmax_scale,
-                                      deterministic, return_lse, kernel_options)
+    if grads:
+        return _KeyOrderedFunction.apply(query, key, value, reads, attn_bias, softmax_scale,
+                                          deterministic, return_lse, kernel_options)
+    ordered_key, ordered_value, ordered_bias = reads.read(key, value, attn_bias)
+    call = plan_call(query, ordered_key, ordered_value, reads.reordered, ordered_bias, False,
+                     softmax_scale, False, kernel_options=kernel_options)
+    out, lse = call.run(ordered_bias, keep_lse=return_lse)
+    return (out, lse) if return_lse else out
 
 
 def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
@@ -215,9 +224,10 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     if attn_mask.__class__ is PreparedMask and attn_mask.intervals is not None:
         attn_mask = attn_mask.intervals_for(query, key, is_causal)  # the same pairs
     if isinstance(attn_mask, KeyIntervals) and attn_mask.key_order is not None:
-        if not _is_compiling() and needs_grad(query, key, value, attn_bias):
+        if not _is_compiling():
             result = _key_ordered(query, key, value, attn_mask, attn_bias, is_causal,
-                                  softmax_scale, return_lse, deterministic, kernel_options)
+                                  softmax_scale, return_lse, deterministic, kernel_options,
+                                  needs_grad(query, key, value, attn_bias))
             if result is not None:
                 return result
         query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(

@@ -4,6 +4,7 @@ keys seen by similar rows, and it cuts the active tiles of a top-W mask."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pytest
 import torch
@@ -520,6 +521,65 @@ def test_an_ordered_call_with_gradients_is_one_autograd_node(dims, heads, bias_a
         assert a.shape == t.shape, name
         assert torch.isfinite(a).all(), f"{name} has NaN or Inf"
         assert_close_to_reference(name, a, t, lo, dtype)
+
+
+# (dims, order heads, bias axes or None, the bias read by the row copies)
+NO_GRAPH = [
+    pytest.param(Dims(2, 40, 64, heads_q=4, heads_kv=2, head_dim=16), "Hk",
+                 ("B", "Hk", "1", "Lk"), True, id="kv-row-bias"),
+    pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hq",
+                 ("B", "Hq", "1", "Lk"), True, id="order-per-query-head"),
+    pytest.param(Dims(2, 45, 45, heads_q=4, heads_kv=2, head_dim=16), "Hk",
+                 ("1", "Hk", "1", "Lk"), False, id="batch-shared-bias"),
+    pytest.param(Dims(1, 40, 70, heads_q=4, heads_kv=1, head_dim=40), "1",
+                 ("1", "1", "Lq", "Lk"), False, id="mqa-full-bias"),
+    pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hk", None, False,
+                 id="no-bias"),
+]
+
+
+@pytest.mark.parametrize("dims,heads,bias_axes,folded", NO_GRAPH)
+@pytest.mark.parametrize("grad_mode", ("no-grad", "no-requires-grad"))
+def test_an_ordered_call_without_gradients_reads_its_keys_once(dims, heads, bias_axes, folded,
+                                                               grad_mode, device, monkeypatch):
+    """An eager ordered call that records no graph (under ``torch.no_grad`` or with no input
+    requiring a gradient) reads K, V and the bias in key order through ``KeyOrderReads``: a
+    bias of one row per (batch, head of the copies) in the row copies' launch (no gather of
+    its own), another gathered. Its outputs are bit for bit those of ``reorder_keys``'s path
+    and match the fp64 reference."""
+    monkeypatch.setattr(key_order, "INTERPRETED_COPIES", True)  # on CPU tensors too
+    dtype = torch.float16
+    q, k, v = random_qkv(dims, dtype, device)
+    bias = None if bias_axes is None else _bias(dims, bias_axes, dtype, device)
+    if grad_mode == "no-requires-grad" and bias is not None:
+        bias.requires_grad_(False)
+    intervals = topk_intervals(_selection(dims, heads, device), 7, seqlen_q=dims.seqlen_q,
+                               is_causal=True, order_keys=True)
+
+    def call():
+        with torch.no_grad() if grad_mode == "no-grad" else contextlib.nullcontext():
+            return dmattn_func(q, k, v, intervals, bias, True, return_lse=True)
+
+    reads = key_order.key_order_reads(q, k, v, intervals, bias, True, grads=False)
+    assert reads is not None and reads.fold_bias == folded and reads.inverse is None
+    gathers = []
+    gather_bias = key_order._gather_bias
+    monkeypatch.setattr(key_order, "_gather_bias",
+                        lambda *a, **kw: gathers.append(1) or gather_bias(*a, **kw))
+    out, lse = call()
+    assert out.grad_fn is None and lse.grad_fn is None
+    assert len(gathers) == (0 if folded or bias is None else 1)
+    monkeypatch.setattr(interface, "key_order_reads", lambda *a, **kw: None)
+    graph_out, graph_lse = call()  # reorder_keys's path
+    assert torch.equal(out, graph_out) and torch.equal(lse, graph_lse)
+    inputs = [None if t is None else t.detach() for t in (q, k, v, bias)]
+    truth_out, truth_lse = attention_reference(*inputs[:3], intervals, inputs[3], True,
+                                               return_lse=True)
+    low_out, low_lse = attention_reference(*inputs[:3], intervals, inputs[3], True,
+                                           return_lse=True, upcast=False)
+    assert torch.isfinite(out).all()
+    assert_close_to_reference("out", out, truth_out, low_out, dtype)
+    assert_close_to_reference("lse", lse, truth_lse, low_lse, dtype)
 
 
 def test_a_reused_ordered_object_runs_on_its_kept_preparation(device, monkeypatch):

@@ -40,7 +40,8 @@ gradients makes the row copies and the bias's gather, and their gradients' way b
 the attention's own autograd node instead (``KeyOrderReads``): the two nodes this saves (K
 and V's, the bias's) cost the H200 host 60-110 us each a direction, against a fwd+bwd of
 0.49 ms of kernels (top-W, B1 H16/4 L4096 D80). There a bias of one row per (batch, head of
-the copies) rides in the row copies both ways, and needs no gather. On the H200
+the copies) rides in the row copies both ways, and needs no gather; an eager call without
+gradients reads its keys the same way, with no node. On the H200
 ``torch.gather`` of K and V (an int64 index read per element) ran at 0.8-1.0 TB/s (B2 H16/4
 L8192 D128 bf16: ~70 us of a 0.61 ms top-W call).
 
@@ -281,7 +282,8 @@ class KeyOrderReads:
     rides in the same launches (``fold_bias``): each torch op on the H200 host costs 20-50 us,
     and the bias's gather and its gradient's were two of them. Another bias is gathered in
     order, and its gradient gathered back through the inverse order, summed over a batch it
-    was widened to. ``key_order_reads`` says which calls this serves."""
+    was widened to. An eager call without gradients makes the same reads with no node
+    (``read`` alone). ``key_order_reads`` says which calls this serves."""
 
     __slots__ = ("reordered", "order", "inverse", "heads", "fold_bias", "bias_index",
                  "bias_inverse")
@@ -321,20 +323,20 @@ class KeyOrderReads:
         return dk, dv, grad_bias
 
 
-def key_order_reads(query, key, value, intervals: KeyIntervals, attn_bias,
-                    is_causal: bool) -> KeyOrderReads | None:
-    """The ``KeyOrderReads`` of an eager call with gradients whose K and V ``reorder_keys``
-    copies by rows (``_copies_rows``); None where its bias needs what ``reorder_keys``'s
-    graph does: a gradient through a widening to the order's heads, or to a broadcast
-    (stride-0) axis."""
+def key_order_reads(query, key, value, intervals: KeyIntervals, attn_bias, is_causal: bool,
+                    grads: bool = True) -> KeyOrderReads | None:
+    """The ``KeyOrderReads`` of an eager call whose K and V ``reorder_keys`` copies by rows
+    (``_copies_rows``); None where its bias needs what ``reorder_keys``'s graph does: a
+    gradient through a widening to the order's heads, or to a broadcast (stride-0) axis.
+    ``grads`` False: the call records no graph, whatever its inputs' ``requires_grad``."""
     if not _copies_rows(key, value):
         return None
-    kv_grad = key.requires_grad or value.requires_grad
+    kv_grad = grads and (key.requires_grad or value.requires_grad)
     heads = max(key.shape[2], intervals.shape[1])
     fold_bias = False
     bias_index = bias_inverse = None
     if attn_bias is not None and attn_bias.shape[-1] != 1:
-        needs_grad = attn_bias.requires_grad
+        needs_grad = grads and attn_bias.requires_grad
         rows = _bias_rows(attn_bias)
         form = _bias_form(rows, intervals)
         if needs_grad and (rows is not attn_bias or form[0] != rows.shape[1]):
