@@ -582,6 +582,41 @@ def test_an_ordered_call_without_gradients_reads_its_keys_once(dims, heads, bias
     assert_close_to_reference("lse", lse, truth_lse, low_lse, dtype)
 
 
+def test_an_ordered_calls_reads_are_kept_per_form(device, monkeypatch):
+    """``key_order_reads`` makes a call form's reads once and hands later calls of the form
+    the same object, without building its parts again; another form (gradients, a bias
+    layout, a write into the intervals) gets its own, and a form whose bias keeps
+    ``reorder_keys``'s graph keeps that answer too."""
+    monkeypatch.setattr(key_order, "INTERPRETED_COPIES", True)  # on CPU tensors too
+    dims = Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    k.requires_grad_()
+    bias = _bias(dims, ("B", "Hk", "1", "Lk"), torch.float16, device)
+    intervals = topk_intervals(_selection(dims, "Hk", device), 7, seqlen_q=dims.seqlen_q,
+                               is_causal=True, order_keys=True)
+    made = []
+    make = key_order._make_reads
+    monkeypatch.setattr(key_order, "_make_reads", lambda *a: made.append(1) or make(*a))
+    first = key_order.key_order_reads(q, k, v, intervals, bias, True)
+    assert key_order.key_order_reads(q, k, v, intervals, bias, True) is first
+    assert len(made) == 1
+    without = key_order.key_order_reads(q, k, v, intervals, bias, True, grads=False)
+    assert without is not first and without.inverse is None and first.inverse is not None
+    assert key_order.key_order_reads(q, k, v, intervals, None, True) is not first
+    assert len(made) == 3
+    # a bias broadcast over the batch, needing a gradient: reorder_keys's graph, kept as such
+    shared = _bias(dims, ("1", "Hk", "1", "Lk"), torch.float16, device).expand(
+        dims.batch, -1, -1, -1)
+    assert key_order.key_order_reads(q, k, v, intervals, shared, True) is None
+    assert key_order.key_order_reads(q, k, v, intervals, shared, True) is None
+    assert len(made) == 4
+    with torch.no_grad():
+        intervals.end.add_(0)  # a write: a new version, new reads
+    again = key_order.key_order_reads(q, k, v, intervals, bias, True)
+    assert again is not first and len(made) == 5
+    assert len(intervals._reads) <= key_order.MAX_READS
+
+
 def test_a_reused_ordered_object_runs_on_its_kept_preparation(device, monkeypatch):
     """A model's layers share one ordered mask: the second call with it gets the reordered
     intervals of the first, and so prepares them (``prepared.prepared_intervals``); the third

@@ -140,6 +140,9 @@ class KeyIntervals:
     # Intervals with an order: the gather indices of K, V and the bias their calls read the
     # keys with, per call form (``key_order.reorder_keys``).
     _gather_indices: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    # Intervals with an order: what an eager call reads in that order and how
+    # (``key_order.KeyOrderReads``), per call form (``key_order.key_order_reads``).
+    _reads: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         _check_index_tensor("KeyIntervals start", self.start)

@@ -323,15 +323,41 @@ class KeyOrderReads:
         return dk, dv, grad_bias
 
 
+# Reads one ordered KeyIntervals keeps, per call form (a model's layers call with one or two:
+# with and without gradients). One lookup stands for the five kept objects a call's reads are
+# made of (the reordered intervals, the inverse order, the bias's gather indices) and their
+# version counters.
+MAX_READS = 8
+_NO_READS = object()  # kept for a form whose calls keep ``reorder_keys``'s graph
+
+
 def key_order_reads(query, key, value, intervals: KeyIntervals, attn_bias, is_causal: bool,
                     grads: bool = True) -> KeyOrderReads | None:
     """The ``KeyOrderReads`` of an eager call whose K and V ``reorder_keys`` copies by rows
     (``_copies_rows``); None where its bias needs what ``reorder_keys``'s graph does: a
     gradient through a widening to the order's heads, or to a broadcast (stride-0) axis.
-    ``grads`` False: the call records no graph, whatever its inputs' ``requires_grad``."""
+    ``grads`` False: the call records no graph, whatever its inputs' ``requires_grad``.
+    Kept on ``intervals`` per call form (the query rows, causality, which gradients, K's
+    batch and heads, the bias's layout, and the version counters of start, end and the
+    order), at most ``MAX_READS``; made afresh, and not kept, during a CUDA graph capture."""
     if not _copies_rows(key, value):
         return None
     kv_grad = grads and (key.requires_grad or value.requires_grad)
+    bias_layout = None
+    if attn_bias is not None:
+        bias_layout = (attn_bias.shape, attn_bias.stride(), grads and attn_bias.requires_grad)
+    form = (query.shape[1], bool(is_causal), kv_grad, key.shape[0], key.shape[2], bias_layout,
+            tensor_version(intervals.start), tensor_version(intervals.end),
+            tensor_version(intervals.key_order))
+    reads = _kept_per_form(intervals, intervals._reads, form, MAX_READS,
+                           lambda: _make_reads(query, key, intervals, attn_bias, is_causal,
+                                               grads, kv_grad))
+    return None if reads is _NO_READS else reads
+
+
+def _make_reads(query, key, intervals: KeyIntervals, attn_bias, is_causal: bool, grads: bool,
+                kv_grad: bool):
+    """``key_order_reads``' object for a new call form, ``_NO_READS`` where it has none."""
     heads = max(key.shape[2], intervals.shape[1])
     fold_bias = False
     bias_index = bias_inverse = None
@@ -340,7 +366,7 @@ def key_order_reads(query, key, value, intervals: KeyIntervals, attn_bias, is_ca
         rows = _bias_rows(attn_bias)
         form = _bias_form(rows, intervals)
         if needs_grad and (rows is not attn_bias or form[0] != rows.shape[1]):
-            return None
+            return _NO_READS
         fold_bias = (rows.shape[:3] == (key.shape[0], heads, 1) and (kv_grad or not needs_grad))
         if not fold_bias:
             bias_index = _gather_index(intervals, "bias", *form)
