@@ -157,11 +157,13 @@ def _check_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_s
             remember(_ordered_forms, form, True, MAX_ORDERED_FORMS)
 
 
-def _in_key_order(query, key, value, intervals, attn_bias, is_causal, softmax_scale):
+def _in_key_order(query, key, value, intervals, attn_bias, is_causal, softmax_scale,
+                  checked: bool = False):
     """The call's arguments with its keys read in ``intervals.key_order``
     (``kernels.masks.key_order``): the same attention, with causality folded into the intervals.
-    The inputs are checked first."""
-    _check_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
+    The inputs are checked first, unless ``checked`` (``_key_ordered`` checked them)."""
+    if not checked:
+        _check_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_scale)
     key, value, intervals, attn_bias = reorder_keys(query, key, value, intervals,
                                                     _compact_bias(attn_bias), is_causal)
     return query, key, value, intervals, attn_bias, False
@@ -230,8 +232,9 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
                                   needs_grad(query, key, value, attn_bias))
             if result is not None:
                 return result
+        # Checked by ``_key_ordered``, or (traced) by the custom ops.
         query, key, value, attn_mask, attn_bias, is_causal = _in_key_order(
-            query, key, value, attn_mask, attn_bias, is_causal, softmax_scale)
+            query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, checked=True)
     # A call torch.compile or torch.export traces becomes the custom ops; eager calls never
     # reach them (nor their host time).
     if _is_compiling():
