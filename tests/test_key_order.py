@@ -535,6 +535,10 @@ NO_GRAPH = [
                  ("1", "1", "Lq", "Lk"), False, id="mqa-full-bias"),
     pytest.param(Dims(2, 33, 50, heads_q=4, heads_kv=2, head_dim=16), "Hk", None, False,
                  id="no-bias"),
+    pytest.param(Dims(1, 17, 97, heads_q=3, heads_kv=1, head_dim=80), "Hk",
+                 ("1", "1", "1", "Lk"), True, id="odd-lengths-mqa-d80"),
+    pytest.param(Dims(2, 1, 97, heads_q=4, heads_kv=2, head_dim=40), "Hk",
+                 ("B", "Hk", "1", "Lk"), True, id="one-query-row-d40"),
 ]
 
 
