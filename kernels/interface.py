@@ -187,9 +187,17 @@ def _key_ordered(query, key, value, intervals, attn_bias, is_causal, softmax_sca
         return _KeyOrderedFunction.apply(query, key, value, reads, attn_bias, softmax_scale,
                                           deterministic, return_lse, kernel_options)
     ordered_key, ordered_value, ordered_bias = reads.read(key, value, attn_bias)
-    call = plan_call(query, ordered_key, ordered_value, reads.reordered, ordered_bias, False,
-                     softmax_scale, False, kernel_options=kernel_options)
-    out, lse = call.run(ordered_bias, keep_lse=return_lse)
+    return _without_graph(query, ordered_key, ordered_value, reads.reordered, ordered_bias,
+                          False, softmax_scale, return_lse, kernel_options)
+
+
+def _without_graph(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
+                   return_lse, kernel_options):
+    """A call that records no graph: planned and run, skipping autograd.Function's own host
+    time."""
+    call = plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, False,
+                     kernel_options=kernel_options)
+    out, lse = call.run(attn_bias, keep_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -247,11 +255,8 @@ def dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=Fal
     if needs_grad(query, key, value, attn_bias):
         return _DMAttnFunction.apply(query, key, value, attn_mask, attn_bias, is_causal,
                                      softmax_scale, deterministic, return_lse, kernel_options)
-    # No graph to record: skip autograd.Function's own host time.
-    call = plan_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, False,
-                     kernel_options=kernel_options)
-    out, lse = call.run(attn_bias, keep_lse=return_lse)
-    return (out, lse) if return_lse else out
+    return _without_graph(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale,
+                          return_lse, kernel_options)
 
 
 def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False,
