@@ -19,7 +19,7 @@ import torch
 
 from .masks.found_documents import find_documents
 from .masks.intervals import KeyIntervals, most_kept_in_a_row
-from .masks.key_runs import key_runs, order_that_pays
+from .masks.key_runs import BLOCK_KEYS, key_runs, order_that_pays
 from .planning.activity import ActivityMap
 from .planning.backward import prepare_backward_lists
 from .planning.forward import call_problem, mask_activity
@@ -117,9 +117,10 @@ def prepare_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 
 def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
     """A bool mask as the KeyIntervals of the same pairs (``masks.key_runs``), with a key
-    order where it cuts the rows its key blocks span by ``tuning.BOOL_MASK_RUNS_ORDER_GAIN``,
-    or None: only with ``tuning.BOOL_MASK_RUNS``, for calls of more than
-    ``tuning.GATHER_MAX_ROWS`` query rows (decode keeps its prepared bool mask), a mask
+    order where it cuts the rows its key blocks span by ``tuning.BOOL_MASK_RUNS_ORDER_GAIN``
+    and the pairs walked by ``tuning.BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS``, or None: only
+    with ``tuning.BOOL_MASK_RUNS``, for calls of more than ``tuning.GATHER_MAX_ROWS`` query
+    rows (decode keeps its prepared bool mask), a mask
     whose key axis is not broadcast and whose every key is kept by one run of rows; never
     during a CUDA graph capture (the test reads back), nor where the Hopper kernels could read
     the bool mask and not the intervals (an odd Lk)."""
@@ -136,7 +137,10 @@ def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
     runs = key_runs(attn_mask, shape.seqlen_q, shape.seqlen_k, is_causal)
     if runs is None:
         return None
-    order = order_that_pays(*runs, tuning.BOOL_MASK_RUNS_ORDER_GAIN)
+    # Each mask head's intervals serve this many (batch, query head) pairs of the call.
+    served = shape.batch * shape.heads_q / (runs[0].shape[0] * runs[0].shape[1])
+    order = order_that_pays(*runs, tuning.BOOL_MASK_RUNS_ORDER_GAIN,
+                            tuning.BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS / (BLOCK_KEYS * served))
     return KeyIntervals(*runs, order, _row_kept=most_kept_in_a_row(*runs, shape.seqlen_q))
 
 

@@ -97,6 +97,32 @@ def test_a_key_order_is_given_where_it_gathers_scattered_keys():
     assert order_that_pays(*sliding, 1.5) is None
 
 
+def test_a_key_order_must_save_enough_rows(monkeypatch, device):
+    """``order_that_pays`` refuses an order that saves fewer rows than asked, and
+    ``prepare_mask`` asks for ``tuning.BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS`` pairs: the
+    rows saved times 128 keys times the (batch, query head) pairs a mask head serves."""
+    top = key_runs(_top_window(torch.randn(1, 2, 1, 512), 32, 512, True), 512, 512, True)
+    ordered = [torch.gather(t, -1, order_that_pays(*top, 1.5)) for t in top]
+    saved = int(block_spans(*top) - block_spans(*ordered))
+    assert saved > 0
+    assert order_that_pays(*top, 1.5, saved) is not None
+    assert order_that_pays(*top, 1.5, saved + 1) is None
+
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    dims = Dims(batch=3, seqlen_q=512, seqlen_k=512, heads_q=8, heads_kv=2, head_dim=16)
+    q, k, _ = random_qkv(dims, torch.float16, device)
+    mask = _top_window(torch.randn(1, 2, 1, 512), 32, 512, True).to(device)
+    runs = key_runs(mask, 512, 512, True)
+    saved = int(block_spans(*runs) - block_spans(
+        *[torch.gather(t, -1, order_that_pays(*runs, 1.5)) for t in runs]))
+    served = 3 * 8 // 2  # the batch broadcast, and four query heads per mask head
+    for least, kept in ((saved * 128 * served, True), (saved * 128 * served + 1, False)):
+        monkeypatch.setattr(tuning, "BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS", least)
+        prepared = prepare_mask(mask, q, k, is_causal=True)
+        assert prepared.intervals is not None
+        assert (prepared.intervals.key_order is not None) == kept, least
+
+
 def _call(q, k, v, mask, bias, is_causal, grad_out):
     leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
     out = dmattn_func(*leaves[:3], attn_mask=mask, attn_bias=leaves[3], is_causal=is_causal)
@@ -111,6 +137,7 @@ def test_prepared_calls_read_the_runs_and_match_the_reference(name, is_causal, m
     of the same pairs: out, dq, dk, dv and a kv_row bias's gradient against the fp64
     reference of the bool mask, with the accuracy rule."""
     monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS", 0)  # small shapes
     mask = MASKS[name]().to(device)
     seqlen_q, seqlen_k = (257, 333) if name == "top-W cross" else (300, 300)
     heads = max(mask.shape[1], 2)  # the mask's heads are the key heads (or one for all)
@@ -200,6 +227,7 @@ def test_a_compiled_call_reads_the_runs_as_the_eager_call(monkeypatch, device):
     """torch.compile(fullgraph=True) of a call with a prepared top-W mask read as key-ordered
     intervals: one graph, the eager call's outputs and gradients bit for bit."""
     monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS", 0)  # small shapes
     dims = Dims(batch=1, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=16)
     q, k, v = random_qkv(dims, torch.float16, device)
     bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.float16, device)

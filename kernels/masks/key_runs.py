@@ -95,13 +95,15 @@ def block_spans(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     return (last - first).clamp(min=0).sum()
 
 
-def order_that_pays(start: torch.Tensor, end: torch.Tensor, least_gain: float
-                    ) -> torch.Tensor | None:
+def order_that_pays(start: torch.Tensor, end: torch.Tensor, least_gain: float,
+                    least_saved_rows: float = 0.0) -> torch.Tensor | None:
     """``grouping_order``'s key order of these intervals where it cuts the rows their key
-    blocks span (``block_spans``) to at most 1 / ``least_gain`` of the keys' own order's,
-    else None. A sliding window's blocks span about W + 128 rows in either order; a top-W
-    mask's, in key order, from their first key to the last row keeping any of them. One
-    read-back."""
+    blocks span (``block_spans``) to at most 1 / ``least_gain`` of the keys' own order's, and
+    by at least ``least_saved_rows`` rows, else None. A sliding window's blocks span about
+    W + 128 rows in either order; a top-W mask's, in key order, from their first key to the
+    last row keeping any of them. One read-back."""
     order = grouping_order(start, end)
     ordered = block_spans(torch.gather(start, -1, order), torch.gather(end, -1, order))
-    return order if bool(block_spans(start, end) >= least_gain * ordered) else None
+    unordered = block_spans(start, end)
+    pays = bool((unordered >= least_gain * ordered) & (unordered - ordered >= least_saved_rows))
+    return order if pays else None

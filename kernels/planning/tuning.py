@@ -224,6 +224,15 @@ FIND_DOCUMENTS = True
 # (bwd 7.6 against 24.2).
 BOOL_MASK_RUNS = True
 BOOL_MASK_RUNS_ORDER_GAIN = 1.5
+# ... and where that order saves at least this many (query row, key) pairs walked, its key
+# blocks' rows saved times 128 keys times the query heads and batches each mask head serves:
+# below it the kernels' time does not follow the pairs, and an eager call pays the order's
+# host time (the row copies of K, V and the bias). H200, bias.yaml's B1 H8/2 L2048 D128 W256
+# causal top-W bool mask prepared (the order saves 9.2M pairs), forward in one dmbench run
+# (804ae76, this tree against itself with the order off): eager 0.145 / 0.154 ms with the
+# order, 0.079 / 0.077 without (no bias / kv_row bias; sdpa 0.070); as CUDA graphs 0.054 /
+# 0.058 against 0.051 / 0.064. seqlen.yaml's B1 H16/4 L4096 W1024 saves 52M pairs.
+BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS = 1 << 24
 
 
 # -- the Hopper route's backward (``hopper_device.attention_backward``)
