@@ -14,10 +14,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attn_helpers import (Dims, forcing, random_bias, random_intervals, random_mask,
-                          random_qkv, run_backward)
+from attn_helpers import (Dims, assert_close_to_reference, forcing, random_bias,
+                          random_intervals, random_mask, random_qkv, run_backward)
 from hopper_helpers import MASKED_SHAPES, band, fuzzed_dims, fuzzed_mask, shape_id
-from kernels import prepare_mask, record_routes, topk_intervals
+from kernels import (attention_reference, dmattn_func, prepare_mask, record_routes,
+                     topk_intervals)
 from kernels.planning import tuning
 from kernels.planning.hopper_backward import grid_order_group
 
@@ -367,3 +368,53 @@ def _fuzz_every_form(rng, count, device, head_dim=None, options=None):
         assert set(routes.backward) == {"hopper"}, f"{case}: {routes.describe()}"
         if deterministic:
             assert_backwards_repeat_bitwise(q, k, v, bias, causal, forced)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("bias_row", [False, True], ids=["no-bias", "kv_row"])
+def test_a_captured_backward_splits_on_the_hopper_route_and_replays_correctly(
+        device, monkeypatch, no_kept_plans, bias_row):
+    """bias.yaml's B1 H8/2 L2048 D128 causal grid (its longest walk 7.8x the even share with
+    whole groups, 1.9x split) with ``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``: warmed up
+    eagerly on the Triton backward, then captured into a CUDA graph, where its backward is
+    planned (and the split Hopper kernel compiled where no earlier test did) inside the
+    capture; the replay's gradients against the float64 reference."""
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_CAPTURED", True)
+    dims = Dims(batch=1, seqlen_q=2048, seqlen_k=2048, heads_q=8, heads_kv=2, head_dim=128)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = (random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.bfloat16, device)
+            if bias_row else None)
+    grad_out = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
+
+    def step():
+        out = dmattn_func(*leaves[:3], attn_bias=leaves[3] if bias_row else None,
+                          is_causal=True)
+        return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), record_routes() as eager_routes:
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    assert set(eager_routes.backward) == {"dq+dkdv"}, eager_routes.describe()
+    graph = torch.cuda.CUDAGraph()
+    with record_routes() as routes, torch.cuda.graph(graph):
+        captured = step()
+    for tensor in captured:
+        tensor.fill_(float("nan"))  # poisoned: the replay must write every element
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert set(routes.backward) == {"hopper"}, routes.describe()
+    upcast = [t.detach().float().requires_grad_() for t in leaves]
+    truth = attention_reference(*upcast[:3], None, upcast[3] if bias_row else None, True)
+    want = (truth, *torch.autograd.grad(truth, upcast, grad_out.to(truth.dtype)))
+    low_leaves = [t.detach().requires_grad_() for t in leaves]
+    low = attention_reference(*low_leaves[:3], None, low_leaves[3] if bias_row else None, True,
+                              upcast=False)
+    baseline = (low, *torch.autograd.grad(low, low_leaves, grad_out))
+    for name, got, ref, eager in zip(("out", "dq", "dk", "dv", "dbias"), captured, want,
+                                     baseline):
+        assert got.isfinite().all(), name
+        assert_close_to_reference(name, got, ref, eager, torch.bfloat16)

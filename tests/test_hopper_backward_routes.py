@@ -269,3 +269,33 @@ def test_key_ordered_top_w_takes_the_hopper_backward_from_enough_kept_pairs(
 def test_the_backward_option_names_the_hopper_route():
     with pytest.raises(ValueError, match="'hopper'"):
         normalize_options({"backward": "gluon"})
+
+
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen, split_captured", [
+    (1, 8, 2, 2048, True),  # bias.yaml: 7.8 whole, 1.9 split; 1.32x as CUDA graphs (H200)
+    (1, 16, 4, 1024, True),  # 7.3 whole, 1.8 split
+    (1, 16, 4, 512, False),  # 3.3 split, and walks of 5 query blocks
+    (1, 4, 4, 4096, False),  # a group of one has nothing to split
+])
+def test_a_captured_backward_splits_long_walks_by_gpu_time(monkeypatch, batch, heads_q,
+                                                           heads_kv, seqlen, split_captured):
+    """With ``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED`` a captured problem whose whole groups
+    fail the longest-walk share takes the Hopper backward split where a program per query head
+    comes within ``tuning.HOPPER_BACKWARD_CAPTURED_MAX_SPLIT_SHARE``; the eager problem, the
+    option off, and a forced route or split decide as before."""
+    shape = sized(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen,
+                  seqlen_k=seqlen)
+    eager = dense_problem(shape=shape)
+    captured = replace(eager, captured=True)
+    assert schedule(eager).backward.route is not BackwardRoute.HOPPER
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_CAPTURED", False)
+    assert schedule(captured).backward == schedule(eager).backward
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_CAPTURED", True)
+    assert schedule(eager).backward.route is not BackwardRoute.HOPPER
+    backward = schedule(captured).backward
+    assert (backward.route is BackwardRoute.HOPPER) == split_captured
+    assert backward.split_heads == split_captured
+    whole = normalize_options({"backward_split_heads": False})
+    assert schedule(captured, whole).backward.route is not BackwardRoute.HOPPER
+    triton = normalize_options({"backward": "dq+dkdv"})
+    assert schedule(captured, triton).backward.route is BackwardRoute.SEPARATE

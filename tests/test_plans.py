@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from attn_helpers import (Dims, random_bias, random_mask, random_qkv, run_backward,
-                          run_forward)
+from attn_helpers import (Dims, assert_grads_close_to_reference, random_bias, random_mask,
+                          random_qkv, run_backward, run_forward)
 from kernels import call_plan, dmattn_func, prepare_mask, schedule_for
 from kernels.planning.backward_schedule import dkdv_stages
 from kernels.planning.problem import OperandLayout, Problem
@@ -256,3 +256,31 @@ def test_masked_forward_tiles_at_padded_head_dims():
     assert tile(192) == tuning.FORWARD_D256
     assert tile(256) == tuning.FORWARD_D256
     assert tile(64) == tuning.FORWARD_D64
+
+
+@pytest.mark.parametrize("split_captured", [False, True])
+def test_a_captured_backward_keeps_a_plan_of_its_own(split_captured, monkeypatch, device):
+    """With ``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED`` a backward run during a CUDA graph
+    capture is scheduled as captured (``Problem.captured``, chosen by GPU time) and keeps a
+    backward plan beside the eager one; without it one plan serves both. Every run matches the
+    reference."""
+    from kernels.planning import backward, tuning
+
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_CAPTURED", split_captured)
+    capturing = [False]
+    monkeypatch.setattr(backward, "graph_capturing", lambda device: capturing[0])
+    scheduled = []
+    original = backward.schedule
+
+    def recorded(problem, options=None):
+        scheduled.append(problem.captured)
+        return original(problem, options)
+    monkeypatch.setattr(backward, "schedule", recorded)
+    q, k, v = random_qkv(DIMS, torch.float16, device)
+    grad_out = torch.randn_like(q)
+    for capturing[0] in (False, True, False, True):
+        assert_grads_close_to_reference(q, k, v, None, None, True, grad_out, torch.float16)
+    plan = _kept_plan(q, k, v, None, True)
+    kept = sorted(signature[-1] for signature in plan.backward_plans)
+    assert kept == ([False, True] if split_captured else [False])
+    assert scheduled == ([True] if split_captured else [])

@@ -21,6 +21,7 @@ from ..runtime.routes import note_route
 from ..runtime.scratch import Scratch, graph_capturing
 from ..triton_device.backward_dkdv_kernels import attn_bwd_dkdv_kernel
 from ..triton_device.backward_kernels import attn_bwd_dq_kernel, attn_bwd_fused_kernel
+from . import tuning
 from .activity import ActivityMap, BlockLists, ListCompaction, block_list_strides, call_activity
 from .backward_packed import PackedBackwardPlan
 from .backward_schedule import (BackwardRoute, BackwardSchedule, backward_tiles,
@@ -259,16 +260,20 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-    signature = (grad_out.stride(), grad_out.dtype, bool(deterministic), bool(bias_needs_grad))
+    # A backward captured into a CUDA graph may be scheduled by GPU time alone
+    # (``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``): its plan is kept apart from the eager one.
+    captured = tuning.HOPPER_BACKWARD_SPLIT_CAPTURED and graph_capturing(query.device)
+    signature = (grad_out.stride(), grad_out.dtype, bool(deterministic), bool(bias_needs_grad),
+                 captured)
     plan = fwd.backward_plans.get(signature)
     if plan is None:
         bwd = fwd.schedule.backward
         problem = fwd.schedule.problem
-        if (problem.deterministic, problem.bias_grad) != signature[2:]:
+        if (problem.deterministic, problem.bias_grad, problem.captured) != signature[2:]:
             # The forward was planned for another backward (e.g. a bias whose requires_grad
-            # changed between forward and backward): schedule this one.
+            # changed between forward and backward, or a captured one): schedule this one.
             problem = replace(problem, deterministic=bool(deterministic),
-                              bias_grad=bool(bias_needs_grad))
+                              bias_grad=bool(bias_needs_grad), captured=captured)
             bwd = schedule(problem, fwd.options).backward
         if bwd.route is BackwardRoute.HOPPER:
             plan = HopperBackwardPlan(fwd, problem, bwd, _triton_fallback(

@@ -17,8 +17,8 @@ from ..runtime.arith import ceil_div, next_power_of_2
 from . import tuning
 from .dbias import DbiasMode, DbiasPlan, per_query_head_rows, plan_dbias, plan_packed_dbias
 from .grids import key_splits
-from .hopper_backward import (documents_backward_gap, hopper_backward_gap, ordered_walks,
-                              splitting_balances, takes_hopper_backward)
+from .hopper_backward import (captured_split, documents_backward_gap, hopper_backward_gap,
+                              ordered_walks, splitting_balances, takes_hopper_backward)
 from .problem import Problem
 
 
@@ -382,8 +382,9 @@ def split_heads(problem: Problem, options: dict, documents: bool) -> bool:
     walks where they are long against the even share: by default split for ``ordered_walks``
     (``tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS``: their first key blocks walk nearly every
     query block), and where ``tuning.HOPPER_BACKWARD_SPLIT_LONG_WALKS`` is on (off by
-    default) where the dense walks' longest share is too long whole and not split
-    (``hopper_backward.splitting_balances``);
+    default; a captured call with ``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``,
+    ``hopper_backward.captured_split``) where the dense walks' longest share is too long whole
+    and not split (``hopper_backward.splitting_balances``);
     ``options['backward_split_heads']`` True forces it (a ValueError where it cannot: no
     group to split, deterministic gradients, packed documents, or another route forced),
     False keeps it off."""
@@ -393,7 +394,8 @@ def split_heads(problem: Problem, options: dict, documents: bool) -> bool:
     if asked is None:
         return splittable and (
             (tuning.HOPPER_BACKWARD_SPLIT_ORDERED_HEADS and ordered_walks(problem))
-            or (tuning.HOPPER_BACKWARD_SPLIT_LONG_WALKS and splitting_balances(problem)))
+            or ((tuning.HOPPER_BACKWARD_SPLIT_LONG_WALKS or captured_split(problem))
+                and splitting_balances(problem)))
     if not asked:
         return False
     _refuse_other_route("backward_split_heads", options)

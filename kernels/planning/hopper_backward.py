@@ -127,14 +127,29 @@ def _longest_share(problem: Problem, walks: list[int], split_heads: bool) -> flo
     return max(walks) * problem.multiprocessors / (sum(walks) * programs)
 
 
+def captured_split(problem: Problem) -> bool:
+    """Whether ``problem`` is a captured backward that splits long walks by GPU time
+    (``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``)."""
+    return problem.captured and tuning.HOPPER_BACKWARD_SPLIT_CAPTURED
+
+
+def split_share_bound(problem: Problem) -> float:
+    """The longest walk's share a grid of a program per query head may have:
+    ``tuning.HOPPER_BACKWARD_CAPTURED_MAX_SPLIT_SHARE`` for a ``captured_split`` problem, else
+    ``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE``."""
+    if captured_split(problem):
+        return tuning.HOPPER_BACKWARD_CAPTURED_MAX_SPLIT_SHARE
+    return tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE
+
+
 def splitting_balances(problem: Problem) -> bool:
     """Whether a program per query head brings the grid's longest walk within
-    ``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE`` of the even share where whole GQA groups
-    do not (B1 H16/4 L4096 causal: 2.0 whole, 0.5 split)."""
-    most = tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE
+    ``split_share_bound`` of the even share where whole GQA groups do not come within
+    ``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE`` (B1 H16/4 L4096 causal: 2.0 whole, 0.5
+    split)."""
     walks = query_walks(problem)
-    return (_longest_share(problem, walks, False) > most
-            and _longest_share(problem, walks, True) <= most)
+    return (_longest_share(problem, walks, False) > tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE
+            and _longest_share(problem, walks, True) <= split_share_bound(problem))
 
 
 def takes_hopper_backward(problem: Problem, split_heads: bool = False) -> bool:
@@ -144,7 +159,7 @@ def takes_hopper_backward(problem: Problem, split_heads: bool = False) -> bool:
     top-W intervals keep enough pairs that the call is not bound by the route's host time
     (``tuning.HOPPER_BACKWARD_MIN_ORDERED_PAIRS``), and no program's walk (one per query head
     with ``split_heads``) outlasts the grid's even share by much
-    (``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE``)."""
+    (``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE``; ``split_share_bound`` split)."""
     if hopper_backward_gap(problem) is not None:
         return False
     if problem.deterministic:
@@ -161,8 +176,9 @@ def takes_hopper_backward(problem: Problem, split_heads: bool = False) -> bool:
     if (ordered_walks(problem)
             and ordered_pairs(problem) < tuning.HOPPER_BACKWARD_MIN_ORDERED_PAIRS):
         return False
-    return (_longest_share(problem, walks, split_heads)
-            <= tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE)
+    most = (split_share_bound(problem) if split_heads
+            else tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE)
+    return _longest_share(problem, walks, split_heads) <= most
 
 
 def backward_list_tile(problem: Problem) -> tuple[int, int] | None:

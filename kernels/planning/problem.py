@@ -82,6 +82,9 @@ class Problem:
     documents: int | None = None
     # ``KeyIntervals._row_kept`` of the mask: at most this many keys kept by one query row.
     row_kept: int | None = None
+    # The backward is being captured into a CUDA graph, whose replays carry no host time
+    # (``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``); set by ``backward.attention_backward``.
+    captured: bool = False
 
     @property
     def block_d(self) -> int:

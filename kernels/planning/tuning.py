@@ -347,6 +347,19 @@ HOPPER_BACKWARD_SPLIT_ORDERED_HEADS = True
 # 1.06-1.54 against 0.68-1.17 ms): the split path's host cost is not yet measured or bounded.
 # ``kernel_options['backward_split_heads'] = True`` forces it.
 HOPPER_BACKWARD_SPLIT_LONG_WALKS = False
+# Under a CUDA graph capture, whose replays carry no host time, a grid that fails
+# HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE with whole GQA groups takes the Hopper backward split
+# where a program per query head brings its longest walk within
+# HOPPER_BACKWARD_CAPTURED_MAX_SPLIT_SHARE (``hopper_backward.splitting_balances``). H200,
+# bf16, D128, bias.yaml's B1 H8/2 L2048 causal (shares 7.8 whole, 1.9 split), bwd as CUDA
+# graphs in one dmbench run (804ae76), the split Hopper backward against the default Triton
+# backward ('dq+dkdv'): no mask 95.6 / 126.4 us (fwd+bwd 126.2 / 156.9), a kv_row bias 99.2 /
+# 142.8 (137.6 / 181.1), the W256 sliding mask 49.7 / 54.2, with a kv_row bias 55.9 / 58.9;
+# fa4 reads 88 us on the dense row (bias-bwd-cuda-graph). Off until a capture that makes (and
+# compiles) the split Hopper backward inside the capture has run on a GPU: an eager warm-up
+# takes the default route, so the captured call is the first to take this one.
+HOPPER_BACKWARD_SPLIT_CAPTURED = False
+HOPPER_BACKWARD_CAPTURED_MAX_SPLIT_SHARE = 2.0
 # deterministic=True (dQ's adds ordered by a lock per query block): non-causal walk 32 (L2048)
 # 0.96x, 128 (L8192) 1.13x; causal 0.79x (L2048) and 0.89x (L8192) stay on Triton's.
 HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64
