@@ -12,6 +12,7 @@ import re
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,9 @@ def _describer(dtype, head_dim: int):
 
 
 def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = False,
-             documents: bool = False):
+             documents: bool = False, tile: tuning.HopperTile = tuning.HOPPER_FORWARD):
     """The forward of MASK_KIND ``kind`` (``hopper_forward``'s constants), with a bias row
-    where ``bias``, over packed documents where ``documents``."""
+    where ``bias``, over packed documents where ``documents``, of ``tile``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
@@ -71,7 +72,6 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
     from kernels.hopper_device.attention_forward import attention_forward
     from kernels.planning import hopper_forward as host
 
-    tile = tuning.HOPPER_FORWARD
     describe = _describer(dtype, head_dim)
     q, kv = describe(tile.rows), describe(tile.block_n)
     lse = torch.empty(8, dtype=torch.float32)
@@ -110,7 +110,7 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
         return attention_forward.warmup(
             q, kv, kv, q, lse, *mask_args, *bias_args, *document_args, 1000, 1000, 4, 2, 0.1,
             3, 8, 24, 1, grid=(132,), num_warps=4, CAUSAL=causal, MASK_KIND=kind,
-            HAS_BIAS=bias, DOCUMENTS=documents, STAGES=tile.stages,
+            HAS_BIAS=bias, DOCUMENTS=documents, STAGES=tile.stages, CONSUMERS=tile.consumers,
             CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved
@@ -180,6 +180,24 @@ def _compile_backward(dtype, head_dim: int, causal: bool, kind: int = 0,
         driver._active = saved
 
 
+def _spill_bytes(ptx: str) -> int:
+    """The bytes of spill stores and loads that Triton's own ptxas reports (``-v``) for this
+    PTX on sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        ptxas = get_ptxas(90)  # Triton 3.9 picks its ptxas by architecture
+    except TypeError:
+        ptxas = get_ptxas()
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder, "kernel.ptx")
+        source.write_text(ptx)
+        done = subprocess.run([ptxas.path, "-v", "--gpu-name=sm_90a", str(source), "-o",
+                               str(Path(folder, "kernel.cubin"))], capture_output=True,
+                              text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr))
+
+
 def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     """``_compile`` in a fresh process without TRITON_INTERPRET: under the interpreter the
     ``triton.jit`` functions of ``triton.language`` that Gluon code calls (``gl.max``) are
@@ -209,7 +227,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("bfloat16", 128, True, "documents-backward"),
     ("float16", 64, False, "biased-documents-backward"),
     ("bfloat16", 128, False, "spread-backward"),
-    ("bfloat16", 128, False, "biased-split-grouped-intervals-backward")],
+    ("bfloat16", 128, False, "biased-split-grouped-intervals-backward"),
+    ("bfloat16", 64, True, "three-forward"), ("float16", 64, False, "biased-three-forward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
@@ -220,7 +239,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "biased-masked-forward-fp16-d64-full", "documents-forward-bf16-d128-causal",
          "biased-documents-forward-fp16-d64-full", "documents-backward-bf16-d128-causal",
          "biased-documents-backward-fp16-d64-full", "spread-backward-bf16-d128-full",
-         "biased-split-grouped-intervals-backward-bf16-d128-full"])
+         "biased-split-grouped-intervals-backward-bf16-d128-full",
+         "three-forward-bf16-d64-causal", "biased-three-forward-fp16-d64-full"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -234,9 +254,12 @@ def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     ours = {(op, number, threads) for op, number, threads in compiled["barriers"]
             if number >= first_free}
     assert all(threads == 256 for _, _, threads in ours), ours
-    if "backward" not in str(masked):
+    if "backward" not in str(masked):  # a turn barrier per consumer warpgroup
+        consumers = (0, 1, 2) if "three" in str(masked) else (0, 1)
         assert {(op, number) for op, number, _ in ours} == {
-            (op, first_free + w) for op in ("sync", "arrive") for w in (0, 1)}
+            (op, first_free + w) for op in ("sync", "arrive") for w in consumers}
+    if "three" in str(masked):  # 3 x 128 consumer threads within the 64K registers
+        assert compiled["spills"] == 0, compiled["spills"]
     # dQ's staging stores (``hopper_device.dq_columns``): a 64-bit store of a warp takes 2
     # wavefronts at best; the 128-byte swizzle alone leaves a two-way conflict (ncu on the
     # H200: 4 per STS.64), which the spread columns remove.
@@ -261,8 +284,10 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     elif form.endswith("forward"):
         from kernels.planning import hopper_forward as host
         kind = host.MASK_TILE if form == "biased-masked-forward" else host.NO_MASK
+        tile = tuning.HOPPER_FORWARD_THREE if "three" in form else tuning.HOPPER_FORWARD
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
-                          bias=form.startswith("biased"), documents="documents" in form)
+                          bias=form.startswith("biased"), documents="documents" in form,
+                          tile=tile)
     else:
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), int(form))
     ptx = kernel.asm["ptx"]
@@ -275,4 +300,5 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
         staging = wavefronts_per_store(ptx, 16)
     print(json.dumps({"target": ".target sm_90a" in ptx, "wgmma": "wgmma.mma_async" in ptx,
                       "tma": "cp.async.bulk.tensor" in ptx, "shared": kernel.metadata.shared,
-                      "barriers": sorted(set(barriers)), "staging_wavefronts": staging}))
+                      "barriers": sorted(set(barriers)), "staging_wavefronts": staging,
+                      "spills": _spill_bytes(ptx) if "three" in form else None}))

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attn_helpers import Dims, random_qkv, run_backward, run_forward
+from attn_helpers import Dims, forcing, random_qkv, run_backward, run_forward
 from hopper_helpers import (FORCED, HOPPER, band, count_hopper_launches, hopper_in_tile_order,
                             fuzzed_dims, hopper_problem, shape_id, sized)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
@@ -238,6 +238,49 @@ def test_the_gluon_kernel_imports_under_this_triton():
         attention_forward.arg_names)
 
 
+THREE = normalize_options({"forward_route": "hopper", "forward_consumers": 3})
+
+
+def test_three_consumer_warpgroups_run_where_asked_and_never_by_default():
+    """``kernel_options['forward_consumers']`` = 3 takes ``tuning.HOPPER_FORWARD_THREE``
+    (192 query rows over 64-key blocks) on the Hopper forward, forced or by default; without
+    it, two warpgroups."""
+    d64 = hopper_problem(shape=sized(head_dim=64))
+    sched = schedule(d64, THREE)
+    assert sched.forward.hopper == tuning.HOPPER_FORWARD_THREE
+    assert "192x64" in str(sched)
+    assert schedule(d64).forward.hopper == tuning.HOPPER_FORWARD
+    asked = normalize_options({"forward_consumers": 3})
+    assert schedule(d64, asked).forward.hopper == tuning.HOPPER_FORWARD_THREE
+    assert schedule(d64, normalize_options({"forward_consumers": 2})).forward.hopper == (
+        tuning.HOPPER_FORWARD)
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"shape": sized(head_dim=80)}, "head dims up to 64, not 80"),
+    ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}, "take no mask"),
+], ids=["d80", "mask"])
+def test_three_consumer_warpgroups_refuse_what_they_do_not_cover(changes, reason):
+    problem = hopper_problem(**changes)
+    assert hopper_gap(problem) is None
+    with pytest.raises(ValueError, match=r"kernel_options\['forward_consumers'\]: 3 does not "
+                                         r"cover this call: .*" + reason):
+        schedule(problem, THREE)
+
+
+def test_three_consumer_warpgroups_on_the_triton_route_are_refused():
+    triton = normalize_options({"forward_route": "triton", "forward_consumers": 3})
+    with pytest.raises(ValueError, match="forward_consumers.*Triton route"):
+        schedule(hopper_problem(shape=sized(head_dim=64)), triton)
+
+
+@pytest.mark.parametrize("value", [1, 4, "3", True, 3.0])
+def test_the_consumers_option_takes_two_or_three(value):
+    with pytest.raises(ValueError, match=r"kernel_options\['forward_consumers'\]: expected 2 "
+                                         r"or 3"):
+        normalize_options({"forward_consumers": value})
+
+
 # -- device side: a Hopper GPU
 SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D)
     (1, 1, 1, 1, 1, 64),
@@ -404,3 +447,50 @@ def test_a_bf16_llama_takes_the_hopper_route_and_matches_eager(device, monkeypat
     check = check_tensor("logits", got.double() / scale, truth / scale,
                          baseline.double() / scale, torch.bfloat16)
     assert check.passed, check.describe()
+
+
+THREE_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D), head dims up to 64
+    (1, 1, 1, 1, 1, 64),
+    (2, 17, 97, 4, 2, 64),
+    (1, 97, 17, 3, 3, 40),
+    (2, 1025, 1025, 4, 1, 64),
+    (1, 1000, 3000, 6, 2, 64),
+    (3, 300, 129, 2, 1, 32),
+    (1, 2048, 2048, 8, 8, 16),
+    (1, 4095, 4095, 2, 2, 64),
+]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", THREE_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("biased", [False, True], ids=["no-bias", "kv_row"])
+def test_three_consumer_warpgroups_match_the_reference(device, sizes, causal, dtype, biased):
+    """The forward of three consumer warpgroups (``kernel_options['forward_consumers']`` = 3):
+    out and LSE against the float64 reference, into poisoned outputs, with a kv_row bias read
+    from a padded row (its rows 16-byte aligned at any Lk)."""
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, dtype, device)
+    bias = None
+    if biased:
+        padded = -dims.seqlen_k % 8 + dims.seqlen_k
+        bias = torch.randn(dims.batch, dims.heads_kv, 1, padded, device=device).to(dtype)
+        bias = bias[..., :dims.seqlen_k]
+    options = {"forward_route": "hopper", "forward_consumers": 3}
+    assert schedule_for(q, k, v, attn_bias=bias, is_causal=causal,
+                        kernel_options=options).forward.hopper == tuning.HOPPER_FORWARD_THREE
+    with record_routes() as routes:
+        run_forward(q, k, v, None, bias, causal, func=forcing(**options))
+    assert set(routes.forward) == {"hopper"}, routes.describe()
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_backward_after_three_consumer_warpgroups_matches_the_reference(device, causal):
+    """The backward reads the three-warpgroup forward's output and LSE."""
+    q, k, v = random_qkv(Dims(2, 1500, 1500, 8, 2, 64), torch.bfloat16, device)
+    with record_routes() as routes:
+        run_backward(q, k, v, causal=causal,
+                     func=forcing(forward_route="hopper", forward_consumers=3))
+    assert set(routes.forward) == {"hopper"}, routes.describe()

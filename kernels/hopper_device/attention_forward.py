@@ -1,18 +1,20 @@
-"""The attention forward for Hopper: one loader warp and two consumer warpgroups per program,
-a persistent grid.
+"""The attention forward for Hopper: one loader warp and CONSUMERS (two or three) consumer
+warpgroups per program, a persistent grid.
 
-A work tile is 2 x ROWS query rows of one (batch, query head); consumer warpgroup w owns rows
-[w * ROWS, (w + 1) * ROWS) of it. Each program walks its share of the tiles (``_tile_at``).
-The loader warp issues the TMA copies: a tile's two Q tiles, then its key blocks' K and V into
-a ring of STAGES slots that runs on across tiles. Every slot has a ``ready`` barrier (its copy
-landed; the copy's byte count completes it) and a ``free`` barrier (both warpgroups have read
-it: two arrivals); each Q tile has the same pair, freed once its warpgroup's last score
+A work tile is CONSUMERS x ROWS query rows of one (batch, query head); consumer warpgroup w
+owns rows [w * ROWS, (w + 1) * ROWS) of it. Each program walks its share of the tiles
+(``tiles.WorkTiles``). The loader warp issues the TMA copies: a tile's Q tiles, one per
+warpgroup, then its key blocks' K and V into a ring of STAGES slots that runs on across tiles.
+Every slot has a ``ready`` barrier (its copy landed; the copy's byte count completes it) and a
+``free`` barrier (every warpgroup has read it: one arrival each); each Q tile has the same pair, freed once its warpgroup's last score
 product retired, so the next tile's Q arrives during the last PV product and the epilogue.
 The output leaves through its own staging tiles. Per key block j a consumer warpgroup issues
 S_j = Q K_j^T and O += P_{j-1} V_{j-1} as asynchronous wgmma back to back, waits for S_j
-alone, folds S_j into the online softmax, then waits for the PV product and rescales O. The two
-warpgroups take turns to issue their products (a named barrier each: ``_take_turn``), so
-that one's softmax runs while the other's products hold the tensor cores.
+alone, folds S_j into the online softmax, then waits for the PV product and rescales O. The
+warpgroups take turns, round robin, to issue their products (a named barrier each:
+``forward_consumer._take_turn``), so that one's softmax runs while another's products hold
+the tensor cores. Three warpgroups (FlashAttention-3's choice at head dim 64) take no mask
+and no packed documents yet.
 
 Every operand goes through a rank-4 TMA descriptor over the caller's (B, L, H, D) tensor: a
 tile is [1, rows, 1, BLOCK_D] at (batch, first row, head, 0). Rows past a sequence's end and
@@ -40,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .bias import BiasRows
 from .forms import CONSUMER_WARPS, INTERVAL_WORDS, MASK_ROW, MASK_TILE, NO_MASK
-from .forward_consumer import document_keys, first_consumer, second_consumer
+from .forward_consumer import document_keys, first_consumer, second_consumer, third_consumer
 from .gluon_compat import tma_load
 from .output_rows import OutputRows
 from .ring import KeyValueRing, copy_view
@@ -52,6 +54,7 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases
             q_free, kv, work, lists, bias_heads, MASK_KIND: gl.constexpr,
             HAS_BIAS: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    CONSUMERS: gl.constexpr = q_tiles.shape[0]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     ring = 0  # key blocks loaded so far, over this program's tiles: the ring's position
     for visit in range(work.visits()):  # this program's tiles loaded so far
@@ -59,14 +62,14 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases
             work.coordinates(work.tile(visit))
         k_base, seqlen_k, _ = document_keys(k_base, seqlen_k, work.DOCUMENTS, HAS_BIAS)
         if MASKED:
-            row, mask_batch, mask_head = lists.row(batch, q_head, q_start // work.ROWS2)
+            row, mask_batch, mask_head = lists.row(batch, q_head, q_start // work.TILE_ROWS)
             count, full = lists.counts(row)
             num_blocks = gl.maximum(count, 1)
         else:
             num_blocks, _ = work.key_blocks(q_start, seqlen_q, seqlen_k)
         # A barrier that has completed no phase passes a wait for the parity of the phase
         # before phase 0: the first tile's Q does not wait.
-        for w in gl.static_range(2):
+        for w in gl.static_range(CONSUMERS):
             mbarrier.wait(q_free.index(w), (visit & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
             tma_load(q_desc, [batch, q_base + q_start + w * ROWS, q_head, 0], q_ready.index(w),
@@ -111,8 +114,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
                       qk_scale, row_tiles, batch_heads, num_tiles, tile_order,
                       CAUSAL: gl.constexpr,
                       MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, DOCUMENTS: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr):
+                      STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
     ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``) in ``tile_order``
     (``tiles.ORDER_HEADS`` or ``tiles.ORDER_BALANCED``). ``lse_ptr``: (B, Hq, Lq)
@@ -130,9 +133,12 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     sequence's last rows are written through ``out_ptr`` (the output, ``out_row_stride``
     elements a packed row, heads of ``head_dim``); ``seqlen_q`` and ``seqlen_k`` are the packed
     lengths. Without it all five are unread stand-ins.
-    Launch with num_warps = 4 (the first consumer warpgroup; the second and the loader warp
-    are workers)."""
+    Launch with num_warps = 4 (the first consumer warpgroup; the other CONSUMERS - 1 and the
+    loader warp are workers)."""
     gl.static_assert(not DOCUMENTS or MASK_KIND == NO_MASK, "documents take no mask")
+    gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and MASK_KIND == NO_MASK
+                                        and not DOCUMENTS),
+                     "two consumer warpgroups, or three without a mask or documents")
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -140,15 +146,16 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
 
-    q_tiles = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_D], q_layout)
-    o_tiles = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_D], q_layout)
+    q_tiles = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_D], q_layout)
+    o_tiles = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_D], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     # Beside each K slot, what a tested block's pairs read (MASK_KIND).
     if MASK_KIND == MASK_TILE:
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [2 * ROWS, BLOCK_N], gl.uint8)
-        masks = gl.allocate_shared_memory(gl.uint8, [STAGES, 2 * ROWS, BLOCK_N], tile_layout)
+            [CONSUMERS * ROWS, BLOCK_N], gl.uint8)
+        masks = gl.allocate_shared_memory(gl.uint8, [STAGES, CONSUMERS * ROWS, BLOCK_N],
+                                          tile_layout)
     elif MASK_KIND == MASK_ROW:
         masks = gl.allocate_shared_memory(
             gl.uint8, [STAGES, 1, BLOCK_N],
@@ -165,23 +172,24 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
     else:
         biases = k_ring
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
+    for w in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_free.index(w), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
-        mbarrier.init(k_free.index(slot), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_free.index(slot), count=2)
+        mbarrier.init(k_free.index(slot), count=CONSUMERS)  # one arrival per warpgroup
+        mbarrier.init(v_free.index(slot), count=CONSUMERS)
     kv = KeyValueRing(k_ring, v_ring, k_ready, k_free, v_ready, v_free, STAGES)
     work = WorkTiles(seqlen_q, seqlen_k, heads_q, group, row_tiles, batch_heads, num_tiles,
-                     tile_order, documents, cu_q, cu_k, 2 * ROWS, BLOCK_N, CAUSAL, DOCUMENTS)
+                     tile_order, documents, cu_q, cu_k, CONSUMERS * ROWS, BLOCK_N, CAUSAL,
+                     DOCUMENTS)
     out_rows = OutputRows(out_ptr, out_row_stride, head_dim)
     lists = BlockLists(list_table, list_batch_stride, list_head_stride, list_row_stride,
                        list_head_div, mask_head_div, mask_batches)
@@ -189,13 +197,28 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
 
     # The argument tuples are written inline: a tuple assigned to a name first turns its
     # constexprs into runtime values (Triton 3.6). The aggregates keep theirs as fields.
-    gl.warp_specialize(
-        [(first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
-                            biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
-                            HAS_BIAS)),
-         (second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
-                             biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
-                             HAS_BIAS)),
-         (_loader, (q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases,
-                    q_ready, q_free, kv, work, lists, bias_heads, MASK_KIND, HAS_BIAS))],
-        [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize(
+            [(first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
+                                biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
+                                HAS_BIAS)),
+             (second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
+                                 biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
+                                 HAS_BIAS)),
+             (third_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
+                                biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
+                                HAS_BIAS)),
+             (_loader, (q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases,
+                        q_ready, q_free, kv, work, lists, bias_heads, MASK_KIND, HAS_BIAS))],
+            [CONSUMER_WARPS, CONSUMER_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize(
+            [(first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
+                                biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
+                                HAS_BIAS)),
+             (second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
+                                 biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
+                                 HAS_BIAS)),
+             (_loader, (q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases,
+                        q_ready, q_free, kv, work, lists, bias_heads, MASK_KIND, HAS_BIAS))],
+            [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

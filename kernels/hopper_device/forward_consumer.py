@@ -1,5 +1,5 @@
 """The Hopper forward's consumer warpgroups (``attention_forward`` describes the kernel): per
-key block the score and PV products in turns with the other warpgroup, the online softmax
+key block the score and PV products in turns with the other warpgroups, the online softmax
 between them, a masked tile's keep; then the rows' output and LSE written. Warpgroup w owns
 rows [w * ROWS, (w + 1) * ROWS) of a work tile. Also the keys of a packed sequence's tiles
 (``document_keys``), which the loader walks too."""
@@ -45,23 +45,25 @@ def hidden_before(shift, BLOCK_N: gl.constexpr, DOCUMENTS: gl.constexpr,
 @gluon.jit
 def _take_turn(WARPGROUP: gl.constexpr):
     """Wait until this warpgroup may issue its products: its named barrier completes once the
-    other warpgroup's 128 threads have arrived on it (``_pass_turn``), FlashAttention-3's warp
-    scheduler barriers. H200, against a pair of mbarriers: 0.96-0.99x the time on dense D128
-    and biased forwards, the same bits (one process, CUDA graphs)."""
+    previous warpgroup's 128 threads have arrived on it (``_pass_turn``), FlashAttention-3's
+    warp scheduler barriers. H200, two warpgroups, against a pair of mbarriers: 0.96-0.99x the
+    time on dense D128 and biased forwards, the same bits (one process, CUDA graphs)."""
     named_barriers.sync(named_barriers.FIRST_FREE + WARPGROUP, 2 * CONSUMER_THREADS)
 
 
 @gluon.jit
-def _pass_turn(WARPGROUP: gl.constexpr):
-    named_barriers.arrive(named_barriers.FIRST_FREE + 1 - WARPGROUP, 2 * CONSUMER_THREADS)
+def _pass_turn(WARPGROUP: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Let the next warpgroup of the CONSUMERS, round robin, issue its products."""
+    named_barriers.arrive(named_barriers.FIRST_FREE + (WARPGROUP + 1) % CONSUMERS,
+                          2 * CONSUMER_THREADS)
 
 
 @gluon.jit
 def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
                 seqlen_k, diagonal, masks, lists, row, count, biases,
-                WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr, TESTED: gl.constexpr,
-                CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, s_layout: gl.constexpr,
-                o_layout: gl.constexpr, p_layout: gl.constexpr):
+                WARPGROUP: gl.constexpr, CONSUMERS: gl.constexpr, MASK_KIND: gl.constexpr,
+                TESTED: gl.constexpr, CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [first, stop) of a tile whose block 0 sits at ring position ``ring``: per
     block j, issue S_j and block j - 1's PV product, fold S_j while PV runs, then rescale.
     ``p`` enters as block first - 1's and leaves as block stop - 1's. With a MASK_KIND the
@@ -85,7 +87,7 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
                                 gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
         o_token = warpgroup_mma(p, kv.values.index(prev_slot), acc, is_async=True)
-        _pass_turn(WARPGROUP)
+        _pass_turn(WARPGROUP, CONSUMERS)
         # wgmma groups retire in issue order: one left outstanding is the PV product.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
         # The mask bytes are read after the wait: read before it (beside the score product)
@@ -181,6 +183,7 @@ def _hidden_outside_intervals(s, words, rows):
 def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
               o_desc, lse_ptr, out_rows, qk_scale, WARPGROUP: gl.constexpr,
               MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr):
+    CONSUMERS: gl.constexpr = q_tiles.shape[0]
     ROWS: gl.constexpr = q_tiles.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     BLOCK_D: gl.constexpr = q_tiles.shape[2]
@@ -197,15 +200,15 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
     lse_rows = work.seqlen_q  # the LSE's rows per (batch, head): every packed row
 
     ring = 0  # key blocks consumed so far, over this program's tiles
-    if WARPGROUP == 1:  # warpgroup 0 issues first (and the last arrival is never waited for)
-        _pass_turn(WARPGROUP)
+    if WARPGROUP == CONSUMERS - 1:  # warpgroup 0 issues first (the last arrival is not awaited)
+        _pass_turn(WARPGROUP, CONSUMERS)
     for visit in range(work.visits()):  # this program's tiles so far
         batch, q_head, kv_head, q_start, bh, q_base, k_base, seqlen_q, seqlen_k = \
             work.coordinates(work.tile(visit))
         _, seqlen_k, shift = document_keys(k_base, seqlen_k, work.DOCUMENTS, HAS_BIAS)
         diagonal = seqlen_k - seqlen_q  # bottom-right causal: row r sees keys <= r + diagonal
         if MASKED:
-            row, _, _ = lists.row(batch, q_head, q_start // work.ROWS2)
+            row, _, _ = lists.row(batch, q_head, q_start // work.TILE_ROWS)
             count, unmasked_blocks = lists.counts(row)
             num_blocks = gl.maximum(count, 1)
             first_col = lists.block(row, 0, count) * BLOCK_N
@@ -227,7 +230,7 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
         s_token = warpgroup_mma(q_tile, kv.keys.index(slot).permute((1, 0)),
                                 gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
-        _pass_turn(WARPGROUP)
+        _pass_turn(WARPGROUP, CONSUMERS)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
         keep = hidden_before(shift, BLOCK_N, work.DOCUMENTS, HAS_BIAS, s_layout)
         if MASKED:
@@ -240,12 +243,13 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
 
         acc, p, m_i, l_i = _key_blocks(
             1, unmasked_blocks, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
-            seqlen_k, diagonal, masks, lists, row, count, biases, WARPGROUP, MASK_KIND, False,
-            CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
+            seqlen_k, diagonal, masks, lists, row, count, biases, WARPGROUP, CONSUMERS,
+            MASK_KIND, False, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
         acc, p, m_i, l_i = _key_blocks(
             gl.maximum(unmasked_blocks, 1), num_blocks, ring, acc, p, m_i, l_i, q_tile, kv,
             qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, biases,
-            WARPGROUP, MASK_KIND, True, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
+            WARPGROUP, CONSUMERS, MASK_KIND, True, CAUSAL, HAS_BIAS, s_layout, o_layout,
+            p_layout)
         # Every score product has retired: the loader may bring the next tile's Q while the
         # last PV product and the epilogue run.
         mbarrier.arrive(q_free.index(WARPGROUP), count=1)
@@ -254,7 +258,7 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
         slot = kv.wait_values(ring + num_blocks - 1)
         _take_turn(WARPGROUP)
         o_token = warpgroup_mma(p, kv.values.index(slot), acc, is_async=True)
-        _pass_turn(WARPGROUP)
+        _pass_turn(WARPGROUP, CONSUMERS)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_token, p))
         kv.free_values(slot)
         ring += num_blocks
@@ -297,3 +301,11 @@ def second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, b
                      HAS_BIAS: gl.constexpr):
     _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases, o_desc,
               lse_ptr, out_rows, qk_scale, 1, MASK_KIND, HAS_BIAS)
+
+
+@gluon.jit
+def third_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
+                   o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND: gl.constexpr,
+                   HAS_BIAS: gl.constexpr):
+    _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases, o_desc,
+              lse_ptr, out_rows, qk_scale, 2, MASK_KIND, HAS_BIAS)

@@ -6,13 +6,14 @@ is one instruction per warp.
 A named barrier with a thread count completes once that many threads have reached it; a
 ``bar.sync`` waits for that, a ``bar.arrive`` counts its threads and goes on. Triton numbers its
 own from 0: the program-wide barrier and one per partition (with three partitions it uses 0-2,
-offline sm_90a with Triton 3.6 and 3.9; ``tests/test_hopper_offline.py`` checks the compiled
-forms), so the ones here start at ``FIRST_FREE``. Sixteen exist per program."""
+offline sm_90a with Triton 3.6 and 3.9; with four, the forward of three consumer warpgroups,
+0-3 under 3.9; ``tests/test_hopper_offline.py`` checks the compiled forms), so the ones here
+start at ``FIRST_FREE``. Sixteen exist per program."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-FIRST_FREE = gl.constexpr(3)
+FIRST_FREE = gl.constexpr(4)
 
 
 @gluon.constexpr_function

@@ -1,9 +1,10 @@
 """The tile scheduler and the key-block walk of the Hopper forward, and the backward's
 programs (``KeyBlockWork``: a key block each, walking the query blocks that see it).
 
-A work tile is ROWS2 = 2 x ROWS query rows of one (batch, query head). A persistent grid of at
-most one program per multiprocessor walks the ``num_tiles`` = ``row_tiles`` x ``batch_heads``
-tiles in one of two orders (``order``, a runtime value, so one compiled kernel has both):
+A work tile is TILE_ROWS = CONSUMERS x ROWS query rows of one (batch, query head), a ROWS each
+for the forward's two or three consumer warpgroups. A persistent grid of at most one program
+per multiprocessor walks the ``num_tiles`` = ``row_tiles`` x ``batch_heads`` tiles in one of
+two orders (``order``, a runtime value, so one compiled kernel has both):
 
 - ``ORDER_HEADS``: a head's row tiles are consecutive and program i takes tiles i, i + grid,
   ... (programs in flight share K and V in L2);
@@ -16,7 +17,7 @@ tiles in one of two orders (``order``, a runtime value, so one compiled kernel h
 Each tile walks key blocks [0, num_blocks); the first ``unmasked_blocks`` of them every row of
 the tile sees whole, so they need no test per pair.
 
-With DOCUMENTS (sequences packed end to end, batch 1) a work tile is ROWS2 rows of one
+With DOCUMENTS (sequences packed end to end, batch 1) a work tile is TILE_ROWS rows of one
 sequence and one query head, in that sequence's own coordinates: ``documents`` is an int32
 table, its count of tiles first, then per tile (sequence, row tile) in the order the tiles
 are dealt (``planning.documents.document_tiles``: the longest walks first), heads inner; the
@@ -46,14 +47,14 @@ class WorkTiles:
     documents: gl.tensor
     cu_q: gl.tensor
     cu_k: gl.tensor
-    ROWS2: gl.constexpr
+    TILE_ROWS: gl.constexpr
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
     DOCUMENTS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, seqlen_q, seqlen_k, heads_q, group, row_tiles, batch_heads, num_tiles,
-                 order, documents, cu_q, cu_k, ROWS2, BLOCK_N, CAUSAL, DOCUMENTS):
+                 order, documents, cu_q, cu_k, TILE_ROWS, BLOCK_N, CAUSAL, DOCUMENTS):
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
         self.heads_q = heads_q
@@ -65,7 +66,7 @@ class WorkTiles:
         self.documents = documents
         self.cu_q = cu_q
         self.cu_k = cu_k
-        self.ROWS2 = gl.constexpr(ROWS2)
+        self.TILE_ROWS = gl.constexpr(TILE_ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.DOCUMENTS = gl.constexpr(DOCUMENTS)
@@ -136,7 +137,7 @@ class WorkTiles:
                 row_tile = self.row_tiles - 1 - row_tile
         q_head = bh % self.heads_q
         q_base, k_base, seqlen_q, seqlen_k = self.span(sequence)
-        return (bh // self.heads_q, q_head, q_head // self.group, row_tile * self.ROWS2, bh,
+        return (bh // self.heads_q, q_head, q_head // self.group, row_tile * self.TILE_ROWS, bh,
                 q_base, k_base, seqlen_q, seqlen_k)
 
     @gluon.jit
@@ -151,13 +152,13 @@ class WorkTiles:
 
     @gluon.jit
     def key_blocks(self, q_start, seqlen_q, seqlen_k):
-        """How many key blocks the tile of rows [q_start, q_start + ROWS2) of a sequence of
+        """How many key blocks the tile of rows [q_start, q_start + TILE_ROWS) of a sequence of
         ``seqlen_q`` rows and ``seqlen_k`` keys walks, and how many of the first of them every
         row sees whole (no test per pair): the host's ``planning.key_walk.tile_key_blocks``,
         but a tile whose rows see no key still walks block 0, all hidden, so that every row is
         written. With CAUSAL the keys end at the last row's diagonal."""
         if self.CAUSAL:
-            visible_end = gl.minimum(seqlen_k, q_start + self.ROWS2 + seqlen_k - seqlen_q)
+            visible_end = gl.minimum(seqlen_k, q_start + self.TILE_ROWS + seqlen_k - seqlen_q)
             num_blocks = gl.cdiv(gl.maximum(visible_end, 1), self.BLOCK_N)
             unmasked_blocks = gl.maximum(q_start + seqlen_k - seqlen_q + 1,
                                          0) // self.BLOCK_N
@@ -171,7 +172,7 @@ class WorkTiles:
 @aggregate
 class BlockLists:
     """A masked call's active key blocks per work tile, from the mask's activity lists
-    (``planning.activity.BlockLists``: per (mask batch, mask head, row tile of ROWS2 rows) a
+    (``planning.activity.BlockLists``: per (mask batch, mask head, row tile of TILE_ROWS rows) a
     row of int32 (count, full count, block indices...), the full blocks first). A tile walks
     max(count, 1) blocks: one whose rows see no key walks block 0 with its mask, which hides
     every pair, so that every row is written. Position 0 and the positions from ``full`` on

@@ -179,7 +179,7 @@ class ForwardPlan:
                                               fwd.tile_order, sequences=problem.documents,
                                               causal=causal)
             # (rows, keys per block, causality) of ``document_tiles``' table
-            self.document_tiling = (2 * fwd.hopper.rows, fwd.hopper.block_n, causal)
+            self.document_tiling = (fwd.hopper.tile_rows, fwd.hopper.block_n, causal)
             if self.documents is not None:  # kept: the prepared intervals' own table
                 self.hopper_documents = self.call_documents(self.documents[:2])
         elif fwd.hopper is not None:

@@ -13,7 +13,7 @@ from . import tuning
 from .grids import edge_slots, grid_chunk_rows, key_splits
 from .gather_decode import GatherTile, gather_gap, gather_tile
 from .hopper_forward import (hopper_gap, list_tile, may_take_masks, takes_documents,
-                             takes_hopper, tile_order)
+                             takes_hopper, three_consumer_gap, tile_order)
 from .problem import Problem
 
 
@@ -177,7 +177,8 @@ def forward_documents(problem: Problem, options: dict) -> bool:
 def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
     """The Hopper forward's tile where the forward takes that route, else None (the Triton
     route). ``options['forward_route']`` forces it; forcing 'hopper' where it does not cover
-    the problem is a ValueError that says why."""
+    the problem is a ValueError that says why. ``options['forward_consumers']`` = 3 takes
+    ``tuning.HOPPER_FORWARD_THREE`` (a ValueError where ``three_consumer_gap`` says why not)."""
     forced = options.get("forward_route")
     if forced in ("triton", "gather"):
         return None
@@ -186,8 +187,20 @@ def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
         if gap is not None:
             raise ValueError(f"kernel_options['forward_route']: 'hopper' does not cover this "
                              f"call: {gap}")
+        return hopper_tile(problem, options)
+    return hopper_tile(problem, options) if takes_hopper(problem) else None
+
+
+def hopper_tile(problem: Problem, options: dict) -> tuning.HopperTile:
+    """The Hopper forward's tile of a call that takes that route: two consumer warpgroups,
+    or three where ``options['forward_consumers']`` asks (until measured, never by default)."""
+    if options.get("forward_consumers") != 3:
         return tuning.HOPPER_FORWARD
-    return tuning.HOPPER_FORWARD if takes_hopper(problem) else None
+    gap = three_consumer_gap(problem)
+    if gap is not None:
+        raise ValueError(f"kernel_options['forward_consumers']: 3 does not cover this call: "
+                         f"{gap}")
+    return tuning.HOPPER_FORWARD_THREE
 
 
 def gather_route(problem: Problem, options: dict) -> GatherTile | None:
@@ -222,6 +235,13 @@ def schedule_forward(problem: Problem, options: dict) -> ForwardSchedule:
     documents = forward_documents(problem, options)
     hopper = tuning.HOPPER_FORWARD if documents else forward_route(problem, options)
     scan = scan_keys(problem, options, splits)
+    if hopper is None and options.get("forward_consumers") is not None:
+        raise ValueError("kernel_options['forward_consumers'] sizes the Hopper forward's "
+                         "programs; this call takes the Triton route (force forward_route "
+                         "'hopper' with it)")
+    if documents and options.get("forward_consumers") == 3:
+        raise ValueError("kernel_options['forward_consumers']: 3 does not cover this call: "
+                         "three consumer warpgroups walk no packed documents yet")
     if hopper is None and options.get("forward_tile_order") is not None:
         raise ValueError("kernel_options['forward_tile_order'] orders the Hopper forward's "
                          "tiles; this call takes the Triton route (force forward_route "

@@ -110,9 +110,20 @@ def hopper_operands_gap(problem: Problem, reads_mask: bool = True) -> str | None
                 "stride a multiple of 16 bytes")
     if not problem.softmax_scale > 0:
         return f"it takes a positive softmax_scale, not {problem.softmax_scale}"
-    tiles = ceil_div(shape.seqlen_q, 2 * tuning.HOPPER_FORWARD.rows) * shape.batch * shape.heads_q
+    tiles = ceil_div(shape.seqlen_q, tuning.HOPPER_FORWARD.tile_rows) * shape.batch * shape.heads_q
     if tiles > MAX_TILES:
         return f"it takes at most {MAX_TILES} tiles of 128 query rows x heads x batch, not {tiles}"
+    return None
+
+
+def three_consumer_gap(problem: Problem) -> str | None:
+    """Why ``tuning.HOPPER_FORWARD_THREE`` (three consumer warpgroups) does not cover a call
+    the Hopper forward covers, or None."""
+    if problem.mask is not None:
+        return "three consumer warpgroups take no mask yet"
+    if problem.shape.head_dim > tuning.HOPPER_FORWARD_THREE_MAX_HEAD_DIM:
+        return (f"three consumer warpgroups take head dims up to "
+                f"{tuning.HOPPER_FORWARD_THREE_MAX_HEAD_DIM}, not {problem.shape.head_dim}")
     return None
 
 
@@ -121,7 +132,7 @@ def mean_key_blocks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FO
     ``key_walk.tile_key_blocks``' active blocks, at least one (as the kernel's
     ``tiles.WorkTiles.key_blocks`` walks them)."""
     shape = problem.shape
-    rows = 2 * tile.rows
+    rows = tile.tile_rows
     row_tiles = ceil_div(shape.seqlen_q, rows)
     blocks = sum(max(tile_key_blocks(i * rows, rows, shape.seqlen_q, shape.seqlen_k,
                                      tile.block_n, problem.is_causal)[0], 1)
@@ -131,7 +142,7 @@ def mean_key_blocks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FO
 
 def list_tile(tile: tuning.HopperTile = tuning.HOPPER_FORWARD) -> tuple[int, int]:
     """(query rows, key cols) of the tiles whose activity lists the masked kernel walks."""
-    return 2 * tile.rows, tile.block_n
+    return tile.tile_rows, tile.block_n
 
 
 def key_row_mask(problem: Problem) -> bool:
@@ -264,13 +275,13 @@ class HopperForwardLaunch:
         element = gluon_dtype(problem.dtype)
         self.q_spec = nvmma_spec([1, tile.rows, 1, block_d], element)
         self.kv_spec = nvmma_spec([1, tile.block_n, 1, block_d], element)
-        row_tiles = ceil_div(shape.seqlen_q, 2 * tile.rows)
+        row_tiles = ceil_div(shape.seqlen_q, tile.tile_rows)
         batch_heads = shape.batch * shape.heads_q
         self.documents = sequences is not None
         if self.documents:
             if mask is not None or shape.batch != 1:
                 raise ValueError("packed documents take no mask and one batch")
-            row_tiles = tile_bound(shape.seqlen_q, sequences, 2 * tile.rows)
+            row_tiles = tile_bound(shape.seqlen_q, sequences, tile.tile_rows)
         num_tiles = row_tiles * batch_heads
         self.kind = mask_kind(problem) if not self.documents else NO_MASK
         self.masked = mask is not None
@@ -281,7 +292,7 @@ class HopperForwardLaunch:
             view = mask.view.view(torch.int32) if words else mask.view
             mask_shape, mask_strides, mask_head_div, mask_batches = mask_geometry(
                 view, shape.heads_q, words)
-            box = {MASK_TILE: [2 * tile.rows, tile.block_n], MASK_ROW: [1, tile.block_n],
+            box = {MASK_TILE: [tile.tile_rows, tile.block_n], MASK_ROW: [1, tile.block_n],
                    INTERVAL_WORDS: [2 * tile.block_n]}[self.kind]
             mask_box = [1, 1, *box]
             mask_layout = (
@@ -301,7 +312,8 @@ class HopperForwardLaunch:
             num_warps=4, CAUSAL=problem.is_causal if causal is None else causal,
             MASK_KIND=self.kind,
             HAS_BIAS=bias is not None, DOCUMENTS=self.documents, STAGES=tile.stages,
-            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+            CONSUMERS=tile.consumers, CONSUMER_REGS=tile.consumer_regs,
+            LOADER_REGS=tile.loader_regs)
         self.batch = shape.batch
         self.out_row_stride = shape.heads_q * shape.head_dim  # the output is contiguous
         self.head_dim = shape.head_dim

@@ -90,6 +90,9 @@ OPTION_NAMES = {
     "forward_tile_order": "how the Hopper forward deals its work tiles to its programs: "
                           "'heads' (a head's tiles consecutive) or 'balanced' (causal tiles "
                           "longest first, heads inner, dealt back and forth)",
+    "forward_consumers": "the Hopper forward's consumer warpgroups: 2, or 3 (64-row "
+                         "warpgroups over 64-key blocks; head dims up to 64, no mask, no "
+                         "packed documents)",
     "forward_key_splits": "the forward's key splits (split-K), an int >= 1",
     "dq_key_splits": "dq's key splits, an int >= 1",
     "dkdv_head_shares": "dkdv's shares of a GQA group's heads, an int dividing the group",
@@ -127,6 +130,10 @@ def normalize_options(options) -> dict:
             if value not in ("heads", "balanced"):
                 raise ValueError(f"kernel_options['forward_tile_order']: expected 'heads' or "
                                  f"'balanced', got {value!r}")
+        elif name == "forward_consumers":
+            if value not in (2, 3) or type(value) is not int:
+                raise ValueError(f"kernel_options['forward_consumers']: expected 2 or 3, got "
+                                 f"{value!r}")
         elif name == "backward":
             try:
                 value = BackwardRoute(value)

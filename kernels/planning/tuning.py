@@ -179,23 +179,39 @@ CHUNK_PROGRAMS_PER_SM = 8
 # -- the Hopper route's forward (``hopper_device.attention_forward``)
 @dataclass(frozen=True)
 class HopperTile:
-    """A Hopper forward program: two consumer warpgroups of ``rows`` query rows each, key
-    blocks of ``block_n``, a K/V ring of ``stages`` slots, and the registers per thread that
-    the consumers and the loader warp take (``setmaxnreg``)."""
+    """A Hopper forward program: ``consumers`` (two or three) consumer warpgroups of ``rows``
+    query rows each, key blocks of ``block_n``, a K/V ring of ``stages`` slots, and the
+    registers per thread that the consumers and the loader warp take (``setmaxnreg``)."""
 
     rows: int
     block_n: int
     stages: int
     consumer_regs: int
     loader_regs: int
+    consumers: int = 2
+
+    @property
+    def tile_rows(self) -> int:
+        """Query rows per work tile: a ``rows`` for each consumer warpgroup."""
+        return self.consumers * self.rows
 
     def __str__(self) -> str:
-        return f"{2 * self.rows}x{self.block_n} s{self.stages}"
+        return f"{self.tile_rows}x{self.block_n} s{self.stages}"
 
 
 # Two 64-row warpgroups over 128-key blocks, a two-slot ring: 160 KB of shared memory at head
 # dim 128 (Q 32 KB, each K or V slot 32 KB); 168 registers at launch, 0 spills (ptxas, sm_90a).
 HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
+# Three 64-row warpgroups (FlashAttention-3's forward at head dim 64 takes three, 192 x 128
+# causal), where the products are short and a third warpgroup's softmax can hide under the
+# other two's products. Over 64-key blocks, a four-slot ring: 115 KB of shared memory at head
+# dim 64, 0 spills (ptxas, sm_90a, Triton 3.9). Over 128-key blocks it spills (240 B causal,
+# 108 B with a bias row) at 160 registers a consumer thread, the most three warpgroups and a
+# loader get (3 x 128 x 160 + 128 x 24 of 64K): the score tile, P, the next P and O are live
+# together. Head dims up to 64, no mask, no packed documents; taken only where
+# ``kernel_options['forward_consumers']`` = 3 asks, until measured on a GPU.
+HOPPER_FORWARD_THREE = HopperTile(64, 64, 4, 160, 24, consumers=3)
+HOPPER_FORWARD_THREE_MAX_HEAD_DIM = 64
 # Where a call takes the Hopper forward: at least this many query rows, and its tiles walk at
 # least this many key blocks on average (``hopper_forward.mean_key_blocks``), else the
 # per-tile prologue and epilogue dominate. TFLOP/s on an H200, B8 H16 D128 bf16, Hopper
