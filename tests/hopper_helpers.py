@@ -10,6 +10,7 @@ import torch
 
 from attn_helpers import Dims, forcing, random_mask
 from kernels import record_routes
+from kernels.planning import tuning
 from kernels.planning.inputs import AttnShape
 from kernels.planning.problem import Problem
 
@@ -109,3 +110,8 @@ def fuzzed_mask(rng, dims: Dims, device) -> torch.Tensor:
     if batch == "1" and rng.random() < 0.3:
         mask = mask.expand(dims.batch, *mask.shape[1:])
     return mask
+
+
+# The other three-warpgroup forward worth measuring: 128-key blocks, each block's PV product
+# retired before the next block's scores (offline sm_90a: 0 spills dense, 8 B with a bias row).
+SERIAL_THREE = tuning.HopperTile(64, 128, 2, 160, 24, consumers=3, overlap=False)

@@ -111,7 +111,8 @@ def _compile(dtype, head_dim: int, causal: bool, kind: int = 0, bias: bool = Fal
             q, kv, kv, q, lse, *mask_args, *bias_args, *document_args, 1000, 1000, 4, 2, 0.1,
             3, 8, 24, 1, grid=(132,), num_warps=4, CAUSAL=causal, MASK_KIND=kind,
             HAS_BIAS=bias, DOCUMENTS=documents, STAGES=tile.stages, CONSUMERS=tile.consumers,
-            CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+            OVERLAP=tile.overlap, CONSUMER_REGS=tile.consumer_regs,
+            LOADER_REGS=tile.loader_regs)
     finally:
         driver._active = saved
 
@@ -228,7 +229,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
     ("float16", 64, False, "biased-documents-backward"),
     ("bfloat16", 128, False, "spread-backward"),
     ("bfloat16", 128, False, "biased-split-grouped-intervals-backward"),
-    ("bfloat16", 64, True, "three-forward"), ("float16", 64, False, "biased-three-forward")],
+    ("bfloat16", 64, True, "three-forward"), ("float16", 64, False, "biased-three-forward"),
+    ("bfloat16", 64, True, "serial-three-forward")],
     ids=["bf16-d128-causal", "fp16-d64-full", "bf16-d128-causal-bool-mask",
          "bf16-d128-full-mask-row", "bf16-d128-causal-interval-words",
          "backward-bf16-d128-causal", "backward-fp16-d64-full",
@@ -240,7 +242,8 @@ def _compile_apart(dtype: str, head_dim: int, causal: bool, masked) -> dict:
          "biased-documents-forward-fp16-d64-full", "documents-backward-bf16-d128-causal",
          "biased-documents-backward-fp16-d64-full", "spread-backward-bf16-d128-full",
          "biased-split-grouped-intervals-backward-bf16-d128-full",
-         "three-forward-bf16-d64-causal", "biased-three-forward-fp16-d64-full"])
+         "three-forward-bf16-d64-causal", "biased-three-forward-fp16-d64-full",
+         "serial-three-forward-bf16-d64-causal"])
 def test_the_hopper_kernels_compile_for_sm90(dtype, head_dim, causal, masked):
     compiled = _compile_apart(dtype, head_dim, causal, masked)
     assert compiled["target"]
@@ -284,7 +287,11 @@ if __name__ == "__main__":  # one form, compiled by ``_compile_apart``'s child p
     elif form.endswith("forward"):
         from kernels.planning import hopper_forward as host
         kind = host.MASK_TILE if form == "biased-masked-forward" else host.NO_MASK
-        tile = tuning.HOPPER_FORWARD_THREE if "three" in form else tuning.HOPPER_FORWARD
+        tile = tuning.HOPPER_FORWARD
+        if "three" in form:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from hopper_helpers import SERIAL_THREE
+            tile = SERIAL_THREE if form.startswith("serial") else tuning.HOPPER_FORWARD_THREE
         kernel = _compile(getattr(torch, name), int(dim), bool(int(is_causal)), kind,
                           bias=form.startswith("biased"), documents="documents" in form,
                           tile=tile)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from attn_helpers import Dims, forcing, random_qkv, run_backward, run_forward
-from hopper_helpers import (FORCED, HOPPER, band, count_hopper_launches, hopper_in_tile_order,
-                            fuzzed_dims, hopper_problem, shape_id, sized)
+from hopper_helpers import (FORCED, HOPPER, SERIAL_THREE, band, count_hopper_launches,
+                            fuzzed_dims, hopper_in_tile_order, hopper_problem, shape_id, sized)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning import hopper_forward
@@ -466,10 +466,14 @@ THREE_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D), head dims up to 64
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("biased", [False, True], ids=["no-bias", "kv_row"])
-def test_three_consumer_warpgroups_match_the_reference(device, sizes, causal, dtype, biased):
-    """The forward of three consumer warpgroups (``kernel_options['forward_consumers']`` = 3):
-    out and LSE against the float64 reference, into poisoned outputs, with a kv_row bias read
-    from a padded row (its rows 16-byte aligned at any Lk)."""
+@pytest.mark.parametrize("tile", [tuning.HOPPER_FORWARD_THREE, SERIAL_THREE], ids=str)
+def test_three_consumer_warpgroups_match_the_reference(device, monkeypatch, no_kept_plans,
+                                                       sizes, causal, dtype, biased, tile):
+    """The forward of three consumer warpgroups (``kernel_options['forward_consumers']`` = 3),
+    the shipped tile and the serial 128-key one: out and LSE against the float64 reference,
+    into poisoned outputs, with a kv_row bias read from a padded row (its rows 16-byte
+    aligned at any Lk)."""
+    monkeypatch.setattr(tuning, "HOPPER_FORWARD_THREE", tile)
     dims = Dims(*sizes)
     q, k, v = random_qkv(dims, dtype, device)
     bias = None
@@ -479,7 +483,7 @@ def test_three_consumer_warpgroups_match_the_reference(device, sizes, causal, dt
         bias = bias[..., :dims.seqlen_k]
     options = {"forward_route": "hopper", "forward_consumers": 3}
     assert schedule_for(q, k, v, attn_bias=bias, is_causal=causal,
-                        kernel_options=options).forward.hopper == tuning.HOPPER_FORWARD_THREE
+                        kernel_options=options).forward.hopper == tile
     with record_routes() as routes:
         run_forward(q, k, v, None, bias, causal, func=forcing(**options))
     assert set(routes.forward) == {"hopper"}, routes.describe()

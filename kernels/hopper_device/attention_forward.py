@@ -6,15 +6,18 @@ owns rows [w * ROWS, (w + 1) * ROWS) of it. Each program walks its share of the 
 (``tiles.WorkTiles``). The loader warp issues the TMA copies: a tile's Q tiles, one per
 warpgroup, then its key blocks' K and V into a ring of STAGES slots that runs on across tiles.
 Every slot has a ``ready`` barrier (its copy landed; the copy's byte count completes it) and a
-``free`` barrier (every warpgroup has read it: one arrival each); each Q tile has the same pair, freed once its warpgroup's last score
-product retired, so the next tile's Q arrives during the last PV product and the epilogue.
+``free`` barrier (every warpgroup has read it: one arrival each); each Q tile has the same
+pair, freed once its warpgroup's last score product retired, so the next tile's Q arrives
+during the last PV product and the epilogue.
 The output leaves through its own staging tiles. Per key block j a consumer warpgroup issues
 S_j = Q K_j^T and O += P_{j-1} V_{j-1} as asynchronous wgmma back to back, waits for S_j
 alone, folds S_j into the online softmax, then waits for the PV product and rescales O. The
 warpgroups take turns, round robin, to issue their products (a named barrier each:
 ``forward_consumer._take_turn``), so that one's softmax runs while another's products hold
-the tensor cores. Three warpgroups (FlashAttention-3's choice at head dim 64) take no mask
-and no packed documents yet.
+the tensor cores. Without OVERLAP a warpgroup retires each block's PV product before the next
+block's scores (``forward_consumer._serial_key_blocks``): fewer live registers, the overlap left
+to the other warpgroups. Three warpgroups (FlashAttention-3's choice at head dim 64) take no
+mask and no packed documents yet.
 
 Every operand goes through a rank-4 TMA descriptor over the caller's (B, L, H, D) tensor: a
 tile is [1, rows, 1, BLOCK_D] at (batch, first row, head, 0). Rows past a sequence's end and
@@ -114,7 +117,7 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
                       qk_scale, row_tiles, batch_heads, num_tiles, tile_order,
                       CAUSAL: gl.constexpr,
                       MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, DOCUMENTS: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
     ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``) in ``tile_order``
@@ -139,6 +142,7 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and MASK_KIND == NO_MASK
                                         and not DOCUMENTS),
                      "two consumer warpgroups, or three without a mask or documents")
+    gl.static_assert(OVERLAP or not DOCUMENTS, "the serial walk takes no packed documents")
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -201,13 +205,13 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
         gl.warp_specialize(
             [(first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
                                 biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
-                                HAS_BIAS)),
+                                HAS_BIAS, OVERLAP)),
              (second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
                                  biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
-                                 HAS_BIAS)),
+                                 HAS_BIAS, OVERLAP)),
              (third_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
                                 biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
-                                HAS_BIAS)),
+                                HAS_BIAS, OVERLAP)),
              (_loader, (q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases,
                         q_ready, q_free, kv, work, lists, bias_heads, MASK_KIND, HAS_BIAS))],
             [CONSUMER_WARPS, CONSUMER_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -215,10 +219,10 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
         gl.warp_specialize(
             [(first_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
                                 biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
-                                HAS_BIAS)),
+                                HAS_BIAS, OVERLAP)),
              (second_consumer, (q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists,
                                  biases, o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND,
-                                 HAS_BIAS)),
+                                 HAS_BIAS, OVERLAP)),
              (_loader, (q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases,
                         q_ready, q_free, kv, work, lists, bias_heads, MASK_KIND, HAS_BIAS))],
             [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])

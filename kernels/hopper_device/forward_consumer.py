@@ -72,15 +72,8 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
     bias row (in ``biases``' slot beside K) joins the scores."""
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = kv.keys.shape[1]
-    MASKED: gl.constexpr = MASK_KIND != NO_MASK
-    # A tested block of KeyIntervals not causal (key-ordered intervals, causality folded in):
-    # one select per score (``_hidden_outside_intervals``).
-    ONE_SELECT: gl.constexpr = (MASK_KIND == INTERVAL_WORDS) and TESTED and not CAUSAL
     for j in range(first, stop):
-        if MASKED and TESTED:
-            first_col = lists.block(row, j, count) * BLOCK_N
-        else:
-            first_col = j * BLOCK_N
+        first_col = _first_col(lists, row, j, count, BLOCK_N, MASK_KIND, TESTED)
         slot, prev_slot = kv.wait_step(ring + j)
         _take_turn(WARPGROUP)
         s_token = warpgroup_mma(q_tile, kv.keys.index(slot).permute((1, 0)),
@@ -90,27 +83,10 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
         _pass_turn(WARPGROUP, CONSUMERS)
         # wgmma groups retire in issue order: one left outstanding is the PV product.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
-        # The mask bytes are read after the wait: read before it (beside the score product)
-        # they cost as much or more (H200: 1556-1767 against 1569-1683 us on three masks).
-        # The bias row before the mask: the other way round ptxas (sm_90a, offline) kept a
-        # KeyIntervals block's 64 word registers beside it and spilled 22 words a block.
-        bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
-        if ONE_SELECT:
-            s, scale = join_bias(s, qk_scale, bias_row)  # before the words are read
-            words = _interval_words(masks, slot, s_layout)
-            kv.free_keys(slot)
-            s = _hidden_outside_intervals(s, words, rows)
-            p_next, m_i, l_i, alpha = fold_scores(
-                s, m_i, l_i, scale, rows, first_col, seqlen_k, diagonal, None, None, False,
-                CAUSAL, s_layout, o_layout, p_layout, q_tile.dtype, MASKED)
-        else:
-            keep = None
-            if MASKED and TESTED:
-                keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
-            kv.free_keys(slot)
-            p_next, m_i, l_i, alpha = fold_scores(
-                s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row,
-                TESTED, CAUSAL, s_layout, o_layout, p_layout, q_tile.dtype, MASKED)
+        p_next, m_i, l_i, alpha = _fold_block(
+            s, slot, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal, masks,
+            biases, WARPGROUP, MASK_KIND, TESTED, CAUSAL, HAS_BIAS, s_layout, o_layout,
+            p_layout, q_tile.dtype)
         # P's registers are the PV product's operand until it retires. Passing the softmax's
         # results through the wait as well keeps LLVM from sinking the softmax below it, which
         # would serialize the two (measured: +1-3% at head dim 128, +6% at 64, H100).
@@ -120,6 +96,90 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
         acc = acc * alpha[:, None]
         p = p_next
     return acc, p, m_i, l_i
+
+
+@gluon.jit
+def _serial_key_blocks(first, stop, ring, acc, m_i, l_i, q_tile, kv, qk_scale, rows,
+                       seqlen_k, diagonal, masks, lists, row, count, biases,
+                       WARPGROUP: gl.constexpr, CONSUMERS: gl.constexpr,
+                       MASK_KIND: gl.constexpr, TESTED: gl.constexpr, CAUSAL: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                       p_layout: gl.constexpr):
+    """Key blocks [first, stop) one after another, as ``_key_blocks`` walks them but without
+    the overlap within the warpgroup: S_j, its softmax, then P_j V_j, retired before S_{j+1}
+    is issued; the other warpgroups' products hold the tensor cores meanwhile. The scores, P
+    and O are live together, not a second P (three warpgroups over 128-key blocks at head dim
+    64 fit 160 registers so)."""
+    ROWS: gl.constexpr = q_tile.shape[0]
+    BLOCK_N: gl.constexpr = kv.keys.shape[1]
+    for j in range(first, stop):
+        first_col = _first_col(lists, row, j, count, BLOCK_N, MASK_KIND, TESTED)
+        slot = kv.wait_keys(ring + j)
+        _take_turn(WARPGROUP)
+        s_token = warpgroup_mma(q_tile, kv.keys.index(slot).permute((1, 0)),
+                                gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                                use_acc=False, is_async=True)
+        _pass_turn(WARPGROUP, CONSUMERS)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
+        p, m_i, l_i, alpha = _fold_block(
+            s, slot, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal, masks,
+            biases, WARPGROUP, MASK_KIND, TESTED, CAUSAL, HAS_BIAS, s_layout, o_layout,
+            p_layout, q_tile.dtype)
+        acc = acc * alpha[:, None]
+        slot = kv.wait_values(ring + j)
+        o_token = warpgroup_mma(p, kv.values.index(slot), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_token, p))
+        kv.free_values(slot)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _first_col(lists, row, j, count, BLOCK_N: gl.constexpr, MASK_KIND: gl.constexpr,
+               TESTED: gl.constexpr):
+    """The first key of block position ``j``: with a MASK_KIND a tested block is the list's
+    entry ``j`` of ``row``."""
+    if MASK_KIND != NO_MASK and TESTED:
+        first_col = lists.block(row, j, count) * BLOCK_N
+    else:
+        first_col = j * BLOCK_N
+    return first_col
+
+
+@gluon.jit
+def _fold_block(s, slot, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal, masks,
+                biases, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr,
+                TESTED: gl.constexpr, CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                dtype: gl.constexpr):
+    """The scores ``s`` of the key block in ``slot`` with its bias row and its keep, folded
+    into the online softmax; frees the K slot. Returns (P, m_i, l_i, alpha)."""
+    ROWS: gl.constexpr = s.shape[0]
+    MASKED: gl.constexpr = MASK_KIND != NO_MASK
+    # A tested block of KeyIntervals not causal (key-ordered intervals, causality folded in):
+    # one select per score (``_hidden_outside_intervals``).
+    ONE_SELECT: gl.constexpr = (MASK_KIND == INTERVAL_WORDS) and TESTED and not CAUSAL
+    # The mask bytes are read after the score product's wait: read before it (beside the
+    # product) they cost as much or more (H200: 1556-1767 against 1569-1683 us on three
+    # masks). The bias row before the mask: the other way round ptxas (sm_90a, offline) kept a
+    # KeyIntervals block's 64 word registers beside it and spilled 22 words a block.
+    bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
+    if ONE_SELECT:
+        s, scale = join_bias(s, qk_scale, bias_row)  # before the words are read
+        words = _interval_words(masks, slot, s_layout)
+        kv.free_keys(slot)
+        s = _hidden_outside_intervals(s, words, rows)
+        p, m_i, l_i, alpha = fold_scores(
+            s, m_i, l_i, scale, rows, first_col, seqlen_k, diagonal, None, None, False,
+            CAUSAL, s_layout, o_layout, p_layout, dtype, MASKED)
+    else:
+        keep = None
+        if MASKED and TESTED:
+            keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
+        kv.free_keys(slot)
+        p, m_i, l_i, alpha = fold_scores(
+            s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row,
+            TESTED, CAUSAL, s_layout, o_layout, p_layout, dtype, MASKED)
+    return p, m_i, l_i, alpha
 
 
 @gluon.jit
@@ -180,9 +240,63 @@ def _hidden_outside_intervals(s, words, rows):
 
 
 @gluon.jit
+def _overlapped_tile(ring, num_blocks, unmasked_blocks, first_col, shift, acc, m_i, l_i, q_tile,
+                     q_free, kv, work, qk_scale, rows, seqlen_k, diagonal, masks, lists, row,
+                     count, biases, WARPGROUP: gl.constexpr, CONSUMERS: gl.constexpr,
+                     MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, s_layout: gl.constexpr,
+                     o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """A tile's key blocks with each block's PV product in flight during the next block's
+    softmax (``_key_blocks``): block 0's scores alone, the blocks after it, then the last
+    block's PV product. Returns (O, m_i, l_i)."""
+    ROWS: gl.constexpr = q_tile.shape[0]
+    BLOCK_N: gl.constexpr = work.BLOCK_N
+    CAUSAL: gl.constexpr = work.CAUSAL
+    MASKED: gl.constexpr = MASK_KIND != NO_MASK
+    dtype: gl.constexpr = q_tile.dtype
+    # Key block 0: its scores alone (no PV product yet), always tested per pair.
+    slot = kv.wait_keys(ring)
+    _take_turn(WARPGROUP)
+    s_token = warpgroup_mma(q_tile, kv.keys.index(slot).permute((1, 0)),
+                            gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                            use_acc=False, is_async=True)
+    _pass_turn(WARPGROUP, CONSUMERS)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
+    keep = hidden_before(shift, BLOCK_N, work.DOCUMENTS, HAS_BIAS, s_layout)
+    if MASKED:
+        keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
+    bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
+    kv.free_keys(slot)
+    p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k,
+                                     diagonal, keep, bias_row, True, CAUSAL, s_layout,
+                                     o_layout, p_layout, dtype, MASKED)
+
+    acc, p, m_i, l_i = _key_blocks(
+        1, unmasked_blocks, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
+        seqlen_k, diagonal, masks, lists, row, count, biases, WARPGROUP, CONSUMERS,
+        MASK_KIND, False, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
+    acc, p, m_i, l_i = _key_blocks(
+        gl.maximum(unmasked_blocks, 1), num_blocks, ring, acc, p, m_i, l_i, q_tile, kv,
+        qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, biases,
+        WARPGROUP, CONSUMERS, MASK_KIND, True, CAUSAL, HAS_BIAS, s_layout, o_layout,
+        p_layout)
+    # Every score product has retired: the loader may bring the next tile's Q while the
+    # last PV product and the epilogue run.
+    mbarrier.arrive(q_free.index(WARPGROUP), count=1)
+
+    # The last block's PV product.
+    slot = kv.wait_values(ring + num_blocks - 1)
+    _take_turn(WARPGROUP)
+    o_token = warpgroup_mma(p, kv.values.index(slot), acc, is_async=True)
+    _pass_turn(WARPGROUP, CONSUMERS)
+    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_token, p))
+    kv.free_values(slot)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
               o_desc, lse_ptr, out_rows, qk_scale, WARPGROUP: gl.constexpr,
-              MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr):
+              MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, OVERLAP: gl.constexpr):
     CONSUMERS: gl.constexpr = q_tiles.shape[0]
     ROWS: gl.constexpr = q_tiles.shape[1]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
@@ -223,44 +337,30 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
 
-        # Key block 0: its scores alone (no PV product yet), always tested per pair.
         mbarrier.wait(q_ready.index(WARPGROUP), visit & 1)
-        slot = kv.wait_keys(ring)
-        _take_turn(WARPGROUP)
-        s_token = warpgroup_mma(q_tile, kv.keys.index(slot).permute((1, 0)),
-                                gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                                use_acc=False, is_async=True)
-        _pass_turn(WARPGROUP, CONSUMERS)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
-        keep = hidden_before(shift, BLOCK_N, work.DOCUMENTS, HAS_BIAS, s_layout)
-        if MASKED:
-            keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
-        bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
-        kv.free_keys(slot)
-        p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k,
-                                         diagonal, keep, bias_row, True, CAUSAL, s_layout,
-                                         o_layout, p_layout, dtype, MASKED)
-
-        acc, p, m_i, l_i = _key_blocks(
-            1, unmasked_blocks, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
-            seqlen_k, diagonal, masks, lists, row, count, biases, WARPGROUP, CONSUMERS,
-            MASK_KIND, False, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
-        acc, p, m_i, l_i = _key_blocks(
-            gl.maximum(unmasked_blocks, 1), num_blocks, ring, acc, p, m_i, l_i, q_tile, kv,
-            qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, biases,
-            WARPGROUP, CONSUMERS, MASK_KIND, True, CAUSAL, HAS_BIAS, s_layout, o_layout,
-            p_layout)
-        # Every score product has retired: the loader may bring the next tile's Q while the
-        # last PV product and the epilogue run.
-        mbarrier.arrive(q_free.index(WARPGROUP), count=1)
-
-        # The last block's PV product.
-        slot = kv.wait_values(ring + num_blocks - 1)
-        _take_turn(WARPGROUP)
-        o_token = warpgroup_mma(p, kv.values.index(slot), acc, is_async=True)
-        _pass_turn(WARPGROUP, CONSUMERS)
-        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_token, p))
-        kv.free_values(slot)
+        if OVERLAP:
+            acc, m_i, l_i = _overlapped_tile(
+                ring, num_blocks, unmasked_blocks, first_col, shift, acc, m_i, l_i, q_tile,
+                q_free, kv, work, qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count,
+                biases, WARPGROUP, CONSUMERS, MASK_KIND, HAS_BIAS, s_layout, o_layout,
+                p_layout)
+        else:
+            gl.static_assert(not work.DOCUMENTS, "the serial walk takes no packed documents")
+            # Key block 0 is always tested per pair.
+            acc, m_i, l_i = _serial_key_blocks(
+                0, 1, ring, acc, m_i, l_i, q_tile, kv, qk_scale, rows, seqlen_k, diagonal,
+                masks, lists, row, count, biases, WARPGROUP, CONSUMERS, MASK_KIND, True,
+                CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
+            acc, m_i, l_i = _serial_key_blocks(
+                1, unmasked_blocks, ring, acc, m_i, l_i, q_tile, kv, qk_scale, rows,
+                seqlen_k, diagonal, masks, lists, row, count, biases, WARPGROUP, CONSUMERS,
+                MASK_KIND, False, CAUSAL, HAS_BIAS, s_layout, o_layout, p_layout)
+            acc, m_i, l_i = _serial_key_blocks(
+                gl.maximum(unmasked_blocks, 1), num_blocks, ring, acc, m_i, l_i, q_tile, kv,
+                qk_scale, rows, seqlen_k, diagonal, masks, lists, row, count, biases,
+                WARPGROUP, CONSUMERS, MASK_KIND, True, CAUSAL, HAS_BIAS, s_layout, o_layout,
+                p_layout)
+            mbarrier.arrive(q_free.index(WARPGROUP), count=1)
         ring += num_blocks
 
         out, lse = finish_rows(acc, m_i, l_i, o_layout)
@@ -290,22 +390,22 @@ def _store_tile(o_tile, out, o_desc, batch, first_row, q_head):
 @gluon.jit
 def first_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
                     o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND: gl.constexpr,
-                    HAS_BIAS: gl.constexpr):
+                    HAS_BIAS: gl.constexpr, OVERLAP: gl.constexpr):
     _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases, o_desc,
-              lse_ptr, out_rows, qk_scale, 0, MASK_KIND, HAS_BIAS)
+              lse_ptr, out_rows, qk_scale, 0, MASK_KIND, HAS_BIAS, OVERLAP)
 
 
 @gluon.jit
 def second_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
                      o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND: gl.constexpr,
-                     HAS_BIAS: gl.constexpr):
+                     HAS_BIAS: gl.constexpr, OVERLAP: gl.constexpr):
     _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases, o_desc,
-              lse_ptr, out_rows, qk_scale, 1, MASK_KIND, HAS_BIAS)
+              lse_ptr, out_rows, qk_scale, 1, MASK_KIND, HAS_BIAS, OVERLAP)
 
 
 @gluon.jit
 def third_consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
                    o_desc, lse_ptr, out_rows, qk_scale, MASK_KIND: gl.constexpr,
-                   HAS_BIAS: gl.constexpr):
+                   HAS_BIAS: gl.constexpr, OVERLAP: gl.constexpr):
     _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases, o_desc,
-              lse_ptr, out_rows, qk_scale, 2, MASK_KIND, HAS_BIAS)
+              lse_ptr, out_rows, qk_scale, 2, MASK_KIND, HAS_BIAS, OVERLAP)

@@ -1,6 +1,6 @@
 """The key/value ring: STAGES shared slots for K blocks and as many for V blocks, each with a
 ``ready`` barrier (its copy landed: the copy's byte count completes it) and a ``free`` barrier
-(both consumer warpgroups have read it: two arrivals). Ring position p (the key blocks a program
+(every consumer warpgroup has read it: one arrival each). Ring position p (the key blocks a program
 has loaded so far, counted over all its tiles) lives in slot p % STAGES, on lap p // STAGES; a
 barrier's phase parity on lap n is n & 1. The loader waits for a slot's ``free`` barrier one
 lap behind (a barrier that has completed no phase passes a wait for the parity of the phase

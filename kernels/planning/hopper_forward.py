@@ -312,7 +312,7 @@ class HopperForwardLaunch:
             num_warps=4, CAUSAL=problem.is_causal if causal is None else causal,
             MASK_KIND=self.kind,
             HAS_BIAS=bias is not None, DOCUMENTS=self.documents, STAGES=tile.stages,
-            CONSUMERS=tile.consumers, CONSUMER_REGS=tile.consumer_regs,
+            CONSUMERS=tile.consumers, OVERLAP=tile.overlap, CONSUMER_REGS=tile.consumer_regs,
             LOADER_REGS=tile.loader_regs)
         self.batch = shape.batch
         self.out_row_stride = shape.heads_q * shape.head_dim  # the output is contiguous

@@ -181,7 +181,9 @@ CHUNK_PROGRAMS_PER_SM = 8
 class HopperTile:
     """A Hopper forward program: ``consumers`` (two or three) consumer warpgroups of ``rows``
     query rows each, key blocks of ``block_n``, a K/V ring of ``stages`` slots, and the
-    registers per thread that the consumers and the loader warp take (``setmaxnreg``)."""
+    registers per thread that the consumers and the loader warp take (``setmaxnreg``).
+    ``overlap``: each warpgroup runs a block's PV product during the next block's softmax
+    (else it retires it first, ``forward_consumer._serial_key_blocks``)."""
 
     rows: int
     block_n: int
@@ -189,6 +191,7 @@ class HopperTile:
     consumer_regs: int
     loader_regs: int
     consumers: int = 2
+    overlap: bool = True
 
     @property
     def tile_rows(self) -> int:
@@ -196,7 +199,8 @@ class HopperTile:
         return self.consumers * self.rows
 
     def __str__(self) -> str:
-        return f"{self.tile_rows}x{self.block_n} s{self.stages}"
+        serial = "" if self.overlap else " serial"
+        return f"{self.tile_rows}x{self.block_n} s{self.stages}{serial}"
 
 
 # Two 64-row warpgroups over 128-key blocks, a two-slot ring: 160 KB of shared memory at head
