@@ -148,7 +148,8 @@ def splitting_balances(problem: Problem) -> bool:
     ``tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE`` (B1 H16/4 L4096 causal: 2.0 whole, 0.5
     split)."""
     walks = query_walks(problem)
-    return (_longest_share(problem, walks, False) > tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE
+    whole = _longest_share(problem, walks, False)
+    return (whole > tuning.HOPPER_BACKWARD_MAX_LONGEST_WALK_SHARE
             and _longest_share(problem, walks, True) <= split_share_bound(problem))
 
 
