@@ -345,8 +345,7 @@ def _consumer(q_tiles, o_tiles, masks, q_ready, q_free, kv, work, lists, biases,
                 biases, WARPGROUP, CONSUMERS, MASK_KIND, HAS_BIAS, s_layout, o_layout,
                 p_layout)
         else:
-            gl.static_assert(not work.DOCUMENTS, "the serial walk takes no packed documents")
-            # Key block 0 is always tested per pair.
+            # Key block 0 is always tested per pair (no packed documents: the entry asserts it).
             acc, m_i, l_i = _serial_key_blocks(
                 0, 1, ring, acc, m_i, l_i, q_tile, kv, qk_scale, rows, seqlen_k, diagonal,
                 masks, lists, row, count, biases, WARPGROUP, CONSUMERS, MASK_KIND, True,
