@@ -14,8 +14,10 @@ import torch
 
 from hopper_helpers import hopper_problem, sized
 from kernels.planning import tuning
+from kernels.planning.activity import ActivityMap
 from kernels.planning.backward_schedule import BackwardRoute
-from kernels.planning.hopper_backward import (backward_list_tile, grid_order_group,
+from kernels.planning.hopper_backward import (active_walk_share, backward_list_tile,
+                                              grid_order_group,
                                               hopper_backward_gap, longest_walk_share,
                                               mean_query_blocks, ordered_pairs)
 from kernels.planning.problem import OperandLayout, Problem
@@ -299,3 +301,41 @@ def test_a_captured_backward_splits_long_walks_by_gpu_time(monkeypatch, batch, h
     assert schedule(captured, whole).backward.route is not BackwardRoute.HOPPER
     triton = normalize_options({"backward": "dq+dkdv"})
     assert schedule(captured, triton).backward.route is BackwardRoute.SEPARATE
+
+
+def causal_band_activity(query_blocks: int, key_blocks: int, width: int | None) -> ActivityMap:
+    """A (1, 2) activity map in the Hopper backward's tiles (64 query rows x 128 keys): every
+    causal tile active (``width`` None), or a band of ``width`` key blocks at the diagonal."""
+    rows = torch.arange(query_blocks)[:, None] * 64 // 128
+    cols = torch.arange(key_blocks)[None]
+    live = cols <= rows
+    if width is not None:
+        live &= cols > rows - width
+    active = live.to(torch.int8).expand(1, 2, -1, -1).contiguous()
+    activity = ActivityMap(active, 64, 128)
+    activity.count_active_areas([(tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n)])
+    return activity
+
+
+@pytest.mark.parametrize("width, split", [
+    (None, True),  # every causal tile active (a per-key top-W mask): share 1.0
+    (3, False),  # a band of three key blocks at the diagonal (as sliding W256): share 0.33
+])
+def test_a_captured_masked_backward_splits_only_where_its_active_tiles_fill_the_walks(
+        monkeypatch, width, split):
+    """A captured masked backward takes the split where the prepared mask's counted active
+    tiles hold at least ``tuning.HOPPER_BACKWARD_CAPTURED_MIN_ACTIVE_SHARE`` of the unmasked
+    walks (H200, bias.yaml's block top-W rows lost 0.85-0.88x split); a mask whose tiles were
+    not counted keeps whole groups."""
+    monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_CAPTURED", True)
+    shape = sized(batch=1, heads_q=8, heads_kv=2, seqlen_q=2048, seqlen_k=2048)
+    masked = dense_problem(shape=shape, captured=True, tma_mask=True, prepared=True,
+                           mask=OperandLayout((1, 2, 2048, 2048), 4))
+    activity = causal_band_activity(32, 16, width)
+    share = active_walk_share(replace(masked, activity=activity))
+    assert (share >= tuning.HOPPER_BACKWARD_CAPTURED_MIN_ACTIVE_SHARE) == split
+    assert share == pytest.approx(1.0 if width is None else 90 / 272)
+    backward = schedule(replace(masked, activity=activity)).backward
+    assert backward.split_heads == split
+    assert (backward.route is BackwardRoute.HOPPER) == split
+    assert not schedule(masked).backward.split_heads  # uncounted

@@ -472,7 +472,7 @@ def test_three_consumer_warpgroups_match_the_reference(device, monkeypatch, no_k
     """The forward of three consumer warpgroups (``kernel_options['forward_consumers']`` = 3),
     the shipped tile and the serial 128-key one: out and LSE against the float64 reference,
     into poisoned outputs, with a kv_row bias read from a padded row (its rows 16-byte
-    aligned at any Lk)."""
+    aligned at any Lk). A bias over one key is refused, as on the two-warpgroup route."""
     monkeypatch.setattr(tuning, "HOPPER_FORWARD_THREE", tile)
     dims = Dims(*sizes)
     q, k, v = random_qkv(dims, dtype, device)
@@ -482,6 +482,10 @@ def test_three_consumer_warpgroups_match_the_reference(device, monkeypatch, no_k
         bias = torch.randn(dims.batch, dims.heads_kv, 1, padded, device=device).to(dtype)
         bias = bias[..., :dims.seqlen_k]
     options = {"forward_route": "hopper", "forward_consumers": 3}
+    if biased and dims.seqlen_k == 1:  # one key: the bias reads as broadcast along the keys
+        with pytest.raises(ValueError, match="broadcast along the keys"):
+            schedule_for(q, k, v, attn_bias=bias, is_causal=causal, kernel_options=options)
+        return
     assert schedule_for(q, k, v, attn_bias=bias, is_causal=causal,
                         kernel_options=options).forward.hopper == tile
     with record_routes() as routes:

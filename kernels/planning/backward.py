@@ -49,15 +49,19 @@ def backward_lists(activity: ActivityMap | None, dkdv: Tile,
 
 def prepare_backward_lists(activity: ActivityMap, problem: Problem) -> None:
     """Build (and keep in ``activity``) both backward kernels' lists ahead of the call, count
-    the share of partial tiles in dkdv's, which picks its pipeline depth, and for decode
-    shapes the share of live key blocks, which picks how the packed launch skips."""
+    the share of partial tiles in dkdv's, which picks its pipeline depth, the active pairs of
+    dkdv's tiles and the Hopper backward's, and for decode shapes the share of live key
+    blocks, which picks how the packed launch skips."""
     # Counting reads back to the host, which a CUDA graph capture forbids; left uncounted, the
-    # share counts as mostly partial (``backward_schedule.dkdv_stages``) and the wide dkdv
-    # tile's work as no more than the narrow one's (``backward_schedule.wide_tile_adds_work``).
+    # share counts as mostly partial (``backward_schedule.dkdv_stages``), the wide dkdv tile's
+    # work as no more than the narrow one's (``backward_schedule.wide_tile_adds_work``), and a
+    # captured Hopper backward keeps whole groups (``hopper_backward.captured_split``).
     counting = not graph_capturing(problem.device)
     problem = replace(problem, activity=activity)
-    if counting and wide_tile_possible(problem) and not problem.interpreted:
-        activity.count_active_areas(compared_dkdv_tiles())
+    if counting and not problem.interpreted:
+        hopper = tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n
+        tiles = compared_dkdv_tiles() if wide_tile_possible(problem) else ()
+        activity.count_active_areas(tuple(dict.fromkeys((*tiles, hopper))))
     dkdv, dq = backward_tiles(problem)
     backward_lists(activity, dkdv, dq)
     if counting:

@@ -127,10 +127,33 @@ def _longest_share(problem: Problem, walks: list[int], split_heads: bool) -> flo
     return max(walks) * problem.multiprocessors / (sum(walks) * programs)
 
 
+def active_walk_share(problem: Problem) -> float | None:
+    """The pairs in a prepared mask's active Hopper backward tiles (its counted
+    ``ActivityMap.active_area``) over the unmasked walks' (``query_walks``, every mask batch
+    and head), or None where the map did not count them."""
+    activity = problem.activity
+    if activity is None:
+        return None
+    tile = tuning.HOPPER_BACKWARD
+    area = activity.active_area(tile.block_m, tile.block_n)
+    if area is None:
+        return None
+    batch, heads = activity.active.shape[:2]
+    walked = sum(query_walks(problem)) * batch * heads * tile.block_m * tile.block_n
+    return area / walked if walked else 0.0
+
+
 def captured_split(problem: Problem) -> bool:
     """Whether ``problem`` is a captured backward that splits long walks by GPU time
-    (``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``)."""
-    return problem.captured and tuning.HOPPER_BACKWARD_SPLIT_CAPTURED
+    (``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``): without a mask, or with a prepared mask whose
+    active tiles keep at least ``tuning.HOPPER_BACKWARD_CAPTURED_MIN_ACTIVE_SHARE`` of the
+    unmasked walks (``active_walk_share``), which the dense walks' shares then describe."""
+    if not (problem.captured and tuning.HOPPER_BACKWARD_SPLIT_CAPTURED):
+        return False
+    if problem.mask is None:
+        return True
+    share = active_walk_share(problem)
+    return share is not None and share >= tuning.HOPPER_BACKWARD_CAPTURED_MIN_ACTIVE_SHARE
 
 
 def split_share_bound(problem: Problem) -> float:

@@ -375,11 +375,19 @@ HOPPER_BACKWARD_SPLIT_LONG_WALKS = False
 # graphs in one dmbench run (804ae76), the split Hopper backward against the default Triton
 # backward ('dq+dkdv'): no mask 95.6 / 126.4 us (fwd+bwd 126.2 / 156.9), a kv_row bias 99.2 /
 # 142.8 (137.6 / 181.1), the W256 sliding mask 49.7 / 54.2, with a kv_row bias 55.9 / 58.9;
-# fa4 reads 88 us on the dense row (bias-bwd-cuda-graph). Off until a capture that makes (and
-# compiles) the split Hopper backward inside the capture has run on a GPU: an eager warm-up
-# takes the default route, so the captured call is the first to take this one.
-HOPPER_BACKWARD_SPLIT_CAPTURED = False
+# fa4 reads 88 us on the dense row (bias-bwd-cuda-graph). The whole of bias.yaml's bwd as
+# graphs with the split on (d037f3c, the kernel made and compiled inside the first capture, 80
+# rows ok), against it off in one run: no mask 96 / 127 us, kv_row 99 / 143, the per-key top-W
+# mask 114 / 150, with kv_row 142 / 167; the sliding mask 53 / 55; the block top-W mask loses,
+# 58 / 51 (kv_row 67 / 57); the other biases (no Hopper backward) within 1%.
+HOPPER_BACKWARD_SPLIT_CAPTURED = True
 HOPPER_BACKWARD_CAPTURED_MAX_SPLIT_SHARE = 2.0
+# A masked captured backward is split only where the prepared mask's active Hopper backward
+# tiles hold at least this share of the unmasked walks' pairs (``hopper_backward
+# .active_walk_share``): the per-key top-W mask above keeps every causal tile active (share 1.0),
+# the sliding W256 mask 0.33 and the block top-W mask 0.09, whose short walks the dense walks'
+# shares misjudge.
+HOPPER_BACKWARD_CAPTURED_MIN_ACTIVE_SHARE = 0.5
 # deterministic=True (dQ's adds ordered by a lock per query block): non-causal walk 32 (L2048)
 # 0.96x, 128 (L8192) 1.13x; causal 0.79x (L2048) and 0.89x (L8192) stay on Triton's.
 HOPPER_BACKWARD_DETERMINISTIC_MIN_QUERY_BLOCKS = 64
