@@ -44,6 +44,7 @@ from .planning.forward_schedule import interval_tile_rows
 from .planning.gather_decode import lists_pay
 from .planning.inputs import AttnShape
 from .planning.problem import OperandLayout, Problem
+from .planning import tuning
 from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
 from .prepared import prepare_mask
 from .runtime.device import capability, multiprocessors
@@ -206,7 +207,8 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
     """The lengths ``warmup`` calls at: an aligned and an unaligned length next to each of
     ``seqlens`` (``warmup_lengths``), and where those lie on both sides of a length at which
     the schedule changes, the two ends of each side (``threshold_lengths``): the ordering
-    threshold with a ``window``, the forward's interval tile with interval masks
+    threshold with a ``window``, the Hopper forward's three consumer warpgroups without a mask
+    at head dims up to 64, the forward's interval tile with interval masks
     (``forward_schedule.interval_tile_rows``), and dkdv's wide tile and the Hopper backward
     (on a Hopper GPU; with a ``window``, under key-ordered intervals too) with ``backward``.
     Decode calls (``query_rows``: the lengths are the caches') change form at one cache length
@@ -221,6 +223,10 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
     if window is not None:
         rows = batch * (heads_kv if selection_heads is None else selection_heads)
         lengths = list(window_lengths(lengths, window, is_causal, rows))
+    if mask == "none" and head_dim <= tuning.HOPPER_FORWARD_THREE_MAX_HEAD_DIM:
+        # the Hopper forward takes three consumer warpgroups from one length
+        # (``hopper_forward.takes_three_consumers``)
+        lengths = list(threshold_lengths(lengths, tuning.HOPPER_FORWARD_THREE_MIN_LENGTH))
     if mask in ("intervals", "documents"):  # the forward's tile changes at one length
         lengths = list(threshold_lengths(lengths, interval_tile_rows(
             dtype, head_dim, interpreted())))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attn_helpers import Dims, forcing, random_qkv, run_backward, run_forward
-from hopper_helpers import (FORCED, HOPPER, SERIAL_THREE, band, count_hopper_launches,
+from hopper_helpers import (FORCED, HOPPER, OVERLAPPED_THREE, band, count_hopper_launches,
                             fuzzed_dims, hopper_in_tile_order, hopper_problem, shape_id, sized)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
@@ -241,19 +241,29 @@ def test_the_gluon_kernel_imports_under_this_triton():
 THREE = normalize_options({"forward_route": "hopper", "forward_consumers": 3})
 
 
-def test_three_consumer_warpgroups_run_where_asked_and_never_by_default():
+def test_three_consumer_warpgroups_run_where_asked_and_on_long_dense_calls():
     """``kernel_options['forward_consumers']`` = 3 takes ``tuning.HOPPER_FORWARD_THREE``
-    (192 query rows over 64-key blocks) on the Hopper forward, forced or by default; without
-    it, two warpgroups."""
-    d64 = hopper_problem(shape=sized(head_dim=64))
+    (192 query rows over 128-key blocks) on the Hopper forward, forced or by default; by
+    default, calls without a mask or bias at head dims up to 64 whose lengths both reach
+    ``tuning.HOPPER_FORWARD_THREE_MIN_LENGTH`` take it, others two warpgroups; 2 keeps two."""
+    d64 = hopper_problem(shape=sized(head_dim=64))  # L4096
     sched = schedule(d64, THREE)
     assert sched.forward.hopper == tuning.HOPPER_FORWARD_THREE
-    assert "192x64" in str(sched)
+    assert "192x128 s2 serial" in str(sched)
     assert schedule(d64).forward.hopper == tuning.HOPPER_FORWARD
     asked = normalize_options({"forward_consumers": 3})
     assert schedule(d64, asked).forward.hopper == tuning.HOPPER_FORWARD_THREE
-    assert schedule(d64, normalize_options({"forward_consumers": 2})).forward.hopper == (
-        tuning.HOPPER_FORWARD)
+    two = normalize_options({"forward_consumers": 2})
+    least = tuning.HOPPER_FORWARD_THREE_MIN_LENGTH
+    long = hopper_problem(shape=sized(head_dim=64, seqlen_q=least, seqlen_k=least))
+    assert schedule(long).forward.hopper == tuning.HOPPER_FORWARD_THREE
+    assert schedule(replace(long, is_causal=True)).forward.hopper == tuning.HOPPER_FORWARD_THREE
+    assert schedule(long, two).forward.hopper == tuning.HOPPER_FORWARD
+    short = sized(head_dim=64, seqlen_q=least - 1, seqlen_k=least)
+    for other in (hopper_problem(shape=short),
+                  hopper_problem(shape=sized(head_dim=80, seqlen_q=least, seqlen_k=least)),
+                  replace(long, bias=OperandLayout((2, 4, 1, least), 4), tma_bias=True)):
+        assert schedule(other).forward.hopper in (tuning.HOPPER_FORWARD, None)
 
 
 @pytest.mark.parametrize("changes, reason", [
@@ -466,11 +476,11 @@ THREE_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D), head dims up to 64
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("biased", [False, True], ids=["no-bias", "kv_row"])
-@pytest.mark.parametrize("tile", [tuning.HOPPER_FORWARD_THREE, SERIAL_THREE], ids=str)
+@pytest.mark.parametrize("tile", [tuning.HOPPER_FORWARD_THREE, OVERLAPPED_THREE], ids=str)
 def test_three_consumer_warpgroups_match_the_reference(device, monkeypatch, no_kept_plans,
                                                        sizes, causal, dtype, biased, tile):
     """The forward of three consumer warpgroups (``kernel_options['forward_consumers']`` = 3),
-    the shipped tile and the serial 128-key one: out and LSE against the float64 reference,
+    the shipped serial 128-key tile and the overlapped 64-key one: out and LSE against the float64 reference,
     into poisoned outputs, with a kv_row bias read from a padded row (its rows 16-byte
     aligned at any Lk). A bias over one key is refused, as on the two-warpgroup route."""
     monkeypatch.setattr(tuning, "HOPPER_FORWARD_THREE", tile)

@@ -13,7 +13,8 @@ from . import tuning
 from .grids import edge_slots, grid_chunk_rows, key_splits
 from .gather_decode import GatherTile, gather_gap, gather_tile
 from .hopper_forward import (hopper_gap, list_tile, may_take_masks, takes_documents,
-                             takes_hopper, three_consumer_gap, tile_order)
+                             takes_hopper, takes_three_consumers, three_consumer_gap,
+                             tile_order)
 from .problem import Problem
 
 
@@ -193,8 +194,12 @@ def forward_route(problem: Problem, options: dict) -> tuning.HopperTile | None:
 
 def hopper_tile(problem: Problem, options: dict) -> tuning.HopperTile:
     """The Hopper forward's tile of a call that takes that route: two consumer warpgroups,
-    or three where ``options['forward_consumers']`` asks (until measured, never by default)."""
-    if options.get("forward_consumers") != 3:
+    or three where ``options['forward_consumers']`` asks or, by default, where
+    ``takes_three_consumers`` says they lead."""
+    consumers = options.get("forward_consumers")
+    if consumers is None and takes_three_consumers(problem):
+        return tuning.HOPPER_FORWARD_THREE
+    if consumers != 3:
         return tuning.HOPPER_FORWARD
     gap = three_consumer_gap(problem)
     if gap is not None:

@@ -127,6 +127,16 @@ def three_consumer_gap(problem: Problem) -> str | None:
     return None
 
 
+def takes_three_consumers(problem: Problem) -> bool:
+    """The schedule's default for a call on the Hopper forward: three consumer warpgroups
+    (``tuning.HOPPER_FORWARD_THREE``) where they cover it without a bias and both lengths reach
+    ``tuning.HOPPER_FORWARD_THREE_MIN_LENGTH`` (the tuning note beside it has the
+    measurements)."""
+    least = tuning.HOPPER_FORWARD_THREE_MIN_LENGTH
+    return (three_consumer_gap(problem) is None and problem.bias is None
+            and problem.shape.seqlen_q >= least and problem.shape.seqlen_k >= least)
+
+
 def mean_key_blocks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FORWARD) -> float:
     """The mean number of key blocks a work tile of the Hopper forward walks without a mask:
     ``key_walk.tile_key_blocks``' active blocks, at least one (as the kernel's

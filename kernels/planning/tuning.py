@@ -208,14 +208,21 @@ class HopperTile:
 HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
 # Three 64-row warpgroups (FlashAttention-3's forward at head dim 64 takes three, 192 x 128
 # causal), where the products are short and a third warpgroup's softmax can hide under the
-# other two's products. Over 64-key blocks, a four-slot ring: 115 KB of shared memory at head
-# dim 64, 0 spills (ptxas, sm_90a, Triton 3.9). Over 128-key blocks it spills (240 B causal,
-# 108 B with a bias row) at 160 registers a consumer thread, the most three warpgroups and a
-# loader get (3 x 128 x 160 + 128 x 24 of 64K): the score tile, P, the next P and O are live
-# together. Head dims up to 64, no mask, no packed documents; taken only where
-# ``kernel_options['forward_consumers']`` = 3 asks, until measured on a GPU.
-HOPPER_FORWARD_THREE = HopperTile(64, 64, 4, 160, 24, consumers=3)
+# other two's products; 160 registers a consumer thread, the most three warpgroups and a loader
+# get (3 x 128 x 160 + 128 x 24 of 64K). Over 128-key blocks each block's PV product retires
+# before the next block's scores (``overlap=False``; offline sm_90a: 0 spills dense, 8 B with a
+# bias row): overlapped, the score tile, P, the next P and O are live together and spill (240
+# B causal). The overlapped walk over 64-key blocks in a four-slot ring fits (0 spills, 115 KB)
+# but led nowhere. H200, bf16, D64 B2 H16/4, forward alone in one dmbench run each (d037f3c),
+# over two warpgroups' Hopper forward: this tile L8192 non-causal 1.12x (1.097 against 1.231
+# ms; SDPA's cuDNN 1.129), causal 1.05x (0.583 / 0.612); L4096 non-causal 1.02x, causal 0.98x;
+# with a kv_row bias L8192 1.07x / 0.94x, L4096 0.97x / 0.84x. The 64-key overlapped tile:
+# 0.97-1.03x everywhere. Head dims up to 64, no mask, no packed documents.
+HOPPER_FORWARD_THREE = HopperTile(64, 128, 2, 160, 24, consumers=3, overlap=False)
 HOPPER_FORWARD_THREE_MAX_HEAD_DIM = 64
+# The default takes HOPPER_FORWARD_THREE for a call without a mask or bias whose query rows
+# and keys both number at least this (``hopper_forward.takes_three_consumers``).
+HOPPER_FORWARD_THREE_MIN_LENGTH = 8192
 # Where a call takes the Hopper forward: at least this many query rows, and its tiles walk at
 # least this many key blocks on average (``hopper_forward.mean_key_blocks``), else the
 # per-tile prologue and epilogue dominate. TFLOP/s on an H200, B8 H16 D128 bf16, Hopper
