@@ -141,7 +141,8 @@ def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
     served = shape.batch * shape.heads_q / (runs[0].shape[0] * runs[0].shape[1])
     order = order_that_pays(*runs, tuning.BOOL_MASK_RUNS_ORDER_GAIN,
                             tuning.BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS / (BLOCK_KEYS * served))
-    return KeyIntervals(*runs, order, _row_kept=most_kept_in_a_row(*runs, shape.seqlen_q))
+    return KeyIntervals(*runs, order, _row_kept=most_kept_in_a_row(*runs, shape.seqlen_q),
+                        _runs_of_prepared_mask=True)
 
 
 def _named_documents(intervals: KeyIntervals, seqlen_q: int, is_causal: bool) -> KeyIntervals:
@@ -170,12 +171,14 @@ def prepared_intervals(intervals: KeyIntervals, query: torch.Tensor, key: torch.
     (Doge builds one set per layer) pay no preparation beside their own checks and plan.
     Unlike ``prepare_mask`` it counts no tile shares (a device sync inside a call), so dkdv's
     pipeline depth takes the uncounted default. A write into start or end (their version
-    counters) makes a new form. None during a CUDA graph capture, whose tensors must not
-    outlive it: such a call reads the intervals itself."""
-    if graph_capturing(query.device):
-        return None
+    counters) makes a new form. During a CUDA graph capture, whose tensors must not outlive
+    it, none is made, and the call reads the intervals itself (its replays follow what start
+    and end hold then), except the runs of a bool mask ``prepare_mask`` read as intervals:
+    their counted preparation, made before the capture, serves it."""
     form = _call_form(intervals, query, key, is_causal)
     kept = intervals._preparations
+    if graph_capturing(query.device):
+        return kept.get(form) if intervals._runs_of_prepared_mask else None
     if form not in kept:  # the first call of this form
         kept[form] = None
         if len(kept) > MAX_INTERVAL_PREPARATIONS:

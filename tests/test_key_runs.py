@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import Dims, assert_close_to_reference, random_bias, random_qkv
-from kernels import attention_reference, dmattn_func, prepare_mask
+from attn_helpers import (Dims, assert_close_to_reference, random_bias, random_qkv,
+                          run_backward)
+from kernels import KeyIntervals, attention_reference, dmattn_func, prepare_mask
 from kernels.masks.key_runs import block_spans, key_runs, order_that_pays
 from kernels.prepared import prepared_intervals
 from kernels.planning import tuning
@@ -221,6 +222,38 @@ def test_the_runs_keep_a_counted_preparation(monkeypatch, device):
     assert len(kept) == 1 and kept[0].activity is not None
     assert kept[0].mask is prepared.intervals
     assert prepared_intervals(prepared.intervals, q, k, True) is kept[0]
+
+
+def test_a_captured_call_walks_the_preparation_made_before_the_capture(monkeypatch, device):
+    """During a CUDA graph capture the prepared runs' preparation (counted, made by
+    ``prepare_mask`` before it) serves the call, whose backward then sees the counted tiles
+    (``hopper_backward.captured_split``); a caller's own intervals are read by the captured
+    call itself. The captured call matches the reference."""
+    import kernels.prepared as prepared_module
+    from kernels.planning import backward
+
+    monkeypatch.setattr(tuning, "BOOL_MASK_RUNS", True)
+    dims = Dims(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_kv=1, head_dim=16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    mask = _sliding(64, 64, 9).to(device)
+    prepared = prepare_mask(mask, q, k, is_causal=True)
+    (kept,) = [p for p in prepared.intervals._preparations.values() if p is not None]
+    monkeypatch.setattr(prepared_module, "graph_capturing", lambda device: True)
+    monkeypatch.setattr(backward, "graph_capturing", lambda device: True)
+    assert prepared_intervals(prepared.intervals, q, k, True) is kept
+    # A caller's intervals, prepared by their second eager call, are read by a captured call
+    # itself (its replays follow writes into start and end); none are noted inside a capture.
+    own = KeyIntervals(prepared.intervals.start.clone(), prepared.intervals.end.clone())
+    monkeypatch.setattr(prepared_module, "graph_capturing", lambda device: False)
+    for _ in range(2):
+        prepared_intervals(own, q, k, True)
+    assert list(own._preparations.values())[0] is not None
+    fresh = KeyIntervals(own.start, own.end)
+    monkeypatch.setattr(prepared_module, "graph_capturing", lambda device: True)
+    assert prepared_intervals(own, q, k, True) is None
+    assert prepared_intervals(fresh, q, k, True) is None
+    assert not fresh._preparations
+    run_backward(q, k, v, prepared, causal=True)  # out and gradients against the reference
 
 
 def test_a_compiled_call_reads_the_runs_as_the_eager_call(monkeypatch, device):

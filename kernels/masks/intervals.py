@@ -130,6 +130,12 @@ class KeyIntervals:
     # start and end would go unnoticed.
     _documents: tuple[torch.Tensor, torch.Tensor, bool] | None = field(
         default=None, compare=False, repr=False)
+    # The runs of a bool mask that ``prepare_mask`` reads as intervals (``prepared
+    # ._as_intervals``), whose calls check the bool mask for writes: their preparation, made
+    # before any capture, serves captured calls too (``prepared.prepared_intervals``). Set
+    # there, never from outside: intervals a caller writes in place between graph replays
+    # must be read by the captured call itself.
+    _runs_of_prepared_mask: bool = field(default=False, compare=False, repr=False)
     # Tile lists built by the calls made with these intervals, per call form (see
     # ``prepared.prepared_intervals``): a later call of the same form skips that work.
     _preparations: dict = field(default_factory=dict, init=False, compare=False, repr=False)
