@@ -4,7 +4,9 @@
 Three launches per call: the kept-key lists in two (one program per row of the mask's
 (batch, head) rows and chunk of keys: the chunks' counts and a bit per key, then the chunks'
 keys from the bits, after the counts before them), then the forward over them (one program
-per batch and pack of query heads, times key shares), whose shares merge in the launch.
+per batch and pack of query heads, times key shares), whose shares merge in the launch. With
+``tuning.GATHER_ONE_LIST_PASS`` the lists take one launch (``_kept_list_kernel``: each chunk
+adds the counts before it as they are published), the same lists.
 Intervals from ``topk_intervals``' one-window selection (decode) come with their lists, which
 the selection's last launch wrote: their calls launch the forward alone.
 Nothing waits for the device: the lists' lengths stay on it, each share sizes itself from
@@ -32,10 +34,10 @@ from ..runtime.launch import PlannedLaunch, dot_options, launches_run
 from ..runtime.scratch import WRITTEN_FIRST, Scratch
 from ..triton_device.gather_kernels import (BOOL_MASK, INTERVAL_PAIRS, INTERVAL_WORDS,
                                             _gather_decode_kernel, _kept_counts_kernel,
-                                            _kept_keys_kernel)
+                                            _kept_keys_kernel, _kept_list_kernel)
 from . import tuning
-from .operands import (ABSENT, GatherPointers, KeptPointers, Layout, SeqStrides, seq_strides,
-                       sizes_of)
+from .operands import (ABSENT, GatherPointers, KeptPointers, Layout, OnePassListPointers,
+                       SeqStrides, seq_strides, sizes_of)
 from .problem import Problem
 
 
@@ -191,6 +193,11 @@ class GatherDecodePlan:
         self.lists = PlannedLaunch(_kept_keys_kernel, (list_rows, num_chunks), KeptPointers,
                                    (num_chunks, tile.capacity), CHUNK=chunk, COUNTS_BLOCK=256,
                                    num_warps=4, num_stages=1)
+        self.one_pass = None
+        if tuning.GATHER_ONE_LIST_PASS:
+            self.one_pass = PlannedLaunch(_kept_list_kernel, (list_rows, num_chunks),
+                                          OnePassListPointers, (*list_args, tile.capacity),
+                                          LOOKBACK=32, **list_options)
         programs = shape.batch * shape.heads_q // tile.group_pack
         out_strides = SeqStrides(*contiguous_strides(self.out_shape)[:3])
         self.main = PlannedLaunch(
@@ -213,8 +220,12 @@ class GatherDecodePlan:
                  ((programs,), torch.int32)) if tile.key_splits > 1 else ()
         # The list passes write every entry the forward reads (a list up to its count).
         lists = tuple((shape, torch.int32, WRITTEN_FIRST) for shape in (
-            (list_rows, tile.capacity), (list_rows,), (list_rows, num_chunks),
-            (list_rows, num_chunks * chunk // 32)))
+            (list_rows, tile.capacity), (list_rows,)))
+        if self.one_pass is None:  # the chunks' counts and bits
+            lists += tuple((shape, torch.int32, WRITTEN_FIRST) for shape in (
+                (list_rows, num_chunks), (list_rows, num_chunks * chunk // 32)))
+        else:  # tickets and statuses: zeroed once, then never reset (each call's own tag)
+            lists += (((list_rows,), torch.int64), ((list_rows, num_chunks), torch.int64))
         self._scratch = Scratch(query.device, *lists, *parts)
         self._scratch_with_lse = Scratch(query.device, (self.lse_shape, torch.float32), *lists,
                                          *parts)
@@ -230,9 +241,10 @@ class GatherDecodePlan:
         out = query.new_empty(self.out_shape)
         if keep_lse:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-            kept, counts, chunk_counts, kept_bits, *parts = self._scratch.buffers()
+            kept, counts, *passes = self._scratch.buffers()
         else:
-            lse, kept, counts, chunk_counts, kept_bits, *parts = self._scratch_with_lse.buffers()
+            lse, kept, counts, *passes = self._scratch_with_lse.buffers()
+        passes, parts = passes[:2], passes[2:]
         out_part, lse_part, arrivals = parts if parts else (lse, lse, counts)
         if self.kept_lists is not None:
             kept, counts = self.kept_lists
@@ -243,8 +255,11 @@ class GatherDecodePlan:
             keep = self.keeps_lists and launches_run() and not capturing
             if keep:
                 kept, counts = torch.empty_like(kept), torch.empty_like(counts)
-            self.counts(start, end, kept, counts, chunk_counts, kept_bits)
-            self.lists(start, end, kept, counts, chunk_counts, kept_bits)
+            if self.one_pass is not None:
+                self.one_pass(start, end, kept, counts, *passes)
+            else:
+                self.counts(start, end, kept, counts, *passes)
+                self.lists(start, end, kept, counts, *passes)
             if keep:
                 self.kept_lists = kept, counts
         self.main(query, key, value, out, lse, start, end,

@@ -118,6 +118,15 @@ class KeptPointers(NamedTuple):
     kept_bits: torch.Tensor  # (list rows, chunks x CHUNK / 32) int32: each key's verdict, a bit
 
 
+class OnePassListPointers(NamedTuple):
+    mask: torch.Tensor  # as KeptPointers
+    mask_end: torch.Tensor
+    kept: torch.Tensor  # (list rows, capacity) int32
+    counts: torch.Tensor  # (list rows,) int32
+    tickets: torch.Tensor  # (list rows,) int64: chunk tickets handed out, over every call
+    statuses: torch.Tensor  # (list rows, chunks) int64: each chunk's published count
+
+
 class GatherPointers(NamedTuple):
     q: torch.Tensor
     k: torch.Tensor

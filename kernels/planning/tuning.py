@@ -463,3 +463,11 @@ GATHER_PROGRAMS_PER_SM = 4
 # steps took 54 us (intervals) and 39 us (bool) of a 92 us decode step (H200, B8 H32/8
 # Lq1 Lk32768 W2048): a (row, chunk) grid spreads it over the GPU.
 GATHER_LIST_CHUNK = 1024
+# Whether the gather route builds its lists in one launch (``gather_kernels._kept_list_kernel``:
+# each (row, chunk) program adds the counts the chunks before it publish) rather than two (the
+# chunks' counts, then their keys): the same lists. The two launches cost ~9 us of GPU and ~27
+# us of eager host time a decode step (H200, B8 H32/8 Lk32768 W2048 bool read by the call:
+# eager 0.122 ms against 0.086 prepared, as CUDA graphs 0.049 against 0.040). Off until it has
+# run and been measured on a GPU (its waits spin on other programs' published counts, which
+# the interpreter, running programs one at a time, never exercises).
+GATHER_ONE_LIST_PASS = False

@@ -8,7 +8,8 @@ tile walk reads every K and V block; these kernels read the kept rows alone:
   the keys that any query row of the call keeps (mask and causality), compacted in key order
   into an int32 list, and its length. One program per (row, chunk of keys) in both: the first
   counts its chunk's kept keys, the second sums the counts of the chunks before its own and
-  writes its keys after theirs. A ``KeyIntervals`` mask decides per key in O(1) (the rows
+  writes its keys after theirs. ``_kept_list_kernel`` does both in one launch, each chunk
+  waiting for the counts before it (decoupled look-back). A ``KeyIntervals`` mask decides per key in O(1) (the rows
   [max(start, first causal row), min(end, Lq)) are not empty); a bool mask ORs its rows.
 * ``_gather_decode_kernel``: one program per (batch, pack of query heads, key share) walks its
   share of a list in blocks of BLOCK_N entries: it gathers those K and V rows (and the mask's
@@ -53,10 +54,18 @@ def _runs_at(start_ptrs, end_ptrs, ok, MASK_KIND: tl.constexpr):
 def _chunk_kept(ptrs, mask_layout, sizes, list_heads, scan_rows, MASK_KIND: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
     """(keys, kept) of this program's chunk: keys [chunk x CHUNK, ...) of list row
-    ``program_id(0)`` = (batch b, head h) of ``list_heads`` heads, and whether any query row of
-    the call keeps each (mask and causality; False past the last key)."""
-    row = tl.program_id(0)
-    keys = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    ``program_id(0)`` (``_kept_in_chunk``)."""
+    return _kept_in_chunk(ptrs, mask_layout, sizes, tl.program_id(0), list_heads, scan_rows,
+                          tl.program_id(1), MASK_KIND, IS_CAUSAL, CHUNK)
+
+
+@triton.jit
+def _kept_in_chunk(ptrs, mask_layout, sizes, row, list_heads, scan_rows, chunk,
+                   MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
+    """(keys, kept): keys [chunk x CHUNK, ...) of list row ``row`` = (batch b, head h) of
+    ``list_heads`` heads, and whether any query row of the call keeps each (mask and
+    causality; False past the last key)."""
+    keys = chunk * CHUNK + tl.arange(0, CHUNK)
     b = row // list_heads
     h = row % list_heads
     seqlen_q = sizes.seqlen_q
@@ -129,6 +138,62 @@ def _kept_keys_kernel(ptrs, num_chunks, capacity, CHUNK: tl.constexpr,
              mask=(taken != 0) & (slot < capacity))
     if chunk == num_chunks - 1:
         tl.store(ptrs.counts + row, tl.minimum(before + tl.sum(taken, 0), capacity))
+
+
+# A chunk's published status (``_kept_list_kernel``): the call's tag (its epoch + 1) from bit
+# 33, bit 32 set where the count is the prefix through the chunk, the count in bits 0-31.
+STATUS_TAG_SHIFT = tl.constexpr(33)
+STATUS_PREFIX = tl.constexpr(1 << 32)
+STATUS_COUNT = tl.constexpr((1 << 32) - 1)
+
+
+@triton.jit
+def _kept_list_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chunks, capacity,
+                      MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr,
+                      LOOKBACK: tl.constexpr):
+    """Both list passes in one launch. Grid (list rows, chunks of CHUNK keys); ``ptrs`` is an
+    ``operands.OnePassListPointers``. A program takes its row's next ticket, which names its
+    chunk (ticket mod chunks) and the call (ticket div chunks: tickets are never reset, so
+    each call's tag differs from the last), counts the chunk's kept keys, publishes the count,
+    then adds the counts of the chunks before its own, read LOOKBACK at a time back from the
+    nearest until one has published its prefix (decoupled look-back), publishes its own
+    prefix and writes its keys after the others'. Tickets go out in the order programs start, so every chunk a
+    program waits on belongs to a program already running: no wait can deadlock. The row's
+    last chunk writes the list's length."""
+    row = tl.program_id(0)
+    ticket = tl.atomic_add(ptrs.tickets + row, 1)
+    chunk = (ticket % num_chunks).to(tl.int32)
+    tag = ticket // num_chunks + 1
+    keys, kept = _kept_in_chunk(ptrs, mask_layout, sizes, row, list_heads, scan_rows, chunk,
+                                MASK_KIND, IS_CAUSAL, CHUNK)
+    taken = kept.to(tl.int32)
+    total = tl.sum(taken, 0).to(tl.int64)
+    statuses = ptrs.statuses + row.to(tl.int64) * num_chunks
+    tl.atomic_xchg(statuses + chunk, (tag << STATUS_TAG_SHIFT) | total, sem="release")
+    # The chunks before this one, LOOKBACK at a time from the nearest: their counts up to the
+    # nearest that published its prefix are added once all of those have published this
+    # call's count (else the window is read again).
+    before = total * 0
+    behind = chunk
+    back = tl.arange(0, LOOKBACK)
+    while behind > 0:
+        earlier = behind - 1 - back
+        valid = earlier >= 0
+        words = tl.atomic_add(statuses + earlier, 0, mask=valid, sem="acquire")
+        ready = ((words >> STATUS_TAG_SHIFT) == tag) | ~valid
+        nearest = tl.min(tl.where(valid & ((words & STATUS_PREFIX) != 0), back, LOOKBACK), 0)
+        needed = valid & (back <= nearest)
+        waiting = tl.sum((needed & ~ready).to(tl.int32), 0) > 0
+        added = tl.sum(tl.where(needed, words & STATUS_COUNT, 0), 0)
+        before += tl.where(waiting, 0, added)
+        behind = tl.where(waiting, behind, tl.where(nearest < LOOKBACK, 0, behind - LOOKBACK))
+    tl.atomic_xchg(statuses + chunk,
+                   (tag << STATUS_TAG_SHIFT) | STATUS_PREFIX | (before + total), sem="release")
+    slot = before + tl.cumsum(taken, 0) - 1
+    tl.store(ptrs.kept + row.to(tl.int64) * capacity + slot, keys,
+             mask=(taken != 0) & (slot < capacity))
+    if chunk == num_chunks - 1:
+        tl.store(ptrs.counts + row, tl.minimum(before + total, capacity).to(tl.int32))
 
 
 @triton.jit
