@@ -16,10 +16,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attn_helpers import Dims, forcing, random_qkv, run_backward, run_forward
+from attn_helpers import (Dims, forcing, random_intervals, random_mask, random_qkv, run_backward,
+                          run_forward)
 from hopper_helpers import (FORCED, HOPPER, OVERLAPPED_THREE, band, count_hopper_launches,
                             fuzzed_dims, hopper_in_tile_order, hopper_problem, shape_id, sized)
-from kernels import dmattn_func, prepare_mask, record_routes, schedule_for
+from kernels import dmattn_func, prepare_mask, record_routes, schedule_for, topk_intervals
 from kernels.planning import tuning
 from kernels.planning import hopper_forward
 from kernels.planning.hopper_forward import hopper_gap
@@ -268,7 +269,8 @@ def test_three_consumer_warpgroups_run_where_asked_and_on_long_dense_calls():
 
 @pytest.mark.parametrize("changes, reason", [
     ({"shape": sized(head_dim=80)}, "head dims up to 64, not 80"),
-    ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True}, "take no mask"),
+    ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
+     "not a bool mask per query row"),
 ], ids=["d80", "mask"])
 def test_three_consumer_warpgroups_refuse_what_they_do_not_cover(changes, reason):
     problem = hopper_problem(**changes)
@@ -276,6 +278,21 @@ def test_three_consumer_warpgroups_refuse_what_they_do_not_cover(changes, reason
     with pytest.raises(ValueError, match=r"kernel_options\['forward_consumers'\]: 3 does not "
                                          r"cover this call: .*" + reason):
         schedule(problem, THREE)
+
+
+@pytest.mark.parametrize("changes", [
+    {"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True},
+    {"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
+], ids=["bool-row", "intervals"])
+def test_three_consumer_warpgroups_take_masks_of_one_key_row_where_asked(changes):
+    """A mask of one key row (a bool row for every query row, KeyIntervals' words) takes
+    three consumer warpgroups where ``kernel_options['forward_consumers']`` = 3 asks, with
+    192-row lists, never by default."""
+    problem = hopper_problem(shape=sized(head_dim=64, seqlen_q=8192, seqlen_k=8192), **changes)
+    sched = schedule(problem, THREE)
+    assert sched.forward.hopper == tuning.HOPPER_FORWARD_THREE
+    assert hopper_forward.list_tile(sched.forward.hopper) == (192, 128)
+    assert schedule(problem).forward.hopper in (tuning.HOPPER_FORWARD, None)
 
 
 def test_three_consumer_warpgroups_on_the_triton_route_are_refused():
@@ -500,6 +517,40 @@ def test_three_consumer_warpgroups_match_the_reference(device, monkeypatch, no_k
                         kernel_options=options).forward.hopper == tile
     with record_routes() as routes:
         run_forward(q, k, v, None, bias, causal, func=forcing(**options))
+    assert set(routes.forward) == {"hopper"}, routes.describe()
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("sizes", THREE_SHAPES[1:], ids=shape_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("form", ["row", "intervals", "prepared-intervals", "top-W"])
+@pytest.mark.parametrize("biased", [False, True], ids=["no-bias", "kv_row"])
+def test_three_consumer_warpgroups_read_key_rows(device, no_kept_plans, sizes, causal, form,
+                                                 biased):
+    """Three consumer warpgroups (forced) under a bool mask of one row for every query row,
+    KeyIntervals (as the call gives them, and prepared) and a key-ordered top-W selection,
+    with or without a kv_row bias read from a padded row: out and LSE against the float64
+    reference, into poisoned outputs, every forward on the Hopper route."""
+    dims = Dims(*sizes)
+    q, k, v = random_qkv(dims, torch.bfloat16, device)
+    bias = None
+    if biased:
+        padded = -dims.seqlen_k % 8 + dims.seqlen_k
+        bias = torch.randn(dims.batch, dims.heads_kv, 1, padded, device=device)
+        bias = bias.to(torch.bfloat16)[..., :dims.seqlen_k]
+    if form == "row":
+        mask = random_mask(dims.operand_shape("B", "Hk", "1", "Lk"), device, 0.4)
+    elif form == "top-W":
+        selection = torch.randn(dims.batch, dims.heads_kv, 1, dims.seqlen_k, device=device)
+        mask = topk_intervals(selection, max(dims.seqlen_k // 8, 1), seqlen_q=dims.seqlen_q,
+                              is_causal=causal)
+    else:
+        mask = random_intervals(dims, "Hk", "B", device, seed=sizes[1])
+        if form == "prepared-intervals":
+            mask = prepare_mask(mask, q, k, is_causal=causal)
+    with record_routes() as routes:
+        run_forward(q, k, v, mask, bias, causal,
+                    func=forcing(forward_route="hopper", forward_consumers=3))
     assert set(routes.forward) == {"hopper"}, routes.describe()
 
 

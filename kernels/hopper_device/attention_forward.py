@@ -16,8 +16,9 @@ warpgroups take turns, round robin, to issue their products (a named barrier eac
 ``forward_consumer._take_turn``), so that one's softmax runs while another's products hold
 the tensor cores. Without OVERLAP a warpgroup retires each block's PV product before the next
 block's scores (``forward_consumer._serial_key_blocks``): fewer live registers, the overlap left
-to the other warpgroups. Three warpgroups (FlashAttention-3's choice at head dim 64) take no
-mask and no packed documents yet.
+to the other warpgroups. Three warpgroups (FlashAttention-3's choice at head dim 64) take
+masks of one key row (MASK_ROW, INTERVAL_WORDS), not a mask tile (a 192-row TMA box is not a
+power of two), and no packed documents yet.
 
 Every operand goes through a rank-4 TMA descriptor over the caller's (B, L, H, D) tensor: a
 tile is [1, rows, 1, BLOCK_D] at (batch, first row, head, 0). Rows past a sequence's end and
@@ -139,9 +140,9 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     Launch with num_warps = 4 (the first consumer warpgroup; the other CONSUMERS - 1 and the
     loader warp are workers)."""
     gl.static_assert(not DOCUMENTS or MASK_KIND == NO_MASK, "documents take no mask")
-    gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and MASK_KIND == NO_MASK
+    gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and MASK_KIND != MASK_TILE
                                         and not DOCUMENTS),
-                     "two consumer warpgroups, or three without a mask or documents")
+                     "two consumer warpgroups, or three without a mask tile or documents")
     gl.static_assert(OVERLAP or not DOCUMENTS, "the serial walk takes no packed documents")
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]

@@ -51,10 +51,14 @@ def call_problem(checked: CheckedInputs, query: torch.Tensor, is_causal: bool,
 
 def mask_activity(checked: CheckedInputs, sched: Schedule,
                   with_backward: bool) -> ActivityMap:
-    """The mask's activity map, in tiles that divide the forward's list tile and, with
-    ``with_backward``, the backward's too, so that every kernel's lists come from it."""
+    """The mask's activity map, in tiles that divide the forward's list tiles (the Hopper
+    forward's too: three warpgroups' are 192 rows) and, with ``with_backward``, the backward's
+    too, so that every kernel's lists come from it."""
+    hopper = sched.forward.hopper
     tiles = (activity_tiles(sched.problem, sched.forward) if with_backward
-             else (sched.forward.list_tile,))
+             else (sched.forward.list_tile,
+                   *((list_tile(hopper),) if hopper is not None and checked.mask is not None
+                     else ())))
     sub_rows, sub_cols = shared_granularity(tiles)
     return tile_activity(checked.mask, checked.shape, sub_rows, sub_cols,
                          sched.problem.is_causal)

@@ -119,8 +119,10 @@ def hopper_operands_gap(problem: Problem, reads_mask: bool = True) -> str | None
 def three_consumer_gap(problem: Problem) -> str | None:
     """Why ``tuning.HOPPER_FORWARD_THREE`` (three consumer warpgroups) does not cover a call
     the Hopper forward covers, or None."""
-    if problem.mask is not None:
-        return "three consumer warpgroups take no mask yet"
+    if problem.mask is not None and not key_row_mask(problem):
+        return ("three consumer warpgroups take a mask of one key row (KeyIntervals, or a bool "
+                "mask of one row for every query row), not a bool mask per query row: its "
+                "192-row box is not a power of two")
     if problem.shape.head_dim > tuning.HOPPER_FORWARD_THREE_MAX_HEAD_DIM:
         return (f"three consumer warpgroups take head dims up to "
                 f"{tuning.HOPPER_FORWARD_THREE_MAX_HEAD_DIM}, not {problem.shape.head_dim}")
@@ -129,11 +131,13 @@ def three_consumer_gap(problem: Problem) -> str | None:
 
 def takes_three_consumers(problem: Problem) -> bool:
     """The schedule's default for a call on the Hopper forward: three consumer warpgroups
-    (``tuning.HOPPER_FORWARD_THREE``) where they cover it without a bias and both lengths reach
+    (``tuning.HOPPER_FORWARD_THREE``) where they cover it without a mask or bias and both
+    lengths reach
     ``tuning.HOPPER_FORWARD_THREE_MIN_LENGTH`` (the tuning note beside it has the
     measurements)."""
     least = tuning.HOPPER_FORWARD_THREE_MIN_LENGTH
-    return (three_consumer_gap(problem) is None and problem.bias is None
+    return (three_consumer_gap(problem) is None and problem.mask is None
+            and problem.bias is None
             and problem.shape.seqlen_q >= least and problem.shape.seqlen_k >= least)
 
 
