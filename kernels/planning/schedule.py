@@ -91,8 +91,9 @@ OPTION_NAMES = {
                           "'heads' (a head's tiles consecutive) or 'balanced' (causal tiles "
                           "longest first, heads inner, dealt back and forth)",
     "forward_consumers": "the Hopper forward's consumer warpgroups: 2, or 3 (64-row "
-                         "warpgroups over 64-key blocks; head dims up to 64, no mask, no "
-                         "packed documents)",
+                         "warpgroups over 128-key blocks; head dims up to 64, a mask of one "
+                         "key row at most, no packed documents; by default without a mask "
+                         "or bias at lengths from 8192)",
     "forward_key_splits": "the forward's key splits (split-K), an int >= 1",
     "dq_key_splits": "dq's key splits, an int >= 1",
     "dkdv_head_shares": "dkdv's shares of a GQA group's heads, an int dividing the group",
