@@ -123,10 +123,13 @@ def test_tma_reads_a_bool_mask_with_one_row_per_query_and_16_byte_strides(shape,
     ((2, 1, 1, 64), (0, 64, 64, 1), True),          # batch expanded: read at index 0
     ((2, 2, 1, 60), None, False),                    # 120-byte rows
     ((2, 2, 1, 64), (256, 128, 128, 2), False),      # keys not contiguous
-    ((2, 2, 64, 64), None, False),                   # a row per query: not a bias row
-], ids=["per-head", "shared-batch", "batch-expanded", "odd-rows", "strided-keys", "full"])
-def test_tma_reads_a_bias_row_with_contiguous_keys_and_16_byte_strides(shape, stride,
-                                                                       readable):
+    ((2, 2, 64, 64), None, True),                    # a row per query: a full bias's tiles
+    ((2, 2, 64, 60), None, False),                   # 120-byte query rows
+    ((2, 2, 64, 64), (8192, 4096, 1, 64), False),    # keys not contiguous (transposed)
+], ids=["per-head", "shared-batch", "batch-expanded", "odd-rows", "strided-keys", "full",
+        "full-odd-rows", "full-transposed"])
+def test_tma_reads_a_bias_with_contiguous_keys_and_16_byte_strides(shape, stride, readable):
+    """A bias row, and a full bias (a row per query row) as the Hopper forward copies it."""
     dims = Dims(2, 64, shape[3], 4, 2, 64)
     q, k, v = random_qkv(dims, torch.bfloat16, "cpu")
     bias = torch.zeros(shape, dtype=torch.bfloat16)
@@ -386,3 +389,44 @@ def test_biased_hopper_forward_on_random_shapes(device):
             bias[..., rng.randrange(dims.seqlen_k)] = float("-inf")
         mask = fuzzed_mask(rng, dims, device) if rng.random() < 0.4 else None
         run_forward(q, k, v, mask, bias, causal=rng.random() < 0.5, func=HOPPER)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_a_full_bias_on_the_hopper_forward_on_random_shapes(device, consumers):
+    """A seeded fuzz of 80 forced calls with a full bias (a row per query row) in a random
+    broadcast (keys sliced from rows padded to 16 bytes, some -inf entries), with no mask, a
+    bool mask (per query row at head dims up to 64, one row, KeyIntervals): out and LSE
+    against the float64 reference, every forward on the Hopper route; two warpgroups, and
+    three at head dims up to 64."""
+    from attn_helpers import forcing
+
+    rng = random.Random(90 + consumers)
+    forced = forcing(forward_route="hopper", forward_consumers=consumers)
+    for case in range(80):
+        dims = fuzzed_dims(rng, max_batch=3, max_length=1500)
+        if consumers == 3 and dims.head_dim > 64:
+            dims = replace(dims, head_dim=rng.choice([16, 32, 40, 64]))
+        if dims.seqlen_k == 1:  # one key: a bias broadcast along the keys, Triton's
+            continue
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        q, k, v = random_qkv(dims, dtype, device)
+        shape = dims.operand_shape(rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"]), "Lq",
+                                   "Lk")
+        padded = -(-dims.seqlen_k // 8) * 8
+        bias = random_bias((*shape[:3], padded), dtype, device)[..., :dims.seqlen_k]
+        if rng.random() < 0.2:
+            bias[..., rng.randrange(dims.seqlen_q), rng.randrange(dims.seqlen_k)] = float("-inf")
+        form = rng.choice(["none", "row", "intervals", "tile"])
+        mask = None
+        if form == "tile" and dims.head_dim <= 64 and consumers == 2:
+            mask = fuzzed_mask(rng, dims, device)
+        elif form == "row":
+            padded_k = -(-dims.seqlen_k // 16) * 16
+            mask = random_mask((*dims.operand_shape("B", "Hk", "1", "Lk")[:3], padded_k), device,
+                               0.5)[..., :dims.seqlen_k]
+        elif form == "intervals":
+            mask = random_intervals(dims, "Hk", "B", device, seed=case)
+        with record_routes() as routes:
+            run_forward(q, k, v, mask, bias, causal=rng.random() < 0.5, func=forced)
+        assert set(routes.forward) == {"hopper"}, (case, routes.describe())

@@ -53,16 +53,20 @@ def test_dense_16_bit_problems_on_hopper_take_the_hopper_route(changes):
     ({"interpreted": True, "capability": None}, "interpreter"),
     ({"dtype": torch.float32}, "float16 or bfloat16"),
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4)}, "reads the mask through TMA"),
-    ({"bias": OperandLayout((2, 4, 4096, 4096), 4)}, "not yet a bias with a row per query"),
+    ({"bias": OperandLayout((2, 4, 4096, 4096), 4)}, "full bias through TMA"),
     ({"bias": OperandLayout((2, 4, 1, 4096), 4)}, "bias row through TMA"),
+    ({"bias": OperandLayout((2, 4, 4096, 1), 4), "tma_bias": True}, "broadcast along the keys"),
+    ({"bias": OperandLayout((2, 4, 4096, 4096), 4), "tma_bias": True,
+      "mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
+     "full bias beside a bool mask per query row takes head dims up to 64"),
     ({"shape": sized(head_dim=256)}, "head dims up to 128"),
     ({"shape": sized(head_dim=20)}, "multiples of 8"),
     ({"tma_operands": False}, "TMA"),
     ({"softmax_scale": 0.0}, "positive softmax_scale"),
     ({"softmax_scale": -0.1}, "positive softmax_scale"),
     ({"shape": sized(batch=2**16, heads_q=2**12, heads_kv=2**10)}, "tiles of 128 query rows"),
-], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "full-bias",
-        "untma-bias-row", "d256", "d20",
+], ids=["ampere", "blackwell", "no-gpu", "interpreter", "fp32", "mask", "untma-full-bias",
+        "untma-bias-row", "key-broadcast-bias", "full-bias-mask-tile-d128", "d256", "d20",
         "strides", "zero-scale", "negative-scale", "grid"])
 def test_what_the_hopper_route_does_not_cover_runs_the_triton_route_and_forcing_says_why(
         changes, reason):
@@ -293,6 +297,30 @@ def test_three_consumer_warpgroups_take_masks_of_one_key_row_where_asked(changes
     assert sched.forward.hopper == tuning.HOPPER_FORWARD_THREE
     assert hopper_forward.list_tile(sched.forward.hopper) == (192, 128)
     assert schedule(problem).forward.hopper in (tuning.HOPPER_FORWARD, None)
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True, "intervals": True},
+    {"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True,
+     "shape": sized(head_dim=64)},
+], ids=["no-mask", "intervals", "mask-tile-d64"])
+def test_a_full_bias_takes_the_hopper_forward_where_forced(monkeypatch, changes):
+    """A full bias (a row per query row) that TMA reads takes the Hopper forward where
+    ``kernel_options['forward_route']`` asks, with three warpgroups too at head dims up to 64;
+    by default only with ``tuning.HOPPER_FORWARD_FULL_BIAS`` (off until measured)."""
+    problem = hopper_problem(bias=OperandLayout((2, 4, 4096, 4096), 4), tma_bias=True,
+                             **changes)
+    assert hopper_gap(problem) is None
+    forced = normalize_options({"forward_route": "hopper"})
+    assert schedule(problem, forced).forward.hopper == tuning.HOPPER_FORWARD
+    assert schedule(problem).forward.hopper is None
+    if "mask" not in changes:
+        monkeypatch.setattr(tuning, "HOPPER_FORWARD_FULL_BIAS", True)
+        assert schedule(problem).forward.hopper == tuning.HOPPER_FORWARD
+    if "mask" not in changes:
+        d64 = replace(problem, shape=sized(head_dim=64))
+        assert schedule(d64, THREE).forward.hopper == tuning.HOPPER_FORWARD_THREE
 
 
 def test_three_consumer_warpgroups_on_the_triton_route_are_refused():

@@ -29,7 +29,9 @@ for the copies (``ring.copy_view``).
 
 With HAS_BIAS (a bias of one row per (batch, head)), the loader copies each key block's bias
 row beside K (``ring.fill_biased``), and the consumers add it, x log2 e, to the scaled scores
-(``softmax.fold_scores``).
+(``softmax.fold_scores``). With BIAS_TILE (a full bias, a row per query row) it copies each
+warpgroup's [ROWS, BLOCK_N] tile of the block into a slot of that warpgroup's, which the
+warpgroup frees once its scores have read it (``bias.ForwardBias``).
 
 The roles live beside this module: ``ring`` (the K/V slots and their barriers, as one value),
 ``tiles`` (the tile scheduler and each tile's key-block walk), ``softmax`` (the online softmax
@@ -44,7 +46,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .bias import BiasRows
+from .bias import BiasRows, ForwardBias
 from .forms import CONSUMER_WARPS, INTERVAL_WORDS, MASK_ROW, MASK_TILE, NO_MASK
 from .forward_consumer import document_keys, first_consumer, second_consumer, third_consumer
 from .gluon_compat import tma_load
@@ -57,6 +59,8 @@ from .tiles import BlockLists, WorkTiles
 def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases, q_ready,
             q_free, kv, work, lists, bias_heads, MASK_KIND: gl.constexpr,
             HAS_BIAS: gl.constexpr):
+    BIAS_ROW: gl.constexpr = HAS_BIAS and not biases.TILE
+    BIAS_TILE: gl.constexpr = HAS_BIAS and biases.TILE
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     CONSUMERS: gl.constexpr = q_tiles.shape[0]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
@@ -88,20 +92,26 @@ def _loader(q_desc, k_desc, v_desc, mask_desc, bias_desc, q_tiles, masks, biases
                     mask_at = (mask_batch, mask_head, 0, first_key)
                 else:
                     mask_at = (mask_batch, mask_head, 2 * first_key)
-                if HAS_BIAS:
+                if BIAS_ROW:
                     kv.fill_biased(ring + j, k_desc, v_desc, batch, first_key, kv_head,
                                    mask_desc, masks, mask_at, (j == 0) | (j >= full),
-                                   bias_desc, biases, bias_heads.at(batch, q_head, first_key))
+                                   bias_desc, biases.rows,
+                                   bias_heads.at(batch, q_head, first_key))
                 else:
                     kv.fill_tested(ring + j, k_desc, v_desc, batch, first_key, kv_head,
                                    mask_desc, masks, mask_at, (j == 0) | (j >= full))
-            elif HAS_BIAS:
+            elif BIAS_ROW:
                 first_key = k_base + j * work.BLOCK_N
                 kv.fill_biased(ring + j, k_desc, v_desc, batch, first_key, kv_head, None, None,
-                               None, False, bias_desc, biases,
+                               None, False, bias_desc, biases.rows,
                                bias_heads.at(batch, q_head, first_key))
             else:
-                kv.fill(ring + j, k_desc, v_desc, batch, k_base + j * work.BLOCK_N, kv_head)
+                first_key = k_base + j * work.BLOCK_N
+                kv.fill(ring + j, k_desc, v_desc, batch, first_key, kv_head)
+            if BIAS_TILE:  # after K and V: each warpgroup frees its tile a block ahead
+                bias_batch, bias_head = bias_heads.plane(batch, q_head)
+                biases.fill_tiles(ring + j, bias_desc, bias_batch, bias_head, q_start,
+                                  first_key)
         ring += num_blocks
 
 
@@ -119,7 +129,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
                       CAUSAL: gl.constexpr,
                       MASK_KIND: gl.constexpr, HAS_BIAS: gl.constexpr, DOCUMENTS: gl.constexpr,
                       STAGES: gl.constexpr, CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                      BIAS_TILE: gl.constexpr):
     """A persistent grid of at most one program per multiprocessor walks the ``num_tiles`` =
     ``row_tiles`` x ``batch_heads`` work tiles (``tiles.WorkTiles``) in ``tile_order``
     (``tiles.ORDER_HEADS`` or ``tiles.ORDER_BALANCED``). ``lse_ptr``: (B, Hq, Lq)
@@ -130,7 +141,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
     batch-shared mask has Bm = 1 and ``mask_batches`` 0; query head h reads list head
     h // ``list_head_div`` and mask head h // ``mask_head_div``. Without a mask both are unused
     stand-ins. With HAS_BIAS, ``bias_desc`` reads a bias of one row per (batch, head) as
-    (Bb, Hb, 1, Lk) in [1, 1, 1, BLOCK_N] boxes (``bias.BiasRows``: query head h reads bias head
+    (Bb, Hb, 1, Lk) in [1, 1, 1, BLOCK_N] boxes, or with BIAS_TILE a full bias as (Bb, Hb, Lq,
+    Lk) in [1, 1, ROWS, BLOCK_N] boxes (``bias.BiasRows``: query head h reads bias head
     h // ``bias_head_div``, batch b batch b x ``bias_batches``); without it, a stand-in.
     With DOCUMENTS (no mask; batch 1), the tiles are those of ``documents`` over the
     sequences that ``cu_q`` and ``cu_k`` (int32 offsets) pack (``tiles.WorkTiles``), and a
@@ -144,6 +156,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
                                         and not DOCUMENTS),
                      "two consumer warpgroups, or three without a mask tile or documents")
     gl.static_assert(OVERLAP or not DOCUMENTS, "the serial walk takes no packed documents")
+    gl.static_assert(not BIAS_TILE or (HAS_BIAS and not DOCUMENTS),
+                     "a full bias is a bias, over no packed documents")
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -171,14 +185,27 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, mask_desc, list_t
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     else:
         masks = k_ring
-    if HAS_BIAS:  # beside each K slot, the block's bias row
-        biases = gl.allocate_shared_memory(
-            dtype, [STAGES, 1, BLOCK_N],
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
-    else:
-        biases = k_ring
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    if BIAS_TILE:  # a full bias: a [ROWS, BLOCK_N] tile per warpgroup, its own barriers
+        bias_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1],
+                                               mbarrier.MBarrierLayout())
+        bias_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1],
+                                              mbarrier.MBarrierLayout())
+        for w in gl.static_range(CONSUMERS):
+            mbarrier.init(bias_ready.index(w), count=1)
+            mbarrier.init(bias_free.index(w), count=1)
+        biases = ForwardBias(k_ring, gl.allocate_shared_memory(
+            dtype, [CONSUMERS, ROWS, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype)), bias_ready,
+            bias_free, True)
+    elif HAS_BIAS:  # beside each K slot, the block's bias row
+        biases = ForwardBias(gl.allocate_shared_memory(
+            dtype, [STAGES, 1, BLOCK_N],
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)),
+            k_ring, q_ready, q_free, False)
+    else:
+        biases = ForwardBias(k_ring, k_ring, q_ready, q_free, False)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

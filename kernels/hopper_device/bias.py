@@ -1,11 +1,14 @@
-"""A bias of one row per (batch, head) as the Hopper kernels read it: the backward's consumers
-load it and write its gradient's rows (``BiasRow``); the forward's loader copies it beside K
-(``BiasRows``: where a block's row is)."""
+"""A bias as the Hopper kernels read it: the backward's consumers load a bias of one row per
+(batch, head) and write its gradient's rows (``BiasRow``); the forward's loader copies a
+block's row beside K, or each warpgroup's tile of a full bias into a slot of its own
+(``BiasRows``: where a block's row or tile is; ``ForwardBias``: the shared slots)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .gluon_compat import aggregate
+from .gluon_compat import aggregate, tma_load
+from .ring import plane_view
 from .softmax import LOG2E
 
 
@@ -59,9 +62,10 @@ class BiasRow:
 
 @aggregate
 class BiasRows:
-    """Where the forward's loader finds a key block's bias row: a descriptor over the bias as
-    (Bb, Hb, 1, Lk) with [1, 1, 1, BLOCK_N] boxes; query head h reads bias head h //
-    ``head_div``, and batch b reads batch b x ``batches`` (0 where the bias is shared)."""
+    """Where the forward's loader finds a key block's bias: a descriptor over the bias as
+    (Bb, Hb, 1, Lk) with [1, 1, 1, BLOCK_N] boxes, or for a full bias (Bb, Hb, Lq, Lk) with
+    [1, 1, ROWS, BLOCK_N] boxes; query head h reads bias head h // ``head_div``, and batch b
+    reads batch b x ``batches`` (0 where the bias is shared)."""
     head_div: gl.tensor
     batches: gl.tensor
 
@@ -74,3 +78,64 @@ class BiasRows:
     def at(self, batch, q_head, first_key):
         """The box coordinates of the row of ``q_head``'s keys from ``first_key``."""
         return (batch * self.batches, q_head // self.head_div, 0, first_key)
+
+    @gluon.jit
+    def plane(self, batch, q_head):
+        """(batch, head) of the bias that ``q_head`` of ``batch`` reads: a full bias's
+        plane."""
+        return batch * self.batches, q_head // self.head_div
+
+
+@aggregate
+class ForwardBias:
+    """The forward's bias in shared memory. A bias row (not TILE): one [1, BLOCK_N] row per K
+    slot (``rows``), copied on K's ready barrier (``ring.KeyValueRing.fill_biased``). A full
+    bias (TILE): per consumer warpgroup one [ROWS, BLOCK_N] tile (``tiles``), a ring of one
+    slot with its own ``ready`` and ``free`` barriers (one arrival each): key block position p
+    (counted as the K/V ring counts them) is its lap p, so its phase parity is p & 1. Two
+    slots of a [128, 128] tile would not fit beside head dim 128's ring (192 KB + 64 KB); one
+    per warpgroup does (+ 32 KB), and a warpgroup frees its slot as soon as its scores have
+    read it, a whole block before it needs the next. Stand-ins fill the unused fields."""
+    rows: gl.shared_memory_descriptor
+    tiles: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+    TILE: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, rows, tiles, ready, free, TILE):
+        self.rows = rows
+        self.tiles = tiles
+        self.ready = ready
+        self.free = free
+        self.TILE = gl.constexpr(TILE)
+
+    @gluon.jit
+    def fill_tiles(self, position, bias_desc, batch, head, first_row, first_key):
+        """Loader: each warpgroup's [ROWS, BLOCK_N] tile of the key block at ``position`` (of
+        plane (``batch``, ``head``), from key ``first_key``; warpgroup w's rows from
+        ``first_row`` + w x ROWS), once that warpgroup has read its last one."""
+        CONSUMERS: gl.constexpr = self.tiles.shape[0]
+        ROWS: gl.constexpr = self.tiles.shape[1]
+        for w in gl.static_range(CONSUMERS):
+            mbarrier.wait(self.free.index(w), (position & 1) ^ 1)
+            mbarrier.expect(self.ready.index(w), bias_desc.block_type.nbytes)
+            tma_load(bias_desc, [batch, head, first_row + w * ROWS, first_key],
+                     self.ready.index(w), plane_view(self.tiles.index(w)))
+
+    @gluon.jit
+    def scores_bias(self, slot, position, WARPGROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    s_layout: gl.constexpr):
+        """Consumer: with HAS_BIAS, the bias of the key block at ``position`` (K's ``slot``) in
+        the score layout, in its dtype: [1, BLOCK_N] (a row: 16 two-byte shared loads per
+        thread, as a mask row) or this warpgroup's [ROWS, BLOCK_N] tile, whose slot it then
+        frees; else None."""
+        bias = None
+        if HAS_BIAS:
+            if self.TILE:
+                mbarrier.wait(self.ready.index(WARPGROUP), position & 1)
+                bias = self.tiles.index(WARPGROUP).load(s_layout)
+                mbarrier.arrive(self.free.index(WARPGROUP), count=1)
+            else:
+                bias = self.rows.index(slot).load(s_layout)
+        return bias

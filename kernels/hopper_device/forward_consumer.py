@@ -69,7 +69,7 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
     ``p`` enters as block first - 1's and leaves as block stop - 1's. With a MASK_KIND the
     blocks are positions of the tile's list ``row`` (``lists``); TESTED blocks are tested per
     pair (with a MASK_KIND, by what ``masks`` holds for them too). With HAS_BIAS, the block's
-    bias row (in ``biases``' slot beside K) joins the scores."""
+    bias (``biases``: a row in the slot beside K, or the warpgroup's tile) joins the scores."""
     ROWS: gl.constexpr = q_tile.shape[0]
     BLOCK_N: gl.constexpr = kv.keys.shape[1]
     for j in range(first, stop):
@@ -84,8 +84,8 @@ def _key_blocks(first, stop, ring, acc, p, m_i, l_i, q_tile, kv, qk_scale, rows,
         # wgmma groups retire in issue order: one left outstanding is the PV product.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token,))
         p_next, m_i, l_i, alpha = _fold_block(
-            s, slot, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal, masks,
-            biases, WARPGROUP, MASK_KIND, TESTED, CAUSAL, HAS_BIAS, s_layout, o_layout,
+            s, slot, ring + j, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal,
+            masks, biases, WARPGROUP, MASK_KIND, TESTED, CAUSAL, HAS_BIAS, s_layout, o_layout,
             p_layout, q_tile.dtype)
         # P's registers are the PV product's operand until it retires. Passing the softmax's
         # results through the wait as well keeps LLVM from sinking the softmax below it, which
@@ -122,8 +122,8 @@ def _serial_key_blocks(first, stop, ring, acc, m_i, l_i, q_tile, kv, qk_scale, r
         _pass_turn(WARPGROUP, CONSUMERS)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token,))
         p, m_i, l_i, alpha = _fold_block(
-            s, slot, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal, masks,
-            biases, WARPGROUP, MASK_KIND, TESTED, CAUSAL, HAS_BIAS, s_layout, o_layout,
+            s, slot, ring + j, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal,
+            masks, biases, WARPGROUP, MASK_KIND, TESTED, CAUSAL, HAS_BIAS, s_layout, o_layout,
             p_layout, q_tile.dtype)
         acc = acc * alpha[:, None]
         slot = kv.wait_values(ring + j)
@@ -146,13 +146,14 @@ def _first_col(lists, row, j, count, BLOCK_N: gl.constexpr, MASK_KIND: gl.conste
 
 
 @gluon.jit
-def _fold_block(s, slot, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal, masks,
-                biases, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr,
+def _fold_block(s, slot, position, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diagonal,
+                masks, biases, WARPGROUP: gl.constexpr, MASK_KIND: gl.constexpr,
                 TESTED: gl.constexpr, CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                 dtype: gl.constexpr):
-    """The scores ``s`` of the key block in ``slot`` with its bias row and its keep, folded
-    into the online softmax; frees the K slot. Returns (P, m_i, l_i, alpha)."""
+    """The scores ``s`` of the key block at ring ``position`` (K's ``slot``) with its bias
+    (``bias.ForwardBias``) and its keep, folded into the online softmax; frees the K slot.
+    Returns (P, m_i, l_i, alpha)."""
     ROWS: gl.constexpr = s.shape[0]
     MASKED: gl.constexpr = MASK_KIND != NO_MASK
     # A tested block of KeyIntervals not causal (key-ordered intervals, causality folded in):
@@ -162,7 +163,7 @@ def _fold_block(s, slot, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diag
     # product) they cost as much or more (H200: 1556-1767 against 1569-1683 us on three
     # masks). The bias row before the mask: the other way round ptxas (sm_90a, offline) kept a
     # KeyIntervals block's 64 word registers beside it and spilled 22 words a block.
-    bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
+    bias_row = biases.scores_bias(slot, position, WARPGROUP, HAS_BIAS, s_layout)
     if ONE_SELECT:
         s, scale = join_bias(s, qk_scale, bias_row)  # before the words are read
         words = _interval_words(masks, slot, s_layout)
@@ -180,16 +181,6 @@ def _fold_block(s, slot, first_col, m_i, l_i, kv, qk_scale, rows, seqlen_k, diag
             s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep, bias_row,
             TESTED, CAUSAL, s_layout, o_layout, p_layout, dtype, MASKED)
     return p, m_i, l_i, alpha
-
-
-@gluon.jit
-def _bias_row(biases, slot, HAS_BIAS: gl.constexpr, s_layout: gl.constexpr):
-    """With HAS_BIAS, the [1, BLOCK_N] bias row beside K in ``slot``, in the score layout (16
-    two-byte shared loads per thread, as a mask row); else None."""
-    bias_row = None
-    if HAS_BIAS:
-        bias_row = biases.index(slot).load(s_layout)
-    return bias_row
 
 
 @gluon.jit
@@ -264,7 +255,7 @@ def _overlapped_tile(ring, num_blocks, unmasked_blocks, first_col, shift, acc, m
     keep = hidden_before(shift, BLOCK_N, work.DOCUMENTS, HAS_BIAS, s_layout)
     if MASKED:
         keep = _keeps(masks, slot, rows, WARPGROUP, ROWS, s_layout, MASK_KIND)
-    bias_row = _bias_row(biases, slot, HAS_BIAS, s_layout)
+    bias_row = biases.scores_bias(slot, ring, WARPGROUP, HAS_BIAS, s_layout)
     kv.free_keys(slot)
     p, m_i, l_i, alpha = fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k,
                                      diagonal, keep, bias_row, True, CAUSAL, s_layout,

@@ -15,8 +15,9 @@ LOG2E = gl.constexpr(1.4426950408889634)
 @gluon.jit
 def join_bias(s, qk_scale, bias_row):
     """(the scores, the scale still to apply to them): where ``bias_row`` is not None (a key
-    block's [1, BLOCK_N] bias row, in its dtype), ``s`` scaled with the row added, x log2 e,
-    and 1.0, which the folds' multiplications fold away; else ``s`` and ``qk_scale``."""
+    block's [1, BLOCK_N] bias row or [ROWS, BLOCK_N] bias tile, in its dtype), ``s`` scaled
+    with the bias added, x log2 e, and 1.0, which the folds' multiplications fold away; else
+    ``s`` and ``qk_scale``."""
     if bias_row is not None:
         s = s * qk_scale + bias_row.to(gl.float32) * LOG2E
         qk_scale = 1.0
@@ -34,7 +35,8 @@ def fold_scores(s, m_i, l_i, qk_scale, rows, first_col, seqlen_k, diagonal, keep
     then a mask's, read through TMA, which fills keys past the tensor's end with 0), with
     CAUSAL keys past row + ``diagonal``, and where ``keep`` is not None (the block's mask in
     ``s_layout``) the pairs it does not keep. Where ``bias_row`` is not None (the block's
-    [1, BLOCK_N] bias row, in its dtype), it is added, x log2 e, to the scaled scores."""
+    [1, BLOCK_N] bias row or [ROWS, BLOCK_N] tile, in its dtype), it is added, x log2 e, to
+    the scaled scores."""
     BLOCK_N: gl.constexpr = s.shape[1]
     s, qk_scale = join_bias(s, qk_scale, bias_row)
     if MASKED:

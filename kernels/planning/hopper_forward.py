@@ -1,8 +1,9 @@
 """The Hopper route's forward: which problems it covers, and its launch. The kernel is
 ``hopper_device.attention_forward`` (Gluon, sm_90a).
 
-It covers a forward with no mask or a bool mask, and no bias or a bias of one row per (batch,
-head) that TMA can read (``problem.tma_bias``; the loader copies each block's row beside K)
+It covers a forward with no mask or a bool mask, and no bias, a bias of one row per (batch,
+head) or a full bias (a row per query row) that TMA can read (``problem.tma_bias``; the loader
+copies each block's row beside K, or each warpgroup's tile of it: ``forward_bias_gap``)
 (causal or not, any lengths,
 GQA/MQA) in fp16 or bf16 at head dims up to 128 that are multiples of 8, with q, k and v laid out
 for TMA, on a GPU of compute capability 9.0. A mask's keys must be contiguous and its other strides
@@ -47,6 +48,9 @@ NO_MASK, MASK_TILE, MASK_ROW, INTERVAL_WORDS = 0, 1, 2, 3
 TILE_ORDERS = {"heads": 0, "balanced": 1}
 MAX_HEAD_DIM = 128
 MAX_TILES = 2**31 - 1  # work tiles are counted in int32
+# A full bias's tiles (32 KB at two warpgroups) beside a mask tile's slots (32 KB) and the ring
+# fit in 227 KB of shared memory up to this padded head dim (offline sm_90a).
+FULL_BIAS_MASK_TILE_MAX_BLOCK_D = 64
 
 
 def hopper_gap(problem: Problem, documents: bool = False) -> str | None:
@@ -57,11 +61,36 @@ def hopper_gap(problem: Problem, documents: bool = False) -> str | None:
     if gap is None:
         gap = hopper_operands_gap(problem, reads_mask=not documents)
     if gap is None and problem.bias is not None:
-        gap = bias_row_gap(problem)
+        gap = bias_row_gap(problem) if documents else forward_bias_gap(problem)
         if gap is None and not problem.tma_bias:
             gap = ("it reads a bias row through TMA: the keys contiguous, and batch and head "
-                   "strides multiples of 16 bytes")
+                   "strides multiples of 16 bytes" if problem.bias.one_row else
+                   "it reads a full bias through TMA: the keys contiguous, and the batch, head "
+                   "and query strides multiples of 16 bytes")
     return gap
+
+
+def forward_bias_gap(problem: Problem) -> str | None:
+    """Why the Hopper forward does not take ``problem``'s bias (one line), or None: a bias of
+    one row per (batch, head), (.., .., 1, Lk), copied beside K, or a full bias, a row per
+    query row (.., .., Lq, Lk), copied in each warpgroup's [64, 128] tiles
+    (``hopper_device.bias.ForwardBias``); not one broadcast along the keys. A full bias beside
+    a bool mask per query row takes head dims up to 64: at 128 its tiles, the mask's slots
+    and the ring do not fit in shared memory together."""
+    bias = problem.bias
+    if bias.one_row or bias.shape[3] == 1:
+        return bias_row_gap(problem)
+    if (problem.mask is not None and not key_row_mask(problem)
+            and problem.block_d > FULL_BIAS_MASK_TILE_MAX_BLOCK_D):
+        return (f"a full bias beside a bool mask per query row takes head dims up to "
+                f"{FULL_BIAS_MASK_TILE_MAX_BLOCK_D}: their tiles and the ring exceed shared "
+                f"memory at {problem.shape.head_dim}")
+    return None
+
+
+def full_bias(problem: Problem) -> bool:
+    """The bias is a full one, a row per query row (``forward_bias_gap``)."""
+    return problem.bias is not None and not problem.bias.one_row
 
 
 def bias_row_gap(problem: Problem) -> str | None:
@@ -208,14 +237,17 @@ def long_kept_walks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FO
 def takes_hopper(problem: Problem) -> bool:
     """The schedule's default: the Hopper forward where it covers the problem, the query rows
     fill its tiles and each tile walks enough key blocks to hide its prologue and epilogue; a
-    bias row at head dims where it leads (``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``). A mask
-    takes it where its counted tiles are mostly full (``few_partial_tiles``) or its intervals'
-    kept keys make long walks (``long_kept_walks``)."""
+    bias row at head dims where it leads (``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``), a full
+    bias only with ``tuning.HOPPER_FORWARD_FULL_BIAS``. A mask takes it where its counted
+    tiles are mostly full (``few_partial_tiles``) or its intervals' kept keys make long walks
+    (``long_kept_walks``)."""
     if (problem.mask is not None
             and not (few_partial_tiles(problem) or long_kept_walks(problem))):
         return False
     if (problem.bias is not None
             and problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM):
+        return False
+    if full_bias(problem) and not tuning.HOPPER_FORWARD_FULL_BIAS:
         return False
     return (problem.shape.seqlen_q >= tuning.HOPPER_FORWARD_MIN_QUERIES
             and hopper_gap(problem) is None
@@ -232,6 +264,8 @@ def takes_documents(problem: Problem) -> bool:
     bias): 0.68-0.74x the Triton route's forward time."""
     if (problem.bias is not None
             and problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM):
+        return False
+    if full_bias(problem) and not tuning.HOPPER_FORWARD_FULL_BIAS:
         return False
     return (problem.shape.seqlen_q >= tuning.HOPPER_FORWARD_MIN_QUERIES
             and hopper_gap(problem, documents=True) is None)
@@ -318,6 +352,7 @@ class HopperForwardLaunch:
             # Query head h reads list head h // mask.head_div (the map's heads are the mask's
             # own) and mask head h // mask_head_div (1 head where its stride is 0).
             self.mask_scalars = (mask.head_div, mask_head_div, mask_batches)
+        bias_tile = full_bias(problem) and bias is not None
         self.launch = DescriptorLaunch(
             attention_forward, (min(num_tiles, problem.multiprocessors),),
             (shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.group_size,
@@ -327,22 +362,26 @@ class HopperForwardLaunch:
             MASK_KIND=self.kind,
             HAS_BIAS=bias is not None, DOCUMENTS=self.documents, STAGES=tile.stages,
             CONSUMERS=tile.consumers, OVERLAP=tile.overlap, CONSUMER_REGS=tile.consumer_regs,
-            LOADER_REGS=tile.loader_regs)
+            LOADER_REGS=tile.loader_regs, BIAS_TILE=bias_tile)
         self.batch = shape.batch
         self.out_row_stride = shape.heads_q * shape.head_dim  # the output is contiguous
         self.head_dim = shape.head_dim
         self.unmasked_args = (0, 0, 0, 1, 1, 0)  # list strides and divisors, never read
-        # A bias row's descriptor geometry over its (B, H, Lq, Lk) broadcast view: (Bb, Hb, 1,
-        # Lk), its strides, query heads per bias head and 1 if its batch is read.
+        # The bias's descriptor geometry over its (B, H, Lq, Lk) broadcast view: (Bb, Hb, 1,
+        # Lk) for a row, (Bb, Hb, Lq, Lk) for a full bias, its strides, query heads per bias
+        # head and 1 if its batch is read; boxes of a row or a warpgroup's rows.
         self.biased = bias is not None
         if self.biased:
             bias_shape, bias_strides, bias_head_div, bias_batches = mask_geometry(
                 bias.view, shape.heads_q)
             self.bias_scalars = (bias_head_div, bias_batches)
-            self.bias_spec = TmaSpec(
-                [1, 1, 1, tile.block_n],
-                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4),
-                bias_shape, bias_strides)
+            if bias_tile:
+                box = [1, 1, tile.rows, tile.block_n]
+                layout = gl.NVMMASharedLayout.get_default_for(box, element)
+            else:
+                box = [1, 1, 1, tile.block_n]
+                layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)
+            self.bias_spec = TmaSpec(box, layout, bias_shape, bias_strides)
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:

@@ -74,7 +74,8 @@ class Problem:
     # The most keys that the query rows together keep in one (batch, mask head), where
     # ``prepare_mask`` counted them (decode-sized calls).
     kept_keys: int | None = None
-    # The bias can be read by a TMA descriptor as (Bb, Hb, 1, Lk) rows (``tma_bias``).
+    # The bias can be read by a TMA descriptor as (Bb, Hb, 1, Lk) rows or (Bb, Hb, Lq, Lk)
+    # tiles (``tma_bias``).
     tma_bias: bool = False
     # The mask is the documents of a packed batch (``KeyIntervals._documents``), one batch: how
     # many sequences the offsets pack; else None. Their causality is their own (a packed call
@@ -123,16 +124,18 @@ def tma_mask(mask) -> bool:
 
 
 def tma_bias(bias) -> bool:
-    """Whether a TMA descriptor can read a bias of one row per (batch, head) (``bias``: its
-    ``BroadcastOperand``) as (Bb, Hb, 1, Lk) rows, as the Hopper forward copies them: the keys
-    contiguous, and the batch and head strides of axes longer than 1 that are not 0 multiples
-    of 16 bytes. Its address is each call's to check."""
-    if bias is None or bias.original_shape[2] != 1:
+    """Whether a TMA descriptor can read the bias (``bias``: its ``BroadcastOperand``) as the
+    Hopper forward copies it: a bias of one row per (batch, head) as (Bb, Hb, 1, Lk) rows, a
+    full bias as (Bb, Hb, Lq, Lk) tiles; the keys contiguous, and the strides of the other
+    axes longer than 1 that are not 0 multiples of 16 bytes. Its address is each call's to
+    check."""
+    if bias is None:
         return False
     view = bias.view
     if view.stride(3) != 1:
         return False
-    return all(view.stride(a) * view.element_size() % 16 == 0 for a in (0, 1)
+    axes = (0, 1) if bias.original_shape[2] == 1 else (0, 1, 2)
+    return all(view.stride(a) * view.element_size() % 16 == 0 for a in axes
                if view.shape[a] > 1 and view.stride(a) != 0)
 
 

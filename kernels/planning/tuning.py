@@ -235,6 +235,12 @@ HOPPER_FORWARD_MIN_QUERIES = 512
 # over Hopper route in one process: D128 B2 H16/4 L8192 causal 1.23x, non-causal 1.30x; with a
 # prepared band, B1 H32/8 L8192 W2048 1.20x, L16384 W4096 1.37x; D64 B1 H16/4 L4096 causal 0.72x.
 HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
+# Whether a full bias (a row per query row) takes the Hopper forward by default, where it also
+# meets the rules above (``hopper_forward.takes_hopper``); ``kernel_options['forward_route']``
+# 'hopper' takes it either way. Off until measured on a GPU: each warpgroup's [64, 128] tile
+# of the bias comes through a slot of its own (``hopper_device.bias.ForwardBias``), 16 KB a
+# block beside K's and V's 32 KB each at head dim 128.
+HOPPER_FORWARD_FULL_BIAS = False
 # Whether preparing KeyIntervals recognizes those that are exactly packed documents
 # (``masks.found_documents``), so that the Hopper kernels walk them as they walk varlen's own.
 # H200, varlen.yaml's intervals rows (16k and 64k packed tokens, causal, D128, GQA 4, without
