@@ -525,9 +525,10 @@ THREE_SHAPES = [  # (batch, Lq, Lk, Hq, Hk, D), head dims up to 64
 def test_three_consumer_warpgroups_match_the_reference(device, monkeypatch, no_kept_plans,
                                                        sizes, causal, dtype, biased, tile):
     """The forward of three consumer warpgroups (``kernel_options['forward_consumers']`` = 3),
-    the shipped serial 128-key tile and the overlapped 64-key one: out and LSE against the float64 reference,
-    into poisoned outputs, with a kv_row bias read from a padded row (its rows 16-byte
-    aligned at any Lk). A bias over one key is refused, as on the two-warpgroup route."""
+    the shipped serial 128-key tile and the overlapped 64-key one: out and LSE against the
+    float64 reference, into poisoned outputs, with a kv_row bias read from a padded row (its
+    rows 16-byte aligned at any Lk). A bias over one key is refused, as on the two-warpgroup
+    route."""
     monkeypatch.setattr(tuning, "HOPPER_FORWARD_THREE", tile)
     dims = Dims(*sizes)
     q, k, v = random_qkv(dims, dtype, device)
