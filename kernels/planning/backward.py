@@ -59,9 +59,12 @@ def prepare_backward_lists(activity: ActivityMap, problem: Problem) -> None:
     counting = not graph_capturing(problem.device)
     problem = replace(problem, activity=activity)
     if counting and not problem.interpreted:
-        hopper = tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n
         tiles = compared_dkdv_tiles() if wide_tile_possible(problem) else ()
-        activity.count_active_areas(tuple(dict.fromkeys((*tiles, hopper))))
+        hopper = tuning.HOPPER_BACKWARD.block_m, tuning.HOPPER_BACKWARD.block_n
+        if hopper[0] % activity.sub_rows == 0 and hopper[1] % activity.sub_cols == 0:
+            tiles = (*tiles, hopper)
+        if tiles:
+            activity.count_active_areas(tuple(dict.fromkeys(tiles)))
     dkdv, dq = backward_tiles(problem)
     backward_lists(activity, dkdv, dq)
     if counting:
