@@ -38,6 +38,7 @@ import torch
 from .interface import dmattn_func
 from .masks.intervals import KeyIntervals
 from .masks.topk import ORDER_MIN_KEYS_PER_WINDOW, ORDER_MIN_ROWS, kept_union, orders_keys
+from .planning.backward import scheduled_as_captured
 from .planning.backward_schedule import BackwardRoute, dkdv_takes_wide_tile, schedule_backward
 from .planning.forward import interpreted
 from .planning.forward_schedule import interval_tile_rows
@@ -276,7 +277,7 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
            mask: str = "none", bias: str = "none", is_causal: bool = False,
            backward: bool | None = None, workers: int | None = None,
            window: int | None = None, selection_heads: int | None = None,
-           query_rows: int | None = None) -> WarmupReport:
+           query_rows: int | None = None, graphs: bool = False) -> WarmupReport:
     """Compile the kernels that calls of this form at lengths near ``seqlens`` will use.
 
     Runs one call (and its backward, with ``backward``; with interval masks then also a call
@@ -324,6 +325,12 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
 
     ``workers``: threads that compile at once on a GPU (default: the CPU count, at most 32);
     1 compiles each kernel when its call first launches it.
+
+    ``graphs``: the calls will be captured into CUDA graphs too. A captured backward is
+    scheduled by GPU time alone (``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``) and may take
+    kernels an eager one does not; each call's backward then also runs once as a capture
+    schedules it (``planning.backward.scheduled_as_captured``), so that capturing compiles
+    nothing. It needs ``backward``.
     """
     if mask not in MASK_FORMS:
         raise ValueError(f"warmup: mask must be one of {', '.join(MASK_FORMS)}, got {mask!r}")
@@ -351,6 +358,11 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
     elif backward and query_rows is not None:
         raise ValueError("warmup: query_rows makes decode calls, which have no backward; "
                          "leave backward unset or False")
+    if graphs.__class__ is not bool:
+        raise ValueError(f"warmup: graphs must be a bool, got {graphs!r}")
+    if graphs and not backward:
+        raise ValueError("warmup: graphs warms the backward a CUDA graph capture schedules; "
+                         "it needs backward (and no query_rows)")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = call_lengths(seqlens, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
@@ -374,6 +386,10 @@ def warmup(*, seqlens, heads_q: int, head_dim: int, heads_kv: int | None = None,
                         out = form_call(q, k, v, attn_mask, attn_bias, is_causal)
                     if backward:
                         out.backward(torch.ones_like(out))
+                    if graphs:  # the backward as a capture schedules it
+                        with torch.enable_grad(), scheduled_as_captured():
+                            out = form_call(q, k, v, attn_mask, attn_bias, is_causal)
+                            out.backward(torch.ones_like(out))
                 if mask == "bool" and not scattered and takes_masked_hopper(q) and launches_run():
                     # A prepared mask of mostly full tiles takes the Hopper forward's masked
                     # form (``hopper_forward.few_partial_tiles``), which a mask read by the

@@ -12,7 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import KeyIntervals, compiled_forms, dmattn_func, schedule_for, warmup
+from attn_helpers import assert_close_to_reference, grads_of
+from kernels import (KeyIntervals, attention_reference, compiled_forms, dmattn_func,
+                     schedule_for, warmup)
 from kernels.runtime import forms as _forms
 from kernels.runtime import launch as _launch
 from kernels import topk_intervals
@@ -219,6 +221,68 @@ def test_window_lengths_reach_both_ends_of_each_form(window, causal):
             assert {n % 16 == 0 for n in near} == {True, False}, (ordered, lengths)
 
 
+def test_a_graphs_warmup_runs_each_backward_as_a_capture_schedules_it(device, monkeypatch,
+                                                                     no_kept_plans):
+    """``warmup(graphs=True)`` also runs each call's backward scheduled as captured
+    (``Problem.captured``), whose plan a later capture finds made; without it, none is."""
+    from kernels.planning import backward
+
+    scheduled = []
+    original = backward.schedule
+
+    def recorded(problem, options=None):
+        scheduled.append(problem.captured)
+        return original(problem, options)
+    monkeypatch.setattr(backward, "schedule", recorded)
+    common = dict(seqlens=[48], heads_q=2, head_dim=16, dtype=torch.float16, device=device,
+                  mask="bool", bias="kv_row", is_causal=True, workers=1)
+    warmup(**common)
+    assert True not in scheduled
+    warmup(**common, graphs=True)
+    assert True in scheduled
+
+
+def test_a_capture_after_a_graphs_warmup_compiles_nothing(device, no_kept_plans):
+    """On a GPU: after ``warmup(graphs=True)``, a training step of the warmed form captured into
+    a CUDA graph (bias.yaml's dense causal B1 H8/2 L2048 D128 on a Hopper GPU: its captured
+    backward splits, unlike the eager one) compiles no kernel, and its replay matches the
+    eager step."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    warmup(seqlens=[2048], heads_q=8, heads_kv=2, head_dim=128, device=device, is_causal=True,
+           graphs=True)
+    q, k, v = (torch.randn(1, 2048, heads, 128, device=device, dtype=torch.bfloat16)
+               for heads in (8, 2, 2))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn_like(q)
+
+    def step():
+        out = dmattn_func(*leaves, is_causal=True)
+        return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    before = compiled_forms()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    assert compiled_forms() == before, "the capture compiled a kernel"
+    graph.replay()
+    torch.cuda.synchronize()
+    truth = grads_of(attention_reference, *(t.float() for t in (q, k, v)), None, None, True,
+                     None, grad_out.double())
+    low = grads_of(attention_reference, q, k, v, None, None, True, None, grad_out,
+                   upcast=False)
+    for name, got, want, baseline in zip(("dq", "dk", "dv"), captured[1:], truth, low):
+        assert torch.isfinite(got).all(), name
+        assert_close_to_reference(name, got, want, baseline, torch.bfloat16)
+    assert torch.equal(captured[0], eager[0])  # the forward is the same launch
+
+
 def test_warmup_names_bad_arguments():
     with pytest.raises(ValueError, match="mask must be one of"):
         warmup(seqlens=[64], heads_q=2, head_dim=32, mask="dense")
@@ -230,6 +294,10 @@ def test_warmup_names_bad_arguments():
         warmup(seqlens=[0], heads_q=2, head_dim=32)
     with pytest.raises(ValueError, match="workers must be a positive int"):
         warmup(seqlens=[64], heads_q=2, head_dim=32, workers=0)
+    with pytest.raises(ValueError, match="graphs must be a bool"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, graphs="yes")
+    with pytest.raises(ValueError, match="graphs warms the backward"):
+        warmup(seqlens=[64], heads_q=2, head_dim=32, graphs=True, backward=False)
     for window in (0, -3, 2.0, True, "64"):
         with pytest.raises(ValueError, match="window must be a positive int"):
             warmup(seqlens=[64], heads_q=2, head_dim=32, mask="intervals", window=window)

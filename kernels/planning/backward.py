@@ -11,6 +11,8 @@ launch (``_partials``), so no merge launch follows. Route ``packed`` (decode) is
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -251,6 +253,21 @@ def _triton_fallback(fwd, problem, grad_out, query, key, value, dq, dk, dv, acti
     return make
 
 
+_scheduling = threading.local()
+
+
+@contextmanager
+def scheduled_as_captured():
+    """Within this, this thread's backwards are scheduled as a CUDA graph capture schedules
+    them (``Problem.captured``) and run eagerly, so that their plans and kernels exist before
+    a capture needs them (``kernels.warmup(graphs=True)``)."""
+    _scheduling.captured = True
+    try:
+        yield
+    finally:
+        _scheduling.captured = False
+
+
 def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
                        deterministic: bool, bias_needs_grad: bool,
                        activity: ActivityMap | None = None,
@@ -269,7 +286,8 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     # A backward captured into a CUDA graph may be scheduled by GPU time alone
     # (``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``): its plan is kept apart from the eager one.
-    captured = tuning.HOPPER_BACKWARD_SPLIT_CAPTURED and graph_capturing(query.device)
+    captured = tuning.HOPPER_BACKWARD_SPLIT_CAPTURED and (
+        graph_capturing(query.device) or getattr(_scheduling, "captured", False))
     signature = (grad_out.stride(), grad_out.dtype, bool(deterministic), bool(bias_needs_grad),
                  captured)
     plan = fwd.backward_plans.get(signature)
