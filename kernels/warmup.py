@@ -45,8 +45,8 @@ from .planning.forward_schedule import interval_tile_rows
 from .planning.gather_decode import lists_pay
 from .planning.inputs import AttnShape
 from .planning.problem import OperandLayout, Problem
-from .planning import tuning
-from .planning.tuning import GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS
+from .planning.tuning import (GATHER_MAX_KEPT_SHARE, GATHER_MAX_ROWS,
+                              HOPPER_FORWARD_THREE_MAX_HEAD_DIM, HOPPER_FORWARD_THREE_MIN_LENGTH)
 from .prepared import prepare_mask
 from .runtime.device import capability, multiprocessors
 from .runtime.forms import compiled_forms
@@ -224,10 +224,10 @@ def call_lengths(seqlens, *, batch: int, heads_q: int, heads_kv: int, head_dim: 
     if window is not None:
         rows = batch * (heads_kv if selection_heads is None else selection_heads)
         lengths = list(window_lengths(lengths, window, is_causal, rows))
-    if mask == "none" and head_dim <= tuning.HOPPER_FORWARD_THREE_MAX_HEAD_DIM:
+    if mask == "none" and head_dim <= HOPPER_FORWARD_THREE_MAX_HEAD_DIM:
         # the Hopper forward takes three consumer warpgroups from one length
         # (``hopper_forward.takes_three_consumers``)
-        lengths = list(threshold_lengths(lengths, tuning.HOPPER_FORWARD_THREE_MIN_LENGTH))
+        lengths = list(threshold_lengths(lengths, HOPPER_FORWARD_THREE_MIN_LENGTH))
     if mask in ("intervals", "documents"):  # the forward's tile changes at one length
         lengths = list(threshold_lengths(lengths, interval_tile_rows(
             dtype, head_dim, interpreted())))

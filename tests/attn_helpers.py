@@ -420,6 +420,22 @@ def run_backward(q, k, v, mask=None, bias=None, causal=False, scale=None, *,
     return BackwardRun(grads, ref, watch)
 
 
+def backward_schedules(monkeypatch) -> list:
+    """Whether each backward plan made from now on was scheduled as captured
+    (``Problem.captured``), one entry per plan (``planning.backward`` schedules one only where
+    its forward plan keeps none of that signature)."""
+    from kernels.planning import backward
+
+    scheduled = []
+    original = backward.schedule
+
+    def recorded(problem, options=None):
+        scheduled.append(problem.captured)
+        return original(problem, options)
+    monkeypatch.setattr(backward, "schedule", recorded)
+    return scheduled
+
+
 def forward_plans_made(monkeypatch) -> list:
     """The ``ForwardPlan`` objects made from now on, in order (recorded as they are made)."""
     from kernels.planning.forward import ForwardPlan

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from attn_helpers import assert_close_to_reference, grads_of
+from attn_helpers import assert_close_to_reference, backward_schedules, grads_of
 from kernels import (KeyIntervals, attention_reference, compiled_forms, dmattn_func,
                      schedule_for, warmup)
 from kernels.runtime import forms as _forms
@@ -225,15 +225,7 @@ def test_a_graphs_warmup_runs_each_backward_as_a_capture_schedules_it(device, mo
                                                                      no_kept_plans):
     """``warmup(graphs=True)`` also runs each call's backward scheduled as captured
     (``Problem.captured``), whose plan a later capture finds made; without it, none is."""
-    from kernels.planning import backward
-
-    scheduled = []
-    original = backward.schedule
-
-    def recorded(problem, options=None):
-        scheduled.append(problem.captured)
-        return original(problem, options)
-    monkeypatch.setattr(backward, "schedule", recorded)
+    scheduled = backward_schedules(monkeypatch)
     common = dict(seqlens=[48], heads_q=2, head_dim=16, dtype=torch.float16, device=device,
                   mask="bool", bias="kv_row", is_causal=True, workers=1)
     warmup(**common)

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from attn_helpers import (Dims, assert_grads_close_to_reference, random_bias, random_mask,
-                          random_qkv, run_backward, run_forward)
+from attn_helpers import (Dims, assert_grads_close_to_reference, backward_schedules,
+                          random_bias, random_mask, random_qkv, run_backward, run_forward)
 from kernels import call_plan, dmattn_func, prepare_mask, schedule_for
 from kernels.planning.backward_schedule import dkdv_stages
 from kernels.planning.problem import OperandLayout, Problem
@@ -269,13 +269,7 @@ def test_a_captured_backward_keeps_a_plan_of_its_own(split_captured, monkeypatch
     monkeypatch.setattr(tuning, "HOPPER_BACKWARD_SPLIT_CAPTURED", split_captured)
     capturing = [False]
     monkeypatch.setattr(backward, "graph_capturing", lambda device: capturing[0])
-    scheduled = []
-    original = backward.schedule
-
-    def recorded(problem, options=None):
-        scheduled.append(problem.captured)
-        return original(problem, options)
-    monkeypatch.setattr(backward, "schedule", recorded)
+    scheduled = backward_schedules(monkeypatch)
     q, k, v = random_qkv(DIMS, torch.float16, device)
     grad_out = torch.randn_like(q)
     for capturing[0] in (False, True, False, True):

@@ -161,9 +161,8 @@ def three_consumer_gap(problem: Problem) -> str | None:
 def takes_three_consumers(problem: Problem) -> bool:
     """The schedule's default for a call on the Hopper forward: three consumer warpgroups
     (``tuning.HOPPER_FORWARD_THREE``) where they cover it without a mask or bias and both
-    lengths reach
-    ``tuning.HOPPER_FORWARD_THREE_MIN_LENGTH`` (the tuning note beside it has the
-    measurements)."""
+    lengths reach ``tuning.HOPPER_FORWARD_THREE_MIN_LENGTH`` (the tuning note beside it has
+    the measurements)."""
     least = tuning.HOPPER_FORWARD_THREE_MIN_LENGTH
     return (three_consumer_gap(problem) is None and problem.mask is None
             and problem.bias is None
@@ -264,8 +263,6 @@ def takes_documents(problem: Problem) -> bool:
     bias): 0.68-0.74x the Triton route's forward time."""
     if (problem.bias is not None
             and problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM):
-        return False
-    if full_bias(problem) and not tuning.HOPPER_FORWARD_FULL_BIAS:
         return False
     return (problem.shape.seqlen_q >= tuning.HOPPER_FORWARD_MIN_QUERIES
             and hopper_gap(problem, documents=True) is None)

@@ -9,8 +9,9 @@ tile walk reads every K and V block; these kernels read the kept rows alone:
   into an int32 list, and its length. One program per (row, chunk of keys) in both: the first
   counts its chunk's kept keys, the second sums the counts of the chunks before its own and
   writes its keys after theirs. ``_kept_list_kernel`` does both in one launch, each chunk
-  waiting for the counts before it (decoupled look-back). A ``KeyIntervals`` mask decides per key in O(1) (the rows
-  [max(start, first causal row), min(end, Lq)) are not empty); a bool mask ORs its rows.
+  waiting for the counts before it (decoupled look-back). A ``KeyIntervals`` mask decides
+  per key in O(1) (the rows [max(start, first causal row), min(end, Lq)) are not empty); a
+  bool mask ORs its rows.
 * ``_gather_decode_kernel``: one program per (batch, pack of query heads, key share) walks its
   share of a list in blocks of BLOCK_N entries: it gathers those K and V rows (and the mask's
   and bias's entries at those keys), tests each (row, key) pair again (rows of one call may
@@ -157,9 +158,9 @@ def _kept_list_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chunk
     each call's tag differs from the last), counts the chunk's kept keys, publishes the count,
     then adds the counts of the chunks before its own, read LOOKBACK at a time back from the
     nearest until one has published its prefix (decoupled look-back), publishes its own
-    prefix and writes its keys after the others'. Tickets go out in the order programs start, so every chunk a
-    program waits on belongs to a program already running: no wait can deadlock. The row's
-    last chunk writes the list's length."""
+    prefix and writes its keys after the others'. Tickets go out in the order programs start,
+    so every chunk a program waits on belongs to a program already running: no wait can
+    deadlock. The row's last chunk writes the list's length."""
     row = tl.program_id(0)
     ticket = tl.atomic_add(ptrs.tickets + row, 1)
     chunk = (ticket % num_chunks).to(tl.int32)
