@@ -85,11 +85,15 @@ def test_full_tiles_first_then_partial(causal, transposed, device):
     (False, (64, 16), (8, 16)),
     (True, (64, 32), (16, 32)),    # keys on rows: a (32 query, 64 key) tile of 2 x 2 map tiles
     (True, (32, 32), (32, 32)),
-], ids=("q32k64_of_16x16", "q64k16_of_8x16", "keys64q32_of_16x32", "keys32q32_of_32x32"))
+    (False, (48, 32), (16, 16)),   # 3 x 2 map tiles, as the three-warpgroup forward's 192 rows
+    (True, (32, 48), (16, 32)),    # keys on rows: 1 x 3 map tiles
+], ids=("q32k64_of_16x16", "q64k16_of_8x16", "keys64q32_of_16x32", "keys32q32_of_32x32",
+        "q48k32_of_16x16", "keys32q48_of_16x32"))
 def test_lists_derived_from_a_finer_map(causal, transposed, block, sub, device):
     """One activity map serves every kernel: lists for larger tiles, either orientation, come
-    out as if built from the mask at their own tile size. 290 x 300 leaves partial tiles whose
-    last map tiles lie past the map."""
+    out as if built from the mask at their own tile size, also where a tile holds a number of
+    map tiles that is not a power of two. 290 x 300 leaves partial tiles whose last map tiles
+    lie past the map."""
     dims = Dims(1, 290, 300, heads_q=2, heads_kv=1, head_dim=16)
     q, k, v = random_qkv(dims, torch.float32, device)
     mask = _mask_with_both_kinds(dims, device)

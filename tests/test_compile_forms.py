@@ -234,6 +234,29 @@ def test_a_graphs_warmup_runs_each_backward_as_a_capture_schedules_it(device, mo
     assert True in scheduled
 
 
+def test_a_backward_on_another_thread_is_scheduled_as_captured(device, monkeypatch,
+                                                               no_kept_plans):
+    """Autograd runs a CUDA backward on a thread of its own: a backward that runs on another
+    thread while ``scheduled_as_captured`` is open is scheduled as captured, and one after it
+    closes is not."""
+    from kernels.planning.backward import scheduled_as_captured
+
+    scheduled = backward_schedules(monkeypatch)
+    q, k, v = (torch.randn(1, 48, heads, 16, device=device).requires_grad_() for heads in (2, 1, 1))
+
+    def backward_on_a_thread():
+        out = dmattn_func(q, k, v, is_causal=True)
+        worker = threading.Thread(target=out.sum().backward)
+        worker.start()
+        worker.join()
+
+    with scheduled_as_captured():
+        backward_on_a_thread()
+    assert scheduled == [True]
+    backward_on_a_thread()
+    assert scheduled == [True]  # the eager plan is the forward's own: nothing scheduled
+
+
 def test_a_capture_after_a_graphs_warmup_compiles_nothing(device, no_kept_plans):
     """On a GPU: after ``warmup(graphs=True)``, a training step of the warmed form captured into
     a CUDA graph (bias.yaml's dense causal B1 H8/2 L2048 D128 on a Hopper GPU: its captured

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.arith import ceil_div
+from ..runtime.arith import ceil_div, next_power_of_2
 from ..runtime.launch import PlannedLaunch
 from ..triton_device.activity_kernels import (_compact_kernel, _interval_activity_kernel,
                                               _tile_activity_kernel)
@@ -291,7 +291,8 @@ class ListCompaction:
             FR=fr, FC=fc, TRANSPOSED=bool(transposed),
             # A fixed chunk, not one that follows the number of columns, so that a new length
             # compiles nothing (the chunk loop masks the columns past the row).
-            CHUNK=max(16, 1024 // (fr * fc)), num_warps=4,
+            CHUNK=max(16, 1024 // next_power_of_2(fr * fc)),
+            SUB_TILES=next_power_of_2(fr * fc), num_warps=4,
         )
 
     def __call__(self, activity: ActivityMap) -> BlockLists:

@@ -253,19 +253,28 @@ def _triton_fallback(fwd, problem, grad_out, query, key, value, dq, dk, dv, acti
     return make
 
 
-_scheduling = threading.local()
+class _Scheduling:
+    """How many ``scheduled_as_captured`` blocks are open, process-wide: autograd runs a CUDA
+    backward on a thread of its own, not the caller's, so a thread-local flag set by the
+    caller is never seen there (on an H200 the warm-up's captured schedules were never made)."""
+    lock = threading.Lock()
+    open_blocks = 0
 
 
 @contextmanager
 def scheduled_as_captured():
-    """Within this, this thread's backwards are scheduled as a CUDA graph capture schedules
-    them (``Problem.captured``) and run eagerly, so that their plans and kernels exist before
-    a capture needs them (``kernels.warmup(graphs=True)``)."""
-    _scheduling.captured = True
+    """Within this, backwards are scheduled as a CUDA graph capture schedules them
+    (``Problem.captured``) and run eagerly, so that their plans and kernels exist before a
+    capture needs them (``kernels.warmup(graphs=True)``). It holds for the whole process: a
+    backward another thread runs meanwhile takes the captured schedule too (a different plan,
+    the same results)."""
+    with _Scheduling.lock:
+        _Scheduling.open_blocks += 1
     try:
         yield
     finally:
-        _scheduling.captured = False
+        with _Scheduling.lock:
+            _Scheduling.open_blocks -= 1
 
 
 def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
@@ -287,7 +296,7 @@ def attention_backward(fwd, grad_out, query, key, value, out, lse, mask, bias,
     # A backward captured into a CUDA graph may be scheduled by GPU time alone
     # (``tuning.HOPPER_BACKWARD_SPLIT_CAPTURED``): its plan is kept apart from the eager one.
     captured = tuning.HOPPER_BACKWARD_SPLIT_CAPTURED and (
-        graph_capturing(query.device) or getattr(_scheduling, "captured", False))
+        graph_capturing(query.device) or _Scheduling.open_blocks > 0)
     signature = (grad_out.stride(), grad_out.dtype, bool(deterministic), bool(bias_needs_grad),
                  captured)
     plan = fwd.backward_plans.get(signature)

@@ -66,12 +66,14 @@ def _tile_activity_kernel(
 @triton.jit
 def _compact_kernel(active_ptr, table_ptr, map_rows, map_cols, num_rows, num_cols,
                     FR: tl.constexpr, FC: tl.constexpr, TRANSPOSED: tl.constexpr,
-                    CHUNK: tl.constexpr):
+                    CHUNK: tl.constexpr, SUB_TILES: tl.constexpr):
     """One table row per list row: (count, full count, the full column blocks in order, then
     the partial ones). A list tile covers FR x FC map tiles (FR along the list's rows); it is
     inactive if all of them are, full if all are full, else partial. Map tiles past the map
     lie past the lengths: they count as inactive and keep the tile from being full.
     TRANSPOSED lists put keys on rows (the dkdv kernel's); the map always has queries on rows.
+    SUB_TILES is FR x FC rounded up to a power of two (a 192-row tile has FR = 3): the padding
+    counts as full and active-free, so it changes neither test.
     """
     pid = tl.program_id(0)
     bh = pid // num_rows
@@ -79,7 +81,8 @@ def _compact_kernel(active_ptr, table_ptr, map_rows, map_cols, num_rows, num_col
     map_base = active_ptr + bh.to(tl.int64) * map_rows * map_cols
     table_row = table_ptr + pid.to(tl.int64) * (num_cols + 2)
     offs = tl.arange(0, CHUNK)
-    sub = tl.arange(0, FR * FC)
+    sub = tl.arange(0, SUB_TILES)
+    real = (sub < FR * FC)[None, :]
     sub_r = (row * FR + sub // FC)[None, :]
     count = 0
     # Pass 0 collects full tiles (activity 2), pass 1 partial ones (activity 1).
@@ -92,9 +95,9 @@ def _compact_kernel(active_ptr, table_ptr, map_rows, map_cols, num_rows, num_col
             else:
                 q_sub, k_sub = sub_r, sub_c
             sub_activity = tl.load(map_base + q_sub * map_cols + k_sub,
-                                   mask=(q_sub < map_rows) & (k_sub < map_cols), other=0)
+                                   mask=real & (q_sub < map_rows) & (k_sub < map_cols), other=0)
             any_active = tl.max(sub_activity, 1) > 0
-            all_full = tl.min(sub_activity, 1) == 2
+            all_full = tl.min(tl.where(real, sub_activity, 2), 1) == 2
             activity = tl.where(all_full, 2, tl.where(any_active, 1, 0))
             activity = tl.where(cols < num_cols, activity, 0)
             flags = (activity == 2 - part).to(tl.int32)

@@ -148,7 +148,10 @@ STATUS_PREFIX = tl.constexpr(1 << 32)
 STATUS_COUNT = tl.constexpr((1 << 32) - 1)
 
 
-@triton.jit
+# num_chunks is not specialized: at 1 (one chunk of keys) the look-back loop folds to a
+# constant and Triton 3.6's coalescing pass fails on what remains (PassManager::run failed,
+# offline sm_90a).
+@triton.jit(do_not_specialize=["num_chunks"])
 def _kept_list_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chunks, capacity,
                       MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, CHUNK: tl.constexpr,
                       LOOKBACK: tl.constexpr):
