@@ -187,12 +187,12 @@ class GatherDecodePlan:
         num_chunks = ceil_div(shape.seqlen_k, chunk)
         list_args = (mask_layout, sizes, list_heads, scan_rows, num_chunks)
         list_options = dict(MASK_KIND=mask_kind_code, IS_CAUSAL=problem.is_causal, CHUNK=chunk,
-                            num_warps=4, num_stages=1)
+                            num_warps=tuning.GATHER_LIST_WARPS, num_stages=1)
         self.counts = PlannedLaunch(_kept_counts_kernel, (list_rows, num_chunks), KeptPointers,
                                     list_args, **list_options)
         self.lists = PlannedLaunch(_kept_keys_kernel, (list_rows, num_chunks), KeptPointers,
                                    (num_chunks, tile.capacity), CHUNK=chunk, COUNTS_BLOCK=256,
-                                   num_warps=4, num_stages=1)
+                                   num_warps=tuning.GATHER_LIST_WARPS, num_stages=1)
         self.one_pass = None
         if tuning.GATHER_ONE_LIST_PASS:
             self.one_pass = PlannedLaunch(_kept_list_kernel, (list_rows, num_chunks),

@@ -469,6 +469,7 @@ GATHER_PROGRAMS_PER_SM = 4
 # steps took 54 us (intervals) and 39 us (bool) of a 92 us decode step (H200, B8 H32/8
 # Lq1 Lk32768 W2048): a (row, chunk) grid spreads it over the GPU.
 GATHER_LIST_CHUNK = 1024
+GATHER_LIST_WARPS = 4
 # Whether the gather route builds its lists in one launch (``gather_kernels._kept_list_kernel``:
 # each (row, chunk) program adds the counts the chunks before it publish) rather than two (the
 # chunks' counts, then their keys): the same lists. The two launches cost ~9 us of GPU and ~27
