@@ -28,7 +28,9 @@ def test_one_list_pass_lists_what_two_do(device, monkeypatch, no_kept_plans, for
     from kernels.runtime import launch
 
     rows = 3 if form == "bool-rows" else 1
-    dims = Dims(2, rows, 700, 4, 2, 16)  # 11 chunks of the interpreter's 64 keys
+    # 11 chunks of 64 keys (the interpreter's chunk; on a GPU too, so that chunks wait on others)
+    monkeypatch.setattr(tuning, "GATHER_LIST_CHUNK", 64)
+    dims = Dims(2, rows, 700, 4, 2, 16)
     q, k, v = random_qkv(dims, torch.float16, device)
     bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.float16, device)
     if form == "intervals":  # a new object each call: a second call would prepare it
