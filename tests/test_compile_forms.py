@@ -272,8 +272,12 @@ def test_a_capture_after_a_graphs_warmup_compiles_nothing(device, no_kept_plans)
     grad_out = torch.randn_like(q)
 
     def step():
+        # The output is returned detached: a step's autograd graph kept alive keeps its leaves'
+        # AccumulateGrad nodes on the stream it ran on (the default stream for the eager
+        # step), and the capture's backward then waits on that stream, which a capture
+        # refuses (cudaErrorStreamCaptureImplicit on the H200).
         out = dmattn_func(*leaves, is_causal=True)
-        return (out, *torch.autograd.grad(out, leaves, grad_out))
+        return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
 
     eager = step()
     stream = torch.cuda.Stream()

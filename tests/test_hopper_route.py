@@ -559,8 +559,12 @@ def test_three_consumer_warpgroups_read_key_rows(device, no_kept_plans, sizes, c
     """Three consumer warpgroups (forced) under a bool mask of one row for every query row,
     KeyIntervals (as the call gives them, and prepared) and a key-ordered top-W selection,
     with or without a kv_row bias read from a padded row: out and LSE against the float64
-    reference, into poisoned outputs, every forward on the Hopper route."""
+    reference, into poisoned outputs, every forward on the Hopper route. The route reads the
+    mask through TMA: the bool rows come from rows padded to 16 bytes, and the intervals'
+    keys are made even (their int64 words, one row per mask head, 8 x Lk bytes apart)."""
     dims = Dims(*sizes)
+    if form != "row" and dims.seqlen_k % 2:
+        dims = replace(dims, seqlen_k=dims.seqlen_k + 1)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     bias = None
     if biased:
@@ -568,7 +572,9 @@ def test_three_consumer_warpgroups_read_key_rows(device, no_kept_plans, sizes, c
         bias = torch.randn(dims.batch, dims.heads_kv, 1, padded, device=device)
         bias = bias.to(torch.bfloat16)[..., :dims.seqlen_k]
     if form == "row":
-        mask = random_mask(dims.operand_shape("B", "Hk", "1", "Lk"), device, 0.4)
+        padded = -dims.seqlen_k % 16 + dims.seqlen_k
+        mask = random_mask((*dims.operand_shape("B", "Hk", "1", "Lk")[:3], padded), device,
+                           0.4)[..., :dims.seqlen_k]
     elif form == "top-W":
         selection = torch.randn(dims.batch, dims.heads_kv, 1, dims.seqlen_k, device=device)
         mask = topk_intervals(selection, max(dims.seqlen_k // 8, 1), seqlen_q=dims.seqlen_q,
