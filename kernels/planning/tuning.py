@@ -221,7 +221,10 @@ HOPPER_FORWARD = HopperTile(64, 128, 2, 240, 24)
 HOPPER_FORWARD_THREE = HopperTile(64, 128, 2, 160, 24, consumers=3, overlap=False)
 HOPPER_FORWARD_THREE_MAX_HEAD_DIM = 64
 # The default takes HOPPER_FORWARD_THREE for a call without a mask or bias whose query rows
-# and keys both number at least this (``hopper_forward.takes_three_consumers``).
+# and keys both number at least this (``hopper_forward.takes_three_consumers``). Under key-row
+# masks (forced, 192-row lists) it lost to two warpgroups: top-W W1024 with a kv_row bias, B1
+# H16/4, D32/D64, CUDA graphs (85291d7), 0.88-0.93x bool and intervals at L16384, 0.91-0.93x
+# bool and 0.69x intervals at L4096.
 HOPPER_FORWARD_THREE_MIN_LENGTH = 8192
 # Where a call takes the Hopper forward: at least this many query rows, and its tiles walk at
 # least this many key blocks on average (``hopper_forward.mean_key_blocks``), else the
@@ -237,9 +240,12 @@ HOPPER_FORWARD_MIN_QUERIES = 512
 HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
 # Whether a full bias (a row per query row) takes the Hopper forward by default, where it also
 # meets the rules above (``hopper_forward.takes_hopper``); ``kernel_options['forward_route']``
-# 'hopper' takes it either way. Off until measured on a GPU: each warpgroup's [64, 128] tile
-# of the bias comes through a slot of its own (``hopper_device.bias.ForwardBias``), 16 KB a
-# block beside K's and V's 32 KB each at head dim 128.
+# 'hopper' takes it either way. Each warpgroup's [64, 128] tile of the bias comes through a
+# slot of its own (``hopper_device.bias.ForwardBias``), 16 KB a block beside K's and V's 32 KB
+# each at head dim 128; one slot, so a tile's load waits for the former tile's scores. Off: it
+# trails the Triton route, bias.yaml fwd as CUDA graphs (B1 H8/2 L2048 D128 causal, 85291d7),
+# forced Hopper over default 1.06-1.08x the time dense (kv_full, q_full, shared: 42.7-44.5
+# against 40.1-41.7 us), 1.15-1.19x under a sliding window.
 HOPPER_FORWARD_FULL_BIAS = False
 # Whether preparing KeyIntervals recognizes those that are exactly packed documents
 # (``masks.found_documents``), so that the Hopper kernels walk them as they walk varlen's own.
@@ -474,7 +480,11 @@ GATHER_LIST_WARPS = 4
 # each (row, chunk) program adds the counts the chunks before it publish) rather than two (the
 # chunks' counts, then their keys): the same lists. The two launches cost ~9 us of GPU and ~27
 # us of eager host time a decode step (H200, B8 H32/8 Lk32768 W2048 bool read by the call:
-# eager 0.122 ms against 0.086 prepared, as CUDA graphs 0.049 against 0.040). Off until it has
-# run and been measured on a GPU (its waits spin on other programs' published counts, which
-# the interpreter, running programs one at a time, never exercises).
+# eager 0.122 ms against 0.086 prepared, as CUDA graphs 0.049 against 0.040). Off: its lists
+# equal the two passes' on the H200 (64-key chunks, and B8 H32/8 Lk131072 at once), but as
+# CUDA graphs it saves nothing (85291d7, per-call step us at Lk8192 / 32768 W2048 / 32768
+# W4096 / 131072 W4096: one pass 26.9 / 51.7 / 70.0 / 90.9, two 25.0 / 49.0 / 67.3 / 86.9);
+# 4096 or 8192 keys per program with 8 warps changed neither by more than 2 us except 8192 at
+# Lk131072 (+8 us). The per-call step at Lk131072 stays 26 us over the prepared one whatever
+# the lists' form: not yet profiled.
 GATHER_ONE_LIST_PASS = False
