@@ -73,7 +73,8 @@ def _compact_kernel(active_ptr, table_ptr, map_rows, map_cols, num_rows, num_col
     lie past the lengths: they count as inactive and keep the tile from being full.
     TRANSPOSED lists put keys on rows (the dkdv kernel's); the map always has queries on rows.
     SUB_TILES is FR x FC rounded up to a power of two (a 192-row tile has FR = 3): the padding
-    counts as full and active-free, so it changes neither test.
+    reads as inactive to the any-active test and as full to the all-full one, so it changes
+    neither.
     """
     pid = tl.program_id(0)
     bh = pid // num_rows
