@@ -180,10 +180,13 @@ class IntervalReader(MaskReader):
     def __init__(self, mask: BroadcastOperand, activity: ActivityMap, shape, is_causal: bool):
         self.view_size, self.view_stride = tuple(mask.view.shape), mask.view.stride()
         pairs = mask.interval_pairs
-        self.words_shape, self.device = tuple(pairs.shape[:-1]), pairs.device
+        # The words' rows as the plan's operand holds them: an even number of keys apart.
+        words_row = pairs.stride(1) // 2
+        self.words_shape, self.device = (*pairs.shape[:2], words_row), pairs.device
         self.activity_pass = IntervalActivityPass(mask.interval_source, pairs.shape[0],
-                                                  pairs.shape[1], shape, activity.sub_rows,
-                                                  activity.sub_cols, is_causal)
+                                                  pairs.shape[1], words_row, shape,
+                                                  activity.sub_rows, activity.sub_cols,
+                                                  is_causal)
 
     def __call__(self, intervals: KeyIntervals) -> tuple[torch.Tensor, ActivityMap, None]:
         words = torch.empty(self.words_shape, dtype=torch.int64, device=self.device)

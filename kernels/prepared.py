@@ -28,7 +28,6 @@ from .planning.forward_schedule import forward_list_tiles
 from .planning.hopper_forward import list_tile as hopper_list_tile, may_take_masks
 from .planning.gather_decode import count_kept_keys
 from .planning.inputs import AttnShape, check_flags, check_inputs
-from .planning.problem import tma_mask
 from .planning.schedule import schedule
 from .runtime.launch import ensure_runnable
 from .runtime.scratch import graph_capturing, tensor_version
@@ -120,19 +119,14 @@ def _as_intervals(attn_mask, checked, query, is_causal) -> KeyIntervals | None:
     order where it cuts the rows its key blocks span by ``tuning.BOOL_MASK_RUNS_ORDER_GAIN``
     and the pairs walked by ``tuning.BOOL_MASK_RUNS_ORDER_LEAST_SAVED_PAIRS``, or None: only
     with ``tuning.BOOL_MASK_RUNS``, for calls of more than ``tuning.GATHER_MAX_ROWS`` query
-    rows (decode keeps its prepared bool mask), a mask
-    whose key axis is not broadcast and whose every key is kept by one run of rows; never
-    during a CUDA graph capture (the test reads back), nor where the Hopper kernels could read
-    the bool mask and not the intervals (an odd Lk)."""
+    rows (decode keeps its prepared bool mask), a mask whose key axis is not broadcast and
+    whose every key is kept by one run of rows; never during a CUDA graph capture (the test
+    reads back)."""
     shape = checked.shape
     if (not tuning.BOOL_MASK_RUNS or not isinstance(attn_mask, torch.Tensor)
             or shape.seqlen_q <= tuning.GATHER_MAX_ROWS or graph_capturing(query.device)):
         return None
     if attn_mask.shape[3] != shape.seqlen_k:  # one key broadcast along the key axis
-        return None
-    if shape.seqlen_k % 2 and max(attn_mask.shape[:2]) > 1 and tma_mask(checked.mask):
-        # The Hopper kernels read the bool mask's rows through TMA, but not the intervals'
-        # words (one row per mask batch and head), 8 x Lk bytes apart, not a multiple of 16.
         return None
     runs = key_runs(attn_mask, shape.seqlen_q, shape.seqlen_k, is_causal)
     if runs is None:

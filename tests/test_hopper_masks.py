@@ -194,17 +194,20 @@ def test_the_mask_kind_follows_the_mask():
 
 
 def test_tma_reads_interval_words_with_16_byte_strides():
+    """KeyIntervals' int64 words sit in rows of an even number of keys, so TMA reads them at
+    any key length: at Lk 63 each (batch, head) row of words is 64 words (512 bytes) long."""
     dims = Dims(2, 64, 64, 4, 2, 64)
     q, k, v = random_qkv(dims, torch.bfloat16, "cpu")
-    for seqlen_k, readable in ((64, True), (63, False)):
+    for seqlen_k in (64, 63):
         k2, v2 = k[:, :seqlen_k], v[:, :seqlen_k]
         dims_k = Dims(2, 64, seqlen_k, 4, 2, 64)
         mask = check_inputs(q, k2, v2, random_intervals(dims_k, "Hk", "B", "cpu"), None,
                             None).mask
-        assert tma_mask(mask) is readable  # an odd Lk gives 8 x Lk-byte head strides
+        assert tma_mask(mask), seqlen_k
+        assert mask.view.stride()[:2] == (2 * 64, 64), seqlen_k
     view = mask.view.view(torch.int32)  # the kernel reads (start, end) int32 pairs
     shape, strides, head_div, batches = mask_geometry(view, heads_q=4, words=True)
-    assert shape == [2, 2, 126] and strides[-1] == 1 and head_div == 2 and batches == 1
+    assert shape == [2, 2, 126] and strides == [256, 128, 1] and head_div == 2 and batches == 1
 
 
 # -- device side: a Hopper GPU
@@ -396,9 +399,9 @@ def test_biased_hopper_forward_on_random_shapes(device):
 def test_a_full_bias_on_the_hopper_forward_on_random_shapes(device, consumers):
     """A seeded fuzz of 80 forced calls with a full bias (a row per query row) in a random
     broadcast (keys sliced from rows padded to 16 bytes, some -inf entries), with no mask, a
-    bool mask (per query row at head dims up to 64, one row), or KeyIntervals at even key
-    lengths (whose words TMA reads): out and LSE against the float64 reference, every forward
-    on the Hopper route; two warpgroups, and three at head dims up to 64."""
+    bool mask (per query row at head dims up to 64, one row), or KeyIntervals: out and LSE
+    against the float64 reference, every forward on the Hopper route; two warpgroups, and
+    three at head dims up to 64."""
     from attn_helpers import forcing
 
     rng = random.Random(90 + consumers)
@@ -418,8 +421,6 @@ def test_a_full_bias_on_the_hopper_forward_on_random_shapes(device, consumers):
         if rng.random() < 0.2:
             bias[..., rng.randrange(dims.seqlen_q), rng.randrange(dims.seqlen_k)] = float("-inf")
         form = rng.choice(["none", "row", "intervals", "tile"])
-        if form == "intervals" and dims.seqlen_k % 2:  # 8 x Lk-byte strides: not TMA's
-            form = "row"
         mask = None
         if form == "tile" and dims.head_dim <= 64 and consumers == 2:
             mask = fuzzed_mask(rng, dims, device)

@@ -560,11 +560,9 @@ def test_three_consumer_warpgroups_read_key_rows(device, no_kept_plans, sizes, c
     KeyIntervals (as the call gives them, and prepared) and a key-ordered top-W selection,
     with or without a kv_row bias read from a padded row: out and LSE against the float64
     reference, into poisoned outputs, every forward on the Hopper route. The route reads the
-    mask through TMA: the bool rows come from rows padded to 16 bytes, and the intervals'
-    keys are made even (their int64 words, one row per mask head, 8 x Lk bytes apart)."""
+    mask through TMA: the bool rows come from rows padded to 16 bytes; the intervals' words
+    sit in rows of an even number of keys at any Lk."""
     dims = Dims(*sizes)
-    if form != "row" and dims.seqlen_k % 2:
-        dims = replace(dims, seqlen_k=dims.seqlen_k + 1)
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     bias = None
     if biased:

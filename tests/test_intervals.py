@@ -105,10 +105,12 @@ def test_to_dense_follows_the_definition(dtype, seqlen_q):
 
 # -- the kernel operand
 def test_kernel_operand_layout():
-    intervals = random_intervals((2, 3, 17), 9)
-    operand = intervals.kernel_operand()
-    assert operand.dtype == torch.int32 and operand.shape == (2, 3, 17, 2)
-    assert operand.is_contiguous()
+    """Pairs in rows of an even number of keys: 17 keys sit 18 pairs apart, 16 keys 16."""
+    for keys, row in ((16, 16), (17, 18)):
+        intervals = random_intervals((2, 3, keys), 9)
+        operand = intervals.kernel_operand()
+        assert operand.dtype == torch.int32 and operand.shape == (2, 3, keys, 2)
+        assert operand.stride() == (3 * row * 2, row * 2, 2, 1)
     assert torch.equal(operand[..., 0], intervals.start.clamp(0, INT32_MAX).int())
     assert torch.equal(operand[..., 1], intervals.end.clamp(0, INT32_MAX).int())
 

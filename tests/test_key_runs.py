@@ -184,7 +184,7 @@ def test_prepared_runs_refuse_another_call_form_and_a_written_mask(monkeypatch, 
 def test_masks_that_stay_bool(monkeypatch, device):
     """With the option off every mask stays bool; with it on: a mask whose keys are not runs,
     one broadcast along the keys, and decode-sized calls (the gather route's prepared bool
-    mask) stay bool masks."""
+    mask) stay bool masks; masks of runs at an odd key length do not."""
     dims = Dims(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_kv=1, head_dim=16)
     q, k, _ = random_qkv(dims, torch.float16, device)
     sliding = _sliding(64, 64, 9).to(device)
@@ -198,15 +198,14 @@ def test_masks_that_stay_bool(monkeypatch, device):
     assert prepare_mask(keys, q, k).intervals is None
     decode = random_qkv(Dims(1, 1, 64, 2, 1, 16), torch.float16, device)[0]
     assert prepare_mask(sliding[:, :, -1:], decode, k, is_causal=True).intervals is None
-    # An odd Lk over two key heads: rows padded to 16 bytes are TMA-readable as a bool mask,
-    # not as intervals (8 x 63 bytes apart), so that mask stays bool; a contiguous one is read
-    # by neither and becomes intervals.
+    # An odd Lk over two key heads: the intervals' words sit in rows of an even number of
+    # keys, so TMA reads them as it reads the bool mask's padded rows; both become intervals.
     odd = Dims(batch=1, seqlen_q=64, seqlen_k=63, heads_q=4, heads_kv=2, head_dim=16)
     q, k, _ = random_qkv(odd, torch.float16, device)
     window = _sliding(64, 63, 9).expand(1, 2, 64, 63).to(device)
     padded = torch.zeros(1, 2, 64, 64, dtype=torch.bool, device=device)[..., :63]
     padded.copy_(window)
-    assert prepare_mask(padded, q, k, is_causal=True).intervals is None
+    assert prepare_mask(padded, q, k, is_causal=True).intervals is not None
     assert prepare_mask(window.contiguous(), q, k, is_causal=True).intervals is not None
 
 

@@ -12,7 +12,7 @@ a per-key bias (``topk_intervals``).
 
 What the kernels read, and the rule their tile skipping follows:
 
-* ``kernel_operand()``: one int32 tensor (Bm', Hm', Lk, 2): each key's start, then its end.
+* ``kernel_operand()``: an int32 tensor (Bm', Hm', Lk, 2): each key's start, then its end.
 * ``block_bounds(block_n)``: per block of ``block_n`` keys, the four bounds that decide whether
   a tile of query rows [m0, m1) by that key block may have a visible pair (active), and whether
   every pair of it is visible (full). See :class:`IntervalBlockBounds`. The kernels compute the
@@ -250,16 +250,24 @@ class KeyIntervals:
         return start, end
 
     def kernel_operand(self) -> torch.Tensor:
-        """One contiguous int32 tensor (Bm', Hm', Lk, 2): key j's start at [..., j, 0] and its
-        end at [..., j, 1], interleaved as the kernels read them.
+        """An int32 tensor (Bm', Hm', Lk, 2): key j's start at [..., j, 0] and its end at
+        [..., j, 1], interleaved as the kernels read them, in rows of an even number of keys
+        (a view of (Bm', Hm', Lk + Lk % 2, 2)), so that the int64 word per key the kernels
+        read (``planning.inputs.interval_words``) has rows 16 bytes apart at any Lk, as TMA
+        requires of the Hopper kernels' mask operand.
 
         Bm' is Bm, or 1 when both tensors broadcast over batch with stride 0; Hm' likewise
         (a size-1 axis broadcasts like any mask axis). Values are clamped into [0, 2**31 - 1],
-        which keeps their meaning for every row 0 <= i < 2**31 - 1. Two torch ops for int32
-        intervals (stack, then clamp in place), three for int64 (and the cast).
+        which keeps their meaning for every row 0 <= i < 2**31 - 1. Made once per plan.
         """
         start, end = self._collapsed()
-        return torch.stack((start, end), dim=-1).clamp_(0, INT32_MAX).to(torch.int32)
+        keys = start.shape[-1]
+        padded = torch.empty((*start.shape[:-1], keys + keys % 2, 2), dtype=torch.int32,
+                             device=start.device)
+        pairs = padded[..., :keys, :]
+        pairs[..., 0] = start.clamp(0, INT32_MAX)
+        pairs[..., 1] = end.clamp(0, INT32_MAX)
+        return pairs
 
     def block_bounds(self, block_n: int) -> IntervalBlockBounds:
         """Per block of ``block_n`` keys, the bounds of :class:`IntervalBlockBounds`, in

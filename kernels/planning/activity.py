@@ -190,8 +190,8 @@ class IntervalActivityPass:
     (``interface``), so that a call spends no host time on the launch's grid or form."""
 
     def __init__(self, source: tuple[torch.Tensor, torch.Tensor], mask_batch: int,
-                 mask_heads: int, shape: AttnShape, sub_rows: int, sub_cols: int,
-                 is_causal: bool):
+                 mask_heads: int, words_row: int, shape: AttnShape, sub_rows: int,
+                 sub_cols: int, is_causal: bool):
         map_rows, map_cols = ceil_div(shape.seqlen_q, sub_rows), ceil_div(shape.seqlen_k, sub_cols)
         self.map_shape = (mask_batch, mask_heads, map_rows, map_cols)
         self.sub_rows, self.sub_cols = sub_rows, sub_cols
@@ -208,14 +208,16 @@ class IntervalActivityPass:
         grid = (ceil_div(map_rows, rows), ceil_div(map_cols, cols), mask_batch * mask_heads)
         self.launch = PlannedLaunch(
             _interval_activity_kernel, grid, None,
-            (*strides, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols),
+            (*strides, mask_heads, shape.seqlen_q, shape.seqlen_k, map_rows, map_cols,
+             words_row),
             SUB_ROWS=sub_rows, SUB_COLS=sub_cols, ROWS=rows, COLS=cols,
             IS_CAUSAL=bool(is_causal), num_warps=4)
 
     def __call__(self, start: torch.Tensor, end: torch.Tensor,
                  words: torch.Tensor) -> ActivityMap:
         """The map of intervals ``start`` and ``end`` (of the planned form); their words are
-        written into ``words``, a contiguous int64 (Bm', Hm', Lk) tensor."""
+        written into ``words``, an int64 (Bm', Hm', Lk) tensor whose rows are the planned
+        ``words_row`` apart (``KeyIntervals.kernel_operand``'s layout)."""
         active = torch.empty(self.map_shape, dtype=torch.int8, device=words.device)
         self.launch(start, end, words, active)
         return ActivityMap(active, self.sub_rows, self.sub_cols)
@@ -231,9 +233,10 @@ def interval_activity(mask: BroadcastOperand, shape: AttnShape, sub_rows: int, s
     the tile lies inside both lengths, exactly as ``_tile_activity_kernel`` counts it. One
     launch in place of ~45 torch ops, which cost ~1.1 ms of host time per call at L1024 on the
     H100 host. The launch also rewrites the operand's words, with the values they hold."""
-    words = interval_words(mask.interval_pairs)  # (Bm', Hm', Lk) int64, contiguous
-    return IntervalActivityPass(mask.interval_source, words.shape[0], words.shape[1], shape,
-                                sub_rows, sub_cols, is_causal)(*mask.interval_source, words)
+    words = interval_words(mask.interval_pairs)  # (Bm', Hm', Lk) int64, rows of even length
+    return IntervalActivityPass(mask.interval_source, words.shape[0], words.shape[1],
+                                words.stride(1), shape, sub_rows, sub_cols,
+                                is_causal)(*mask.interval_source, words)
 
 
 @dataclass(frozen=True)

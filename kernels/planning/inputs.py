@@ -131,9 +131,10 @@ def _check_broadcast(name: str, t: torch.Tensor, shape: AttnShape, device) -> Br
 
 
 def interval_words(pairs: torch.Tensor) -> torch.Tensor:
-    """The int64 (Bm', Hm', Lk) view of contiguous int32 (start, end) pairs (Bm', Hm', Lk, 2):
-    one word per key, its start in the low half and its end in the high half (little-endian,
-    as every CUDA device and CPU torch runs on). No copy."""
+    """The int64 (Bm', Hm', Lk) view of int32 (start, end) pairs (Bm', Hm', Lk, 2) whose last
+    two axes are contiguous (``KeyIntervals.kernel_operand``: rows of an even number of
+    keys): one word per key, its start in the low half and its end in the high half
+    (little-endian, as every CUDA device and CPU torch runs on). No copy."""
     return pairs.view(torch.int64).squeeze(-1)
 
 

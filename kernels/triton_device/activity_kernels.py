@@ -115,7 +115,7 @@ def _compact_kernel(active_ptr, table_ptr, map_rows, map_cols, num_rows, num_col
 def _interval_activity_kernel(
     start_ptr, end_ptr, words_ptr, active_ptr,
     stride_start_b, stride_start_h, stride_start_k, stride_end_b, stride_end_h, stride_end_k,
-    heads, seqlen_q, seqlen_k, map_rows, map_cols,
+    heads, seqlen_q, seqlen_k, map_rows, map_cols, words_row,
     SUB_ROWS: tl.constexpr, SUB_COLS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
 ):
@@ -123,8 +123,8 @@ def _interval_activity_kernel(
     batch). It reads its COLS key blocks (SUB_COLS keys each) of ``start`` and ``end`` as the
     caller gave them (int32 or int64, any strides; a broadcast axis has stride 0), clamps them
     into [0, 2**31 - 1] and, in the programs of the first row chunk, writes each key's int64
-    word (start in the low half, end in the high half: ``inputs.interval_words``), which the
-    attention kernels read. Then the bounds of each key block and every tile's activity, as
+    word (start in the low half, end in the high half: ``inputs.interval_words``; the words
+    of one (batch, head) ``words_row`` apart), which the attention kernels read. Then the bounds of each key block and every tile's activity, as
     ``intervals.IntervalBlockBounds`` defines them: a tile of rows [m0, m1) is active where
     min_start < m1 and max_end > m0 over the block's non-empty intervals, and full (2) where
     max_start <= m0 and min_end >= m1 over all of them and the tile lies inside both lengths.
@@ -143,7 +143,7 @@ def _interval_activity_kernel(
     start, end = clamped_bounds(start, end)
     if tl.program_id(0) == 0:
         words = (end.to(tl.int64) << 32) | start.to(tl.int64)
-        tl.store(words_ptr + bh.to(tl.int64) * seqlen_k + key_offsets, words, mask=key_ok)
+        tl.store(words_ptr + bh.to(tl.int64) * words_row + key_offsets, words, mask=key_ok)
     if IS_CAUSAL:
         start = tl.maximum(start, keys - (seqlen_k - seqlen_q))
     live = key_ok & (start < end)
