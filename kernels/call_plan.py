@@ -27,7 +27,7 @@ import torch
 from .masks.intervals import KeyIntervals
 from .planning.activity import ActivityMap, IntervalActivityPass, TileActivityPass
 from .planning.forward import ForwardPlan, plan_schedule
-from .planning.inputs import BroadcastOperand, check_inputs
+from .planning.inputs import BroadcastOperand, check_inputs, interval_words
 from .planning.schedule import normalize_options
 from .prepared import PreparedMask, prepared_intervals
 from .runtime.launch import ensure_runnable
@@ -181,7 +181,7 @@ class IntervalReader(MaskReader):
         self.view_size, self.view_stride = tuple(mask.view.shape), mask.view.stride()
         pairs = mask.interval_pairs
         # The words' rows as the plan's operand holds them: an even number of keys apart.
-        words_row = pairs.stride(1) // 2
+        words_row = interval_words(pairs).stride(1)
         self.words_shape, self.device = (*pairs.shape[:2], words_row), pairs.device
         self.activity_pass = IntervalActivityPass(mask.interval_source, pairs.shape[0],
                                                   pairs.shape[1], words_row, shape,

@@ -98,13 +98,20 @@ def fuzzed_dims(rng, max_batch: int, max_length: int) -> Dims:
                 8 * rng.randint(1, 16))
 
 
+def tma_keys(seqlen_k: int, element_bytes: int) -> int:
+    """``seqlen_k`` rounded up to a multiple of 16 bytes of ``element_bytes`` elements: the
+    length of rows an operand of ``seqlen_k`` keys is sliced from, so that TMA reads it."""
+    per_16_bytes = 16 // element_bytes
+    return -(-seqlen_k // per_16_bytes) * per_16_bytes
+
+
 def fuzzed_mask(rng, dims: Dims, device) -> torch.Tensor:
     """A random bool mask for a fuzz case: any batch and head broadcast (a stride-0 expand of
     a batch of one too), keep 0-100% (empty rows and key blocks no row sees), and odd key
     lengths as a slice of rows padded to 16 bytes, which TMA can read."""
     batch, heads = rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"])
     shape = dims.operand_shape(batch, heads, "Lq", "Lk")
-    padded = -(-dims.seqlen_k // 16) * 16
+    padded = tma_keys(dims.seqlen_k, 1)
     keep = rng.choice([0.0, 0.01, 0.3, 0.9, 1.0])
     mask = random_mask((*shape[:3], padded), device, keep)[..., :dims.seqlen_k]
     if batch == "1" and rng.random() < 0.3:

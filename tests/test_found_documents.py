@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attn_helpers import assert_close_to_reference
+from hopper_helpers import tma_keys
 from kernels import KeyIntervals, prepare_mask
 from kernels.masks.found_documents import find_documents
 from kernels.planning import tuning
@@ -142,7 +143,7 @@ def test_found_documents_walk_on_the_hopper_kernels(device, monkeypatch, causal_
     total = int(offsets[-1])
     q, k, v = (torch.randn(1, total, heads, 128, device=device, dtype=torch.bfloat16)
                for heads in (8, 2, 2))
-    padded = -(-total // 8) * 8  # rows 16-byte aligned, as the forward's TMA reads them
+    padded = tma_keys(total, 2)
     bias = (torch.randn(1, 2, 1, padded, device=device).to(torch.bfloat16)[..., :total]
             if with_bias else None)
     prepared = prepare_mask(intervals, q, k, is_causal=False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attn_helpers import assert_close_to_reference
-from hopper_helpers import hopper_problem, sized
+from hopper_helpers import hopper_problem, sized, tma_keys
 from kernels import attention_varlen_reference
 from kernels.planning.documents import document_key_blocks, document_tiles, tile_bound
 from kernels.planning.forward import call_problem
@@ -288,7 +288,7 @@ def _documents_inputs(lengths, head_dim, heads, bias, device, bias_rows_aligned=
     v = torch.randn_like(k)
     attn_bias = None
     if bias:
-        width = -(-total_k // 8) * 8 if bias_rows_aligned else total_k
+        width = tma_keys(total_k, 2) if bias_rows_aligned else total_k
         attn_bias = (2 * torch.randn(heads[1], width, device=device)).to(dtype)[:, :total_k]
     return q, k, v, cu_q, cu_k, attn_bias
 
@@ -431,7 +431,7 @@ def _random_batch(rng, device, bias_rows_aligned: bool):
     bias = None
     if rng.random() < 0.4:
         heads = rng.choice(sorted({1, heads_kv, heads_q}))
-        width = -(-total_k // 8) * 8 if bias_rows_aligned else total_k
+        width = tma_keys(total_k, 2) if bias_rows_aligned else total_k
         bias = (2 * torch.randn(heads, width, device=device)).to(dtype)[:, :total_k]
     return lengths, q, k, v, cu_q, cu_k, bias, causal
 

@@ -19,7 +19,7 @@ import torch
 from attn_helpers import (Dims, random_bias, random_intervals, random_mask, random_qkv,
                           run_backward, run_forward)
 from hopper_helpers import (FORCED, HOPPER, MASKED_SHAPES, band, fuzzed_dims, fuzzed_mask,
-                            hopper_problem, shape_id, sized)
+                            hopper_problem, shape_id, sized, tma_keys)
 from kernels import prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.activity import ActivityMap
@@ -386,7 +386,7 @@ def test_biased_hopper_forward_on_random_shapes(device):
         q, k, v = random_qkv(dims, dtype, device)
         shape = dims.operand_shape(rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"]), "1",
                                    "Lk")
-        padded = -(-dims.seqlen_k // 8) * 8
+        padded = tma_keys(dims.seqlen_k, 2)
         bias = random_bias((*shape[:3], padded), dtype, device)[..., :dims.seqlen_k]
         if rng.random() < 0.2:
             bias[..., rng.randrange(dims.seqlen_k)] = float("-inf")
@@ -416,7 +416,7 @@ def test_a_full_bias_on_the_hopper_forward_on_random_shapes(device, consumers):
         q, k, v = random_qkv(dims, dtype, device)
         shape = dims.operand_shape(rng.choice(["1", "B"]), rng.choice(["1", "Hk", "Hq"]), "Lq",
                                    "Lk")
-        padded = -(-dims.seqlen_k // 8) * 8
+        padded = tma_keys(dims.seqlen_k, 2)
         bias = random_bias((*shape[:3], padded), dtype, device)[..., :dims.seqlen_k]
         if rng.random() < 0.2:
             bias[..., rng.randrange(dims.seqlen_q), rng.randrange(dims.seqlen_k)] = float("-inf")
@@ -425,7 +425,7 @@ def test_a_full_bias_on_the_hopper_forward_on_random_shapes(device, consumers):
         if form == "tile" and dims.head_dim <= 64 and consumers == 2:
             mask = fuzzed_mask(rng, dims, device)
         elif form == "row":
-            padded_k = -(-dims.seqlen_k // 16) * 16
+            padded_k = tma_keys(dims.seqlen_k, 1)
             mask = random_mask((*dims.operand_shape("B", "Hk", "1", "Lk")[:3], padded_k), device,
                                0.5)[..., :dims.seqlen_k]
         elif form == "intervals":

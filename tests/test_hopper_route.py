@@ -19,7 +19,8 @@ import torch
 from attn_helpers import (Dims, forcing, random_intervals, random_mask, random_qkv, run_backward,
                           run_forward)
 from hopper_helpers import (FORCED, HOPPER, OVERLAPPED_THREE, band, count_hopper_launches,
-                            fuzzed_dims, hopper_in_tile_order, hopper_problem, shape_id, sized)
+                            fuzzed_dims, hopper_in_tile_order, hopper_problem, shape_id, sized,
+                            tma_keys)
 from kernels import dmattn_func, prepare_mask, record_routes, schedule_for, topk_intervals
 from kernels.planning import tuning
 from kernels.planning import hopper_forward
@@ -534,7 +535,7 @@ def test_three_consumer_warpgroups_match_the_reference(device, monkeypatch, no_k
     q, k, v = random_qkv(dims, dtype, device)
     bias = None
     if biased:
-        padded = -dims.seqlen_k % 8 + dims.seqlen_k
+        padded = tma_keys(dims.seqlen_k, 2)
         bias = torch.randn(dims.batch, dims.heads_kv, 1, padded, device=device).to(dtype)
         bias = bias[..., :dims.seqlen_k]
     options = {"forward_route": "hopper", "forward_consumers": 3}
@@ -566,11 +567,11 @@ def test_three_consumer_warpgroups_read_key_rows(device, no_kept_plans, sizes, c
     q, k, v = random_qkv(dims, torch.bfloat16, device)
     bias = None
     if biased:
-        padded = -dims.seqlen_k % 8 + dims.seqlen_k
+        padded = tma_keys(dims.seqlen_k, 2)
         bias = torch.randn(dims.batch, dims.heads_kv, 1, padded, device=device)
         bias = bias.to(torch.bfloat16)[..., :dims.seqlen_k]
     if form == "row":
-        padded = -dims.seqlen_k % 16 + dims.seqlen_k
+        padded = tma_keys(dims.seqlen_k, 1)
         mask = random_mask((*dims.operand_shape("B", "Hk", "1", "Lk")[:3], padded), device,
                            0.4)[..., :dims.seqlen_k]
     elif form == "top-W":

@@ -1,6 +1,7 @@
 """Every tuned constant of the schedule, each beside the measurement that chose it, in one
-module per route; every name is read here (``tuning.NAME``), so that a test or an A/B that
-sets one sets it for every reader.
+module per route, every name re-exported here: the planners read ``tuning.NAME`` at call time,
+so a test or an A/B sets a constant here (a module that imported a name, as ``warmup`` does,
+keeps the value it imported).
 
 All timings are GPU time on one H100 (bf16 unless named, L2 flushed) unless a note names the
 H200; ``kernels.schedule`` is the only reader. Tiles are (query rows, key cols) with the warps
