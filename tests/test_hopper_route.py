@@ -276,7 +276,10 @@ def test_three_consumer_warpgroups_run_where_asked_and_on_long_dense_calls():
     ({"shape": sized(head_dim=80)}, "head dims up to 64, not 80"),
     ({"mask": OperandLayout((2, 4, 4096, 4096), 4), "tma_mask": True},
      "not a bool mask per query row"),
-], ids=["d80", "mask"])
+    ({"shape": sized(head_dim=64), "mask": OperandLayout((2, 4, 1, 4096), 4), "tma_mask": True,
+      "bias": OperandLayout((2, 4, 4096, 4096), 4), "tma_bias": True},
+     "no full bias beside a bool mask row"),
+], ids=["d80", "mask", "full-bias-mask-row"])
 def test_three_consumer_warpgroups_refuse_what_they_do_not_cover(changes, reason):
     problem = hopper_problem(**changes)
     assert hopper_gap(problem) is None
