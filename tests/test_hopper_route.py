@@ -235,6 +235,31 @@ def test_a_bias_row_takes_the_hopper_forward_at_wide_heads_only():
     assert schedule(unread).forward.route == "triton"
 
 
+@pytest.mark.parametrize("head_dim, batch, heads, length, window, takes", [
+    (64, 1, (2, 1), 16384, 4096, True),     # 128 tiles x 2 heads x 33 blocks: 8448 visits
+    (64, 2, (16, 4), 8192, 1024, True),     # 2048 tiles x 9 blocks: 18432
+    (64, 1, (2, 1), 32768, 1024, False),    # 512 tiles x 9 blocks: 4608
+    (64, 1, (16, 4), 4096, 1024, False),    # 512 tiles x 9 blocks: 4608
+    (32, 1, (16, 4), 16384, 1024, False),   # 18432 visits, but below the head-dim floor
+])
+def test_a_bias_row_beside_long_kept_walks_takes_the_hopper_forward_at_head_dim_64(
+        head_dim, batch, heads, length, window, takes):
+    """Below ``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``, a bias row beside KeyIntervals that
+    keep at most W keys a row takes the Hopper forward where the head dim reaches
+    ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM`` and the call's tiles x estimated key
+    blocks reach ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_VISITS``; without the bound on the kept
+    keys it keeps the Triton route."""
+    shape = sized(batch=batch, heads_q=heads[0], heads_kv=heads[1], seqlen_q=length,
+                  seqlen_k=length, head_dim=head_dim)
+    problem = hopper_problem(shape=shape, is_causal=True, tma_bias=True,
+                             bias=OperandLayout((batch, heads[1], 1, length), heads[0] // heads[1]),
+                             mask=OperandLayout((batch, heads[1], 1, length), heads[0] // heads[1]),
+                             tma_mask=True, intervals=True, row_kept=window)
+    assert hopper_gap(problem) is None
+    assert (schedule(problem).forward.route == "hopper") == takes
+    assert schedule(replace(problem, row_kept=None)).forward.route == "triton"
+
+
 def test_the_gluon_kernel_imports_under_this_triton():
     from kernels.hopper_device.attention_forward import attention_forward
 

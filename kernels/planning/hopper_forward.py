@@ -228,22 +228,42 @@ def few_partial_tiles(problem: Problem) -> bool:
     return share is not None and share <= tuning.HOPPER_FORWARD_MASK_PARTIAL_SHARE
 
 
-def long_kept_walks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FORWARD
-                    ) -> bool:
-    """Whether KeyIntervals that keep at most W keys per row (``Problem.row_kept``) give each
-    tile of the Hopper forward at least ``tuning.HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS`` key
-    blocks by the estimate min(the unmasked walk, W / block_n + 1): no sync, so it holds for
-    intervals built per call (``topk_intervals`` in a model's layers)."""
+def kept_key_blocks(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FORWARD
+                    ) -> float | None:
+    """The key blocks a tile of the Hopper forward walks under KeyIntervals that keep at most W
+    keys per row (``Problem.row_kept``), by the estimate min(the unmasked walk, W / block_n +
+    1) (with a key order the kept keys are block-dense), or None for other masks. No sync, so
+    it holds for intervals built per call (``topk_intervals`` in a model's layers)."""
     if not problem.intervals or problem.row_kept is None:
+        return None
+    return min(mean_key_blocks(problem, tile), ceil_div(problem.row_kept, tile.block_n) + 1)
+
+
+def long_kept_walks(problem: Problem) -> bool:
+    """Whether ``kept_key_blocks`` reaches ``tuning.HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS``."""
+    blocks = kept_key_blocks(problem)
+    return blocks is not None and blocks >= tuning.HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS
+
+
+def many_kept_block_visits(problem: Problem, tile: tuning.HopperTile = tuning.HOPPER_FORWARD
+                           ) -> bool:
+    """Whether a call with a bias row below ``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM`` still
+    takes the Hopper forward: a head dim of at least
+    ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM`` and KeyIntervals whose tiles x
+    ``kept_key_blocks`` reach ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_VISITS``."""
+    blocks = kept_key_blocks(problem, tile)
+    if blocks is None or problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM:
         return False
-    blocks = min(mean_key_blocks(problem, tile), ceil_div(problem.row_kept, tile.block_n) + 1)
-    return blocks >= tuning.HOPPER_FORWARD_INTERVALS_MIN_KEY_BLOCKS
+    shape = problem.shape
+    tiles = ceil_div(shape.seqlen_q, tile.tile_rows) * shape.batch * shape.heads_q
+    return tiles * blocks >= tuning.HOPPER_FORWARD_BIAS_LONG_MIN_VISITS
 
 
 def takes_hopper(problem: Problem) -> bool:
     """The schedule's default: the Hopper forward where it covers the problem, the query rows
     fill its tiles and each tile walks enough key blocks to hide its prologue and epilogue; a
-    bias row at head dims where it leads (``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``), a full
+    bias row at head dims where it leads (``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``, or
+    ``many_kept_block_visits``), a full
     bias only with ``tuning.HOPPER_FORWARD_FULL_BIAS``. A mask takes it where its counted
     tiles are mostly full (``few_partial_tiles``) or its intervals' kept keys make long walks
     (``long_kept_walks``)."""
@@ -251,7 +271,8 @@ def takes_hopper(problem: Problem) -> bool:
             and not (few_partial_tiles(problem) or long_kept_walks(problem))):
         return False
     if (problem.bias is not None
-            and problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM):
+            and problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM
+            and not many_kept_block_visits(problem)):
         return False
     if full_bias(problem) and not tuning.HOPPER_FORWARD_FULL_BIAS:
         return False

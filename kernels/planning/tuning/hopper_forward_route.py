@@ -67,6 +67,18 @@ HOPPER_FORWARD_MIN_QUERIES = 512
 # over Hopper route in one process: D128 B2 H16/4 L8192 causal 1.23x, non-causal 1.30x; with a
 # prepared band, B1 H32/8 L8192 W2048 1.20x, L16384 W4096 1.37x; D64 B1 H16/4 L4096 causal 0.72x.
 HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
+# Below that head dim, a bias row beside KeyIntervals that keep at most W keys a row takes the
+# Hopper forward too at head dims of at least HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM where the
+# call's tiles x estimated key blocks a tile (``kept_key_blocks``) reach
+# HOPPER_FORWARD_BIAS_LONG_MIN_VISITS. H200, bf16, D64, top-W causal kv_row, forward as CUDA
+# graphs, forced Hopper over the default Triton route in one process (bool read as runs and
+# KeyIntervals alike; ``results/nvidia-h200/forced-routes/d64k``): B1 H2/1 L16384 W4096 (8448
+# visits) 0.82x the time, L32768 W4096 (16896) 0.84x, B2 H16/4 L8192 W1024 (18432) 0.83x; below
+# the bound B1 H2/1 L32768 W1024 (4608) 0.95x, B1 H16/4 L4096 W1024 (4608) 0.93x bool and 1.07x
+# intervals, L16384 W1024 (2304) 1.10x, W256 0.97-1.03x. At D32 the Triton route led at 18432
+# visits (B1 H16/4 L16384 W1024, 85291d7).
+HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM = 64
+HOPPER_FORWARD_BIAS_LONG_MIN_VISITS = 8192
 # Whether a full bias (a row per query row) takes the Hopper forward by default, where it also
 # meets the rules above (``hopper_forward.takes_hopper``); ``kernel_options['forward_route']``
 # 'hopper' takes it either way. Each warpgroup's [64, 128] tile of the bias comes through a
