@@ -129,3 +129,78 @@ def test_the_look_back_adds_the_counts_before_its_chunk(device, chunk, prefix_at
     assert int(tickets) == (tag - 1) * chunks + chunk + 1
     assert torch.equal(kept[0, want_before:want_before + mine.numel()], mine)
     assert int(statuses[chunk]) == (tag << 33) | prefix_flag | (want_before + mine.numel())
+
+
+@pytest.mark.parametrize("chunks, capacity", [(7, 4000), (8, 100), (1, 4000)])
+def test_the_word_pass_lists_what_the_key_pass_lists(device, chunks, capacity):
+    """``_kept_word_keys_kernel`` (a word of bits at a time) writes the lists and lengths of
+    ``_kept_keys_kernel`` (a key at a time) from the same chunk counts and bits: rows of no key,
+    of every key (bit 31 of every word), of random keys, parts over several chunks with a last
+    part cut short, and lists cut at ``capacity``."""
+    from kernels.planning.operands import KeptPointers
+    from kernels.triton_device.gather_kernels import _kept_keys_kernel, _kept_word_keys_kernel
+
+    size, rows = 64, 4
+    gen = torch.Generator().manual_seed(chunks)
+    keep = torch.rand(rows, chunks * size, generator=gen) < 0.1
+    keep[0] = False
+    keep[1] = True
+    keep[3, ::7] = True
+    bits = (keep.view(rows, -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).to(device)
+    chunk_counts = keep.view(rows, chunks, size).sum(-1).to(torch.int32).to(device)
+    lists = []
+    for kernel, parts, words in ((_kept_keys_kernel, chunks, None),
+                                 (_kept_word_keys_kernel, -(-chunks // 2), 4)):
+        kept = torch.full((rows, capacity), -1, dtype=torch.int32, device=device)
+        lengths = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        ptrs = KeptPointers(bits, bits, kept, lengths, chunk_counts, bits)
+        extra = {} if words is None else {"WORDS": words}
+        kernel[(rows, parts)](ptrs, chunks, capacity, CHUNK=size, COUNTS_BLOCK=4, **extra)
+        lists.append((kept, lengths))
+    (want, want_lengths), (got, got_lengths) = lists
+    assert torch.equal(got_lengths, want_lengths)
+    assert want_lengths.tolist() == [min(int(n), capacity) for n in keep.sum(-1)]
+    for row, length in enumerate(want_lengths.tolist()):
+        assert torch.equal(got[row, :length], want[row, :length]), row
+        expected = keep[row].nonzero().flatten()[:length].to(torch.int32)
+        assert torch.equal(got[row, :length].cpu(), expected), row
+
+
+@pytest.mark.parametrize("form", ["bool", "intervals"])
+def test_a_step_with_the_word_pass_matches_the_key_pass(device, monkeypatch, no_kept_plans,
+                                                         form):
+    """With ``tuning.GATHER_WORD_KEYS`` a decode step's second list pass is the word pass; its
+    outputs are the key pass's, bit for bit, and the float64 reference holds."""
+    from kernels.runtime import launch
+
+    monkeypatch.setattr(tuning, "GATHER_LIST_CHUNK", 64)
+    dims = Dims(2, 1, 700, 4, 2, 16)
+    q, k, v = random_qkv(dims, torch.float16, device)
+    bias = random_bias(dims.operand_shape("B", "Hk", "1", "Lk"), torch.float16, device)
+    if form == "intervals":
+        selection = torch.randn(dims.batch, dims.heads_kv, 1, dims.seqlen_k, device=device)
+        chosen = topk_intervals(selection, 64, seqlen_q=dims.seqlen_q, is_causal=True)
+
+        def fresh():
+            return KeyIntervals(chosen.start, chosen.end, max_kept=chosen.max_kept)
+    else:
+        mask = random_mask((2, 2, 1, 700), device, keep=0.1)
+        mask[1, 1] = True
+
+        def fresh():
+            return mask
+    _clear_plans()
+    want = dmattn_func(q, k, v, fresh(), bias, True, return_lse=True)
+    _clear_plans()
+    monkeypatch.setattr(tuning, "GATHER_WORD_KEYS", True)
+    launched = []
+    original = launch.PlannedLaunch.__call__
+    monkeypatch.setattr(launch.PlannedLaunch, "__call__", lambda self, *args: (
+        launched.append(self.kernel.__name__), original(self, *args))[1])
+    out, lse = dmattn_func(q, k, v, fresh(), bias, True, return_lse=True)
+    assert launched == ["_kept_counts_kernel", "_kept_word_keys_kernel",
+                        "_gather_decode_kernel"]
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    run_forward(q, k, v, fresh(), bias, causal=True)
+    _clear_plans()

@@ -8,7 +8,8 @@ tile walk reads every K and V block; these kernels read the kept rows alone:
   the keys that any query row of the call keeps (mask and causality), compacted in key order
   into an int32 list, and its length. One program per (row, chunk of keys) in both: the first
   counts its chunk's kept keys, the second sums the counts of the chunks before its own and
-  writes its keys after theirs. ``_kept_list_kernel`` does both in one launch, each chunk
+  writes its keys after theirs (``_kept_word_keys_kernel``: from the bits, a word at a
+  time). ``_kept_list_kernel`` does both in one launch, each chunk
   waiting for the counts before it (decoupled look-back). A ``KeyIntervals`` mask decides
   per key in O(1) (the rows [max(start, first causal row), min(end, Lq)) are not empty); a
   bool mask ORs its rows.
@@ -138,6 +139,60 @@ def _kept_keys_kernel(ptrs, num_chunks, capacity, CHUNK: tl.constexpr,
     tl.store(ptrs.kept + row.to(tl.int64) * capacity + slot, keys,
              mask=(taken != 0) & (slot < capacity))
     if chunk == num_chunks - 1:
+        tl.store(ptrs.counts + row, tl.minimum(before + tl.sum(taken, 0), capacity))
+
+
+@triton.jit
+def _popcount(words):
+    """The set bits of each int32 word (a SWAR sum: pairs, nibbles, bytes, then the bytes'
+    sum in the top byte; the masks drop what the arithmetic shifts bring in)."""
+    words = words - ((words >> 1) & 0x55555555)
+    words = (words & 0x33333333) + ((words >> 2) & 0x33333333)
+    words = (words + (words >> 4)) & 0x0F0F0F0F
+    return (words * 0x01010101) >> 24
+
+
+@triton.jit
+def _bit_index(power):
+    """The index of the one set bit of each nonzero int32 word: its float32 exponent (2**31
+    reads as -2**31, whose exponent is 31 too)."""
+    return ((power.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _kept_word_keys_kernel(ptrs, num_chunks, capacity, CHUNK: tl.constexpr,
+                           WORDS: tl.constexpr, COUNTS_BLOCK: tl.constexpr):
+    """``_kept_keys_kernel``'s lists from the bits a word at a time. Grid (list rows, parts of
+    WORDS words of ``ptrs.kept_bits``, whole chunks of CHUNK keys each): a part adds the
+    counts of the chunks before its own and its words' popcounts before each word, then
+    writes its words' kept keys lowest bit first, one bit of every word a step, as many steps
+    as its fullest word has bits (a top-W mask keeps a few keys a word, so few steps, against
+    a scan and a test of every key). The row's last part writes the list's length."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    CHUNK_WORDS: tl.constexpr = CHUNK // 32
+    row_words = num_chunks * CHUNK_WORDS
+    count_row = ptrs.chunk_counts + row.to(tl.int64) * num_chunks
+    chunks_before = part * (WORDS // CHUNK_WORDS)
+    before = 0
+    for first in range(0, chunks_before, COUNTS_BLOCK):
+        offs = first + tl.arange(0, COUNTS_BLOCK)
+        before += tl.sum(tl.load(count_row + offs, mask=offs < chunks_before, other=0), 0)
+    word_ids = part * WORDS + tl.arange(0, WORDS)
+    words = tl.load(ptrs.kept_bits + row.to(tl.int64) * row_words + word_ids,
+                    mask=word_ids < row_words, other=0)
+    taken = _popcount(words)
+    slots = before + tl.cumsum(taken, 0) - taken
+    list_row = ptrs.kept + row.to(tl.int64) * capacity
+    left = words
+    for _ in range(tl.max(taken, 0)):
+        live = left != 0
+        lowest = left & -left
+        tl.store(list_row + slots, word_ids * 32 + _bit_index(lowest),
+                 mask=live & (slots < capacity))
+        slots += live.to(tl.int32)
+        left = left & (left - 1)
+    if part == tl.num_programs(1) - 1:
         tl.store(ptrs.counts + row, tl.minimum(before + tl.sum(taken, 0), capacity))
 
 

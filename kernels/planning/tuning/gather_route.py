@@ -51,3 +51,12 @@ GATHER_LIST_WARPS = 4
 # Lk131072 (+8 us). The per-call step at Lk131072 stays 26 us over the prepared one whatever
 # the lists' form: not yet profiled.
 GATHER_ONE_LIST_PASS = False
+# Whether the second list pass reads the chunks' bits a word at a time
+# (``gather_kernels._kept_word_keys_kernel``: popcounts, then one kept key per word a step)
+# rather than a key at a time (``_kept_keys_kernel``: a scan over every key of a chunk), and
+# the words a program of it takes (one a thread at 4 warps). The key-at-a-time pass is bound by
+# its instructions: ncu, H200, B8 H32/8 Lk131072 W4096 bool, 8192 programs of 1024 keys, 18.8
+# us at 1.2% of DRAM's bandwidth, 70% SM throughput, 56% of the LSU pipes, 40 registers. Off
+# until measured on a GPU.
+GATHER_WORD_KEYS = False
+GATHER_KEYS_WORDS = 128
