@@ -241,14 +241,16 @@ def test_a_bias_row_takes_the_hopper_forward_at_wide_heads_only():
     (64, 1, (2, 1), 32768, 1024, False),    # 512 tiles x 9 blocks: 4608
     (64, 1, (16, 4), 4096, 1024, False),    # 512 tiles x 9 blocks: 4608
     (32, 1, (16, 4), 16384, 1024, False),   # 18432 visits, but below the head-dim floor
+    (64, 1, (2, 1), 16384, 16384, False),   # 16512 visits, but every key kept (W = L)
 ])
 def test_a_bias_row_beside_long_kept_walks_takes_the_hopper_forward_at_head_dim_64(
         head_dim, batch, heads, length, window, takes):
     """Below ``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM``, a bias row beside KeyIntervals that
     keep at most W keys a row takes the Hopper forward where the head dim reaches
-    ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM`` and the call's tiles x estimated key
-    blocks reach ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_VISITS``; without the bound on the kept
-    keys it keeps the Triton route."""
+    ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM``, W is at most
+    ``tuning.HOPPER_FORWARD_BIAS_LONG_MAX_KEPT_SHARE`` of the keys and the call's tiles x
+    estimated key blocks reach ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_VISITS``; without the
+    bound on the kept keys it keeps the Triton route."""
     shape = sized(batch=batch, heads_q=heads[0], heads_kv=heads[1], seqlen_q=length,
                   seqlen_k=length, head_dim=head_dim)
     problem = hopper_problem(shape=shape, is_causal=True, tma_bias=True,

@@ -249,12 +249,15 @@ def many_kept_block_visits(problem: Problem, tile: tuning.HopperTile = tuning.HO
                            ) -> bool:
     """Whether a call with a bias row below ``tuning.HOPPER_FORWARD_BIAS_MIN_HEAD_DIM`` still
     takes the Hopper forward: a head dim of at least
-    ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM`` and KeyIntervals whose tiles x
-    ``kept_key_blocks`` reach ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_VISITS``."""
+    ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM``, KeyIntervals whose rows keep at most
+    ``tuning.HOPPER_FORWARD_BIAS_LONG_MAX_KEPT_SHARE`` of the keys, and tiles x
+    ``kept_key_blocks`` of at least ``tuning.HOPPER_FORWARD_BIAS_LONG_MIN_VISITS``."""
     blocks = kept_key_blocks(problem, tile)
-    if blocks is None or problem.shape.head_dim < tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM:
-        return False
     shape = problem.shape
+    if (blocks is None or shape.head_dim < tuning.HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM
+            or problem.row_kept > tuning.HOPPER_FORWARD_BIAS_LONG_MAX_KEPT_SHARE
+            * shape.seqlen_k):
+        return False
     tiles = ceil_div(shape.seqlen_q, tile.tile_rows) * shape.batch * shape.heads_q
     return tiles * blocks >= tuning.HOPPER_FORWARD_BIAS_LONG_MIN_VISITS
 

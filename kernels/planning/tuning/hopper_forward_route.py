@@ -76,9 +76,12 @@ HOPPER_FORWARD_BIAS_MIN_HEAD_DIM = 72
 # visits) 0.82x the time, L32768 W4096 (16896) 0.84x, B2 H16/4 L8192 W1024 (18432) 0.83x; below
 # the bound B1 H2/1 L32768 W1024 (4608) 0.95x, B1 H16/4 L4096 W1024 (4608) 0.93x bool and 1.07x
 # intervals, L16384 W1024 (2304) 1.10x, W256 0.97-1.03x. At D32 the Triton route led at 18432
-# visits (B1 H16/4 L16384 W1024, 85291d7).
+# visits (B1 H16/4 L16384 W1024, 85291d7). Only where a row keeps at most this share of the
+# keys (W / Lk): the measured rows kept 1/8-1/4; a bias row over a dense causal walk at D64
+# took 0.72x the Triton route's speed (B1 H16/4 L4096), so W = L stays off.
 HOPPER_FORWARD_BIAS_LONG_MIN_HEAD_DIM = 64
 HOPPER_FORWARD_BIAS_LONG_MIN_VISITS = 8192
+HOPPER_FORWARD_BIAS_LONG_MAX_KEPT_SHARE = 0.25
 # Whether a full bias (a row per query row) takes the Hopper forward by default, where it also
 # meets the rules above (``hopper_forward.takes_hopper``); ``kernel_options['forward_route']``
 # 'hopper' takes it either way. Each warpgroup's [64, 128] tile of the bias comes through a
