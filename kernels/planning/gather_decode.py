@@ -191,19 +191,16 @@ class GatherDecodePlan:
                             num_warps=tuning.GATHER_LIST_WARPS, num_stages=1)
         self.counts = PlannedLaunch(_kept_counts_kernel, (list_rows, num_chunks), KeptPointers,
                                     list_args, **list_options)
+        keys_kernel, parts, keys_options = _kept_keys_kernel, num_chunks, {}
         if tuning.GATHER_WORD_KEYS:
             # Whole chunks a part; under the interpreter two chunks, so parts add counts.
             words = max(tuning.GATHER_KEYS_WORDS if not problem.interpreted else 4, chunk // 32)
-            parts = ceil_div(num_chunks * chunk // 32, words)
-            self.lists = PlannedLaunch(_kept_word_keys_kernel, (list_rows, parts), KeptPointers,
-                                       (num_chunks, tile.capacity), CHUNK=chunk, WORDS=words,
-                                       COUNTS_BLOCK=256, num_warps=tuning.GATHER_LIST_WARPS,
-                                       num_stages=1)
-        else:
-            self.lists = PlannedLaunch(_kept_keys_kernel, (list_rows, num_chunks),
-                                       KeptPointers, (num_chunks, tile.capacity), CHUNK=chunk,
-                                       COUNTS_BLOCK=256, num_warps=tuning.GATHER_LIST_WARPS,
-                                       num_stages=1)
+            keys_kernel, parts = _kept_word_keys_kernel, ceil_div(num_chunks * chunk // 32, words)
+            keys_options = dict(WORDS=words)
+        self.lists = PlannedLaunch(keys_kernel, (list_rows, parts), KeptPointers,
+                                   (num_chunks, tile.capacity), CHUNK=chunk, COUNTS_BLOCK=256,
+                                   num_warps=tuning.GATHER_LIST_WARPS, num_stages=1,
+                                   **keys_options)
         self.one_pass = None
         if tuning.GATHER_ONE_LIST_PASS:
             self.one_pass = PlannedLaunch(_kept_list_kernel, (list_rows, num_chunks),

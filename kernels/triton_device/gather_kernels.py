@@ -118,6 +118,18 @@ def _kept_counts_kernel(ptrs, mask_layout, sizes, list_heads, scan_rows, num_chu
 
 
 @triton.jit
+def _kept_before(ptrs, row, num_chunks, chunks, COUNTS_BLOCK: tl.constexpr):
+    """The kept keys of list row ``row``'s first ``chunks`` chunks: the sum of their counts
+    (``ptrs.chunk_counts``, ``num_chunks`` a row), COUNTS_BLOCK at a time."""
+    count_row = ptrs.chunk_counts + row.to(tl.int64) * num_chunks
+    before = 0
+    for first in range(0, chunks, COUNTS_BLOCK):
+        offs = first + tl.arange(0, COUNTS_BLOCK)
+        before += tl.sum(tl.load(count_row + offs, mask=offs < chunks, other=0), 0)
+    return before
+
+
+@triton.jit
 def _kept_keys_kernel(ptrs, num_chunks, capacity, CHUNK: tl.constexpr,
                       COUNTS_BLOCK: tl.constexpr):
     """Grid (list rows, chunks of CHUNK keys), after ``_kept_counts_kernel``: each chunk writes
@@ -126,11 +138,7 @@ def _kept_keys_kernel(ptrs, num_chunks, capacity, CHUNK: tl.constexpr,
     length."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    count_row = ptrs.chunk_counts + row.to(tl.int64) * num_chunks
-    before = 0
-    for first in range(0, chunk, COUNTS_BLOCK):
-        offs = first + tl.arange(0, COUNTS_BLOCK)
-        before += tl.sum(tl.load(count_row + offs, mask=offs < chunk, other=0), 0)
+    before = _kept_before(ptrs, row, num_chunks, chunk, COUNTS_BLOCK)
     words = tl.load(ptrs.kept_bits + row.to(tl.int64) * (num_chunks * (CHUNK // 32))
                     + chunk * (CHUNK // 32) + tl.arange(0, CHUNK // 32))
     taken = tl.reshape((words[:, None] >> tl.arange(0, 32)[None, :]) & 1, [CHUNK])
@@ -172,12 +180,7 @@ def _kept_word_keys_kernel(ptrs, num_chunks, capacity, CHUNK: tl.constexpr,
     part = tl.program_id(1)
     CHUNK_WORDS: tl.constexpr = CHUNK // 32
     row_words = num_chunks * CHUNK_WORDS
-    count_row = ptrs.chunk_counts + row.to(tl.int64) * num_chunks
-    chunks_before = part * (WORDS // CHUNK_WORDS)
-    before = 0
-    for first in range(0, chunks_before, COUNTS_BLOCK):
-        offs = first + tl.arange(0, COUNTS_BLOCK)
-        before += tl.sum(tl.load(count_row + offs, mask=offs < chunks_before, other=0), 0)
+    before = _kept_before(ptrs, row, num_chunks, part * (WORDS // CHUNK_WORDS), COUNTS_BLOCK)
     word_ids = part * WORDS + tl.arange(0, WORDS)
     words = tl.load(ptrs.kept_bits + row.to(tl.int64) * row_words + word_ids,
                     mask=word_ids < row_words, other=0)
