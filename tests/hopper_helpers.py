@@ -32,7 +32,7 @@ def sized(**sizes) -> AttnShape:
 
 def count_hopper_launches(monkeypatch) -> list:
     """The Hopper launches made from now on (one entry each)."""
-    from kernels.planning.hopper_forward import HopperForwardLaunch
+    from kernels.planning.hopper_forward_launch import HopperForwardLaunch
 
     launched = []
     original = HopperForwardLaunch.__call__

@@ -255,7 +255,7 @@ def _launch(q, k, v, cu_q, cu_k, bias, causal):
     """The Hopper forward over packed documents, launched as the route's plan launches it,
     into a NaN-poisoned output: (out (total_q, Hq, D), lse (Hq, total_q))."""
     from kernels.planning import tuning
-    from kernels.planning.hopper_forward import HopperForwardLaunch
+    from kernels.planning.hopper_forward_launch import HopperForwardLaunch
     from kernels.planning.forward import call_problem
     from kernels.planning.inputs import check_inputs
 

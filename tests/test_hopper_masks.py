@@ -24,7 +24,8 @@ from kernels import prepare_mask, record_routes, schedule_for
 from kernels.planning import tuning
 from kernels.planning.activity import ActivityMap
 from kernels.planning.forward_schedule import forward_list_tiles
-from kernels.planning.hopper_forward import mask_geometry, hopper_gap, list_tile, may_take_masks
+from kernels.planning.hopper_forward import hopper_gap, list_tile, may_take_masks
+from kernels.planning.hopper_forward_launch import mask_geometry
 from kernels.planning.inputs import check_inputs
 from kernels.planning.problem import OperandLayout, tma_bias, tma_mask
 from kernels.planning.schedule import normalize_options, schedule

@@ -19,7 +19,8 @@ from .activity import (ActivityMap, ListCompaction, block_list_strides, call_act
                        shared_granularity, tile_activity)
 from .documents import document_tiles
 from .gather_decode import GatherDecodePlan, mask_kind
-from .hopper_forward import HopperForwardLaunch, list_tile
+from .hopper_forward import list_tile
+from .hopper_forward_launch import HopperForwardLaunch
 from .inputs import CheckedInputs, operand_args, operand_pointer
 from .operands import ABSENT, ForwardPointers, Layout, SeqStrides, seq_strides, sizes_of
 from .problem import Problem, problem_of, tma_strides

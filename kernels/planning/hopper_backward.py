@@ -29,9 +29,10 @@ from ..runtime.tma import TmaSpec
 from . import tuning
 from .documents import document_key_blocks, tile_bound
 from .hopper_backward_buffers import HopperBackwardBuffers
-from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, HopperForwardLaunch,
-                             bias_row_gap, block_head_dim, documents_gap, gluon_dtype,
-                             hopper_operands_gap, mask_geometry, mask_kind, nvmma_spec)
+from .hopper_forward import (GLUON_MISSING, INTERVAL_WORDS, NO_MASK, bias_row_gap,
+                             documents_gap, hopper_operands_gap, mask_kind)
+from .hopper_forward_launch import (HopperForwardLaunch, block_head_dim, gluon_dtype,
+                                    mask_geometry, nvmma_spec)
 from .problem import Problem, tma_strides
 
 try:

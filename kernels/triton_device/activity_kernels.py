@@ -124,7 +124,8 @@ def _interval_activity_kernel(
     caller gave them (int32 or int64, any strides; a broadcast axis has stride 0), clamps them
     into [0, 2**31 - 1] and, in the programs of the first row chunk, writes each key's int64
     word (start in the low half, end in the high half: ``inputs.interval_words``; the words
-    of one (batch, head) ``words_row`` apart), which the attention kernels read. Then the bounds of each key block and every tile's activity, as
+    of one (batch, head) ``words_row`` apart), which the attention kernels read. Then the
+    bounds of each key block and every tile's activity, as
     ``intervals.IntervalBlockBounds`` defines them: a tile of rows [m0, m1) is active where
     min_start < m1 and max_end > m0 over the block's non-empty intervals, and full (2) where
     max_start <= m0 and min_end >= m1 over all of them and the tile lies inside both lengths.
