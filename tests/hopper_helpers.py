@@ -1,5 +1,5 @@
-"""Helpers of the Hopper route's tests (``test_hopper_route``, ``test_hopper_masks``,
-``test_hopper_backward``): a problem the route covers, the forced call that fails on a silent
+"""Helpers of the Hopper route's tests (``test_hopper_route``,
+``test_hopper_three_warpgroups``, ``test_hopper_masks``, ``test_hopper_backward``): a problem the route covers, the forced call that fails on a silent
 fallback, a band mask, the masked tests' shapes and a fuzz case's mask."""
 
 from __future__ import annotations
